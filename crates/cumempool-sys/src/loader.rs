@@ -1,0 +1,437 @@
+//! Opening libcuda at run time and resolving its entry points.
+//!
+//! Nothing is linked at build time. The library is opened on first use, `cuDriverGetVersion`
+//! and `cuGetProcAddress` are taken from it by symbol name, and every other entry point is asked
+//! of `cuGetProcAddress` once, with a CUDA version no higher than the running driver's: a 13.0
+//! driver refuses requests made for 13.2, even for old functions.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::fmt;
+use std::ptr::{self, NonNull};
+use std::sync::OnceLock;
+
+use crate::bindings::{
+    CUdriverProcAddressQueryResult, CUresult, EntryPoints, PFN_cuDriverGetVersion,
+    PFN_cuGetProcAddress, PFN_cuInit, CUDA_VERSION,
+};
+
+/// The environment variable that names the driver library to open instead of the default.
+pub const LIBCUDA_ENV: &str = "CUMEMPOOL_LIBCUDA";
+
+/// The driver library opened when [`LIBCUDA_ENV`] is not set.
+#[cfg(windows)]
+pub const DEFAULT_LIBRARY: &str = "nvcuda.dll";
+/// The driver library opened when [`LIBCUDA_ENV`] is not set.
+#[cfg(not(windows))]
+pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
+
+/// The CUDA version the compiled-in declarations come from (`13000` or `13020`).
+pub const BINDINGS_VERSION: i32 = CUDA_VERSION as i32;
+
+/// Why the driver, or one of its entry points, is not available.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The driver library could not be opened.
+    LibraryNotFound {
+        /// The file that was tried.
+        path: String,
+        /// What the system loader said.
+        reason: String,
+    },
+    /// The library opened but lacks a symbol every CUDA driver exports: it is not libcuda.
+    NotADriver {
+        /// The file that was opened.
+        path: String,
+        /// The symbol it lacks.
+        symbol: &'static str,
+    },
+    /// `cuDriverGetVersion` failed.
+    VersionQueryFailed {
+        /// The `CUresult` it returned.
+        code: u32,
+    },
+    /// The running driver is older than the ABI these bindings declare for a function.
+    DriverTooOld {
+        /// The function's base name.
+        function: &'static str,
+        /// The CUDA version whose ABI the bindings declare (`13000` for 13.0).
+        needs: i32,
+        /// The running driver's version.
+        driver: i32,
+    },
+    /// The driver is new enough but did not hand out the function.
+    EntryPointNotFound {
+        /// The function's base name.
+        function: String,
+        /// The running driver's version.
+        driver: i32,
+    },
+    /// `cuGetProcAddress` refused a request for `function` at `requested`.
+    ResolveFailed {
+        /// The function's base name.
+        function: String,
+        /// The CUDA version asked for.
+        requested: i32,
+        /// The running driver's version.
+        driver: i32,
+        /// The `CUresult`, or the query result when the call itself succeeded.
+        code: u32,
+    },
+}
+
+/// `13020` -> `13.2`.
+pub fn version_label(version: i32) -> String {
+    format!("{}.{}", version / 1000, (version % 1000) / 10)
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::LibraryNotFound { path, reason } => write!(
+                f,
+                "no CUDA driver: could not open {path} ({reason}); install the NVIDIA driver, or set {LIBCUDA_ENV} to the path of libcuda"
+            ),
+            Self::NotADriver { path, symbol } => {
+                write!(f, "{path} is not a CUDA driver library: it does not export {symbol}")
+            }
+            Self::VersionQueryFailed { code } => write!(f, "cuDriverGetVersion failed with CUresult {code}"),
+            Self::DriverTooOld { function, needs, driver } => write!(
+                f,
+                "{function} needs a CUDA {} driver or newer; the running driver is CUDA {}",
+                version_label(*needs),
+                version_label(*driver)
+            ),
+            Self::EntryPointNotFound { function, driver } => {
+                write!(f, "the CUDA {} driver does not provide {function}", version_label(*driver))
+            }
+            Self::ResolveFailed { function, requested, driver, code } => write!(
+                f,
+                "cuGetProcAddress refused {function} at CUDA {} (code {code}); the running driver is CUDA {}, ask for a version no higher than that",
+                version_label(*requested),
+                version_label(*driver)
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+/// One entry point of the bindings: its base name and the driver version its ABI needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryPoint {
+    /// The base name, as `cuGetProcAddress` takes it (`cuMemcpyHtoDAsync`, not `_v2`).
+    pub name: &'static str,
+    /// The CUDA version that introduced the declared ABI (`11020` for 11.2).
+    pub since: i32,
+}
+
+/// The opened driver library and its resolved entry points.
+///
+/// Dereferences to [`EntryPoints`], whose methods hand out each function pointer or the reason
+/// it is missing: `driver()?.cuMemAllocAsync()?`.
+pub struct Driver {
+    path: String,
+    version: i32,
+    get_proc_address: PFN_cuGetProcAddress,
+    entry_points: EntryPoints,
+    // Last: the function pointers above point into it, so it must outlive them.
+    _library: libloading::Library,
+}
+
+impl fmt::Debug for Driver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Driver")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+static DRIVER: OnceLock<Result<Driver, LoadError>> = OnceLock::new();
+
+/// The process's driver, opened and resolved on first use.
+///
+/// Opens [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`]. The outcome, success or failure, is
+/// kept for the life of the process. Does not call `cuInit`.
+pub fn driver() -> Result<&'static Driver, LoadError> {
+    DRIVER
+        .get_or_init(Driver::load)
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The running driver's CUDA version (`13000` for 13.0): a cheap probe for whether a driver is there.
+pub fn driver_version() -> Result<i32, LoadError> {
+    driver().map(Driver::version)
+}
+
+/// The path [`driver`] opens: [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`].
+pub fn library_path() -> String {
+    std::env::var(LIBCUDA_ENV)
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| DEFAULT_LIBRARY.to_owned())
+}
+
+impl Driver {
+    fn load() -> Result<Self, LoadError> {
+        Self::open(&library_path())
+    }
+
+    /// Opens the driver library at `path` and resolves every entry point of the bindings.
+    ///
+    /// Most programs use [`driver`], which does this once for the process.
+    pub fn open(path: &str) -> Result<Self, LoadError> {
+        // SAFETY: opening libcuda runs its initialisers, which is what loading a driver means;
+        // the library is kept open for as long as any pointer resolved from it is reachable.
+        let library =
+            unsafe { libloading::Library::new(path) }.map_err(|e| LoadError::LibraryNotFound {
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+        // SAFETY: these symbols have had these signatures since CUDA 2.0 / 12.0 (`_v2`).
+        let (get_version, get_proc_address, init) = unsafe {
+            (
+                bootstrap::<PFN_cuDriverGetVersion>(&library, path, "cuDriverGetVersion")?,
+                bootstrap::<PFN_cuGetProcAddress>(&library, path, "cuGetProcAddress_v2")?,
+                bootstrap::<PFN_cuInit>(&library, path, "cuInit")?,
+            )
+        };
+        let mut version: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        let code = unsafe { get_version(&mut version) };
+        if code != CUresult::CUDA_SUCCESS {
+            return Err(LoadError::VersionQueryFailed { code: code.0 });
+        }
+        let request = BINDINGS_VERSION.min(version);
+        let lookup = |name: &CStr| -> Option<NonNull<c_void>> {
+            resolve(get_proc_address, name, request).ok()
+        };
+        // Some drivers only hand out entry points after cuInit; initialising is harmless then.
+        if lookup(c"cuDriverGetVersion").is_none() {
+            // SAFETY: cuInit takes flags, which must be 0.
+            let _ = unsafe { init(0) };
+        }
+        let entry_points = EntryPoints::resolve(version, lookup);
+        Ok(Self {
+            path: path.to_owned(),
+            version,
+            get_proc_address,
+            entry_points,
+            _library: library,
+        })
+    }
+
+    /// The library file this driver was opened from.
+    pub fn library_path(&self) -> &str {
+        &self.path
+    }
+
+    /// The running driver's CUDA version, from `cuDriverGetVersion` (`13000` for 13.0).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// The resolved entry points.
+    pub fn entry_points(&self) -> &EntryPoints {
+        &self.entry_points
+    }
+
+    /// Asks `cuGetProcAddress` for `name` at `cuda_version`, bypassing the resolved table.
+    ///
+    /// For probing what a driver offers; the result is a raw pointer whose signature is that of
+    /// the function at the version asked, which may differ from the bindings' declaration.
+    pub fn resolve_raw(
+        &self,
+        name: &CStr,
+        cuda_version: i32,
+    ) -> Result<NonNull<c_void>, LoadError> {
+        resolve(self.get_proc_address, name, cuda_version).map_err(|code| {
+            let function = name.to_string_lossy().into_owned();
+            if code == CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND.0 {
+                LoadError::EntryPointNotFound {
+                    function,
+                    driver: self.version,
+                }
+            } else {
+                LoadError::ResolveFailed {
+                    function,
+                    requested: cuda_version,
+                    driver: self.version,
+                    code,
+                }
+            }
+        })
+    }
+}
+
+impl std::ops::Deref for Driver {
+    type Target = EntryPoints;
+    fn deref(&self) -> &EntryPoints {
+        &self.entry_points
+    }
+}
+
+/// # Safety
+/// `T` must be the function-pointer type of `symbol`.
+unsafe fn bootstrap<T: Copy>(
+    library: &libloading::Library,
+    path: &str,
+    symbol: &'static str,
+) -> Result<T, LoadError> {
+    // SAFETY: the caller names the symbol's type.
+    unsafe { library.get::<T>(symbol.as_bytes()) }
+        .map(|s| *s)
+        .map_err(|_| LoadError::NotADriver {
+            path: path.to_owned(),
+            symbol,
+        })
+}
+
+/// One `cuGetProcAddress` call; `Err` carries the `CUresult`, or the query result if that was
+/// the failure.
+fn resolve(
+    get_proc_address: PFN_cuGetProcAddress,
+    name: &CStr,
+    version: i32,
+) -> Result<NonNull<c_void>, u32> {
+    let mut pointer: *mut c_void = ptr::null_mut();
+    let mut found = CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    // SAFETY: valid C string and out-pointers; flags 0 is CU_GET_PROC_ADDRESS_DEFAULT.
+    let code = unsafe { get_proc_address(name.as_ptr(), &mut pointer, version, 0, &mut found) };
+    if code != CUresult::CUDA_SUCCESS {
+        return Err(code.0);
+    }
+    if found != CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SUCCESS {
+        return Err(found.0);
+    }
+    NonNull::new(pointer)
+        .ok_or(CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND.0)
+}
+
+#[doc(hidden)]
+#[doc(hidden)]
+pub fn missing(function: &'static str, needs: i32, driver: i32) -> LoadError {
+    if driver < needs {
+        LoadError::DriverTooOld {
+            function,
+            needs,
+            driver,
+        }
+    } else {
+        LoadError::EntryPointNotFound {
+            function: function.to_owned(),
+            driver,
+        }
+    }
+}
+
+/// Expands the generated list of entry points into [`EntryPoints`] and [`ENTRY_POINTS`].
+///
+/// [`EntryPoints`]: crate::EntryPoints
+/// [`ENTRY_POINTS`]: crate::ENTRY_POINTS
+macro_rules! entry_points {
+    ($($name:ident: $pfn:ident = $since:literal,)*) => {
+        /// Every entry point the bindings declare, each resolved once through `cuGetProcAddress`.
+        ///
+        /// Each method returns the function pointer, or why this driver cannot provide it.
+        #[derive(Clone, Copy)]
+        pub struct EntryPoints {
+            driver_version: i32,
+            $($name: Option<$pfn>,)*
+        }
+
+        impl EntryPoints {
+            pub(crate) fn resolve(
+                driver_version: i32,
+                lookup: impl Fn(&::core::ffi::CStr) -> Option<::core::ptr::NonNull<::core::ffi::c_void>>,
+            ) -> Self {
+                Self {
+                    driver_version,
+                    $($name: if driver_version < $since {
+                        None
+                    } else {
+                        ::core::ffi::CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes())
+                            .ok()
+                            .and_then(&lookup)
+                            // SAFETY: the driver handed out `$name` at a version whose ABI is `$pfn`.
+                            .map(|p| unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, $pfn>(p.as_ptr()) })
+                    },)*
+                }
+            }
+
+            $(
+                #[doc = concat!("`", stringify!($name), "`, or why this driver cannot provide it.")]
+                #[inline]
+                pub fn $name(&self) -> Result<$pfn, $crate::LoadError> {
+                    match self.$name {
+                        Some(function) => Ok(function),
+                        None => Err($crate::loader::missing(stringify!($name), $since, self.driver_version)),
+                    }
+                }
+            )*
+        }
+
+        /// Every entry point of the bindings with the driver version its declared ABI needs.
+        pub const ENTRY_POINTS: &[$crate::EntryPoint] = &[$($crate::EntryPoint { name: stringify!($name), since: $since },)*];
+    };
+}
+pub(crate) use entry_points;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_a_typed_error_naming_the_path() {
+        let error = Driver::open("/nonexistent/libcuda.so.1").err();
+        match error {
+            Some(LoadError::LibraryNotFound { path, .. }) => {
+                assert_eq!(path, "/nonexistent/libcuda.so.1")
+            }
+            other => panic!("expected LibraryNotFound, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_library_that_is_not_libcuda_is_refused_by_symbol() {
+        // libc is present everywhere these tests run and exports no CUDA symbol.
+        match Driver::open("libc.so.6").err() {
+            Some(LoadError::NotADriver { symbol, .. }) => assert_eq!(symbol, "cuDriverGetVersion"),
+            other => panic!("expected NotADriver, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn too_old_names_function_and_both_versions() {
+        let text = missing("cuMemGetMemPool", 13000, 12080).to_string();
+        assert!(
+            text.contains("cuMemGetMemPool") && text.contains("13.0") && text.contains("12.8"),
+            "{text}"
+        );
+        assert!(matches!(
+            missing("cuMemGetMemPool", 13000, 13000),
+            LoadError::EntryPointNotFound { .. }
+        ));
+    }
+
+    #[test]
+    fn entry_points_are_listed_once_with_sane_versions() {
+        let mut names: Vec<_> = crate::ENTRY_POINTS.iter().map(|e| e.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), crate::ENTRY_POINTS.len());
+        assert!(crate::ENTRY_POINTS
+            .iter()
+            .all(|e| (2000..=BINDINGS_VERSION).contains(&e.since)));
+        let since = |n| {
+            crate::ENTRY_POINTS
+                .iter()
+                .find(|e| e.name == n)
+                .map(|e| e.since)
+        };
+        assert_eq!(since("cuMemGetMemPool"), Some(13000));
+        assert_eq!(since("cuMemAllocAsync"), Some(11020));
+    }
+}

@@ -1,0 +1,41 @@
+//! Project automation, run as `cargo xtask <command>`.
+//!
+//! - `cargo xtask bindgen [--cuda 13.0|13.2] [--header PATH] [--check]`: regenerate the committed
+//!   bindings of `cumempool-sys` from the pinned cuda.h headers, or prove they are fresh.
+
+mod bindgen;
+mod headers;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("bindgen") => bindgen::Options::parse(&args[1..]).and_then(|o| bindgen::run(&o)),
+        Some("help" | "--help" | "-h") | None => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2] [--header PATH] [--check]
+
+  --cuda V      only this CUDA version (default: every pinned version)
+  --header P    use this cuda.h (cudaTypedefs.h is read from beside it) instead of the pinned wheel
+  --check       regenerate into memory and fail if the committed files differ";
+
+/// The workspace root: xtask lives one level below it.
+fn workspace_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
