@@ -162,6 +162,15 @@ const TYPES: &[&str] = &[
 
 const VARS: &[&str] = &["CUDA_VERSION", "CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS"];
 
+/// Enums that grow between releases: each gets a `<typedef>_MEMBERS` list of every member, so
+/// the safe layer can test that it maps (or deliberately leaves out) each one.
+const GROWING_ENUMS: &[&str] = &[
+    "CUmemLocationType",
+    "CUmemAllocationType",
+    "CUmemPool_attribute",
+    "CUmemAllocationHandleType",
+];
+
 pub fn run(options: &Options) -> Result<(), String> {
     let root = crate::workspace_root();
     let mut jobs: Vec<(Headers, u32)> = Vec::new();
@@ -277,6 +286,9 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
             }
         }
     }
+    for typedef in GROWING_ENUMS {
+        items.push(members_list(&items, typedef)?);
+    }
     let mut entry_points = BTreeMap::new();
     for (base, (_, function)) in &declarations {
         let since = *abi_versions.get(base).ok_or_else(|| {
@@ -316,6 +328,40 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
     }
     text.push_str("}\n");
     rustfmt(root, &text)
+}
+
+/// `pub const <typedef>_MEMBERS: &[(&str, <typedef>)]`, from the associated constants bindgen
+/// gave the enum's newtype.
+fn members_list(items: &[syn::Item], typedef: &str) -> Result<syn::Item, String> {
+    let newtype = format!("{typedef}_enum");
+    let mut names = Vec::new();
+    for item in items {
+        let syn::Item::Impl(block) = item else {
+            continue;
+        };
+        let syn::Type::Path(self_type) = &*block.self_ty else {
+            continue;
+        };
+        if !self_type.path.is_ident(&newtype) {
+            continue;
+        }
+        for member in &block.items {
+            if let syn::ImplItem::Const(constant) = member {
+                names.push(constant.ident.clone());
+            }
+        }
+    }
+    if names.is_empty() {
+        return Err(format!("found no members of {newtype}"));
+    }
+    let list = format_ident!("{}_MEMBERS", typedef);
+    let ty = format_ident!("{}", typedef);
+    let doc = format!(" Every member of `{typedef}` these headers declare.");
+    let strings: Vec<String> = names.iter().map(ToString::to_string).collect();
+    Ok(syn::parse_quote! {
+        #[doc = #doc]
+        pub const #list: &[(&str, #ty)] = &[#((#strings, #ty::#names)),*];
+    })
 }
 
 /// `cuMemcpyHtoDAsync_v2` -> (`cuMemcpyHtoDAsync`, 2); an unsuffixed name is version 1.

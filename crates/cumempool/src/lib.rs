@@ -1,1 +1,60 @@
-pub fn placeholder() {}
+//! Safe, location-keyed CUDA stream-ordered memory pools.
+//!
+//! CUDA 13.0 keys pools by *route*: a [`Location`] (a device, the host, a host NUMA node, or
+//! no preference) with an [`AllocationType`] (pinned or managed). Every route has a
+//! driver-owned [default pool](default_pool) and a [current pool](current_pool), which
+//! [`set_current_pool`] changes for the whole process. This crate wraps all of it: RAII pools
+//! ([`MemPool`]) and borrowed handles ([`PoolRef`]), every pool attribute typed (CUDA 13.2's
+//! six new ones with the `cuda-13020` feature, failing cleanly on older drivers), buffers freed
+//! in stream order, and errors that say what was wrong and what would be right.
+//!
+//! ```no_run
+//! use cumempool::{Device, MemPool, Route, Stream};
+//! # fn main() -> cumempool::Result<()> {
+//! let context = Device::get(0)?.primary_context()?;
+//! let stream = Stream::new(&context)?;
+//! let pool = MemPool::builder(Route::host()).max_size(1 << 30).build()?;
+//! let mut buffer = pool.alloc(4096, &stream)?;
+//! buffer.host_slice_mut()?.fill(7); // host memory: the CPU may write it once the stream is idle
+//! # Ok(()) }
+//! ```
+//!
+//! ## Crate features
+//! - `cuda-13020` (default): CUDA 13.2's pool attributes and [`Location::Invisible`].
+//! - `cuda-13000`: CUDA 13.0 only.
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod attributes;
+mod buffer;
+mod context;
+mod device;
+mod driver;
+mod error;
+mod handle;
+mod handle_types;
+#[cfg(test)]
+mod header_coverage;
+mod location;
+mod pool;
+mod routing;
+mod stream;
+
+pub use attributes::{PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
+pub use buffer::Buffer;
+pub use context::Context;
+pub use device::Device;
+pub use driver::{bindings_version, driver_version, init, library_path, DriverVersion};
+pub use error::{Error, Result};
+pub use handle_types::{HandleTypes, UNMAPPED_HANDLE_TYPES};
+pub use location::{
+    AllocationType, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
+};
+pub use pool::{Access, MemPool, Pool, PoolBuilder, PoolRef};
+pub use routing::{
+    current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
+};
+pub use stream::{Event, Stream};
+
+/// The raw layer, for what this crate does not wrap.
+pub use cumempool_sys as sys;

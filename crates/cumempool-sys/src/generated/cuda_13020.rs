@@ -849,6 +849,146 @@ impl Default for CUmemPoolPtrExportData_st {
 }
 pub type CUmemPoolPtrExportData_v1 = CUmemPoolPtrExportData_st;
 pub type CUmemPoolPtrExportData = CUmemPoolPtrExportData_v1;
+#[doc = " Every member of `CUmemLocationType` these headers declare."]
+pub const CUmemLocationType_MEMBERS: &[(&str, CUmemLocationType)] = &[
+    (
+        "CU_MEM_LOCATION_TYPE_INVALID",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_NONE",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_NONE,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_DEVICE",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_HOST",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_HOST_NUMA",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_INVISIBLE",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_INVISIBLE,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_MAX",
+        CUmemLocationType::CU_MEM_LOCATION_TYPE_MAX,
+    ),
+];
+#[doc = " Every member of `CUmemAllocationType` these headers declare."]
+pub const CUmemAllocationType_MEMBERS: &[(&str, CUmemAllocationType)] = &[
+    (
+        "CU_MEM_ALLOCATION_TYPE_INVALID",
+        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_INVALID,
+    ),
+    (
+        "CU_MEM_ALLOCATION_TYPE_PINNED",
+        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+    ),
+    (
+        "CU_MEM_ALLOCATION_TYPE_MANAGED",
+        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED,
+    ),
+    (
+        "CU_MEM_ALLOCATION_TYPE_MAX",
+        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MAX,
+    ),
+];
+#[doc = " Every member of `CUmemPool_attribute` these headers declare."]
+pub const CUmemPool_attribute_MEMBERS: &[(&str, CUmemPool_attribute)] = &[
+    (
+        "CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_USED_MEM_CURRENT",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_USED_MEM_HIGH",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_ALLOCATION_TYPE",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_ALLOCATION_TYPE,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_LOCATION_ID",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_LOCATION_ID,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_LOCATION_TYPE",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_LOCATION_TYPE,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_MAX_POOL_SIZE",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_MAX_POOL_SIZE,
+    ),
+    (
+        "CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED",
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED,
+    ),
+];
+#[doc = " Every member of `CUmemAllocationHandleType` these headers declare."]
+pub const CUmemAllocationHandleType_MEMBERS: &[(&str, CUmemAllocationHandleType)] = &[
+    (
+        "CU_MEM_HANDLE_TYPE_NONE",
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+    ),
+    (
+        "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    ),
+    (
+        "CU_MEM_HANDLE_TYPE_WIN32",
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32,
+    ),
+    (
+        "CU_MEM_HANDLE_TYPE_WIN32_KMT",
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT,
+    ),
+    (
+        "CU_MEM_HANDLE_TYPE_FABRIC",
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+    ),
+    (
+        "CU_MEM_HANDLE_TYPE_MAX",
+        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_MAX,
+    ),
+];
 #[doc = " `cuCtxGetCurrent` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuCtxGetCurrent = unsafe extern "C" fn(pctx: *mut CUcontext) -> CUresult;
 #[doc = " `cuCtxGetDevice` as the driver hands it out for CUDA 13.0 and later."]

@@ -1,0 +1,254 @@
+//! Stream-ordered allocations: freed on their stream when dropped.
+
+use crate::driver::api;
+use crate::error::{check, Error, Result};
+use crate::location::{Location, Route};
+use crate::pool::Owner;
+use crate::stream::{Event, Stream};
+use cumempool_sys as sys;
+use std::sync::Arc;
+
+/// Memory from a pool, freed with `cuMemFreeAsync` on its stream when dropped.
+///
+/// Holds its stream and (for owned pools) its pool, so neither can go away first.
+#[derive(Debug)]
+pub struct Buffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Stream,
+    route: Route,
+    _pool: Option<Arc<Owner>>,
+}
+
+impl Buffer {
+    pub(crate) fn empty(stream: Stream, route: Route) -> Self {
+        Self {
+            ptr: 0,
+            len: 0,
+            stream,
+            route,
+            _pool: None,
+        }
+    }
+
+    /// # Safety
+    /// `ptr` must be a live allocation of `len` bytes from the pool `pool` keeps alive (or a
+    /// driver-owned pool), ordered on `stream`, that nothing else frees.
+    pub(crate) unsafe fn from_pool(
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        stream: Stream,
+        route: Route,
+        pool: Option<Arc<Owner>>,
+    ) -> Self {
+        Self {
+            ptr,
+            len,
+            stream,
+            route,
+            _pool: pool,
+        }
+    }
+
+    /// Size in bytes.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no bytes (and no driver allocation).
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address (0 for an empty buffer).
+    #[inline]
+    pub fn as_raw(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// The stream the buffer is ordered on and freed on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The route of the pool it came from.
+    pub fn route(&self) -> Route {
+        self.route
+    }
+
+    /// Whether the host may read and write it directly (host, host NUMA and managed memory).
+    pub fn is_host_accessible(&self) -> bool {
+        self.route.is_host_accessible()
+    }
+
+    fn check_len(&self, what: &'static str, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(Error::InvalidArgument {
+                what,
+                reason: format!("{len} bytes do not fit the buffer's {} bytes", self.len),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the start of the buffer and waits for the copy.
+    pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
+        self.check_len("copying from the host", src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream.context().ensure_current()?;
+        let f = api()?.cuMemcpyHtoDAsync()?;
+        // SAFETY: `src` is valid for its length, the buffer holds at least that many bytes, and
+        // the stream is synchronised below, before `src` can be released.
+        check(
+            unsafe {
+                f(
+                    self.ptr,
+                    src.as_ptr().cast(),
+                    src.len(),
+                    self.stream.as_raw(),
+                )
+            },
+            "cuMemcpyHtoDAsync",
+        )?;
+        self.stream.synchronize()
+    }
+
+    /// Copies the start of the buffer into `dst` and waits for the copy.
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.check_len("copying to the host", dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.stream.context().ensure_current()?;
+        let f = api()?.cuMemcpyDtoHAsync()?;
+        // SAFETY: as in `copy_from_host`, the other way round.
+        check(
+            unsafe {
+                f(
+                    dst.as_mut_ptr().cast(),
+                    self.ptr,
+                    dst.len(),
+                    self.stream.as_raw(),
+                )
+            },
+            "cuMemcpyDtoHAsync",
+        )?;
+        self.stream.synchronize()
+    }
+
+    /// Copies the start of `src` into the start of this buffer, ordered after the work queued
+    /// on both streams, and waits for the copy.
+    pub fn copy_from(&mut self, src: &Buffer) -> Result<()> {
+        self.check_len("copying between buffers", src.len)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream.context().ensure_current()?;
+        if !self.stream.same_as(&src.stream) {
+            let ready = Event::new(src.stream.context())?;
+            ready.record(&src.stream)?;
+            self.stream.wait(&ready)?;
+        }
+        let f = api()?.cuMemcpyAsync()?;
+        // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
+        // for below, before either can be freed.
+        check(
+            unsafe { f(self.ptr, src.ptr, src.len, self.stream.as_raw()) },
+            "cuMemcpyAsync",
+        )?;
+        self.stream.synchronize()
+    }
+
+    /// Sets every byte to `value`, ordered on the buffer's stream (does not wait).
+    pub fn fill(&mut self, value: u8) -> Result<()> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        self.stream.context().ensure_current()?;
+        let f = api()?.cuMemsetD8Async()?;
+        // SAFETY: a live allocation of `len` bytes.
+        check(
+            unsafe { f(self.ptr, value, self.len, self.stream.as_raw()) },
+            "cuMemsetD8Async",
+        )
+    }
+
+    /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
+    pub fn prefetch_to(&self, location: Location) -> Result<()> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        self.stream.context().ensure_current()?;
+        let f = api()?.cuMemPrefetchAsync()?;
+        // SAFETY: a live managed allocation of `len` bytes.
+        check(
+            unsafe {
+                f(
+                    self.ptr,
+                    self.len,
+                    location.to_raw()?,
+                    0,
+                    self.stream.as_raw(),
+                )
+            },
+            "cuMemPrefetchAsync",
+        )
+    }
+
+    fn host_ptr(&self) -> Result<*mut u8> {
+        if !self.is_host_accessible() {
+            return Err(Error::NotHostAccessible { route: self.route });
+        }
+        self.stream.synchronize()?;
+        Ok(self.ptr as usize as *mut u8)
+    }
+
+    /// The bytes, for the host to read, after waiting for the buffer's stream.
+    ///
+    /// Only for host-accessible memory (host, host NUMA, managed); device memory is
+    /// [`Error::NotHostAccessible`].
+    pub fn host_slice(&self) -> Result<&[u8]> {
+        if self.is_empty() {
+            return Ok(&[]);
+        }
+        let ptr = self.host_ptr()?;
+        // SAFETY: host-accessible memory of `len` bytes, with no device work pending on its
+        // stream; safe methods that enqueue device writes need `&mut self`, so none can start
+        // while this borrow lives.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.len) })
+    }
+
+    /// The bytes, for the host to write, after waiting for the buffer's stream.
+    pub fn host_slice_mut(&mut self) -> Result<&mut [u8]> {
+        if self.is_empty() {
+            return Ok(&mut []);
+        }
+        let ptr = self.host_ptr()?;
+        // SAFETY: as in `host_slice`, and the borrow is exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.len) })
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        if let Err(error) = free_async(self.ptr, &self.stream) {
+            tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
+        }
+    }
+}
+
+/// `cuMemFreeAsync` of `ptr` on `stream`.
+#[inline]
+pub(crate) fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
+    stream.context().ensure_current()?;
+    let f = api()?.cuMemFreeAsync()?;
+    // SAFETY: a live allocation, freed once, ordered on its stream.
+    check(unsafe { f(ptr, stream.as_raw()) }, "cuMemFreeAsync")
+}

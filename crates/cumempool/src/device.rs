@@ -1,0 +1,175 @@
+//! CUDA devices: enumeration and the attributes that matter to pools.
+
+use crate::context::Context;
+use crate::driver::api;
+use crate::error::{check, Error, Result};
+use crate::handle_types::HandleTypes;
+use cumempool_sys as sys;
+use std::ffi::c_char;
+use std::sync::OnceLock;
+
+/// A CUDA device, by ordinal. Cheap to copy; says nothing about contexts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Device {
+    ordinal: i32,
+    raw: sys::CUdevice,
+}
+
+static COUNT: OnceLock<i32> = OnceLock::new();
+
+impl Device {
+    /// How many devices the driver sees (asked once; it cannot change within a process).
+    ///
+    /// See [cuDeviceGetCount](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    pub fn count() -> Result<i32> {
+        if let Some(count) = COUNT.get() {
+            return Ok(*count);
+        }
+        let f = api()?.cuDeviceGetCount()?;
+        let mut count = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { f(&mut count) }, "cuDeviceGetCount")?;
+        Ok(*COUNT.get_or_init(|| count))
+    }
+
+    /// The device with this ordinal, or [`Error::InvalidDevice`] naming the valid range.
+    ///
+    /// See [cuDeviceGet](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    pub fn get(ordinal: i32) -> Result<Self> {
+        let count = Self::count()?;
+        if !(0..count).contains(&ordinal) {
+            return Err(Error::InvalidDevice { ordinal, count });
+        }
+        let f = api()?.cuDeviceGet()?;
+        let mut raw = 0;
+        // SAFETY: valid out-pointer; the ordinal is in range.
+        check(unsafe { f(&mut raw, ordinal) }, "cuDeviceGet")?;
+        Ok(Self { ordinal, raw })
+    }
+
+    /// Every device, in ordinal order.
+    pub fn all() -> Result<Vec<Self>> {
+        (0..Self::count()?).map(Self::get).collect()
+    }
+
+    /// The ordinal.
+    pub fn ordinal(self) -> i32 {
+        self.ordinal
+    }
+
+    /// The driver's handle.
+    pub fn as_raw(self) -> sys::CUdevice {
+        self.raw
+    }
+
+    /// The marketing name, such as `NVIDIA H200`.
+    pub fn name(self) -> Result<String> {
+        let f = api()?.cuDeviceGetName()?;
+        let mut buffer = [0 as c_char; 256];
+        // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
+        check(
+            unsafe { f(buffer.as_mut_ptr(), buffer.len() as i32, self.raw) },
+            "cuDeviceGetName",
+        )?;
+        let bytes: Vec<u8> = buffer
+            .iter()
+            .take_while(|c| **c != 0)
+            .map(|c| *c as u8)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The device's UUID.
+    pub fn uuid(self) -> Result<[u8; 16]> {
+        let f = api()?.cuDeviceGetUuid()?;
+        let mut uuid = sys::CUuuid::default();
+        // SAFETY: valid out-pointer.
+        check(unsafe { f(&mut uuid, self.raw) }, "cuDeviceGetUuid")?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// Total memory of the device, in bytes.
+    pub fn total_memory(self) -> Result<usize> {
+        let f = api()?.cuDeviceTotalMem()?;
+        let mut bytes = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { f(&mut bytes, self.raw) }, "cuDeviceTotalMem")?;
+        Ok(bytes)
+    }
+
+    /// Any device attribute, raw.
+    ///
+    /// See [cuDeviceGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
+    pub fn attribute(self, attribute: sys::CUdevice_attribute) -> Result<i32> {
+        let f = api()?.cuDeviceGetAttribute()?;
+        let mut value = 0;
+        // SAFETY: valid out-pointer.
+        check(
+            unsafe { f(&mut value, attribute, self.raw) },
+            "cuDeviceGetAttribute",
+        )?;
+        Ok(value)
+    }
+
+    /// Whether the device supports stream-ordered memory pools.
+    pub fn supports_memory_pools(self) -> Result<bool> {
+        Ok(
+            self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?
+                != 0,
+        )
+    }
+
+    /// Whether pools of pinned host memory can be used with this device.
+    pub fn supports_host_memory_pools(self) -> Result<bool> {
+        Ok(self
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED)?
+            != 0)
+    }
+
+    /// Whether pools on host NUMA nodes can be used with this device.
+    pub fn supports_host_numa_memory_pools(self) -> Result<bool> {
+        Ok(self.attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_MEMORY_POOLS_SUPPORTED,
+        )? != 0)
+    }
+
+    /// Whether the host and the device may touch managed memory at the same time.
+    pub fn concurrent_managed_access(self) -> Result<bool> {
+        Ok(self
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?
+            != 0)
+    }
+
+    /// The host NUMA node nearest the device, where the driver knows one.
+    pub fn host_numa_id(self) -> Result<Option<i32>> {
+        let id = self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?;
+        Ok((id >= 0).then_some(id))
+    }
+
+    /// The handle types pools on this device can export.
+    pub fn supported_handle_types(self) -> Result<HandleTypes> {
+        let bits = self.attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES,
+        )?;
+        Ok(HandleTypes::from_bits(bits as u32))
+    }
+
+    /// Whether this device can access memory of `peer` directly.
+    ///
+    /// See [cuDeviceCanAccessPeer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html).
+    pub fn can_access_peer(self, peer: Device) -> Result<bool> {
+        let f = api()?.cuDeviceCanAccessPeer()?;
+        let mut can = 0;
+        // SAFETY: valid out-pointer.
+        check(
+            unsafe { f(&mut can, self.raw, peer.raw) },
+            "cuDeviceCanAccessPeer",
+        )?;
+        Ok(can != 0)
+    }
+
+    /// Retains the device's primary context (released when the last clone is dropped).
+    pub fn primary_context(self) -> Result<Context> {
+        Context::retain_primary(self)
+    }
+}

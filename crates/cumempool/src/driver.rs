@@ -1,0 +1,112 @@
+//! The process's driver: loaded and initialised once, and its version.
+
+use crate::error::{Error, Result};
+use cumempool_sys as sys;
+use std::fmt;
+use std::sync::OnceLock;
+
+#[derive(Clone, Debug)]
+enum InitFailure {
+    Load(sys::LoadError),
+    Init(sys::CUresult),
+}
+
+static API: OnceLock<Result<&'static sys::Driver, InitFailure>> = OnceLock::new();
+
+/// The loaded and initialised driver: one atomic load once warm.
+#[inline]
+pub(crate) fn api() -> Result<&'static sys::Driver> {
+    match API.get_or_init(load_and_init) {
+        Ok(driver) => Ok(driver),
+        Err(failure) => Err(failure_error(failure)),
+    }
+}
+
+#[cold]
+fn failure_error(failure: &InitFailure) -> Error {
+    match failure {
+        InitFailure::Load(e) => Error::Load(e.clone()),
+        InitFailure::Init(code) => Error::driver(*code, "cuInit"),
+    }
+}
+
+fn load_and_init() -> Result<&'static sys::Driver, InitFailure> {
+    let driver = sys::driver().map_err(InitFailure::Load)?;
+    let init = driver.cuInit().map_err(InitFailure::Load)?;
+    // SAFETY: flags must be 0.
+    let code = unsafe { init(0) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(InitFailure::Init(code));
+    }
+    tracing::debug!(
+        library = driver.library_path(),
+        version = driver.version(),
+        "CUDA driver initialised"
+    );
+    Ok(driver)
+}
+
+/// Loads and initialises the driver (`cuInit`), once per process.
+///
+/// Every other call does this on first use; call it to learn early whether a driver is there.
+/// See [cuInit](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html).
+pub fn init() -> Result<()> {
+    api().map(|_| ())
+}
+
+/// A CUDA driver version, as `cuDriverGetVersion` reports it (`13000` for 13.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DriverVersion(pub i32);
+
+impl DriverVersion {
+    /// CUDA 13.0: location-keyed routing.
+    pub const CUDA_13_0: Self = Self(13000);
+    /// CUDA 13.2: the six new pool attributes.
+    pub const CUDA_13_2: Self = Self(13020);
+
+    /// The major version (13 for 13.2).
+    pub fn major(self) -> i32 {
+        self.0 / 1000
+    }
+
+    /// The minor version (2 for 13.2).
+    pub fn minor(self) -> i32 {
+        (self.0 % 1000) / 10
+    }
+}
+
+impl fmt::Display for DriverVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major(), self.minor())
+    }
+}
+
+/// The running driver's version.
+///
+/// See [cuDriverGetVersion](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html).
+pub fn driver_version() -> Result<DriverVersion> {
+    Ok(DriverVersion(api()?.version()))
+}
+
+/// The driver library that was opened.
+pub fn library_path() -> Result<&'static str> {
+    Ok(api()?.library_path())
+}
+
+/// The CUDA version the crate's declarations were built for (the `cuda-13020` feature: 13.2).
+pub fn bindings_version() -> DriverVersion {
+    DriverVersion(sys::BINDINGS_VERSION)
+}
+
+/// Fails with [`Error::DriverTooOld`] unless the driver is at least `needs`.
+pub(crate) fn require(feature: &'static str, needs: DriverVersion) -> Result<()> {
+    let found = api()?.version();
+    if found < needs.0 {
+        return Err(Error::DriverTooOld {
+            feature,
+            needs: needs.0,
+            found,
+        });
+    }
+    Ok(())
+}

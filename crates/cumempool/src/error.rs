@@ -1,0 +1,207 @@
+//! The crate's one error type.
+
+use crate::location::Route;
+use cumempool_sys as sys;
+use std::ffi::CStr;
+
+/// `Result` with this crate's [`enum@Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, each variant saying what was wrong and what would be right.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The driver library, or one of its entry points, is not available.
+    #[error(transparent)]
+    Load(#[from] sys::LoadError),
+
+    /// A driver call failed.
+    #[error("{during} failed with {name} ({code}): {description}")]
+    Driver {
+        /// The raw `CUresult`.
+        code: u32,
+        /// Its name, such as `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+        /// The driver's description of it.
+        description: String,
+        /// What was being done.
+        during: &'static str,
+    },
+
+    /// The pool, or the device behind it, could not supply the memory.
+    #[error("out of memory: {during} could not allocate {requested} bytes{}", limit_hint(*.limit))]
+    OutOfMemory {
+        /// The bytes asked for.
+        requested: usize,
+        /// The pool's maximum size, where one was set.
+        limit: Option<u64>,
+        /// What was being done.
+        during: &'static str,
+    },
+
+    /// A device ordinal that does not exist on this machine.
+    #[error("there is no CUDA device {ordinal}: this machine has {count} (ordinals 0..{count})")]
+    InvalidDevice {
+        /// The ordinal asked for.
+        ordinal: i32,
+        /// How many devices the driver sees.
+        count: i32,
+    },
+
+    /// A (location, allocation type) pair that cannot name a pool.
+    #[error("{route} is not a valid route: {reason}")]
+    InvalidRoute {
+        /// The route asked for.
+        route: Route,
+        /// Why it cannot exist, and what would.
+        reason: &'static str,
+    },
+
+    /// The driver refused a route (it has no pool there, or not on this machine).
+    #[error("the driver refused {route} in {during}: {name} ({code}): {description}")]
+    RouteRefused {
+        /// The route asked for.
+        route: Route,
+        /// The raw `CUresult`.
+        code: u32,
+        /// Its name, such as `CUDA_ERROR_NOT_SUPPORTED`.
+        name: String,
+        /// The driver's description of it.
+        description: String,
+        /// The driver call.
+        during: &'static str,
+    },
+
+    /// A location given where the driver accepts only other kinds.
+    #[error("{what}: {reason}")]
+    InvalidLocation {
+        /// What was being done.
+        what: &'static str,
+        /// What was wrong, and what would be right.
+        reason: String,
+    },
+
+    /// The running driver is too old for a feature.
+    #[error("{feature} needs a CUDA {} driver or newer; the running driver is CUDA {}", sys::version_label(*.needs), sys::version_label(*.found))]
+    DriverTooOld {
+        /// What was asked for.
+        feature: &'static str,
+        /// The driver version it needs.
+        needs: i32,
+        /// The running driver's version.
+        found: i32,
+    },
+
+    /// A pool given for a route it cannot serve.
+    #[error("a pool of {pool} cannot be the current pool of {route}: a route takes only pools of its own location and allocation type")]
+    PoolRouteMismatch {
+        /// The route the pool serves.
+        pool: Route,
+        /// The route it was given for.
+        route: Route,
+    },
+
+    /// A pool that cannot be destroyed yet.
+    #[error("the pool is still in use by {holders} buffer(s), route(s) or handle(s); drop them first, or let the last one destroy it")]
+    PoolInUse {
+        /// How many other holders keep it alive.
+        holders: usize,
+    },
+
+    /// A pool creation the driver refused, with the reason where it is known.
+    #[error("cannot create a pool for {route}: {reason}")]
+    PoolCreation {
+        /// The route asked for.
+        route: Route,
+        /// Why the driver refuses it, and what would work.
+        reason: String,
+    },
+
+    /// Host code asked for memory the host cannot touch.
+    #[error("memory of {route} is not accessible from the host; use a host, host NUMA or managed pool, or copy to the host")]
+    NotHostAccessible {
+        /// The route the memory came from.
+        route: Route,
+    },
+
+    /// The driver returned a value this crate does not know (a newer driver).
+    #[error("the driver returned {value} for {type_name}, which this version of cumempool does not know; a newer cumempool may")]
+    UnknownValue {
+        /// The C type.
+        type_name: &'static str,
+        /// The raw value.
+        value: i64,
+    },
+
+    /// A request that cannot be served as asked.
+    #[error("{what}: {reason}")]
+    InvalidArgument {
+        /// What was being done.
+        what: &'static str,
+        /// What was wrong, and what would be right.
+        reason: String,
+    },
+}
+
+fn limit_hint(limit: Option<u64>) -> String {
+    match limit {
+        Some(limit) => format!(" (the pool's maximum size is {limit} bytes)"),
+        None => String::new(),
+    }
+}
+
+impl Error {
+    /// The raw `CUresult` when the driver reported the failure.
+    pub fn cuda_code(&self) -> Option<u32> {
+        match self {
+            Self::Driver { code, .. } | Self::RouteRefused { code, .. } => Some(*code),
+            Self::OutOfMemory { .. } => Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0),
+            _ => None,
+        }
+    }
+
+    /// Builds the error for a failed driver call, with the driver's name for the code.
+    #[cold]
+    pub(crate) fn driver(code: sys::CUresult, during: &'static str) -> Self {
+        let (name, description) = describe(code);
+        Self::Driver {
+            code: code.0,
+            name,
+            description,
+            during,
+        }
+    }
+}
+
+/// The driver's name and description of `code`, or a stand-in when the driver cannot say.
+pub(crate) fn describe(code: sys::CUresult) -> (String, String) {
+    let text = |f: Option<sys::PFN_cuGetErrorName>| -> Option<String> {
+        let f = f?;
+        let mut ptr: *const std::ffi::c_char = std::ptr::null();
+        // SAFETY: the driver writes a pointer to a static string, or fails.
+        let ok = unsafe { f(code, &mut ptr) } == sys::CUresult::CUDA_SUCCESS && !ptr.is_null();
+        // SAFETY: on success the pointer is a NUL-terminated string owned by the driver.
+        ok.then(|| {
+            unsafe { CStr::from_ptr(ptr) }
+                .to_string_lossy()
+                .into_owned()
+        })
+    };
+    let driver = sys::driver().ok();
+    let name = text(driver.and_then(|d| d.cuGetErrorName().ok()));
+    let description = text(driver.and_then(|d| d.cuGetErrorString().ok()));
+    (
+        name.unwrap_or_else(|| format!("CUresult {}", code.0)),
+        description.unwrap_or_else(|| "the driver gave no description".to_owned()),
+    )
+}
+
+/// `Ok` for `CUDA_SUCCESS`, else the driver error for `during`.
+#[inline]
+pub(crate) fn check(code: sys::CUresult, during: &'static str) -> Result<()> {
+    if code == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::driver(code, during))
+    }
+}

@@ -1,0 +1,498 @@
+//! Memory pools: owned ([`MemPool`]) and borrowed ([`PoolRef`]), their creation, trimming,
+//! access from devices, and stream-ordered allocation.
+
+use crate::buffer::Buffer;
+use crate::device::Device;
+use crate::driver::api;
+use crate::error::{check, Error, Result};
+use crate::handle::Shared;
+use crate::handle_types::HandleTypes;
+use crate::location::{AllocationType, Location, Route};
+use crate::stream::Stream;
+use cumempool_sys as sys;
+use std::ops::Deref;
+use std::sync::Arc;
+
+/// A pool's handle with what this crate knows of it. [`MemPool`] and [`PoolRef`] dereference to
+/// it, so every pool offers the same operations whoever owns it.
+#[derive(Clone, Debug)]
+pub struct Pool {
+    raw: Shared<sys::CUmemoryPool>,
+    /// Known for pools this process created or looked up by route; `None` for imported pools.
+    route: Option<Route>,
+    /// The maximum size asked at creation, for error messages.
+    max_size: Option<u64>,
+    /// Present when this crate must destroy the pool; clones keep it alive.
+    owner: Option<Arc<Owner>>,
+}
+
+/// Destroys the pool when the last holder (pool handle, buffer, route) lets go.
+#[derive(Debug)]
+pub(crate) struct Owner {
+    raw: Shared<sys::CUmemoryPool>,
+    pub(crate) imported: bool,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if let Err(error) = destroy_raw(self.raw.0) {
+            tracing::warn!(%error, pool = ?self.raw.0, "destroying a memory pool failed");
+        } else {
+            tracing::debug!(pool = ?self.raw.0, imported = self.imported, "memory pool destroyed");
+        }
+    }
+}
+
+fn destroy_raw(raw: sys::CUmemoryPool) -> Result<()> {
+    let f = api()?.cuMemPoolDestroy()?;
+    // SAFETY: called once, by the pool's only owner.
+    check(unsafe { f(raw) }, "cuMemPoolDestroy")
+}
+
+/// Access a device has to a pool's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Access {
+    /// No access.
+    None,
+    /// Read-only access.
+    Read,
+    /// Read-write access.
+    ReadWrite,
+}
+
+impl Access {
+    fn to_raw(self) -> sys::CUmemAccess_flags {
+        match self {
+            Self::None => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+            Self::Read => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+            Self::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }
+    }
+
+    fn from_raw(raw: sys::CUmemAccess_flags) -> Result<Self> {
+        match raw {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE => Ok(Self::None),
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => Ok(Self::Read),
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Ok(Self::ReadWrite),
+            other => Err(Error::UnknownValue {
+                type_name: "CUmemAccess_flags",
+                value: other.0.into(),
+            }),
+        }
+    }
+}
+
+impl Pool {
+    pub(crate) fn borrowed(raw: sys::CUmemoryPool, route: Option<Route>) -> Self {
+        Self {
+            raw: Shared(raw),
+            route,
+            max_size: None,
+            owner: None,
+        }
+    }
+
+    pub(crate) fn owned(
+        raw: sys::CUmemoryPool,
+        route: Option<Route>,
+        max_size: Option<u64>,
+        imported: bool,
+    ) -> Self {
+        let owner = Arc::new(Owner {
+            raw: Shared(raw),
+            imported,
+        });
+        Self {
+            raw: Shared(raw),
+            route,
+            max_size,
+            owner: Some(owner),
+        }
+    }
+
+    /// The driver's handle. Valid while this handle (or a buffer from it) lives.
+    #[inline]
+    pub fn as_raw(&self) -> sys::CUmemoryPool {
+        self.raw.0
+    }
+
+    /// The route this pool serves, where known without asking the driver: for pools this process
+    /// created or looked up by route. Imported pools answer through [`Pool::location`].
+    pub fn route(&self) -> Option<Route> {
+        self.route
+    }
+
+    /// Where the pool's memory lives. Known on any driver for pools this process created or
+    /// looked up; for imported pools it needs driver 13.2 (the `LOCATION_TYPE` attribute).
+    pub fn location(&self) -> Result<Location> {
+        match self.route {
+            Some(route) => Ok(route.location),
+            None => self.location_attribute(),
+        }
+    }
+
+    /// The kind of memory the pool hands out; see [`Pool::location`] for when it is known.
+    pub fn allocation_type(&self) -> Result<AllocationType> {
+        match self.route {
+            Some(route) => Ok(route.allocation_type),
+            None => self.allocation_type_attribute(),
+        }
+    }
+
+    /// Whether the host may touch this pool's memory (after the stream has synchronised).
+    pub fn is_host_accessible(&self) -> bool {
+        self.route.is_some_and(|r| r.is_host_accessible())
+    }
+
+    /// Whether this process imported the pool from another.
+    pub fn is_imported(&self) -> bool {
+        self.owner.as_ref().is_some_and(|o| o.imported)
+    }
+
+    /// Whether this handle keeps the pool alive (owned and imported pools).
+    pub fn is_owned(&self) -> bool {
+        self.owner.is_some()
+    }
+
+    /// Whether two handles name the same driver pool.
+    pub fn same_as(&self, other: &Pool) -> bool {
+        self.raw == other.raw
+    }
+
+    pub(crate) fn with_route(mut self, route: Option<Route>) -> Self {
+        self.route = route;
+        self
+    }
+
+    /// Releases memory the pool holds beyond `keep_bytes` back to the system.
+    ///
+    /// See [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
+        let f = api()?.cuMemPoolTrimTo()?;
+        // SAFETY: a live pool.
+        check(unsafe { f(self.raw.0, keep_bytes) }, "cuMemPoolTrimTo")
+    }
+
+    /// Sets the access of `device` to this pool's memory.
+    ///
+    /// The owning device always has read-write access; the driver refuses to lower it
+    /// (`CUDA_ERROR_NOT_SUPPORTED`), and so does this method, with that reason.
+    /// See [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn set_access(&self, device: Device, access: Access) -> Result<()> {
+        self.set_access_many(&[(device, access)])
+    }
+
+    /// Sets the access of several devices at once.
+    pub fn set_access_many(&self, grants: &[(Device, Access)]) -> Result<()> {
+        let owner = self.route.and_then(|r| r.location.device());
+        if let Some((device, access)) = grants
+            .iter()
+            .find(|(d, a)| Some(d.ordinal()) == owner && *a != Access::ReadWrite)
+        {
+            return Err(Error::InvalidArgument {
+                what: "setting pool access",
+                reason: format!("device {} owns the pool and always has read-write access; {access:?} cannot be set for it", device.ordinal()),
+            });
+        }
+        let descriptors: Vec<sys::CUmemAccessDesc> = grants
+            .iter()
+            .map(|(device, access)| sys::CUmemAccessDesc {
+                location: crate::location::raw_location(
+                    sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    device.ordinal(),
+                ),
+                flags: access.to_raw(),
+            })
+            .collect();
+        let f = api()?.cuMemPoolSetAccess()?;
+        // SAFETY: a live pool and `len` valid descriptors.
+        check(
+            unsafe { f(self.raw.0, descriptors.as_ptr(), descriptors.len()) },
+            "cuMemPoolSetAccess",
+        )
+    }
+
+    /// The access `device` has to this pool's memory.
+    pub fn access(&self, device: Device) -> Result<Access> {
+        self.access_from(Location::Device(device.ordinal()))
+    }
+
+    /// The access a location (a device, or the host) has to this pool's memory.
+    pub fn access_from(&self, location: Location) -> Result<Access> {
+        let f = api()?.cuMemPoolGetAccess()?;
+        let mut raw_location = location.to_raw()?;
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: valid pointers; a live pool.
+        check(
+            unsafe { f(&mut flags, self.raw.0, &mut raw_location) },
+            "cuMemPoolGetAccess",
+        )?;
+        Access::from_raw(flags)
+    }
+
+    /// Allocates `bytes` from this pool, ordered on `stream`; the buffer is freed on the same
+    /// stream when dropped.
+    ///
+    /// A zero-byte request returns an empty buffer without calling the driver. Running out of
+    /// the pool's maximum size, or of device memory, is [`Error::OutOfMemory`].
+    /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    #[inline]
+    pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Buffer> {
+        let route = self.route.unwrap_or(Route::device(0));
+        if bytes == 0 {
+            return Ok(Buffer::empty(stream.clone(), route));
+        }
+        let ptr = self.alloc_raw(bytes, stream)?;
+        // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
+        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream.clone(), route, self.owner.clone()) })
+    }
+
+    /// The raw allocation behind [`Pool::alloc`]: the caller frees it with `cuMemFreeAsync`.
+    #[inline]
+    pub(crate) fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
+        if self.is_imported() {
+            return Err(Error::InvalidArgument {
+                what: "allocating from an imported pool",
+                reason: "the driver only lets the exporting process allocate; allocate there and share the pointer with Buffer::export".into(),
+            });
+        }
+        stream.context().ensure_current()?;
+        let f = api()?.cuMemAllocFromPoolAsync()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer, live pool and stream, context current.
+        let code = unsafe { f(&mut ptr, bytes, self.raw.0, stream.as_raw()) };
+        match code {
+            sys::CUresult::CUDA_SUCCESS => Ok(ptr),
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory {
+                requested: bytes,
+                limit: self.max_size,
+                during: "cuMemAllocFromPoolAsync",
+            }),
+            code => Err(Error::driver(code, "cuMemAllocFromPoolAsync")),
+        }
+    }
+}
+
+/// An owned pool, destroyed when it and every buffer and route holding it are gone.
+///
+/// Buffers keep their pool alive, and so does a route the pool was made current for
+/// ([`crate::set_current_pool`]): the driver would otherwise fall back to the default pool
+/// behind the program's back. [`MemPool::destroy`] reports the driver's answer.
+#[derive(Clone, Debug)]
+pub struct MemPool(Pool);
+
+impl MemPool {
+    /// A builder for a pool serving `route`.
+    pub fn builder(route: Route) -> PoolBuilder {
+        PoolBuilder {
+            route,
+            handle_types: HandleTypes::NONE,
+            max_size: None,
+            hw_decompress: false,
+        }
+    }
+
+    /// A pool with default properties serving `route`.
+    pub fn new(route: Route) -> Result<Self> {
+        Self::builder(route).build()
+    }
+
+    /// Destroys the pool now and returns the driver's answer, if this is the last holder.
+    ///
+    /// Fails with [`Error::PoolInUse`] (leaving the pool alive) while buffers, clones or routes
+    /// still hold it.
+    pub fn destroy(self) -> Result<()> {
+        let Some(owner) = self.0.owner else {
+            return Ok(());
+        };
+        match Arc::try_unwrap(owner) {
+            Ok(owner) => {
+                let raw = owner.raw.0;
+                std::mem::forget(owner);
+                destroy_raw(raw)?;
+                tracing::debug!(pool = ?raw, "memory pool destroyed");
+                Ok(())
+            }
+            Err(shared) => Err(Error::PoolInUse {
+                holders: Arc::strong_count(&shared) - 1,
+            }),
+        }
+    }
+
+    /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
+    ///
+    /// Fails with [`Error::PoolInUse`] while other holders remain.
+    pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
+        let Some(owner) = self.0.owner else {
+            return Ok(self.0.raw.0);
+        };
+        match Arc::try_unwrap(owner) {
+            Ok(owner) => {
+                let raw = owner.raw.0;
+                std::mem::forget(owner);
+                Ok(raw)
+            }
+            Err(shared) => Err(Error::PoolInUse {
+                holders: Arc::strong_count(&shared) - 1,
+            }),
+        }
+    }
+
+    /// Takes ownership of a pool created elsewhere; it is destroyed when dropped.
+    ///
+    /// # Safety
+    /// `raw` must be a live pool serving `route` that nothing else destroys.
+    pub unsafe fn from_raw(raw: sys::CUmemoryPool, route: Route) -> Self {
+        Self(Pool::owned(raw, Some(route), None, false))
+    }
+}
+
+impl Deref for MemPool {
+    type Target = Pool;
+    fn deref(&self) -> &Pool {
+        &self.0
+    }
+}
+
+/// A pool this handle does not own: a route's default pool (which the driver owns and never
+/// destroys) or its current pool.
+///
+/// A current pool that this crate routed is kept alive by the route; one routed by other code
+/// through the raw API is that code's to keep alive.
+#[derive(Clone, Debug)]
+pub struct PoolRef(Pool);
+
+impl PoolRef {
+    pub(crate) fn new(pool: Pool) -> Self {
+        Self(pool)
+    }
+
+    /// Borrows a pool handle created elsewhere.
+    ///
+    /// # Safety
+    /// `raw` must be a live pool serving `route` (if given), and outlive every use of the result
+    /// and every buffer allocated from it.
+    pub unsafe fn from_raw(raw: sys::CUmemoryPool, route: Option<Route>) -> Self {
+        Self(Pool::borrowed(raw, route))
+    }
+}
+
+impl Deref for PoolRef {
+    type Target = Pool;
+    fn deref(&self) -> &Pool {
+        &self.0
+    }
+}
+
+/// Optional properties of a new pool; the route is required.
+#[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct PoolBuilder {
+    route: Route,
+    handle_types: HandleTypes,
+    max_size: Option<u64>,
+    hw_decompress: bool,
+}
+
+impl PoolBuilder {
+    /// Handle types the pool can export to other processes (default: none).
+    pub fn export_handle_types(mut self, types: HandleTypes) -> Self {
+        self.handle_types = types;
+        self
+    }
+
+    /// The most memory the pool may hold, in bytes; the driver rounds it up (to 32 MiB on the
+    /// H200). Pinned pools only: managed pools refuse it.
+    pub fn max_size(mut self, bytes: u64) -> Self {
+        self.max_size = Some(bytes);
+        self
+    }
+
+    /// Marks the pool's memory for the hardware decompression engine
+    /// (`CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS`).
+    pub fn hw_decompress(mut self, enabled: bool) -> Self {
+        self.hw_decompress = enabled;
+        self
+    }
+
+    /// The driver's `CUmemPoolProps` for these settings.
+    pub fn to_props(&self) -> Result<sys::CUmemPoolProps> {
+        let (location, alloc_type) = self.route.to_raw()?;
+        let max_size = match self.max_size {
+            Some(bytes) => usize::try_from(bytes).map_err(|_| Error::InvalidArgument {
+                what: "pool maximum size",
+                reason: format!("{bytes} bytes does not fit this platform's size_t"),
+            })?,
+            None => 0,
+        };
+        let usage = if self.hw_decompress {
+            sys::CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS as u16
+        } else {
+            0
+        };
+        Ok(sys::CUmemPoolProps {
+            allocType: alloc_type,
+            handleTypes: self.handle_types.to_raw(),
+            location,
+            maxSize: max_size,
+            usage,
+            ..Default::default()
+        })
+    }
+
+    /// Creates the pool.
+    ///
+    /// The driver's refusals come back as [`Error::PoolCreation`] with the reason where it is
+    /// known (managed pools take no maximum size and no export handles; host pools cannot
+    /// export file descriptors; host NUMA nodes must exist).
+    /// See [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn build(self) -> Result<MemPool> {
+        let props = self.to_props()?;
+        let f = api()?.cuMemPoolCreate()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and props.
+        let code = unsafe { f(&mut raw, &props) };
+        if code == sys::CUresult::CUDA_ERROR_INVALID_VALUE
+            || code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+        {
+            let (name, _) = crate::error::describe(code);
+            return Err(Error::PoolCreation {
+                route: self.route,
+                reason: format!("{} (driver: {name})", self.refusal_reason()),
+            });
+        }
+        check(code, "cuMemPoolCreate")?;
+        tracing::info!(route = %self.route, pool = ?raw, max_size = ?self.max_size, handle_types = %self.handle_types, "memory pool created");
+        Ok(MemPool(Pool::owned(
+            raw,
+            Some(self.route),
+            self.max_size,
+            false,
+        )))
+    }
+
+    /// The likeliest reason the driver refused these properties (from what drivers were seen to do).
+    fn refusal_reason(&self) -> String {
+        let managed = self.route.allocation_type == AllocationType::Managed;
+        if managed && self.max_size.is_some() {
+            return "managed pools take no maximum size; leave max_size unset".into();
+        }
+        if managed && !self.handle_types.is_empty() {
+            return "managed pools cannot export handles; create a pinned pool to share memory"
+                .into();
+        }
+        if self.route.location == Location::Host
+            && self
+                .handle_types
+                .contains(HandleTypes::POSIX_FILE_DESCRIPTOR)
+        {
+            return "host pools cannot export file descriptors; use a host NUMA node (Location::HostNuma) for a shareable host pool".into();
+        }
+        match self.route.location {
+            Location::HostNumaCurrent => "the driver does not create pools at the calling thread's NUMA node; name the node with Location::HostNuma".into(),
+            Location::HostNuma(node) => format!("the driver refused host NUMA node {node}; check that the node exists (Device::host_numa_id gives a device's nearest)"),
+            _ => format!("the driver refused these properties (handle types {}, max size {:?}, hw decompress {})", self.handle_types, self.max_size, self.hw_decompress),
+        }
+    }
+}
