@@ -1,1 +1,44 @@
-//! Shared helpers of the integration tests.
+//! Shared helpers of the integration tests: finding the GPU, and serialising tests that change
+//! process-global routing.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// The device-0 primary context, or `None` (with a note) where no driver is present.
+///
+/// With `CUMEMPOOL_REQUIRE_GPU=1` a missing driver fails the test instead: the GPU suite must
+/// never pass by skipping.
+pub fn gpu() -> Option<cumempool::Context> {
+    let found = cumempool::init()
+        .and_then(|()| cumempool::Device::get(0))
+        .and_then(|d| d.primary_context());
+    match found {
+        Ok(context) => Some(context),
+        Err(error) if std::env::var("CUMEMPOOL_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            panic!("CUMEMPOOL_REQUIRE_GPU=1 but no GPU is usable: {error}")
+        }
+        Err(error) => {
+            eprintln!("skipped: no CUDA GPU here ({error})");
+            None
+        }
+    }
+}
+
+/// A stream on device 0, with its context; `None` without a GPU (see [`gpu`]).
+pub fn gpu_stream() -> Option<cumempool::Stream> {
+    let context = gpu()?;
+    Some(cumempool::Stream::new(&context).unwrap_or_else(|e| panic!("creating a stream: {e}")))
+}
+
+static GLOBAL_STATE: Mutex<()> = Mutex::new(());
+
+/// Held by every test that changes (or depends on) process-global routing.
+pub fn routing_lock() -> MutexGuard<'static, ()> {
+    GLOBAL_STATE.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A deterministic byte pattern, different for each `seed`.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}

@@ -67,7 +67,17 @@ pub enum LoadError {
         /// The running driver's version.
         driver: i32,
     },
-    /// `cuGetProcAddress` refused a request for `function` at `requested`.
+    /// The driver has `function`, but not at the version asked for
+    /// (`CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT`).
+    VersionNotSufficient {
+        /// The function's base name.
+        function: String,
+        /// The CUDA version asked for.
+        requested: i32,
+        /// The running driver's version.
+        driver: i32,
+    },
+    /// `cuGetProcAddress` itself failed for `function` at `requested`.
     ResolveFailed {
         /// The function's base name.
         function: String,
@@ -75,7 +85,7 @@ pub enum LoadError {
         requested: i32,
         /// The running driver's version.
         driver: i32,
-        /// The `CUresult`, or the query result when the call itself succeeded.
+        /// The `CUresult`.
         code: u32,
     },
 }
@@ -105,6 +115,12 @@ impl fmt::Display for LoadError {
             Self::EntryPointNotFound { function, driver } => {
                 write!(f, "the CUDA {} driver does not provide {function}", version_label(*driver))
             }
+            Self::VersionNotSufficient { function, requested, driver } => write!(
+                f,
+                "the CUDA {} driver does not offer {function} at CUDA {}: the function is newer than that version",
+                version_label(*driver),
+                version_label(*requested)
+            ),
             Self::ResolveFailed { function, requested, driver, code } => write!(
                 f,
                 "cuGetProcAddress refused {function} at CUDA {} (code {code}); the running driver is CUDA {}, ask for a version no higher than that",
@@ -247,20 +263,15 @@ impl Driver {
         name: &CStr,
         cuda_version: i32,
     ) -> Result<NonNull<c_void>, LoadError> {
-        resolve(self.get_proc_address, name, cuda_version).map_err(|code| {
+        resolve(self.get_proc_address, name, cuda_version).map_err(|failure| {
             let function = name.to_string_lossy().into_owned();
-            if code == CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND.0 {
-                LoadError::EntryPointNotFound {
-                    function,
-                    driver: self.version,
+            let driver = self.version;
+            match failure {
+                Unresolved::Call(code) => LoadError::ResolveFailed { function, requested: cuda_version, driver, code: code.0 },
+                Unresolved::Query(q) if q == CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT => {
+                    LoadError::VersionNotSufficient { function, requested: cuda_version, driver }
                 }
-            } else {
-                LoadError::ResolveFailed {
-                    function,
-                    requested: cuda_version,
-                    driver: self.version,
-                    code,
-                }
+                Unresolved::Query(_) => LoadError::EntryPointNotFound { function, driver },
             }
         })
     }
@@ -289,28 +300,36 @@ unsafe fn bootstrap<T: Copy>(
         })
 }
 
-/// One `cuGetProcAddress` call; `Err` carries the `CUresult`, or the query result if that was
-/// the failure.
+/// Why `cuGetProcAddress` handed out no pointer. Its `CUresult` and its query result are both
+/// small integers (1 is INVALID_VALUE and SYMBOL_NOT_FOUND), so they are kept apart by type.
+enum Unresolved {
+    /// The call failed with this `CUresult`.
+    Call(CUresult),
+    /// The call succeeded but the query result says why there is no pointer.
+    Query(CUdriverProcAddressQueryResult),
+}
+
+/// One `cuGetProcAddress` call.
 fn resolve(
     get_proc_address: PFN_cuGetProcAddress,
     name: &CStr,
     version: i32,
-) -> Result<NonNull<c_void>, u32> {
+) -> Result<NonNull<c_void>, Unresolved> {
     let mut pointer: *mut c_void = ptr::null_mut();
     let mut found = CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     // SAFETY: valid C string and out-pointers; flags 0 is CU_GET_PROC_ADDRESS_DEFAULT.
     let code = unsafe { get_proc_address(name.as_ptr(), &mut pointer, version, 0, &mut found) };
     if code != CUresult::CUDA_SUCCESS {
-        return Err(code.0);
+        return Err(Unresolved::Call(code));
     }
     if found != CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SUCCESS {
-        return Err(found.0);
+        return Err(Unresolved::Query(found));
     }
-    NonNull::new(pointer)
-        .ok_or(CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND.0)
+    NonNull::new(pointer).ok_or(Unresolved::Query(
+        CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND,
+    ))
 }
 
-#[doc(hidden)]
 #[doc(hidden)]
 pub fn missing(function: &'static str, needs: i32, driver: i32) -> LoadError {
     if driver < needs {

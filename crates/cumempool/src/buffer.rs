@@ -2,7 +2,7 @@
 
 use crate::driver::api;
 use crate::error::{check, Error, Result};
-use crate::location::{Location, Route};
+use crate::location::{AllocationType, Location, Route};
 use crate::pool::Owner;
 use crate::stream::{Event, Stream};
 use cumempool_sys as sys;
@@ -163,9 +163,16 @@ impl Buffer {
         self.stream.synchronize()
     }
 
-    /// Sets every byte to `value`, ordered on the buffer's stream (does not wait).
+    /// Sets every byte to `value`, ordered on the buffer's stream.
+    ///
+    /// Device and managed memory are set by the device without waiting. Pinned host memory,
+    /// which the driver's memset refuses, is set by the host after the stream has finished.
     pub fn fill(&mut self, value: u8) -> Result<()> {
         if self.is_empty() {
+            return Ok(());
+        }
+        if self.route.location.is_host() && self.route.allocation_type == AllocationType::Pinned {
+            self.host_slice_mut()?.fill(value);
             return Ok(());
         }
         self.stream.context().ensure_current()?;

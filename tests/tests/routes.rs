@@ -1,0 +1,191 @@
+//! Location-keyed routing on the real driver: every route kind, the refusals of
+//! DRIVER-FACTS.md's table as typed errors, override and restore.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::{
+    current_pool, default_pool, is_default, set_current_pool, Error, Location, MemPool, Route,
+};
+use cumempool_tests::{gpu, routing_lock};
+
+const SERVED: [Route; 6] = [
+    Route::device(0),
+    Route::host(),
+    Route::host_numa(0),
+    Route::managed(Location::Device(0)),
+    Route::managed(Location::Host),
+    Route::managed(Location::Unspecified),
+];
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn every_route_kind_has_a_distinct_default_pool() {
+    let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let pools: Vec<_> = SERVED
+        .iter()
+        .map(|r| default_pool(*r).unwrap_or_else(|e| panic!("{r}: {e}")))
+        .collect();
+    for (i, a) in pools.iter().enumerate() {
+        assert_eq!(a.route(), Some(SERVED[i]));
+        for b in &pools[i + 1..] {
+            assert!(
+                !a.same_as(b),
+                "{:?} and {:?} share a pool",
+                a.route(),
+                b.route()
+            );
+        }
+        assert!(
+            is_default(SERVED[i]).unwrap(),
+            "{} starts on its default pool",
+            SERVED[i]
+        );
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn the_device_route_default_is_the_device_default_pool() {
+    let _gpu = gpu().expect("a GPU");
+    let driver = cumempool::sys::driver().unwrap();
+    let mut raw = std::ptr::null_mut();
+    let f = driver.cuDeviceGetDefaultMemPool().unwrap();
+    assert_eq!(
+        unsafe { f(&mut raw, 0) },
+        cumempool::sys::CUresult::CUDA_SUCCESS
+    );
+    assert_eq!(default_pool(Route::device(0)).unwrap().as_raw(), raw);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn refused_routes_are_typed_errors() {
+    let _gpu = gpu().expect("a GPU");
+    // Refused before the driver is called.
+    let unspecified_pinned = Route::new(Location::Unspecified, cumempool::AllocationType::Pinned);
+    assert!(matches!(
+        default_pool(unspecified_pinned),
+        Err(Error::InvalidRoute { .. })
+    ));
+    let count = cumempool::Device::count().unwrap();
+    match default_pool(Route::device(count)) {
+        Err(Error::InvalidDevice { ordinal, count: c }) => assert_eq!((ordinal, c), (count, count)),
+        other => panic!("expected InvalidDevice, got {other:?}"),
+    }
+    assert!(matches!(
+        default_pool(Route::host_numa(-1)),
+        Err(Error::InvalidRoute { .. })
+    ));
+    #[cfg(feature = "cuda-13020")]
+    assert!(matches!(
+        default_pool(Route::managed(Location::Invisible)),
+        Err(Error::InvalidRoute { .. })
+    ));
+    // Refused by the driver: (HOST_NUMA_CURRENT, PINNED) is CUDA_ERROR_NOT_SUPPORTED.
+    match default_pool(Route::new(
+        Location::HostNumaCurrent,
+        cumempool::AllocationType::Pinned,
+    )) {
+        Err(e @ Error::RouteRefused { .. }) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("CUDA_ERROR_NOT_SUPPORTED")
+                    && text.contains("host NUMA node of the calling thread"),
+                "{text}"
+            );
+            eprintln!("{text}");
+        }
+        other => panic!("expected RouteRefused, got {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_route_override_is_seen_and_restored_when_the_guard_drops() {
+    let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    for route in [
+        Route::device(0),
+        Route::host(),
+        Route::managed(Location::Unspecified),
+    ] {
+        let default = default_pool(route).unwrap();
+        let pool = MemPool::new(route).unwrap();
+        {
+            let guard = set_current_pool(route, &pool).unwrap();
+            assert!(
+                current_pool(route).unwrap().same_as(&pool),
+                "{route}: the override is current"
+            );
+            assert!(!is_default(route).unwrap());
+            assert_eq!(guard.route(), route);
+        }
+        assert!(
+            current_pool(route).unwrap().same_as(&default),
+            "{route}: the default is back"
+        );
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn cu_mem_alloc_async_follows_the_current_pool_of_the_device_route() {
+    let context = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let stream = cumempool::Stream::new(&context).unwrap();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let _guard = set_current_pool(Route::device(0), &pool).unwrap();
+    let driver = cumempool::sys::driver().unwrap();
+    let (alloc, free) = (
+        driver.cuMemAllocAsync().unwrap(),
+        driver.cuMemFreeAsync().unwrap(),
+    );
+    let mut ptr = 0;
+    assert_eq!(
+        unsafe { alloc(&mut ptr, 1 << 20, stream.as_raw()) },
+        cumempool::sys::CUresult::CUDA_SUCCESS
+    );
+    assert!(
+        pool.used_mem_current().unwrap() >= 1 << 20,
+        "the allocation came from the routed pool"
+    );
+    assert_eq!(
+        unsafe { free(ptr, stream.as_raw()) },
+        cumempool::sys::CUresult::CUDA_SUCCESS
+    );
+    stream.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn keep_makes_the_change_last_and_keeps_the_pool_alive() {
+    let context = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let route = Route::host();
+    let pool = MemPool::new(route).unwrap();
+    let raw = pool.as_raw();
+    set_current_pool(route, &pool).unwrap().keep();
+    drop(pool); // the route still holds it: the driver must not fall back to the default
+    let current = current_pool(route).unwrap();
+    assert_eq!(current.as_raw(), raw);
+    let stream = cumempool::Stream::new(&context).unwrap();
+    let mut buffer = current.alloc(4096, &stream).unwrap();
+    buffer.host_slice_mut().unwrap().fill(0x5a);
+    drop(buffer);
+    drop(current);
+    cumempool::reset_current_pool(route).unwrap();
+    assert!(is_default(route).unwrap());
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_pool_of_another_route_is_refused_before_the_driver() {
+    let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let host_pool = MemPool::new(Route::host()).unwrap();
+    match set_current_pool(Route::device(0), &host_pool) {
+        Err(e @ Error::PoolRouteMismatch { .. }) => eprintln!("{e}"),
+        other => panic!("expected PoolRouteMismatch, got {other:?}"),
+    }
+    assert!(is_default(Route::device(0)).unwrap());
+}
