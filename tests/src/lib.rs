@@ -8,9 +8,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 /// With `CUMEMPOOL_REQUIRE_GPU=1` a missing driver fails the test instead: the GPU suite must
 /// never pass by skipping.
 pub fn gpu() -> Option<cumempool::Context> {
-    let found = cumempool::init()
-        .and_then(|()| cumempool::Device::get(0))
-        .and_then(|d| d.primary_context());
+    let found = cumempool::init().and_then(|()| cumempool::Device::get(0)).and_then(|d| d.primary_context());
     match found {
         Ok(context) => Some(context),
         Err(error) if std::env::var("CUMEMPOOL_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
@@ -38,7 +36,5 @@ pub fn routing_lock() -> MutexGuard<'static, ()> {
 
 /// A deterministic byte pattern, different for each `seed`.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }

@@ -21,10 +21,7 @@ fn bytes_round_trip_through_every_route_kind() {
         let data = pattern(3 << 20, seed as u8);
         let mut buffer = pool.alloc(data.len(), &stream).unwrap();
         buffer.copy_from_host(&data).unwrap();
-        let mut device = default_pool(Route::device(0))
-            .unwrap()
-            .alloc(data.len(), &stream)
-            .unwrap();
+        let mut device = default_pool(Route::device(0)).unwrap().alloc(data.len(), &stream).unwrap();
         device.copy_from(&buffer).unwrap();
         let mut back = vec![0; data.len()];
         device.copy_to_host(&mut back).unwrap();
@@ -36,27 +33,18 @@ fn bytes_round_trip_through_every_route_kind() {
 #[ignore = "requires a CUDA GPU"]
 fn the_host_writes_host_and_managed_buffers_and_the_device_sees_it() {
     let stream = gpu_stream().expect("a GPU");
-    for route in [
-        Route::host(),
-        Route::host_numa(0),
-        Route::managed(Location::Device(0)),
-        Route::managed(Location::Unspecified),
-    ] {
+    for route in
+        [Route::host(), Route::host_numa(0), Route::managed(Location::Device(0)), Route::managed(Location::Unspecified)]
+    {
         let pool = MemPool::new(route).unwrap();
         let mut buffer = pool.alloc(1 << 20, &stream).unwrap();
         buffer.fill(0xee).unwrap();
-        assert!(
-            buffer.host_slice().unwrap().iter().all(|b| *b == 0xee),
-            "{route}: the device's fill is visible"
-        );
+        assert!(buffer.host_slice().unwrap().iter().all(|b| *b == 0xee), "{route}: the device's fill is visible");
         let data = pattern(1 << 20, 9);
         buffer.host_slice_mut().unwrap().copy_from_slice(&data);
         let mut back = vec![0; data.len()];
         buffer.copy_to_host(&mut back).unwrap();
-        assert_eq!(
-            back, data,
-            "{route}: the host's writes are visible to copies"
-        );
+        assert_eq!(back, data, "{route}: the host's writes are visible to copies");
     }
 }
 
@@ -64,14 +52,8 @@ fn the_host_writes_host_and_managed_buffers_and_the_device_sees_it() {
 #[ignore = "requires a CUDA GPU"]
 fn device_memory_is_not_handed_to_the_host() {
     let stream = gpu_stream().expect("a GPU");
-    let buffer = default_pool(Route::device(0))
-        .unwrap()
-        .alloc(4096, &stream)
-        .unwrap();
-    assert!(matches!(
-        buffer.host_slice(),
-        Err(Error::NotHostAccessible { .. })
-    ));
+    let buffer = default_pool(Route::device(0)).unwrap().alloc(4096, &stream).unwrap();
+    assert!(matches!(buffer.host_slice(), Err(Error::NotHostAccessible { .. })));
 }
 
 #[test]
@@ -83,8 +65,5 @@ fn zero_bytes_is_an_empty_buffer_without_a_driver_call() {
     assert!(buffer.is_empty() && buffer.as_raw() == 0);
     assert!(buffer.host_slice_mut().unwrap().is_empty());
     assert_eq!(pool.used_mem_current().unwrap(), 0);
-    assert!(matches!(
-        buffer.copy_from_host(&[1]),
-        Err(Error::InvalidArgument { .. })
-    ));
+    assert!(matches!(buffer.copy_from_host(&[1]), Err(Error::InvalidArgument { .. })));
 }

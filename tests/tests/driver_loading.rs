@@ -10,24 +10,13 @@ fn the_real_driver_loads_and_resolves_every_entry_point_it_is_new_enough_for() {
     cumempool_tests::gpu().expect("a GPU");
     let driver = sys::driver().expect("the driver loads");
     let version = driver.version();
-    eprintln!(
-        "driver {} (CUDA {}) from {}",
-        version,
-        sys::version_label(version),
-        driver.library_path()
-    );
-    assert!(
-        version >= 13000,
-        "the GPU machine runs CUDA 13.0 or newer, found {version}"
-    );
+    eprintln!("driver {} (CUDA {}) from {}", version, sys::version_label(version), driver.library_path());
+    assert!(version >= 13000, "the GPU machine runs CUDA 13.0 or newer, found {version}");
     let mut resolved = 0;
     for entry in sys::ENTRY_POINTS.iter().filter(|e| e.since <= version) {
         assert!(
             driver
-                .resolve_raw(
-                    &std::ffi::CString::new(entry.name).unwrap(),
-                    sys::BINDINGS_VERSION.min(version)
-                )
+                .resolve_raw(&std::ffi::CString::new(entry.name).unwrap(), sys::BINDINGS_VERSION.min(version))
                 .is_ok(),
             "{} did not resolve",
             entry.name
@@ -36,20 +25,11 @@ fn the_real_driver_loads_and_resolves_every_entry_point_it_is_new_enough_for() {
     }
     // The table itself: every accessor hands out a pointer.
     assert!(
-        driver.cuMemGetMemPool().is_ok()
-            && driver.cuMemSetMemPool().is_ok()
-            && driver.cuMemGetDefaultMemPool().is_ok()
+        driver.cuMemGetMemPool().is_ok() && driver.cuMemSetMemPool().is_ok() && driver.cuMemGetDefaultMemPool().is_ok()
     );
     assert!(driver.cuMemAllocFromPoolAsync().is_ok() && driver.cuCtxGetDevice().is_ok());
-    eprintln!(
-        "resolved {resolved} of {} entry points",
-        sys::ENTRY_POINTS.len()
-    );
-    assert_eq!(
-        resolved,
-        sys::ENTRY_POINTS.len(),
-        "the bindings need nothing newer than 13.0"
-    );
+    eprintln!("resolved {resolved} of {} entry points", sys::ENTRY_POINTS.len());
+    assert_eq!(resolved, sys::ENTRY_POINTS.len(), "the bindings need nothing newer than 13.0");
 }
 
 #[test]
@@ -58,55 +38,24 @@ fn asking_for_a_version_the_driver_lacks_is_a_typed_error() {
     cumempool_tests::gpu().expect("a GPU");
     let driver = sys::driver().expect("the driver loads");
     // cuMemGetMemPool is new in 13.0: asked at 12.0 the driver says VERSION_NOT_SUFFICIENT.
-    let error = driver
-        .resolve_raw(c"cuMemGetMemPool", 12000)
-        .expect_err("not in 12.0");
-    assert!(
-        matches!(
-            error,
-            sys::LoadError::VersionNotSufficient {
-                requested: 12000,
-                ..
-            }
-        ),
-        "{error:?}"
-    );
+    let error = driver.resolve_raw(c"cuMemGetMemPool", 12000).expect_err("not in 12.0");
+    assert!(matches!(error, sys::LoadError::VersionNotSufficient { requested: 12000, .. }), "{error:?}");
     eprintln!("cuMemGetMemPool at 12.0: {error}");
     if driver.version() < 13020 {
         // A 13.0 driver refuses every request made for 13.2, even for old functions.
-        let error = driver
-            .resolve_raw(c"cuMemAllocAsync", 13020)
-            .expect_err("above the driver");
-        assert!(
-            matches!(
-                error,
-                sys::LoadError::ResolveFailed {
-                    requested: 13020,
-                    code: 1,
-                    ..
-                }
-            ),
-            "{error:?}"
-        );
+        let error = driver.resolve_raw(c"cuMemAllocAsync", 13020).expect_err("above the driver");
+        assert!(matches!(error, sys::LoadError::ResolveFailed { requested: 13020, code: 1, .. }), "{error:?}");
         let text = error.to_string();
         assert!(text.contains("13.2") && text.contains("13.0"), "{text}");
         eprintln!("cuMemAllocAsync at 13.2: {text}");
     }
-    let error = driver
-        .resolve_raw(c"cuNoSuchFunction", 13000)
-        .expect_err("no such function");
-    assert!(
-        matches!(error, sys::LoadError::EntryPointNotFound { .. }),
-        "{error:?}"
-    );
+    let error = driver.resolve_raw(c"cuNoSuchFunction", 13000).expect_err("no such function");
+    assert!(matches!(error, sys::LoadError::EntryPointNotFound { .. }), "{error:?}");
 }
 
 #[test]
 fn without_a_library_loading_fails_cleanly() {
     let error = sys::Driver::open("/no/such/libcuda.so.1").expect_err("no library there");
     let text = error.to_string();
-    assert!(
-        text.contains("/no/such/libcuda.so.1") && text.contains(sys::LIBCUDA_ENV),
-        "{text}"
-    );
+    assert!(text.contains("/no/such/libcuda.so.1") && text.contains(sys::LIBCUDA_ENV), "{text}");
 }

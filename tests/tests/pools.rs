@@ -3,8 +3,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{
-    default_pool, Access, Device, DriverVersion, Error, HandleTypes, Location, MemPool, Pool,
-    PoolAttribute, Route, Stream,
+    default_pool, Access, Device, DriverVersion, Error, HandleTypes, Location, MemPool, Pool, PoolAttribute, Route,
+    Stream,
 };
 use cumempool_tests::{gpu, gpu_stream};
 
@@ -15,8 +15,7 @@ fn pools_are_created_for_every_creatable_route() {
     let creatable = [
         MemPool::builder(Route::device(0)),
         MemPool::builder(Route::host()),
-        MemPool::builder(Route::host_numa(0))
-            .export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR),
+        MemPool::builder(Route::host_numa(0)).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR),
         MemPool::builder(Route::device(0)).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR),
         MemPool::builder(Route::device(0)).max_size(1 << 30),
         MemPool::builder(Route::device(0)).hw_decompress(true),
@@ -25,9 +24,7 @@ fn pools_are_created_for_every_creatable_route() {
     ];
     for builder in creatable {
         let description = format!("{builder:?}");
-        let pool = builder
-            .build()
-            .unwrap_or_else(|e| panic!("{description}: {e}"));
+        let pool = builder.build().unwrap_or_else(|e| panic!("{description}: {e}"));
         assert!(pool.route().is_some());
         pool.destroy().unwrap();
     }
@@ -38,26 +35,14 @@ fn pools_are_created_for_every_creatable_route() {
 fn refused_pool_creations_say_why() {
     let _gpu = gpu().expect("a GPU");
     let refused = [
-        (
-            MemPool::builder(Route::managed(Location::Unspecified)).max_size(1 << 30),
-            "maximum size",
-        ),
+        (MemPool::builder(Route::managed(Location::Unspecified)).max_size(1 << 30), "maximum size"),
         (
             MemPool::builder(Route::managed(Location::Device(0)))
                 .export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR),
             "export",
         ),
-        (
-            MemPool::builder(Route::host()).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR),
-            "host NUMA node",
-        ),
-        (
-            MemPool::builder(Route::new(
-                Location::HostNumaCurrent,
-                cumempool::AllocationType::Pinned,
-            )),
-            "calling thread",
-        ),
+        (MemPool::builder(Route::host()).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR), "host NUMA node"),
+        (MemPool::builder(Route::new(Location::HostNumaCurrent, cumempool::AllocationType::Pinned)), "calling thread"),
         (MemPool::builder(Route::host_numa(7)), "node 7"),
     ];
     for (builder, reason) in refused {
@@ -76,17 +61,10 @@ fn refused_pool_creations_say_why() {
 #[ignore = "requires a CUDA GPU"]
 fn the_maximum_size_turns_into_a_typed_out_of_memory() {
     let stream = gpu_stream().expect("a GPU");
-    let pool = MemPool::builder(Route::device(0))
-        .max_size(1 << 30)
-        .build()
-        .unwrap();
+    let pool = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();
     let first = pool.alloc(512 << 20, &stream).unwrap();
     match pool.alloc(1 << 30, &stream) {
-        Err(
-            e @ Error::OutOfMemory {
-                requested, limit, ..
-            },
-        ) => {
+        Err(e @ Error::OutOfMemory { requested, limit, .. }) => {
             assert_eq!((requested, limit), (1 << 30, Some(1 << 30)));
             assert!(e.to_string().contains("maximum size"), "{e}");
         }
@@ -101,10 +79,7 @@ fn the_maximum_size_turns_into_a_typed_out_of_memory() {
 fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
     let stream = gpu_stream().expect("a GPU");
     let version = cumempool::driver_version().unwrap();
-    let pool = MemPool::builder(Route::device(0))
-        .max_size(1 << 30)
-        .build()
-        .unwrap();
+    let pool = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();
     let buffer = pool.alloc(64 << 20, &stream).unwrap();
     stream.synchronize().unwrap();
     for (attribute, value) in pool.attributes() {
@@ -116,16 +91,10 @@ fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
                 Err(e @ Error::DriverTooOld { needs, found, .. }) => {
                     assert_eq!((needs, found), (DriverVersion::CUDA_13_2.0, version.0));
                     let text = e.to_string();
-                    assert!(
-                        text.contains(attribute.name()) && text.contains("13.2"),
-                        "{text}"
-                    );
+                    assert!(text.contains(attribute.name()) && text.contains("13.2"), "{text}");
                     eprintln!("{text}");
                 }
-                other => panic!(
-                    "{} on driver {version}: expected DriverTooOld, got {other:?}",
-                    attribute.name()
-                ),
+                other => panic!("{} on driver {version}: expected DriverTooOld, got {other:?}", attribute.name()),
             }
         }
     }
@@ -138,24 +107,14 @@ fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
     assert_eq!(pool.used_mem_high().unwrap(), 0);
     pool.trim_to(0).unwrap();
     pool.reset_reserved_mem_high().unwrap();
-    assert_eq!(
-        pool.reserved_mem_current().unwrap(),
-        0,
-        "trimmed to nothing"
-    );
+    assert_eq!(pool.reserved_mem_current().unwrap(), 0, "trimmed to nothing");
     for (get, set) in [
         (
             Pool::reuse_follow_event_dependencies as fn(&Pool) -> _,
             Pool::set_reuse_follow_event_dependencies as fn(&Pool, bool) -> _,
         ),
-        (
-            Pool::reuse_allow_opportunistic,
-            Pool::set_reuse_allow_opportunistic,
-        ),
-        (
-            Pool::reuse_allow_internal_dependencies,
-            Pool::set_reuse_allow_internal_dependencies,
-        ),
+        (Pool::reuse_allow_opportunistic, Pool::set_reuse_allow_opportunistic),
+        (Pool::reuse_allow_internal_dependencies, Pool::set_reuse_allow_internal_dependencies),
     ] {
         let before = get(&pool).unwrap();
         set(&pool, !before).unwrap();
@@ -167,59 +126,29 @@ fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
     if version >= DriverVersion::CUDA_13_2 {
         assert_eq!(pool.max_pool_size().unwrap(), 1 << 30);
         assert_eq!(pool.location_attribute().unwrap(), Location::Device(0));
-        assert_eq!(
-            pool.allocation_type_attribute().unwrap(),
-            cumempool::AllocationType::Pinned
-        );
+        assert_eq!(pool.allocation_type_attribute().unwrap(), cumempool::AllocationType::Pinned);
     } else {
-        assert!(matches!(
-            pool.max_pool_size(),
-            Err(Error::DriverTooOld { .. })
-        ));
-        assert!(matches!(
-            pool.hw_decompress_enabled(),
-            Err(Error::DriverTooOld { .. })
-        ));
-        assert!(matches!(
-            pool.export_handle_types(),
-            Err(Error::DriverTooOld { .. })
-        ));
+        assert!(matches!(pool.max_pool_size(), Err(Error::DriverTooOld { .. })));
+        assert!(matches!(pool.hw_decompress_enabled(), Err(Error::DriverTooOld { .. })));
+        assert!(matches!(pool.export_handle_types(), Err(Error::DriverTooOld { .. })));
     }
     // location() and allocation_type() work on any driver for pools this process created.
     assert_eq!(pool.location().unwrap(), Location::Device(0));
-    assert_eq!(
-        pool.allocation_type().unwrap(),
-        cumempool::AllocationType::Pinned
-    );
-    assert_eq!(
-        PoolAttribute::ALL.len(),
-        if cfg!(feature = "cuda-13020") { 14 } else { 8 }
-    );
+    assert_eq!(pool.allocation_type().unwrap(), cumempool::AllocationType::Pinned);
+    assert_eq!(PoolAttribute::ALL.len(), if cfg!(feature = "cuda-13020") { 14 } else { 8 });
 }
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn looking_up_a_default_pool_changes_none_of_its_attributes() {
     let _gpu = gpu().expect("a GPU");
-    let before: Vec<_> = default_pool(Route::device(0))
-        .unwrap()
-        .attributes()
-        .into_iter()
-        .map(|(a, v)| (a, v.ok()))
-        .collect();
+    let before: Vec<_> =
+        default_pool(Route::device(0)).unwrap().attributes().into_iter().map(|(a, v)| (a, v.ok())).collect();
     let again = default_pool(Route::device(0)).unwrap();
     let _ = cumempool::current_pool(Route::device(0)).unwrap();
     for (attribute, value) in before {
-        if matches!(
-            attribute,
-            PoolAttribute::ReleaseThreshold | PoolAttribute::ReuseAllowOpportunistic
-        ) {
-            assert_eq!(
-                again.attribute(attribute).ok(),
-                value,
-                "{} changed on lookup",
-                attribute.name()
-            );
+        if matches!(attribute, PoolAttribute::ReleaseThreshold | PoolAttribute::ReuseAllowOpportunistic) {
+            assert_eq!(again.attribute(attribute).ok(), value, "{} changed on lookup", attribute.name());
         }
     }
 }
@@ -249,10 +178,7 @@ fn access_of_the_owning_device_is_read_write_and_cannot_be_lowered() {
     let pool = MemPool::new(Route::device(0)).unwrap();
     assert_eq!(pool.access(device).unwrap(), Access::ReadWrite);
     assert_eq!(pool.access_from(Location::Host).unwrap(), Access::None);
-    assert!(matches!(
-        pool.set_access(device, Access::Read),
-        Err(Error::InvalidArgument { .. })
-    ));
+    assert!(matches!(pool.set_access(device, Access::Read), Err(Error::InvalidArgument { .. })));
     pool.set_access(device, Access::ReadWrite).unwrap();
 }
 
@@ -275,11 +201,7 @@ fn sixteen_threads_allocate_and_free_on_one_pool() {
             });
         }
     });
-    assert_eq!(
-        pool.used_mem_current().unwrap(),
-        0,
-        "every allocation was freed"
-    );
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "every allocation was freed");
 }
 
 #[test]
@@ -289,10 +211,7 @@ fn device_facts_are_readable() {
     let device = Device::get(0).unwrap();
     assert!(!device.name().unwrap().is_empty());
     assert!(device.supports_memory_pools().unwrap());
-    assert!(device
-        .supported_handle_types()
-        .unwrap()
-        .contains(HandleTypes::POSIX_FILE_DESCRIPTOR));
+    assert!(device.supported_handle_types().unwrap().contains(HandleTypes::POSIX_FILE_DESCRIPTOR));
     eprintln!(
         "{}: host pools {}, host NUMA pools {}, NUMA id {:?}, handle types {}",
         device.name().unwrap(),

@@ -2,9 +2,7 @@
 //! DRIVER-FACTS.md's table as typed errors, override and restore.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::{
-    current_pool, default_pool, is_default, set_current_pool, Error, Location, MemPool, Route,
-};
+use cumempool::{current_pool, default_pool, is_default, set_current_pool, Error, Location, MemPool, Route};
 use cumempool_tests::{gpu, routing_lock};
 
 const SERVED: [Route; 6] = [
@@ -21,25 +19,13 @@ const SERVED: [Route; 6] = [
 fn every_route_kind_has_a_distinct_default_pool() {
     let _gpu = gpu().expect("a GPU");
     let _lock = routing_lock();
-    let pools: Vec<_> = SERVED
-        .iter()
-        .map(|r| default_pool(*r).unwrap_or_else(|e| panic!("{r}: {e}")))
-        .collect();
+    let pools: Vec<_> = SERVED.iter().map(|r| default_pool(*r).unwrap_or_else(|e| panic!("{r}: {e}"))).collect();
     for (i, a) in pools.iter().enumerate() {
         assert_eq!(a.route(), Some(SERVED[i]));
         for b in &pools[i + 1..] {
-            assert!(
-                !a.same_as(b),
-                "{:?} and {:?} share a pool",
-                a.route(),
-                b.route()
-            );
+            assert!(!a.same_as(b), "{:?} and {:?} share a pool", a.route(), b.route());
         }
-        assert!(
-            is_default(SERVED[i]).unwrap(),
-            "{} starts on its default pool",
-            SERVED[i]
-        );
+        assert!(is_default(SERVED[i]).unwrap(), "{} starts on its default pool", SERVED[i]);
     }
 }
 
@@ -50,10 +36,7 @@ fn the_device_route_default_is_the_device_default_pool() {
     let driver = cumempool::sys::driver().unwrap();
     let mut raw = std::ptr::null_mut();
     let f = driver.cuDeviceGetDefaultMemPool().unwrap();
-    assert_eq!(
-        unsafe { f(&mut raw, 0) },
-        cumempool::sys::CUresult::CUDA_SUCCESS
-    );
+    assert_eq!(unsafe { f(&mut raw, 0) }, cumempool::sys::CUresult::CUDA_SUCCESS);
     assert_eq!(default_pool(Route::device(0)).unwrap().as_raw(), raw);
 }
 
@@ -63,34 +46,21 @@ fn refused_routes_are_typed_errors() {
     let _gpu = gpu().expect("a GPU");
     // Refused before the driver is called.
     let unspecified_pinned = Route::new(Location::Unspecified, cumempool::AllocationType::Pinned);
-    assert!(matches!(
-        default_pool(unspecified_pinned),
-        Err(Error::InvalidRoute { .. })
-    ));
+    assert!(matches!(default_pool(unspecified_pinned), Err(Error::InvalidRoute { .. })));
     let count = cumempool::Device::count().unwrap();
     match default_pool(Route::device(count)) {
         Err(Error::InvalidDevice { ordinal, count: c }) => assert_eq!((ordinal, c), (count, count)),
         other => panic!("expected InvalidDevice, got {other:?}"),
     }
-    assert!(matches!(
-        default_pool(Route::host_numa(-1)),
-        Err(Error::InvalidRoute { .. })
-    ));
+    assert!(matches!(default_pool(Route::host_numa(-1)), Err(Error::InvalidRoute { .. })));
     #[cfg(feature = "cuda-13020")]
-    assert!(matches!(
-        default_pool(Route::managed(Location::Invisible)),
-        Err(Error::InvalidRoute { .. })
-    ));
+    assert!(matches!(default_pool(Route::managed(Location::Invisible)), Err(Error::InvalidRoute { .. })));
     // Refused by the driver: (HOST_NUMA_CURRENT, PINNED) is CUDA_ERROR_NOT_SUPPORTED.
-    match default_pool(Route::new(
-        Location::HostNumaCurrent,
-        cumempool::AllocationType::Pinned,
-    )) {
+    match default_pool(Route::new(Location::HostNumaCurrent, cumempool::AllocationType::Pinned)) {
         Err(e @ Error::RouteRefused { .. }) => {
             let text = e.to_string();
             assert!(
-                text.contains("CUDA_ERROR_NOT_SUPPORTED")
-                    && text.contains("host NUMA node of the calling thread"),
+                text.contains("CUDA_ERROR_NOT_SUPPORTED") && text.contains("host NUMA node of the calling thread"),
                 "{text}"
             );
             eprintln!("{text}");
@@ -104,26 +74,16 @@ fn refused_routes_are_typed_errors() {
 fn a_route_override_is_seen_and_restored_when_the_guard_drops() {
     let _gpu = gpu().expect("a GPU");
     let _lock = routing_lock();
-    for route in [
-        Route::device(0),
-        Route::host(),
-        Route::managed(Location::Unspecified),
-    ] {
+    for route in [Route::device(0), Route::host(), Route::managed(Location::Unspecified)] {
         let default = default_pool(route).unwrap();
         let pool = MemPool::new(route).unwrap();
         {
             let guard = set_current_pool(route, &pool).unwrap();
-            assert!(
-                current_pool(route).unwrap().same_as(&pool),
-                "{route}: the override is current"
-            );
+            assert!(current_pool(route).unwrap().same_as(&pool), "{route}: the override is current");
             assert!(!is_default(route).unwrap());
             assert_eq!(guard.route(), route);
         }
-        assert!(
-            current_pool(route).unwrap().same_as(&default),
-            "{route}: the default is back"
-        );
+        assert!(current_pool(route).unwrap().same_as(&default), "{route}: the default is back");
     }
 }
 
@@ -136,23 +96,11 @@ fn cu_mem_alloc_async_follows_the_current_pool_of_the_device_route() {
     let pool = MemPool::new(Route::device(0)).unwrap();
     let _guard = set_current_pool(Route::device(0), &pool).unwrap();
     let driver = cumempool::sys::driver().unwrap();
-    let (alloc, free) = (
-        driver.cuMemAllocAsync().unwrap(),
-        driver.cuMemFreeAsync().unwrap(),
-    );
+    let (alloc, free) = (driver.cuMemAllocAsync().unwrap(), driver.cuMemFreeAsync().unwrap());
     let mut ptr = 0;
-    assert_eq!(
-        unsafe { alloc(&mut ptr, 1 << 20, stream.as_raw()) },
-        cumempool::sys::CUresult::CUDA_SUCCESS
-    );
-    assert!(
-        pool.used_mem_current().unwrap() >= 1 << 20,
-        "the allocation came from the routed pool"
-    );
-    assert_eq!(
-        unsafe { free(ptr, stream.as_raw()) },
-        cumempool::sys::CUresult::CUDA_SUCCESS
-    );
+    assert_eq!(unsafe { alloc(&mut ptr, 1 << 20, stream.as_raw()) }, cumempool::sys::CUresult::CUDA_SUCCESS);
+    assert!(pool.used_mem_current().unwrap() >= 1 << 20, "the allocation came from the routed pool");
+    assert_eq!(unsafe { free(ptr, stream.as_raw()) }, cumempool::sys::CUresult::CUDA_SUCCESS);
     stream.synchronize().unwrap();
 }
 

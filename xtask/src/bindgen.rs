@@ -22,40 +22,20 @@ pub struct Options {
 
 impl Options {
     pub fn parse(args: &[String]) -> Result<Self, String> {
-        let mut options = Options {
-            cuda: None,
-            header: None,
-            check: false,
-        };
+        let mut options = Options { cuda: None, header: None, check: false };
         let mut args = args.iter();
         while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--check" => options.check = true,
-                "--cuda" => {
-                    options.cuda = Some(
-                        args.next()
-                            .ok_or("--cuda needs a version: 13.0 or 13.2")?
-                            .clone(),
-                    )
-                }
-                "--header" => {
-                    options.header =
-                        Some(args.next().ok_or("--header needs a path to cuda.h")?.into())
-                }
-                other => {
-                    return Err(format!(
-                        "unknown argument `{other}` (see `cargo xtask help`)"
-                    ))
-                }
+                "--cuda" => options.cuda = Some(args.next().ok_or("--cuda needs a version: 13.0 or 13.2")?.clone()),
+                "--header" => options.header = Some(args.next().ok_or("--header needs a path to cuda.h")?.into()),
+                other => return Err(format!("unknown argument `{other}` (see `cargo xtask help`)")),
             }
         }
         if let Some(cuda) = &options.cuda {
             if !headers::PINNED.iter().any(|p| p.label == cuda) {
                 let known: Vec<_> = headers::PINNED.iter().map(|p| p.label).collect();
-                return Err(format!(
-                    "--cuda {cuda} is not pinned; pinned versions: {}",
-                    known.join(", ")
-                ));
+                return Err(format!("--cuda {cuda} is not pinned; pinned versions: {}", known.join(", ")));
             }
         }
         Ok(options)
@@ -164,12 +144,8 @@ const VARS: &[&str] = &["CUDA_VERSION", "CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS"
 
 /// Enums that grow between releases: each gets a `<typedef>_MEMBERS` list of every member, so
 /// the safe layer can test that it maps (or deliberately leaves out) each one.
-const GROWING_ENUMS: &[&str] = &[
-    "CUmemLocationType",
-    "CUmemAllocationType",
-    "CUmemPool_attribute",
-    "CUmemAllocationHandleType",
-];
+const GROWING_ENUMS: &[&str] =
+    &["CUmemLocationType", "CUmemAllocationType", "CUmemPool_attribute", "CUmemAllocationHandleType"];
 
 pub fn run(options: &Options) -> Result<(), String> {
     let root = crate::workspace_root();
@@ -192,16 +168,12 @@ pub fn run(options: &Options) -> Result<(), String> {
         if options.check {
             let committed = std::fs::read_to_string(&path).unwrap_or_default();
             if committed != generated {
-                stale.push(format!(
-                    "{relative} ({})",
-                    first_difference(&committed, &generated)
-                ));
+                stale.push(format!("{relative} ({})", first_difference(&committed, &generated)));
             } else {
                 eprintln!("{relative} is up to date");
             }
         } else {
-            std::fs::write(&path, &generated)
-                .map_err(|e| format!("writing {}: {e}", path.display()))?;
+            std::fs::write(&path, &generated).map_err(|e| format!("writing {}: {e}", path.display()))?;
             eprintln!("wrote {relative} ({} lines)", generated.lines().count());
         }
     }
@@ -219,10 +191,7 @@ fn first_difference(committed: &str, generated: &str) -> String {
     if committed.is_empty() {
         return "missing".into();
     }
-    let line = committed
-        .lines()
-        .zip(generated.lines())
-        .position(|(a, b)| a != b);
+    let line = committed.lines().zip(generated.lines()).position(|(a, b)| a != b);
     match line {
         Some(n) => format!("first difference at line {}", n + 1),
         None => "lengths differ".into(),
@@ -241,10 +210,7 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
         .allowlist_type(anchored(TYPES, "(_enum|_st)?"))
         .allowlist_var(anchored(VARS, ""))
         // A newer driver may write back enum values these headers do not know: newtypes, not enums.
-        .default_enum_style(bindgen::EnumVariation::NewType {
-            is_bitfield: false,
-            is_global: false,
-        })
+        .default_enum_style(bindgen::EnumVariation::NewType { is_bitfield: false, is_global: false })
         .bitfield_enum("CUmemAllocationHandleType_enum")
         .use_core()
         .ctypes_prefix("::core::ffi")
@@ -260,8 +226,7 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
         .generate()
         .map_err(|e| format!("bindgen failed on {}: {e}", headers.cuda_h.display()))?;
     let abi_versions = abi_versions(&headers.typedefs_h)?;
-    let file = syn::parse_file(&bindings.to_string())
-        .map_err(|e| format!("parsing bindgen's output: {e}"))?;
+    let file = syn::parse_file(&bindings.to_string()).map_err(|e| format!("parsing bindgen's output: {e}"))?;
 
     // Where cuda.h declares a base name more than once (`cuCtxGetDevice` and `cuCtxGetDevice_v2`),
     // the highest suffix is the newest ABI, which is what cuGetProcAddress hands out for it.
@@ -278,9 +243,7 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
             };
             let symbol = function.sig.ident.to_string();
             let (base, suffix) = split_version(&symbol);
-            let newer = declarations
-                .get(base)
-                .is_none_or(|(known, _)| suffix > *known);
+            let newer = declarations.get(base).is_none_or(|(known, _)| suffix > *known);
             if newer {
                 declarations.insert(base.to_string(), (suffix, function));
             }
@@ -291,31 +254,22 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
     }
     let mut entry_points = BTreeMap::new();
     for (base, (_, function)) in &declarations {
-        let since = *abi_versions.get(base).ok_or_else(|| {
-            format!("{base} has no PFN typedef in cudaTypedefs.h: its ABI version is unknown")
-        })?;
+        let since = *abi_versions
+            .get(base)
+            .ok_or_else(|| format!("{base} has no PFN typedef in cudaTypedefs.h: its ABI version is unknown"))?;
         let inputs = &function.sig.inputs;
         let output = &function.sig.output;
         let alias = format_ident!("PFN_{}", base);
-        let doc = format!(
-            " `{base}` as the driver hands it out for CUDA {} and later.",
-            version_label(since)
-        );
+        let doc = format!(" `{base}` as the driver hands it out for CUDA {} and later.", version_label(since));
         items.push(syn::parse_quote! {
             #[doc = #doc]
             pub type #alias = unsafe extern "C" fn(#inputs) #output;
         });
         entry_points.insert(base.clone(), since);
     }
-    let missing: Vec<_> = FUNCTIONS
-        .iter()
-        .filter(|f| !entry_points.contains_key(**f))
-        .collect();
+    let missing: Vec<_> = FUNCTIONS.iter().filter(|f| !entry_points.contains_key(**f)).collect();
     if !missing.is_empty() {
-        return Err(format!(
-            "cuda.h {} does not declare {missing:?}",
-            headers.cuda_h.display()
-        ));
+        return Err(format!("cuda.h {} does not declare {missing:?}", headers.cuda_h.display()));
     }
     let body = quote! { #(#items)* }.to_string();
     let mut text = format!(
@@ -367,9 +321,7 @@ fn members_list(items: &[syn::Item], typedef: &str) -> Result<syn::Item, String>
 /// `cuMemcpyHtoDAsync_v2` -> (`cuMemcpyHtoDAsync`, 2); an unsuffixed name is version 1.
 fn split_version(symbol: &str) -> (&str, u32) {
     match symbol.rsplit_once("_v") {
-        Some((base, digits))
-            if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) =>
-        {
+        Some((base, digits)) if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => {
             (base, digits.parse().unwrap_or(1))
         }
         _ => (symbol, 1),
@@ -384,12 +336,8 @@ fn version_label(version: u32) -> String {
 /// typedefs, which is the ABI cuda.h declares. The legacy section (`__CUDA_API_VERSION_INTERNAL`)
 /// and the per-thread-stream variants are not what cuda.h declares, so they are skipped.
 fn abi_versions(typedefs_h: &Path) -> Result<BTreeMap<String, u32>, String> {
-    let text = std::fs::read_to_string(typedefs_h)
-        .map_err(|e| format!("reading {}: {e}", typedefs_h.display()))?;
-    let current = text
-        .split("#if defined(__CUDA_API_VERSION_INTERNAL)")
-        .next()
-        .unwrap_or(&text);
+    let text = std::fs::read_to_string(typedefs_h).map_err(|e| format!("reading {}: {e}", typedefs_h.display()))?;
+    let current = text.split("#if defined(__CUDA_API_VERSION_INTERNAL)").next().unwrap_or(&text);
     let mut versions = BTreeMap::new();
     for line in current.lines() {
         let Some((_, rest)) = line.split_once("(CUDAAPI *PFN_") else {
@@ -424,24 +372,14 @@ fn rustfmt(root: &Path, text: &str) -> Result<String, String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| {
-            format!("running rustfmt: {e} (install it with `rustup component add rustfmt`)")
-        })?;
+        .map_err(|e| format!("running rustfmt: {e} (install it with `rustup component add rustfmt`)"))?;
     let mut stdin = child.stdin.take().ok_or("rustfmt has no stdin")?;
     let input = text.to_owned();
     let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
-    let output = child
-        .wait_with_output()
-        .map_err(|e| format!("waiting for rustfmt: {e}"))?;
-    writer
-        .join()
-        .map_err(|_| "writing to rustfmt panicked")?
-        .map_err(|e| format!("writing to rustfmt: {e}"))?;
+    let output = child.wait_with_output().map_err(|e| format!("waiting for rustfmt: {e}"))?;
+    writer.join().map_err(|_| "writing to rustfmt panicked")?.map_err(|e| format!("writing to rustfmt: {e}"))?;
     if !output.status.success() {
-        return Err(format!(
-            "rustfmt failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
+        return Err(format!("rustfmt failed: {}", String::from_utf8_lossy(&output.stderr)));
     }
     String::from_utf8(output.stdout).map_err(|e| format!("rustfmt wrote invalid UTF-8: {e}"))
 }
@@ -452,10 +390,7 @@ mod tests {
 
     #[test]
     fn base_names_drop_only_version_suffixes() {
-        assert_eq!(
-            split_version("cuMemcpyHtoDAsync_v2"),
-            ("cuMemcpyHtoDAsync", 2)
-        );
+        assert_eq!(split_version("cuMemcpyHtoDAsync_v2"), ("cuMemcpyHtoDAsync", 2));
         assert_eq!(split_version("cuCtxCreate_v4"), ("cuCtxCreate", 4));
         assert_eq!(split_version("cuMemAllocAsync"), ("cuMemAllocAsync", 1));
         assert_eq!(split_version("cuMemPool_vx"), ("cuMemPool_vx", 1));

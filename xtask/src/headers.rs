@@ -44,10 +44,7 @@ pub struct Headers {
 const WHEEL_INCLUDE: &str = "nvidia/cu13/include/";
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Fetches the pinned wheel into `target/cuda-headers/<version>/` (once), checks its sha256 and
@@ -61,11 +58,7 @@ pub fn pinned(root: &Path, pin: &PinnedCuda) -> Result<Headers, String> {
         pin.label, pin.wheel_requirement, pin.cuda_h_sha256
     );
     if file_has_sha(&cuda_h, pin.cuda_h_sha256) && typedefs_h.is_file() {
-        return Ok(Headers {
-            cuda_h,
-            typedefs_h,
-            provenance,
-        });
+        return Ok(Headers { cuda_h, typedefs_h, provenance });
     }
     std::fs::create_dir_all(&cache).map_err(|e| format!("creating {}: {e}", cache.display()))?;
     let wheel = download_wheel(&cache, pin)?;
@@ -82,33 +75,19 @@ pub fn pinned(root: &Path, pin: &PinnedCuda) -> Result<Headers, String> {
         .map_err(|e| format!("opening {} as a zip: {e}", wheel.display()))?;
     for (name, dest) in [("cuda.h", &cuda_h), ("cudaTypedefs.h", &typedefs_h)] {
         let path = format!("{WHEEL_INCLUDE}{name}");
-        let mut entry = archive
-            .by_name(&path)
-            .map_err(|e| format!("{path} in {}: {e}", wheel.display()))?;
+        let mut entry = archive.by_name(&path).map_err(|e| format!("{path} in {}: {e}", wheel.display()))?;
         let mut content = Vec::new();
-        entry
-            .read_to_end(&mut content)
-            .map_err(|e| format!("extracting {path}: {e}"))?;
+        entry.read_to_end(&mut content).map_err(|e| format!("extracting {path}: {e}"))?;
         std::fs::write(dest, content).map_err(|e| format!("writing {}: {e}", dest.display()))?;
     }
     if !file_has_sha(&cuda_h, pin.cuda_h_sha256) {
-        return Err(format!(
-            "{} does not have the pinned sha256 {}",
-            cuda_h.display(),
-            pin.cuda_h_sha256
-        ));
+        return Err(format!("{} does not have the pinned sha256 {}", cuda_h.display(), pin.cuda_h_sha256));
     }
-    Ok(Headers {
-        cuda_h,
-        typedefs_h,
-        provenance,
-    })
+    Ok(Headers { cuda_h, typedefs_h, provenance })
 }
 
 fn file_has_sha(path: &Path, sha: &str) -> bool {
-    std::fs::read(path)
-        .map(|b| sha256_hex(&b) == sha)
-        .unwrap_or(false)
+    std::fs::read(path).map(|b| sha256_hex(&b) == sha).unwrap_or(false)
 }
 
 fn download_wheel(cache: &Path, pin: &PinnedCuda) -> Result<PathBuf, String> {
@@ -118,39 +97,17 @@ fn download_wheel(cache: &Path, pin: &PinnedCuda) -> Result<PathBuf, String> {
     }
     eprintln!("fetching {} with pip...", pin.wheel_requirement);
     let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--quiet",
-        ])
-        .args([
-            "--platform",
-            "manylinux2014_x86_64",
-            "--python-version",
-            "3.12",
-        ])
+        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"])
+        .args(["--platform", "manylinux2014_x86_64", "--python-version", "3.12"])
         .arg("--dest")
         .arg(cache)
         .arg(pin.wheel_requirement)
         .status()
-        .map_err(|e| {
-            format!("running `python3 -m pip download`: {e} (is python3 with pip installed?)")
-        })?;
+        .map_err(|e| format!("running `python3 -m pip download`: {e} (is python3 with pip installed?)"))?;
     if !status.success() {
-        return Err(format!(
-            "`python3 -m pip download {}` failed ({status})",
-            pin.wheel_requirement
-        ));
+        return Err(format!("`python3 -m pip download {}` failed ({status})", pin.wheel_requirement));
     }
-    find_wheel(cache).ok_or_else(|| {
-        format!(
-            "pip reported success but left no wheel in {}",
-            cache.display()
-        )
-    })
+    find_wheel(cache).ok_or_else(|| format!("pip reported success but left no wheel in {}", cache.display()))
 }
 
 fn find_wheel(dir: &Path) -> Option<PathBuf> {
@@ -163,18 +120,12 @@ fn find_wheel(dir: &Path) -> Option<PathBuf> {
 
 /// A header given with `--header`: its version is read from its own `CUDA_VERSION`.
 pub fn explicit(cuda_h: &Path) -> Result<(Headers, u32), String> {
-    let text = std::fs::read_to_string(cuda_h)
-        .map_err(|e| format!("reading {}: {e}", cuda_h.display()))?;
+    let text = std::fs::read_to_string(cuda_h).map_err(|e| format!("reading {}: {e}", cuda_h.display()))?;
     let version = text
         .lines()
         .find_map(|l| l.trim().strip_prefix("#define CUDA_VERSION").map(str::trim))
         .and_then(|v| v.parse::<u32>().ok())
-        .ok_or_else(|| {
-            format!(
-                "{} has no `#define CUDA_VERSION <number>`",
-                cuda_h.display()
-            )
-        })?;
+        .ok_or_else(|| format!("{} has no `#define CUDA_VERSION <number>`", cuda_h.display()))?;
     let typedefs_h = cuda_h.with_file_name("cudaTypedefs.h");
     if !typedefs_h.is_file() {
         return Err(format!(
@@ -183,16 +134,6 @@ pub fn explicit(cuda_h: &Path) -> Result<(Headers, u32), String> {
             cuda_h.display()
         ));
     }
-    let provenance = format!(
-        "cuda.h with CUDA_VERSION {version} (sha256 {})",
-        sha256_hex(text.as_bytes())
-    );
-    Ok((
-        Headers {
-            cuda_h: cuda_h.to_path_buf(),
-            typedefs_h,
-            provenance,
-        },
-        version,
-    ))
+    let provenance = format!("cuda.h with CUDA_VERSION {version} (sha256 {})", sha256_hex(text.as_bytes()));
+    Ok((Headers { cuda_h: cuda_h.to_path_buf(), typedefs_h, provenance }, version))
 }

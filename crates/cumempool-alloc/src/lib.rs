@@ -1,1 +1,52 @@
-//! stub
+//! Allocators on CUDA memory pools: a stream-ordered resource trait, resources over pools,
+//! composable adaptors, a caching layer that scales with threads, and `allocator-api2`
+//! containers in host-accessible pool memory.
+//!
+//! ```no_run
+//! use cumempool::{Device, MemPool, Route, Stream};
+//! use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, StreamOrderedResource};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let context = Device::get(0)?.primary_context()?;
+//! let stream = Stream::new(&context)?;
+//! let pool = MemPool::new(Route::device(0))?;
+//! let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool)?);
+//! for _ in 0..1000 {
+//!     let block = cache.alloc(1 << 20, &stream)?; // after the first, answered without the driver
+//!     # drop(block);
+//! }
+//! println!("{:?}", cache.stats());
+//! # Ok(()) }
+//! ```
+//!
+//! Containers in pinned host memory:
+//!
+//! ```no_run
+//! use allocator_api2::vec::Vec;
+//! use cumempool::{Device, MemPool, Route};
+//! use cumempool_alloc::{HostMemory, PoolAllocator};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let context = Device::get(0)?.primary_context()?;
+//! let pool = MemPool::new(Route::host())?;
+//! let mut numbers = Vec::new_in(PoolAllocator::<HostMemory>::new(&pool, &context)?);
+//! numbers.extend(0..1024u32);
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+mod adaptors;
+mod allocator;
+mod caching;
+mod error;
+mod host_heap;
+mod memory_kind;
+mod pool_resource;
+mod resource;
+
+pub use adaptors::{Limit, Statistics, Traced, Usage};
+pub use allocator::PoolAllocator;
+pub use caching::{CacheStats, CachingResource};
+pub use error::{Error, Result};
+pub use host_heap::HostHeap;
+pub use memory_kind::{DeviceAccessible, DeviceMemory, HostAccessible, HostMemory, ManagedMemory, MemoryKind};
+pub use pool_resource::{CurrentPoolResource, PoolResource};
+pub use resource::{Allocation, StreamOrderedResource, POOL_ALIGNMENT};

@@ -24,15 +24,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(not(feature = "cuda-13000"))]
-compile_error!(
-    "cumempool-sys needs a CUDA version: enable the feature `cuda-13000` or `cuda-13020`"
-);
+compile_error!("cumempool-sys needs a CUDA version: enable the feature `cuda-13000` or `cuda-13020`");
 
 mod loader;
 
 pub use loader::{
-    driver, driver_version, library_path, version_label, Driver, EntryPoint, LoadError,
-    BINDINGS_VERSION, DEFAULT_LIBRARY, LIBCUDA_ENV,
+    driver, driver_version, library_path, version_label, Driver, EntryPoint, LoadError, BINDINGS_VERSION,
+    DEFAULT_LIBRARY, LIBCUDA_ENV,
 };
 
 #[doc(hidden)]
@@ -40,26 +38,12 @@ pub use loader::missing;
 
 #[cfg(feature = "cuda-13020")]
 #[path = "generated/cuda_13020.rs"]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    clippy::all,
-    clippy::pedantic
-)]
+#[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, missing_docs, clippy::all, clippy::pedantic)]
 mod bindings;
 
 #[cfg(all(feature = "cuda-13000", not(feature = "cuda-13020")))]
 #[path = "generated/cuda_13000.rs"]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    clippy::all,
-    clippy::pedantic
-)]
+#[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, missing_docs, clippy::all, clippy::pedantic)]
 mod bindings;
 
 pub use bindings::*;

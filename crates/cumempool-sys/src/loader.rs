@@ -11,8 +11,8 @@ use std::ptr::{self, NonNull};
 use std::sync::OnceLock;
 
 use crate::bindings::{
-    CUdriverProcAddressQueryResult, CUresult, EntryPoints, PFN_cuDriverGetVersion,
-    PFN_cuGetProcAddress, PFN_cuInit, CUDA_VERSION,
+    CUdriverProcAddressQueryResult, CUresult, EntryPoints, PFN_cuDriverGetVersion, PFN_cuGetProcAddress, PFN_cuInit,
+    CUDA_VERSION,
 };
 
 /// The environment variable that names the driver library to open instead of the default.
@@ -157,10 +157,7 @@ pub struct Driver {
 
 impl fmt::Debug for Driver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Driver")
-            .field("path", &self.path)
-            .field("version", &self.version)
-            .finish_non_exhaustive()
+        f.debug_struct("Driver").field("path", &self.path).field("version", &self.version).finish_non_exhaustive()
     }
 }
 
@@ -171,10 +168,7 @@ static DRIVER: OnceLock<Result<Driver, LoadError>> = OnceLock::new();
 /// Opens [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`]. The outcome, success or failure, is
 /// kept for the life of the process. Does not call `cuInit`.
 pub fn driver() -> Result<&'static Driver, LoadError> {
-    DRIVER
-        .get_or_init(Driver::load)
-        .as_ref()
-        .map_err(Clone::clone)
+    DRIVER.get_or_init(Driver::load).as_ref().map_err(Clone::clone)
 }
 
 /// The running driver's CUDA version (`13000` for 13.0): a cheap probe for whether a driver is there.
@@ -184,10 +178,7 @@ pub fn driver_version() -> Result<i32, LoadError> {
 
 /// The path [`driver`] opens: [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`].
 pub fn library_path() -> String {
-    std::env::var(LIBCUDA_ENV)
-        .ok()
-        .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| DEFAULT_LIBRARY.to_owned())
+    std::env::var(LIBCUDA_ENV).ok().filter(|p| !p.is_empty()).unwrap_or_else(|| DEFAULT_LIBRARY.to_owned())
 }
 
 impl Driver {
@@ -201,11 +192,8 @@ impl Driver {
     pub fn open(path: &str) -> Result<Self, LoadError> {
         // SAFETY: opening libcuda runs its initialisers, which is what loading a driver means;
         // the library is kept open for as long as any pointer resolved from it is reachable.
-        let library =
-            unsafe { libloading::Library::new(path) }.map_err(|e| LoadError::LibraryNotFound {
-                path: path.to_owned(),
-                reason: e.to_string(),
-            })?;
+        let library = unsafe { libloading::Library::new(path) }
+            .map_err(|e| LoadError::LibraryNotFound { path: path.to_owned(), reason: e.to_string() })?;
         // SAFETY: these symbols have had these signatures since CUDA 2.0 / 12.0 (`_v2`).
         let (get_version, get_proc_address, init) = unsafe {
             (
@@ -221,22 +209,14 @@ impl Driver {
             return Err(LoadError::VersionQueryFailed { code: code.0 });
         }
         let request = BINDINGS_VERSION.min(version);
-        let lookup = |name: &CStr| -> Option<NonNull<c_void>> {
-            resolve(get_proc_address, name, request).ok()
-        };
+        let lookup = |name: &CStr| -> Option<NonNull<c_void>> { resolve(get_proc_address, name, request).ok() };
         // Some drivers only hand out entry points after cuInit; initialising is harmless then.
         if lookup(c"cuDriverGetVersion").is_none() {
             // SAFETY: cuInit takes flags, which must be 0.
             let _ = unsafe { init(0) };
         }
         let entry_points = EntryPoints::resolve(version, lookup);
-        Ok(Self {
-            path: path.to_owned(),
-            version,
-            get_proc_address,
-            entry_points,
-            _library: library,
-        })
+        Ok(Self { path: path.to_owned(), version, get_proc_address, entry_points, _library: library })
     }
 
     /// The library file this driver was opened from.
@@ -258,17 +238,17 @@ impl Driver {
     ///
     /// For probing what a driver offers; the result is a raw pointer whose signature is that of
     /// the function at the version asked, which may differ from the bindings' declaration.
-    pub fn resolve_raw(
-        &self,
-        name: &CStr,
-        cuda_version: i32,
-    ) -> Result<NonNull<c_void>, LoadError> {
+    pub fn resolve_raw(&self, name: &CStr, cuda_version: i32) -> Result<NonNull<c_void>, LoadError> {
         resolve(self.get_proc_address, name, cuda_version).map_err(|failure| {
             let function = name.to_string_lossy().into_owned();
             let driver = self.version;
             match failure {
-                Unresolved::Call(code) => LoadError::ResolveFailed { function, requested: cuda_version, driver, code: code.0 },
-                Unresolved::Query(q) if q == CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT => {
+                Unresolved::Call(code) => {
+                    LoadError::ResolveFailed { function, requested: cuda_version, driver, code: code.0 }
+                }
+                Unresolved::Query(q)
+                    if q == CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT =>
+                {
                     LoadError::VersionNotSufficient { function, requested: cuda_version, driver }
                 }
                 Unresolved::Query(_) => LoadError::EntryPointNotFound { function, driver },
@@ -286,18 +266,11 @@ impl std::ops::Deref for Driver {
 
 /// # Safety
 /// `T` must be the function-pointer type of `symbol`.
-unsafe fn bootstrap<T: Copy>(
-    library: &libloading::Library,
-    path: &str,
-    symbol: &'static str,
-) -> Result<T, LoadError> {
+unsafe fn bootstrap<T: Copy>(library: &libloading::Library, path: &str, symbol: &'static str) -> Result<T, LoadError> {
     // SAFETY: the caller names the symbol's type.
     unsafe { library.get::<T>(symbol.as_bytes()) }
         .map(|s| *s)
-        .map_err(|_| LoadError::NotADriver {
-            path: path.to_owned(),
-            symbol,
-        })
+        .map_err(|_| LoadError::NotADriver { path: path.to_owned(), symbol })
 }
 
 /// Why `cuGetProcAddress` handed out no pointer. Its `CUresult` and its query result are both
@@ -310,11 +283,7 @@ enum Unresolved {
 }
 
 /// One `cuGetProcAddress` call.
-fn resolve(
-    get_proc_address: PFN_cuGetProcAddress,
-    name: &CStr,
-    version: i32,
-) -> Result<NonNull<c_void>, Unresolved> {
+fn resolve(get_proc_address: PFN_cuGetProcAddress, name: &CStr, version: i32) -> Result<NonNull<c_void>, Unresolved> {
     let mut pointer: *mut c_void = ptr::null_mut();
     let mut found = CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     // SAFETY: valid C string and out-pointers; flags 0 is CU_GET_PROC_ADDRESS_DEFAULT.
@@ -325,24 +294,15 @@ fn resolve(
     if found != CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SUCCESS {
         return Err(Unresolved::Query(found));
     }
-    NonNull::new(pointer).ok_or(Unresolved::Query(
-        CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND,
-    ))
+    NonNull::new(pointer).ok_or(Unresolved::Query(CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND))
 }
 
 #[doc(hidden)]
 pub fn missing(function: &'static str, needs: i32, driver: i32) -> LoadError {
     if driver < needs {
-        LoadError::DriverTooOld {
-            function,
-            needs,
-            driver,
-        }
+        LoadError::DriverTooOld { function, needs, driver }
     } else {
-        LoadError::EntryPointNotFound {
-            function: function.to_owned(),
-            driver,
-        }
+        LoadError::EntryPointNotFound { function: function.to_owned(), driver }
     }
 }
 
@@ -425,14 +385,8 @@ mod tests {
     #[test]
     fn too_old_names_function_and_both_versions() {
         let text = missing("cuMemGetMemPool", 13000, 12080).to_string();
-        assert!(
-            text.contains("cuMemGetMemPool") && text.contains("13.0") && text.contains("12.8"),
-            "{text}"
-        );
-        assert!(matches!(
-            missing("cuMemGetMemPool", 13000, 13000),
-            LoadError::EntryPointNotFound { .. }
-        ));
+        assert!(text.contains("cuMemGetMemPool") && text.contains("13.0") && text.contains("12.8"), "{text}");
+        assert!(matches!(missing("cuMemGetMemPool", 13000, 13000), LoadError::EntryPointNotFound { .. }));
     }
 
     #[test]
@@ -441,15 +395,8 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), crate::ENTRY_POINTS.len());
-        assert!(crate::ENTRY_POINTS
-            .iter()
-            .all(|e| (2000..=BINDINGS_VERSION).contains(&e.since)));
-        let since = |n| {
-            crate::ENTRY_POINTS
-                .iter()
-                .find(|e| e.name == n)
-                .map(|e| e.since)
-        };
+        assert!(crate::ENTRY_POINTS.iter().all(|e| (2000..=BINDINGS_VERSION).contains(&e.since)));
+        let since = |n| crate::ENTRY_POINTS.iter().find(|e| e.name == n).map(|e| e.since);
         assert_eq!(since("cuMemGetMemPool"), Some(13000));
         assert_eq!(since("cuMemAllocAsync"), Some(11020));
     }

@@ -81,13 +81,9 @@ impl PoolAttribute {
     pub fn to_raw(self) -> sys::CUmemPool_attribute {
         use sys::CUmemPool_attribute as A;
         match self {
-            Self::ReuseFollowEventDependencies => {
-                A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES
-            }
+            Self::ReuseFollowEventDependencies => A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
             Self::ReuseAllowOpportunistic => A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
-            Self::ReuseAllowInternalDependencies => {
-                A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES
-            }
+            Self::ReuseAllowInternalDependencies => A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
             Self::ReleaseThreshold => A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
             Self::ReservedMemCurrent => A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
             Self::ReservedMemHigh => A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
@@ -118,9 +114,7 @@ impl PoolAttribute {
         match self {
             Self::ReuseFollowEventDependencies => "CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES",
             Self::ReuseAllowOpportunistic => "CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC",
-            Self::ReuseAllowInternalDependencies => {
-                "CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES"
-            }
+            Self::ReuseAllowInternalDependencies => "CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES",
             Self::ReleaseThreshold => "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD",
             Self::ReservedMemCurrent => "CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT",
             Self::ReservedMemHigh => "CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH",
@@ -186,13 +180,7 @@ impl Pool {
             let mut value: u64 = 0;
             // SAFETY: the attribute's value type is cuuint64_t.
             check(
-                unsafe {
-                    f(
-                        self.as_raw(),
-                        attribute.to_raw(),
-                        (&mut value as *mut u64).cast::<c_void>(),
-                    )
-                },
+                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut u64).cast::<c_void>()) },
                 "cuMemPoolGetAttribute",
             )?;
             Ok(value)
@@ -200,13 +188,7 @@ impl Pool {
             let mut value: i32 = 0;
             // SAFETY: the attribute's value type is int (or a C enum, which is int-sized).
             check(
-                unsafe {
-                    f(
-                        self.as_raw(),
-                        attribute.to_raw(),
-                        (&mut value as *mut i32).cast::<c_void>(),
-                    )
-                },
+                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut i32).cast::<c_void>()) },
                 "cuMemPoolGetAttribute",
             )?;
             Ok(value as u32 as u64)
@@ -219,26 +201,14 @@ impl Pool {
             let mut value = value;
             // SAFETY: the attribute's value type is cuuint64_t.
             check(
-                unsafe {
-                    f(
-                        self.as_raw(),
-                        attribute.to_raw(),
-                        (&mut value as *mut u64).cast::<c_void>(),
-                    )
-                },
+                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut u64).cast::<c_void>()) },
                 "cuMemPoolSetAttribute",
             )
         } else {
             let mut value = i32::from(value != 0);
             // SAFETY: the attribute's value type is int.
             check(
-                unsafe {
-                    f(
-                        self.as_raw(),
-                        attribute.to_raw(),
-                        (&mut value as *mut i32).cast::<c_void>(),
-                    )
-                },
+                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut i32).cast::<c_void>()) },
                 "cuMemPoolSetAttribute",
             )
         }
@@ -271,10 +241,7 @@ impl Pool {
 
     /// Sets [`Pool::reuse_allow_internal_dependencies`].
     pub fn set_reuse_allow_internal_dependencies(&self, enabled: bool) -> Result<()> {
-        self.set_attribute(
-            PoolAttribute::ReuseAllowInternalDependencies,
-            enabled.into(),
-        )
+        self.set_attribute(PoolAttribute::ReuseAllowInternalDependencies, enabled.into())
     }
 
     /// Bytes the pool keeps reserved at a synchronisation before releasing memory to the system.
@@ -329,9 +296,7 @@ impl Pool {
     #[cfg(feature = "cuda-13020")]
     #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
     pub fn export_handle_types(&self) -> Result<HandleTypes> {
-        Ok(HandleTypes::from_bits(
-            self.attribute(PoolAttribute::ExportHandleTypes)? as u32,
-        ))
+        Ok(HandleTypes::from_bits(self.attribute(PoolAttribute::ExportHandleTypes)? as u32))
     }
 
     /// The pool's location, as the driver reports it: `LOCATION_TYPE` with `LOCATION_ID` (driver 13.2).
@@ -340,10 +305,7 @@ impl Pool {
     pub fn location_attribute(&self) -> Result<Location> {
         let type_ = self.attribute(PoolAttribute::LocationType)? as u32;
         let id = self.attribute(PoolAttribute::LocationId)? as u32 as i32;
-        Location::try_from(crate::location::raw_location(
-            sys::CUmemLocationType(type_),
-            id,
-        ))
+        Location::try_from(crate::location::raw_location(sys::CUmemLocationType(type_), id))
     }
 
     /// The pool's maximum size in bytes, as the driver reports it (driver 13.2).
@@ -380,10 +342,7 @@ impl Pool {
 
     /// Every attribute, read once: a value or the reason it cannot be read.
     pub fn attributes(&self) -> Vec<(PoolAttribute, Result<u64>)> {
-        PoolAttribute::ALL
-            .iter()
-            .map(|a| (*a, self.attribute(*a)))
-            .collect()
+        PoolAttribute::ALL.iter().map(|a| (*a, self.attribute(*a))).collect()
     }
 }
 
@@ -394,29 +353,17 @@ mod tests {
     #[test]
     fn attributes_map_both_ways_and_name_the_c_constant() {
         for attribute in PoolAttribute::ALL {
-            assert_eq!(
-                PoolAttribute::from_raw(attribute.to_raw()),
-                Some(*attribute)
-            );
+            assert_eq!(PoolAttribute::from_raw(attribute.to_raw()), Some(*attribute));
             assert!(attribute.name().starts_with("CU_MEMPOOL_ATTR_"));
         }
-        assert_eq!(
-            PoolAttribute::ReleaseThreshold.since(),
-            DriverVersion(11020)
-        );
-        assert!(
-            PoolAttribute::ReleaseThreshold.is_wide()
-                && !PoolAttribute::ReuseAllowOpportunistic.is_wide()
-        );
+        assert_eq!(PoolAttribute::ReleaseThreshold.since(), DriverVersion(11020));
+        assert!(PoolAttribute::ReleaseThreshold.is_wide() && !PoolAttribute::ReuseAllowOpportunistic.is_wide());
     }
 
     #[cfg(feature = "cuda-13020")]
     #[test]
     fn the_six_new_attributes_need_13_2() {
-        let new: Vec<_> = PoolAttribute::ALL
-            .iter()
-            .filter(|a| a.since() == DriverVersion::CUDA_13_2)
-            .collect();
+        let new: Vec<_> = PoolAttribute::ALL.iter().filter(|a| a.since() == DriverVersion::CUDA_13_2).collect();
         assert_eq!(new.len(), 6);
         assert!(PoolAttribute::MaxPoolSize.is_wide() && !PoolAttribute::LocationId.is_wide());
     }

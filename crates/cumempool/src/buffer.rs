@@ -22,13 +22,7 @@ pub struct Buffer {
 
 impl Buffer {
     pub(crate) fn empty(stream: Stream, route: Route) -> Self {
-        Self {
-            ptr: 0,
-            len: 0,
-            stream,
-            route,
-            _pool: None,
-        }
+        Self { ptr: 0, len: 0, stream, route, _pool: None }
     }
 
     /// # Safety
@@ -41,13 +35,7 @@ impl Buffer {
         route: Route,
         pool: Option<Arc<Owner>>,
     ) -> Self {
-        Self {
-            ptr,
-            len,
-            stream,
-            route,
-            _pool: pool,
-        }
+        Self { ptr, len, stream, route, _pool: pool }
     }
 
     /// Size in bytes.
@@ -99,21 +87,11 @@ impl Buffer {
         if src.is_empty() {
             return Ok(());
         }
-        self.stream.context().ensure_current()?;
+        self.stream.bind()?;
         let f = api()?.cuMemcpyHtoDAsync()?;
         // SAFETY: `src` is valid for its length, the buffer holds at least that many bytes, and
         // the stream is synchronised below, before `src` can be released.
-        check(
-            unsafe {
-                f(
-                    self.ptr,
-                    src.as_ptr().cast(),
-                    src.len(),
-                    self.stream.as_raw(),
-                )
-            },
-            "cuMemcpyHtoDAsync",
-        )?;
+        check(unsafe { f(self.ptr, src.as_ptr().cast(), src.len(), self.stream.as_raw()) }, "cuMemcpyHtoDAsync")?;
         self.stream.synchronize()
     }
 
@@ -123,20 +101,10 @@ impl Buffer {
         if dst.is_empty() {
             return Ok(());
         }
-        self.stream.context().ensure_current()?;
+        self.stream.bind()?;
         let f = api()?.cuMemcpyDtoHAsync()?;
         // SAFETY: as in `copy_from_host`, the other way round.
-        check(
-            unsafe {
-                f(
-                    dst.as_mut_ptr().cast(),
-                    self.ptr,
-                    dst.len(),
-                    self.stream.as_raw(),
-                )
-            },
-            "cuMemcpyDtoHAsync",
-        )?;
+        check(unsafe { f(dst.as_mut_ptr().cast(), self.ptr, dst.len(), self.stream.as_raw()) }, "cuMemcpyDtoHAsync")?;
         self.stream.synchronize()
     }
 
@@ -147,19 +115,21 @@ impl Buffer {
         if src.is_empty() {
             return Ok(());
         }
-        self.stream.context().ensure_current()?;
+        self.stream.bind()?;
         if !self.stream.same_as(&src.stream) {
-            let ready = Event::new(src.stream.context())?;
-            ready.record(&src.stream)?;
-            self.stream.wait(&ready)?;
+            match src.stream.context() {
+                Some(context) => {
+                    let ready = Event::new(context)?;
+                    ready.record(&src.stream)?;
+                    self.stream.wait(&ready)?;
+                }
+                None => src.stream.synchronize()?,
+            }
         }
         let f = api()?.cuMemcpyAsync()?;
         // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
         // for below, before either can be freed.
-        check(
-            unsafe { f(self.ptr, src.ptr, src.len, self.stream.as_raw()) },
-            "cuMemcpyAsync",
-        )?;
+        check(unsafe { f(self.ptr, src.ptr, src.len, self.stream.as_raw()) }, "cuMemcpyAsync")?;
         self.stream.synchronize()
     }
 
@@ -175,13 +145,10 @@ impl Buffer {
             self.host_slice_mut()?.fill(value);
             return Ok(());
         }
-        self.stream.context().ensure_current()?;
+        self.stream.bind()?;
         let f = api()?.cuMemsetD8Async()?;
         // SAFETY: a live allocation of `len` bytes.
-        check(
-            unsafe { f(self.ptr, value, self.len, self.stream.as_raw()) },
-            "cuMemsetD8Async",
-        )
+        check(unsafe { f(self.ptr, value, self.len, self.stream.as_raw()) }, "cuMemsetD8Async")
     }
 
     /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
@@ -189,21 +156,10 @@ impl Buffer {
         if self.is_empty() {
             return Ok(());
         }
-        self.stream.context().ensure_current()?;
+        self.stream.bind()?;
         let f = api()?.cuMemPrefetchAsync()?;
         // SAFETY: a live managed allocation of `len` bytes.
-        check(
-            unsafe {
-                f(
-                    self.ptr,
-                    self.len,
-                    location.to_raw()?,
-                    0,
-                    self.stream.as_raw(),
-                )
-            },
-            "cuMemPrefetchAsync",
-        )
+        check(unsafe { f(self.ptr, self.len, location.to_raw()?, 0, self.stream.as_raw()) }, "cuMemPrefetchAsync")
     }
 
     fn host_ptr(&self) -> Result<*mut u8> {
@@ -245,16 +201,23 @@ impl Drop for Buffer {
         if self.len == 0 {
             return;
         }
-        if let Err(error) = free_async(self.ptr, &self.stream) {
+        // SAFETY: the buffer owns the allocation and frees it once, on its own stream.
+        if let Err(error) = unsafe { free_async(self.ptr, &self.stream) } {
             tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
         }
     }
 }
 
-/// `cuMemFreeAsync` of `ptr` on `stream`.
+/// Frees pool memory in stream order: `cuMemFreeAsync` of `ptr` on `stream`.
+///
+/// For memory from [`Pool::alloc_raw`](crate::Pool::alloc_raw); [`Buffer`]s free themselves.
+///
+/// # Safety
+/// `ptr` must come from a stream-ordered allocation, be freed once, and no work may use it
+/// after the free in stream order.
 #[inline]
-pub(crate) fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
-    stream.context().ensure_current()?;
+pub unsafe fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
+    stream.bind()?;
     let f = api()?.cuMemFreeAsync()?;
     // SAFETY: a live allocation, freed once, ordered on its stream.
     check(unsafe { f(ptr, stream.as_raw()) }, "cuMemFreeAsync")

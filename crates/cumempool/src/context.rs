@@ -31,14 +31,8 @@ impl Context {
         let f = api()?.cuDevicePrimaryCtxRetain()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle.
-        check(
-            unsafe { f(&mut raw, device.as_raw()) },
-            "cuDevicePrimaryCtxRetain",
-        )?;
-        Ok(Self(Arc::new(Retained {
-            raw: Shared(raw),
-            device,
-        })))
+        check(unsafe { f(&mut raw, device.as_raw()) }, "cuDevicePrimaryCtxRetain")?;
+        Ok(Self(Arc::new(Retained { raw: Shared(raw), device })))
     }
 
     /// The device whose primary context this is.
@@ -100,10 +94,7 @@ impl Drop for Retained {
         let result = api().and_then(|d| {
             let f = d.cuDevicePrimaryCtxRelease()?;
             // SAFETY: balances the retain in `retain_primary`.
-            check(
-                unsafe { f(self.device.as_raw()) },
-                "cuDevicePrimaryCtxRelease",
-            )
+            check(unsafe { f(self.device.as_raw()) }, "cuDevicePrimaryCtxRelease")
         });
         if let Err(error) = result {
             tracing::warn!(%error, device = self.device.ordinal(), "releasing a primary context failed");

@@ -67,15 +67,8 @@ impl Device {
         let f = api()?.cuDeviceGetName()?;
         let mut buffer = [0 as c_char; 256];
         // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
-        check(
-            unsafe { f(buffer.as_mut_ptr(), buffer.len() as i32, self.raw) },
-            "cuDeviceGetName",
-        )?;
-        let bytes: Vec<u8> = buffer
-            .iter()
-            .take_while(|c| **c != 0)
-            .map(|c| *c as u8)
-            .collect();
+        check(unsafe { f(buffer.as_mut_ptr(), buffer.len() as i32, self.raw) }, "cuDeviceGetName")?;
+        let bytes: Vec<u8> = buffer.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
@@ -104,40 +97,28 @@ impl Device {
         let f = api()?.cuDeviceGetAttribute()?;
         let mut value = 0;
         // SAFETY: valid out-pointer.
-        check(
-            unsafe { f(&mut value, attribute, self.raw) },
-            "cuDeviceGetAttribute",
-        )?;
+        check(unsafe { f(&mut value, attribute, self.raw) }, "cuDeviceGetAttribute")?;
         Ok(value)
     }
 
     /// Whether the device supports stream-ordered memory pools.
     pub fn supports_memory_pools(self) -> Result<bool> {
-        Ok(
-            self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)?
-                != 0,
-        )
+        Ok(self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0)
     }
 
     /// Whether pools of pinned host memory can be used with this device.
     pub fn supports_host_memory_pools(self) -> Result<bool> {
-        Ok(self
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED)?
-            != 0)
+        Ok(self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED)? != 0)
     }
 
     /// Whether pools on host NUMA nodes can be used with this device.
     pub fn supports_host_numa_memory_pools(self) -> Result<bool> {
-        Ok(self.attribute(
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_MEMORY_POOLS_SUPPORTED,
-        )? != 0)
+        Ok(self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_MEMORY_POOLS_SUPPORTED)? != 0)
     }
 
     /// Whether the host and the device may touch managed memory at the same time.
     pub fn concurrent_managed_access(self) -> Result<bool> {
-        Ok(self
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)?
-            != 0)
+        Ok(self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)? != 0)
     }
 
     /// The host NUMA node nearest the device, where the driver knows one.
@@ -148,9 +129,7 @@ impl Device {
 
     /// The handle types pools on this device can export.
     pub fn supported_handle_types(self) -> Result<HandleTypes> {
-        let bits = self.attribute(
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES,
-        )?;
+        let bits = self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES)?;
         Ok(HandleTypes::from_bits(bits as u32))
     }
 
@@ -161,10 +140,7 @@ impl Device {
         let f = api()?.cuDeviceCanAccessPeer()?;
         let mut can = 0;
         // SAFETY: valid out-pointer.
-        check(
-            unsafe { f(&mut can, self.raw, peer.raw) },
-            "cuDeviceCanAccessPeer",
-        )?;
+        check(unsafe { f(&mut can, self.raw, peer.raw) }, "cuDeviceCanAccessPeer")?;
         Ok(can != 0)
     }
 

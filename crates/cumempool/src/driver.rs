@@ -38,11 +38,7 @@ fn load_and_init() -> Result<&'static sys::Driver, InitFailure> {
     if code != sys::CUresult::CUDA_SUCCESS {
         return Err(InitFailure::Init(code));
     }
-    tracing::debug!(
-        library = driver.library_path(),
-        version = driver.version(),
-        "CUDA driver initialised"
-    );
+    tracing::debug!(library = driver.library_path(), version = driver.version(), "CUDA driver initialised");
     Ok(driver)
 }
 
@@ -102,11 +98,7 @@ pub fn bindings_version() -> DriverVersion {
 pub(crate) fn require(feature: &'static str, needs: DriverVersion) -> Result<()> {
     let found = api()?.version();
     if found < needs.0 {
-        return Err(Error::DriverTooOld {
-            feature,
-            needs: needs.0,
-            found,
-        });
+        return Err(Error::DriverTooOld { feature, needs: needs.0, found });
     }
     Ok(())
 }

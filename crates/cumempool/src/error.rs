@@ -118,7 +118,9 @@ pub enum Error {
     },
 
     /// Host code asked for memory the host cannot touch.
-    #[error("memory of {route} is not accessible from the host; use a host, host NUMA or managed pool, or copy to the host")]
+    #[error(
+        "memory of {route} is not accessible from the host; use a host, host NUMA or managed pool, or copy to the host"
+    )]
     NotHostAccessible {
         /// The route the memory came from.
         route: Route,
@@ -164,12 +166,7 @@ impl Error {
     #[cold]
     pub(crate) fn driver(code: sys::CUresult, during: &'static str) -> Self {
         let (name, description) = describe(code);
-        Self::Driver {
-            code: code.0,
-            name,
-            description,
-            during,
-        }
+        Self::Driver { code: code.0, name, description, during }
     }
 }
 
@@ -181,11 +178,7 @@ pub(crate) fn describe(code: sys::CUresult) -> (String, String) {
         // SAFETY: the driver writes a pointer to a static string, or fails.
         let ok = unsafe { f(code, &mut ptr) } == sys::CUresult::CUDA_SUCCESS && !ptr.is_null();
         // SAFETY: on success the pointer is a NUL-terminated string owned by the driver.
-        ok.then(|| {
-            unsafe { CStr::from_ptr(ptr) }
-                .to_string_lossy()
-                .into_owned()
-        })
+        ok.then(|| unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
     };
     let driver = sys::driver().ok();
     let name = text(driver.and_then(|d| d.cuGetErrorName().ok()));

@@ -5,10 +5,8 @@ use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
 
 /// Raw `CUmemAllocationHandleType` bits deliberately left unnamed by [`HandleTypes`], with the reason.
-pub const UNMAPPED_HANDLE_TYPES: &[(u32, &str)] = &[(
-    0x7FFF_FFFF,
-    "CU_MEM_HANDLE_TYPE_MAX only forces the C enum to 32 bits; it is no handle type",
-)];
+pub const UNMAPPED_HANDLE_TYPES: &[(u32, &str)] =
+    &[(0x7FFF_FFFF, "CU_MEM_HANDLE_TYPE_MAX only forces the C enum to 32 bits; it is no handle type")];
 
 /// A set of export handle types. Bits this crate does not name are kept, not dropped.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -23,8 +21,7 @@ impl HandleTypes {
     /// A Win32 NT handle.
     pub const WIN32: Self = Self(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32.0);
     /// A Win32 KMT handle.
-    pub const WIN32_KMT: Self =
-        Self(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT.0);
+    pub const WIN32_KMT: Self = Self(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT.0);
     /// A fabric handle (multi-node NVLink).
     pub const FABRIC: Self = Self(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0);
 
@@ -68,11 +65,8 @@ impl HandleTypes {
 
     /// The names of the types in the set; unknown bits as hex.
     pub fn names(self) -> Vec<String> {
-        let mut names: Vec<String> = Self::NAMED
-            .iter()
-            .filter(|(t, _)| self.contains(*t))
-            .map(|(_, n)| (*n).to_owned())
-            .collect();
+        let mut names: Vec<String> =
+            Self::NAMED.iter().filter(|(t, _)| self.contains(*t)).map(|(_, n)| (*n).to_owned()).collect();
         let known = Self::NAMED.iter().fold(0, |acc, (t, _)| acc | t.0);
         if self.0 & !known != 0 {
             names.push(format!("{:#x}", self.0 & !known));

@@ -3,22 +3,12 @@
 
 use crate::location::raw_location;
 use crate::{AllocationType, HandleTypes, Location, PoolAttribute};
-use crate::{
-    UNMAPPED_ALLOCATION_TYPES, UNMAPPED_HANDLE_TYPES, UNMAPPED_LOCATION_TYPES,
-    UNMAPPED_POOL_ATTRIBUTES,
-};
+use crate::{UNMAPPED_ALLOCATION_TYPES, UNMAPPED_HANDLE_TYPES, UNMAPPED_LOCATION_TYPES, UNMAPPED_POOL_ATTRIBUTES};
 use cumempool_sys as sys;
 
-fn assert_covered(
-    members: &[(&str, u32)],
-    mapped: impl Fn(u32) -> bool,
-    unmapped: &[(u32, &str)],
-    list: &str,
-) {
+fn assert_covered(members: &[(&str, u32)], mapped: impl Fn(u32) -> bool, unmapped: &[(u32, &str)], list: &str) {
     for (name, value) in members {
-        let listed = unmapped
-            .iter()
-            .any(|(v, reason)| v == value && !reason.is_empty());
+        let listed = unmapped.iter().any(|(v, reason)| v == value && !reason.is_empty());
         assert!(
             mapped(*value) || listed,
             "cuda.h declares {name} = {value:#x}, which cumempool neither maps nor lists in {list} with a reason"
@@ -28,64 +18,32 @@ fn assert_covered(
 
 #[test]
 fn every_location_type_is_mapped_or_listed() {
-    let members: Vec<_> = sys::CUmemLocationType_MEMBERS
-        .iter()
-        .map(|(n, v)| (*n, v.0))
-        .collect();
+    let members: Vec<_> = sys::CUmemLocationType_MEMBERS.iter().map(|(n, v)| (*n, v.0)).collect();
     let mapped = |v| Location::try_from(raw_location(sys::CUmemLocationType(v), 0)).is_ok();
-    assert_covered(
-        &members,
-        mapped,
-        UNMAPPED_LOCATION_TYPES,
-        "UNMAPPED_LOCATION_TYPES",
-    );
+    assert_covered(&members, mapped, UNMAPPED_LOCATION_TYPES, "UNMAPPED_LOCATION_TYPES");
 }
 
 #[test]
 fn every_allocation_type_is_mapped_or_listed() {
-    let members: Vec<_> = sys::CUmemAllocationType_MEMBERS
-        .iter()
-        .map(|(n, v)| (*n, v.0))
-        .collect();
+    let members: Vec<_> = sys::CUmemAllocationType_MEMBERS.iter().map(|(n, v)| (*n, v.0)).collect();
     let mapped = |v| AllocationType::try_from(sys::CUmemAllocationType(v)).is_ok();
-    assert_covered(
-        &members,
-        mapped,
-        UNMAPPED_ALLOCATION_TYPES,
-        "UNMAPPED_ALLOCATION_TYPES",
-    );
+    assert_covered(&members, mapped, UNMAPPED_ALLOCATION_TYPES, "UNMAPPED_ALLOCATION_TYPES");
 }
 
 #[test]
 fn every_pool_attribute_is_mapped_or_listed() {
-    let members: Vec<_> = sys::CUmemPool_attribute_MEMBERS
-        .iter()
-        .map(|(n, v)| (*n, v.0))
-        .collect();
+    let members: Vec<_> = sys::CUmemPool_attribute_MEMBERS.iter().map(|(n, v)| (*n, v.0)).collect();
     let mapped = |v| PoolAttribute::from_raw(sys::CUmemPool_attribute(v)).is_some();
-    assert_covered(
-        &members,
-        mapped,
-        UNMAPPED_POOL_ATTRIBUTES,
-        "UNMAPPED_POOL_ATTRIBUTES",
-    );
+    assert_covered(&members, mapped, UNMAPPED_POOL_ATTRIBUTES, "UNMAPPED_POOL_ATTRIBUTES");
     let expected = if cfg!(feature = "cuda-13020") { 14 } else { 8 };
     assert_eq!(PoolAttribute::ALL.len(), expected);
 }
 
 #[test]
 fn every_handle_type_is_mapped_or_listed() {
-    let members: Vec<_> = sys::CUmemAllocationHandleType_MEMBERS
-        .iter()
-        .map(|(n, v)| (*n, v.0))
-        .collect();
+    let members: Vec<_> = sys::CUmemAllocationHandleType_MEMBERS.iter().map(|(n, v)| (*n, v.0)).collect();
     let mapped = |v| HandleTypes::from_bits(v).is_known();
-    assert_covered(
-        &members,
-        mapped,
-        UNMAPPED_HANDLE_TYPES,
-        "UNMAPPED_HANDLE_TYPES",
-    );
+    assert_covered(&members, mapped, UNMAPPED_HANDLE_TYPES, "UNMAPPED_HANDLE_TYPES");
 }
 
 #[test]
@@ -98,8 +56,5 @@ fn the_check_itself_catches_a_new_member() {
             "UNMAPPED_LOCATION_TYPES",
         )
     });
-    assert!(
-        result.is_err(),
-        "an unmapped, unlisted member must fail the test"
-    );
+    assert!(result.is_err(), "an unmapped, unlisted member must fail the test");
 }

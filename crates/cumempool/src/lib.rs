@@ -41,19 +41,15 @@ mod routing;
 mod stream;
 
 pub use attributes::{PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
-pub use buffer::Buffer;
+pub use buffer::{free_async, Buffer};
 pub use context::Context;
 pub use device::Device;
 pub use driver::{bindings_version, driver_version, init, library_path, DriverVersion};
 pub use error::{Error, Result};
 pub use handle_types::{HandleTypes, UNMAPPED_HANDLE_TYPES};
-pub use location::{
-    AllocationType, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
-};
+pub use location::{AllocationType, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES};
 pub use pool::{Access, MemPool, Pool, PoolBuilder, PoolRef};
-pub use routing::{
-    current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
-};
+pub use routing::{current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard};
 pub use stream::{Event, Stream};
 
 /// The raw layer, for what this crate does not wrap.

@@ -57,9 +57,7 @@ impl Location {
             Self::Invisible => {
                 return Err(Error::InvalidLocation {
                     what: "invisible location",
-                    reason:
-                        "the driver only reports Invisible for imported pools; it is never an input"
-                            .into(),
+                    reason: "the driver only reports Invisible for imported pools; it is never an input".into(),
                 })
             }
         };
@@ -94,12 +92,7 @@ impl TryFrom<sys::CUmemLocation> for Location {
             T::CU_MEM_LOCATION_TYPE_NONE => Self::Unspecified,
             #[cfg(feature = "cuda-13020")]
             T::CU_MEM_LOCATION_TYPE_INVISIBLE => Self::Invisible,
-            other => {
-                return Err(Error::UnknownValue {
-                    type_name: "CUmemLocationType",
-                    value: other.0.into(),
-                })
-            }
+            other => return Err(Error::UnknownValue { type_name: "CUmemLocationType", value: other.0.into() }),
         })
     }
 }
@@ -119,31 +112,20 @@ impl fmt::Display for Location {
 }
 
 /// Raw `CUmemLocationType` values deliberately left without a [`Location`], with the reason.
-pub const UNMAPPED_LOCATION_TYPES: &[(u32, &str)] = &[(
-    0x7FFF_FFFF,
-    "CU_MEM_LOCATION_TYPE_MAX only forces the C enum to 32 bits; no location has it",
-)];
+pub const UNMAPPED_LOCATION_TYPES: &[(u32, &str)] =
+    &[(0x7FFF_FFFF, "CU_MEM_LOCATION_TYPE_MAX only forces the C enum to 32 bits; no location has it")];
 
 /// Raw `CUmemAllocationType` values deliberately left without an [`AllocationType`], with the reason.
 pub const UNMAPPED_ALLOCATION_TYPES: &[(u32, &str)] = &[
-    (
-        0,
-        "CU_MEM_ALLOCATION_TYPE_INVALID is the unset value; no pool has it",
-    ),
-    (
-        0x7FFF_FFFF,
-        "CU_MEM_ALLOCATION_TYPE_MAX only forces the C enum to 32 bits",
-    ),
+    (0, "CU_MEM_ALLOCATION_TYPE_INVALID is the unset value; no pool has it"),
+    (0x7FFF_FFFF, "CU_MEM_ALLOCATION_TYPE_MAX only forces the C enum to 32 bits"),
 ];
 
 /// A `CUmemLocation` from its parts. CUDA 13.2's header moved `id` into a one-member anonymous
 /// union (same layout); 13.0's has it as a plain field.
 #[cfg(feature = "cuda-13020")]
 pub(crate) fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
-    sys::CUmemLocation {
-        type_,
-        __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id },
-    }
+    sys::CUmemLocation { type_, __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id } }
 }
 
 /// The id of a `CUmemLocation`.
@@ -192,10 +174,7 @@ impl TryFrom<sys::CUmemAllocationType> for AllocationType {
         match raw {
             sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED => Ok(Self::Pinned),
             sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED => Ok(Self::Managed),
-            other => Err(Error::UnknownValue {
-                type_name: "CUmemAllocationType",
-                value: other.0.into(),
-            }),
+            other => Err(Error::UnknownValue { type_name: "CUmemAllocationType", value: other.0.into() }),
         }
     }
 }
@@ -222,10 +201,7 @@ pub struct Route {
 impl Route {
     /// Any route; [`Route::validate`] says whether it can exist.
     pub const fn new(location: Location, allocation_type: AllocationType) -> Self {
-        Self {
-            location,
-            allocation_type,
-        }
+        Self { location, allocation_type }
     }
 
     /// Pinned memory on a device: the classic device pool.
@@ -262,12 +238,7 @@ impl Route {
     /// Refuses, before any driver call, a route that cannot exist: `Unspecified` with pinned
     /// memory, `Invisible` as an input, negative ids, and device ordinals this machine lacks.
     pub fn validate(&self) -> Result<()> {
-        let invalid = |reason| {
-            Err(Error::InvalidRoute {
-                route: *self,
-                reason,
-            })
-        };
+        let invalid = |reason| Err(Error::InvalidRoute { route: *self, reason });
         match (self.location, self.allocation_type) {
             (Location::Unspecified, AllocationType::Pinned) => {
                 return invalid("an unspecified location serves managed memory only; name a device, the host or a host NUMA node for pinned memory")
@@ -324,21 +295,14 @@ mod tests {
     fn unknown_location_types_are_an_error_not_ub() {
         let raw = raw_location(sys::CUmemLocationType(0x77), 0);
         let error = Location::try_from(raw).expect_err("0x77 is not a location type");
-        assert!(
-            matches!(error, Error::UnknownValue { value: 0x77, .. }),
-            "{error}"
-        );
+        assert!(matches!(error, Error::UnknownValue { value: 0x77, .. }), "{error}");
         assert!(AllocationType::try_from(sys::CUmemAllocationType(9)).is_err());
     }
 
     #[test]
     fn negative_ids_are_refused_before_the_driver() {
         assert!(Location::Device(-1).to_raw().is_err());
-        let text = Location::HostNuma(-2)
-            .to_raw()
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let text = Location::HostNuma(-2).to_raw().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.contains("-2") && text.contains("negative"), "{text}");
     }
 
@@ -360,10 +324,7 @@ mod tests {
         assert!(Location::Invisible.to_raw().is_err());
         assert!(Route::managed(Location::Invisible).validate().is_err());
         let raw = raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVISIBLE, -2);
-        assert_eq!(
-            Location::try_from(raw).expect("13.2 knows it"),
-            Location::Invisible
-        );
+        assert_eq!(Location::try_from(raw).expect("13.2 knows it"), Location::Invisible);
     }
 
     #[test]
@@ -372,9 +333,6 @@ mod tests {
         assert!(Route::host().is_host_accessible());
         assert!(Route::host_numa(0).is_host_accessible());
         assert!(Route::managed(Location::Device(0)).is_host_accessible());
-        assert_eq!(
-            Route::managed(Location::Unspecified).to_string(),
-            "(unspecified location, managed)"
-        );
+        assert_eq!(Route::managed(Location::Unspecified).to_string(), "(unspecified location, managed)");
     }
 }

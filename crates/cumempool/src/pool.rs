@@ -75,40 +75,19 @@ impl Access {
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE => Ok(Self::None),
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => Ok(Self::Read),
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Ok(Self::ReadWrite),
-            other => Err(Error::UnknownValue {
-                type_name: "CUmemAccess_flags",
-                value: other.0.into(),
-            }),
+            other => Err(Error::UnknownValue { type_name: "CUmemAccess_flags", value: other.0.into() }),
         }
     }
 }
 
 impl Pool {
     pub(crate) fn borrowed(raw: sys::CUmemoryPool, route: Option<Route>) -> Self {
-        Self {
-            raw: Shared(raw),
-            route,
-            max_size: None,
-            owner: None,
-        }
+        Self { raw: Shared(raw), route, max_size: None, owner: None }
     }
 
-    pub(crate) fn owned(
-        raw: sys::CUmemoryPool,
-        route: Option<Route>,
-        max_size: Option<u64>,
-        imported: bool,
-    ) -> Self {
-        let owner = Arc::new(Owner {
-            raw: Shared(raw),
-            imported,
-        });
-        Self {
-            raw: Shared(raw),
-            route,
-            max_size,
-            owner: Some(owner),
-        }
+    pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
+        let owner = Arc::new(Owner { raw: Shared(raw), imported });
+        Self { raw: Shared(raw), route, max_size, owner: Some(owner) }
     }
 
     /// The driver's handle. Valid while this handle (or a buffer from it) lives.
@@ -186,13 +165,15 @@ impl Pool {
     /// Sets the access of several devices at once.
     pub fn set_access_many(&self, grants: &[(Device, Access)]) -> Result<()> {
         let owner = self.route.and_then(|r| r.location.device());
-        if let Some((device, access)) = grants
-            .iter()
-            .find(|(d, a)| Some(d.ordinal()) == owner && *a != Access::ReadWrite)
+        if let Some((device, access)) =
+            grants.iter().find(|(d, a)| Some(d.ordinal()) == owner && *a != Access::ReadWrite)
         {
             return Err(Error::InvalidArgument {
                 what: "setting pool access",
-                reason: format!("device {} owns the pool and always has read-write access; {access:?} cannot be set for it", device.ordinal()),
+                reason: format!(
+                    "device {} owns the pool and always has read-write access; {access:?} cannot be set for it",
+                    device.ordinal()
+                ),
             });
         }
         let descriptors: Vec<sys::CUmemAccessDesc> = grants
@@ -207,10 +188,7 @@ impl Pool {
             .collect();
         let f = api()?.cuMemPoolSetAccess()?;
         // SAFETY: a live pool and `len` valid descriptors.
-        check(
-            unsafe { f(self.raw.0, descriptors.as_ptr(), descriptors.len()) },
-            "cuMemPoolSetAccess",
-        )
+        check(unsafe { f(self.raw.0, descriptors.as_ptr(), descriptors.len()) }, "cuMemPoolSetAccess")
     }
 
     /// The access `device` has to this pool's memory.
@@ -224,10 +202,7 @@ impl Pool {
         let mut raw_location = location.to_raw()?;
         let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
         // SAFETY: valid pointers; a live pool.
-        check(
-            unsafe { f(&mut flags, self.raw.0, &mut raw_location) },
-            "cuMemPoolGetAccess",
-        )?;
+        check(unsafe { f(&mut flags, self.raw.0, &mut raw_location) }, "cuMemPoolGetAccess")?;
         Access::from_raw(flags)
     }
 
@@ -248,27 +223,29 @@ impl Pool {
         Ok(unsafe { Buffer::from_pool(ptr, bytes, stream.clone(), route, self.owner.clone()) })
     }
 
-    /// The raw allocation behind [`Pool::alloc`]: the caller frees it with `cuMemFreeAsync`.
+    /// The allocation behind [`Pool::alloc`], as a raw address the caller frees with
+    /// [`free_async`](crate::free_async) (for allocator layers that keep their own books).
+    ///
+    /// Unlike [`Pool::alloc`] this does not keep the pool alive: the driver defers destroying a
+    /// pool until its outstanding allocations are freed.
     #[inline]
-    pub(crate) fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
+    pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
         if self.is_imported() {
             return Err(Error::InvalidArgument {
                 what: "allocating from an imported pool",
                 reason: "the driver only lets the exporting process allocate; allocate there and share the pointer with Buffer::export".into(),
             });
         }
-        stream.context().ensure_current()?;
+        stream.bind()?;
         let f = api()?.cuMemAllocFromPoolAsync()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer, live pool and stream, context current.
         let code = unsafe { f(&mut ptr, bytes, self.raw.0, stream.as_raw()) };
         match code {
             sys::CUresult::CUDA_SUCCESS => Ok(ptr),
-            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory {
-                requested: bytes,
-                limit: self.max_size,
-                during: "cuMemAllocFromPoolAsync",
-            }),
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                Err(Error::OutOfMemory { requested: bytes, limit: self.max_size, during: "cuMemAllocFromPoolAsync" })
+            }
             code => Err(Error::driver(code, "cuMemAllocFromPoolAsync")),
         }
     }
@@ -285,12 +262,7 @@ pub struct MemPool(Pool);
 impl MemPool {
     /// A builder for a pool serving `route`.
     pub fn builder(route: Route) -> PoolBuilder {
-        PoolBuilder {
-            route,
-            handle_types: HandleTypes::NONE,
-            max_size: None,
-            hw_decompress: false,
-        }
+        PoolBuilder { route, handle_types: HandleTypes::NONE, max_size: None, hw_decompress: false }
     }
 
     /// A pool with default properties serving `route`.
@@ -314,9 +286,7 @@ impl MemPool {
                 tracing::debug!(pool = ?raw, "memory pool destroyed");
                 Ok(())
             }
-            Err(shared) => Err(Error::PoolInUse {
-                holders: Arc::strong_count(&shared) - 1,
-            }),
+            Err(shared) => Err(Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 }),
         }
     }
 
@@ -333,9 +303,7 @@ impl MemPool {
                 std::mem::forget(owner);
                 Ok(raw)
             }
-            Err(shared) => Err(Error::PoolInUse {
-                holders: Arc::strong_count(&shared) - 1,
-            }),
+            Err(shared) => Err(Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 }),
         }
     }
 
@@ -426,11 +394,7 @@ impl PoolBuilder {
             })?,
             None => 0,
         };
-        let usage = if self.hw_decompress {
-            sys::CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS as u16
-        } else {
-            0
-        };
+        let usage = if self.hw_decompress { sys::CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS as u16 } else { 0 };
         Ok(sys::CUmemPoolProps {
             allocType: alloc_type,
             handleTypes: self.handle_types.to_raw(),
@@ -453,9 +417,7 @@ impl PoolBuilder {
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and props.
         let code = unsafe { f(&mut raw, &props) };
-        if code == sys::CUresult::CUDA_ERROR_INVALID_VALUE
-            || code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
-        {
+        if code == sys::CUresult::CUDA_ERROR_INVALID_VALUE || code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED {
             let (name, _) = crate::error::describe(code);
             return Err(Error::PoolCreation {
                 route: self.route,
@@ -464,12 +426,7 @@ impl PoolBuilder {
         }
         check(code, "cuMemPoolCreate")?;
         tracing::info!(route = %self.route, pool = ?raw, max_size = ?self.max_size, handle_types = %self.handle_types, "memory pool created");
-        Ok(MemPool(Pool::owned(
-            raw,
-            Some(self.route),
-            self.max_size,
-            false,
-        )))
+        Ok(MemPool(Pool::owned(raw, Some(self.route), self.max_size, false)))
     }
 
     /// The likeliest reason the driver refused these properties (from what drivers were seen to do).
@@ -479,14 +436,9 @@ impl PoolBuilder {
             return "managed pools take no maximum size; leave max_size unset".into();
         }
         if managed && !self.handle_types.is_empty() {
-            return "managed pools cannot export handles; create a pinned pool to share memory"
-                .into();
+            return "managed pools cannot export handles; create a pinned pool to share memory".into();
         }
-        if self.route.location == Location::Host
-            && self
-                .handle_types
-                .contains(HandleTypes::POSIX_FILE_DESCRIPTOR)
-        {
+        if self.route.location == Location::Host && self.handle_types.contains(HandleTypes::POSIX_FILE_DESCRIPTOR) {
             return "host pools cannot export file descriptors; use a host NUMA node (Location::HostNuma) for a shareable host pool".into();
         }
         match self.route.location {

@@ -25,13 +25,7 @@ fn routed() -> MutexGuard<'static, BTreeMap<Route, Pool>> {
 #[cold]
 fn refused(route: Route, code: sys::CUresult, during: &'static str) -> Error {
     let (name, description) = crate::error::describe(code);
-    Error::RouteRefused {
-        route,
-        code: code.0,
-        name,
-        description,
-        during,
-    }
+    Error::RouteRefused { route, code: code.0, name, description, during }
 }
 
 /// The driver-owned default pool of `route`. Never changes and is never destroyed.
@@ -107,10 +101,7 @@ pub fn is_default(route: Route) -> Result<bool> {
 pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     if let Some(served) = pool.route() {
         if served != route {
-            return Err(Error::PoolRouteMismatch {
-                pool: served,
-                route,
-            });
+            return Err(Error::PoolRouteMismatch { pool: served, route });
         }
     }
     let mut map = routed();
@@ -122,10 +113,7 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     };
     drop(map);
     tracing::info!(%route, pool = ?pool.as_raw(), previous = ?previous_raw, "current pool changed (process-wide)");
-    Ok(RouteGuard {
-        route,
-        previous: Some(previous),
-    })
+    Ok(RouteGuard { route, previous: Some(previous) })
 }
 
 /// Makes `route`'s default pool current again, for the whole process.
@@ -170,11 +158,7 @@ impl RouteGuard {
         };
         let mut map = routed();
         set_raw(self.route, previous.as_raw())?;
-        let released = if previous.is_owned() {
-            map.insert(self.route, previous)
-        } else {
-            map.remove(&self.route)
-        };
+        let released = if previous.is_owned() { map.insert(self.route, previous) } else { map.remove(&self.route) };
         drop(map);
         // A pool that was only kept alive by its route may be destroyed here, after the route moved on.
         drop(released);

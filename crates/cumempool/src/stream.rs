@@ -16,7 +16,9 @@ pub struct Stream(Arc<StreamInner>);
 #[derive(Debug)]
 struct StreamInner {
     raw: Shared<sys::CUstream>,
-    context: Context,
+    /// `None` for the legacy default stream and borrowed streams given without a context: work
+    /// on them runs in whatever context is current on the calling thread.
+    context: Option<Context>,
     owned: bool,
 }
 
@@ -31,24 +33,25 @@ impl Stream {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
         // SAFETY: valid out-pointer; the context is current.
         check(unsafe { f(&mut raw, flags) }, "cuStreamCreate")?;
-        Ok(Self(Arc::new(StreamInner {
-            raw: Shared(raw),
-            context: context.clone(),
-            owned: true,
-        })))
+        Ok(Self(Arc::new(StreamInner { raw: Shared(raw), context: Some(context.clone()), owned: true })))
+    }
+
+    /// The legacy default stream (`0`), in whatever context is current on the calling thread.
+    /// Creating it calls no driver function.
+    pub fn legacy() -> Self {
+        Self(Arc::new(StreamInner { raw: Shared(std::ptr::null_mut()), context: None, owned: false }))
     }
 
     /// Borrows a stream created elsewhere (by another library, say); it is never destroyed here.
     ///
+    /// With a context, that context is made current before work is queued on the stream;
+    /// without, work runs in whatever context is current on the calling thread.
+    ///
     /// # Safety
-    /// `raw` must be a valid stream of `context` and must outlive every clone of the result and
-    /// every buffer allocated on it.
-    pub unsafe fn borrow_raw(raw: sys::CUstream, context: &Context) -> Self {
-        Self(Arc::new(StreamInner {
-            raw: Shared(raw),
-            context: context.clone(),
-            owned: false,
-        }))
+    /// `raw` must be a valid stream (of `context`, if given) and must outlive every clone of the
+    /// result and every buffer allocated on it.
+    pub unsafe fn borrow_raw(raw: sys::CUstream, context: Option<&Context>) -> Self {
+        Self(Arc::new(StreamInner { raw: Shared(raw), context: context.cloned(), owned: false }))
     }
 
     /// The driver's handle.
@@ -57,10 +60,19 @@ impl Stream {
         self.0.raw.0
     }
 
-    /// The context the stream belongs to.
+    /// The context the stream belongs to, where known.
     #[inline]
-    pub fn context(&self) -> &Context {
-        &self.0.context
+    pub fn context(&self) -> Option<&Context> {
+        self.0.context.as_ref()
+    }
+
+    /// Makes the stream's context current on this thread (if it has one), ready to queue work.
+    #[inline]
+    pub fn bind(&self) -> Result<()> {
+        match &self.0.context {
+            Some(context) => context.ensure_current(),
+            None => Ok(()),
+        }
     }
 
     /// Whether this handle destroys the stream (false for [`Stream::borrow_raw`]).
@@ -70,7 +82,7 @@ impl Stream {
 
     /// Waits until all work queued on the stream has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.0.context.ensure_current()?;
+        self.bind()?;
         let f = api()?.cuStreamSynchronize()?;
         // SAFETY: a live stream.
         check(unsafe { f(self.as_raw()) }, "cuStreamSynchronize")
@@ -91,10 +103,7 @@ impl Stream {
     pub fn wait(&self, event: &Event) -> Result<()> {
         let f = api()?.cuStreamWaitEvent()?;
         // SAFETY: live stream and event.
-        check(
-            unsafe { f(self.as_raw(), event.as_raw(), 0) },
-            "cuStreamWaitEvent",
-        )
+        check(unsafe { f(self.as_raw(), event.as_raw(), 0) }, "cuStreamWaitEvent")
     }
 
     /// Whether two handles name the same driver stream.
@@ -108,7 +117,8 @@ impl Drop for StreamInner {
         if !self.owned {
             return;
         }
-        let result = self.context.ensure_current().and_then(|()| {
+        let bound = self.context.as_ref().map_or(Ok(()), Context::ensure_current);
+        let result = bound.and_then(|()| {
             let f = api()?.cuStreamDestroy()?;
             // SAFETY: an owned stream, destroyed once.
             check(unsafe { f(self.raw.0) }, "cuStreamDestroy")
@@ -137,10 +147,7 @@ impl Event {
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         // SAFETY: valid out-pointer; the context is current.
         check(unsafe { f(&mut raw, flags) }, "cuEventCreate")?;
-        Ok(Self {
-            raw: Shared(raw),
-            context: context.clone(),
-        })
+        Ok(Self { raw: Shared(raw), context: context.clone() })
     }
 
     /// The driver's handle.

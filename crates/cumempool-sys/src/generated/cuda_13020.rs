@@ -54,8 +54,7 @@ pub struct CUmemFabricHandle_st {
 const _: () = {
     ["Size of CUmemFabricHandle_st"][::core::mem::size_of::<CUmemFabricHandle_st>() - 64usize];
     ["Alignment of CUmemFabricHandle_st"][::core::mem::align_of::<CUmemFabricHandle_st>() - 1usize];
-    ["Offset of field: CUmemFabricHandle_st::data"]
-        [::core::mem::offset_of!(CUmemFabricHandle_st, data) - 0usize];
+    ["Offset of field: CUmemFabricHandle_st::data"][::core::mem::offset_of!(CUmemFabricHandle_st, data) - 0usize];
 };
 impl Default for CUmemFabricHandle_st {
     fn default() -> Self {
@@ -87,100 +86,62 @@ impl CUevent_flags_enum {
 pub struct CUevent_flags_enum(pub ::core::ffi::c_uint);
 pub use self::CUevent_flags_enum as CUevent_flags;
 impl CUdevice_attribute_enum {
-    pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(1);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(2);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(3);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(4);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(5);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(6);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(7);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(8);
-    pub const CU_DEVICE_ATTRIBUTE_SHARED_MEMORY_PER_BLOCK: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(8);
-    pub const CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(9);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(1);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: CUdevice_attribute_enum = CUdevice_attribute_enum(2);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: CUdevice_attribute_enum = CUdevice_attribute_enum(3);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: CUdevice_attribute_enum = CUdevice_attribute_enum(4);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: CUdevice_attribute_enum = CUdevice_attribute_enum(5);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: CUdevice_attribute_enum = CUdevice_attribute_enum(6);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: CUdevice_attribute_enum = CUdevice_attribute_enum(7);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(8);
+    pub const CU_DEVICE_ATTRIBUTE_SHARED_MEMORY_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(8);
+    pub const CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: CUdevice_attribute_enum = CUdevice_attribute_enum(9);
     pub const CU_DEVICE_ATTRIBUTE_WARP_SIZE: CUdevice_attribute_enum = CUdevice_attribute_enum(10);
     pub const CU_DEVICE_ATTRIBUTE_MAX_PITCH: CUdevice_attribute_enum = CUdevice_attribute_enum(11);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(12);
-    pub const CU_DEVICE_ATTRIBUTE_REGISTERS_PER_BLOCK: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(12);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(12);
+    pub const CU_DEVICE_ATTRIBUTE_REGISTERS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(12);
     pub const CU_DEVICE_ATTRIBUTE_CLOCK_RATE: CUdevice_attribute_enum = CUdevice_attribute_enum(13);
-    pub const CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(14);
-    pub const CU_DEVICE_ATTRIBUTE_GPU_OVERLAP: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(15);
-    pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(16);
-    pub const CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(17);
+    pub const CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: CUdevice_attribute_enum = CUdevice_attribute_enum(14);
+    pub const CU_DEVICE_ATTRIBUTE_GPU_OVERLAP: CUdevice_attribute_enum = CUdevice_attribute_enum(15);
+    pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: CUdevice_attribute_enum = CUdevice_attribute_enum(16);
+    pub const CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT: CUdevice_attribute_enum = CUdevice_attribute_enum(17);
     pub const CU_DEVICE_ATTRIBUTE_INTEGRATED: CUdevice_attribute_enum = CUdevice_attribute_enum(18);
-    pub const CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(19);
-    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(20);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(21);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(22);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_HEIGHT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(23);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(24);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_HEIGHT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(25);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_DEPTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(26);
+    pub const CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: CUdevice_attribute_enum = CUdevice_attribute_enum(19);
+    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: CUdevice_attribute_enum = CUdevice_attribute_enum(20);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(21);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(22);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_HEIGHT: CUdevice_attribute_enum = CUdevice_attribute_enum(23);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(24);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_HEIGHT: CUdevice_attribute_enum = CUdevice_attribute_enum(25);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_DEPTH: CUdevice_attribute_enum = CUdevice_attribute_enum(26);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LAYERED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(27);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LAYERED_HEIGHT: CUdevice_attribute_enum =
         CUdevice_attribute_enum(28);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LAYERED_LAYERS: CUdevice_attribute_enum =
         CUdevice_attribute_enum(29);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_ARRAY_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(27);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_ARRAY_HEIGHT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(28);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_ARRAY_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(27);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_ARRAY_HEIGHT: CUdevice_attribute_enum = CUdevice_attribute_enum(28);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_ARRAY_NUMSLICES: CUdevice_attribute_enum =
         CUdevice_attribute_enum(29);
-    pub const CU_DEVICE_ATTRIBUTE_SURFACE_ALIGNMENT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(30);
-    pub const CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(31);
-    pub const CU_DEVICE_ATTRIBUTE_ECC_ENABLED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(32);
+    pub const CU_DEVICE_ATTRIBUTE_SURFACE_ALIGNMENT: CUdevice_attribute_enum = CUdevice_attribute_enum(30);
+    pub const CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: CUdevice_attribute_enum = CUdevice_attribute_enum(31);
+    pub const CU_DEVICE_ATTRIBUTE_ECC_ENABLED: CUdevice_attribute_enum = CUdevice_attribute_enum(32);
     pub const CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(33);
-    pub const CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(34);
+    pub const CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(34);
     pub const CU_DEVICE_ATTRIBUTE_TCC_DRIVER: CUdevice_attribute_enum = CUdevice_attribute_enum(35);
-    pub const CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(36);
-    pub const CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(37);
-    pub const CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(38);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(39);
-    pub const CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(40);
-    pub const CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(41);
+    pub const CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: CUdevice_attribute_enum = CUdevice_attribute_enum(36);
+    pub const CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(37);
+    pub const CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: CUdevice_attribute_enum = CUdevice_attribute_enum(38);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: CUdevice_attribute_enum = CUdevice_attribute_enum(39);
+    pub const CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: CUdevice_attribute_enum = CUdevice_attribute_enum(40);
+    pub const CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: CUdevice_attribute_enum = CUdevice_attribute_enum(41);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_LAYERED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(42);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_LAYERED_LAYERS: CUdevice_attribute_enum =
         CUdevice_attribute_enum(43);
-    pub const CU_DEVICE_ATTRIBUTE_CAN_TEX2D_GATHER: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(44);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_GATHER_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(45);
+    pub const CU_DEVICE_ATTRIBUTE_CAN_TEX2D_GATHER: CUdevice_attribute_enum = CUdevice_attribute_enum(44);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_GATHER_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(45);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_GATHER_HEIGHT: CUdevice_attribute_enum =
         CUdevice_attribute_enum(46);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_WIDTH_ALTERNATE: CUdevice_attribute_enum =
@@ -189,28 +150,19 @@ impl CUdevice_attribute_enum {
         CUdevice_attribute_enum(48);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE3D_DEPTH_ALTERNATE: CUdevice_attribute_enum =
         CUdevice_attribute_enum(49);
-    pub const CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(50);
-    pub const CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(51);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURECUBEMAP_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(52);
+    pub const CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(50);
+    pub const CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT: CUdevice_attribute_enum = CUdevice_attribute_enum(51);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURECUBEMAP_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(52);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURECUBEMAP_LAYERED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(53);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURECUBEMAP_LAYERED_LAYERS: CUdevice_attribute_enum =
         CUdevice_attribute_enum(54);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE1D_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(55);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE2D_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(56);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE2D_HEIGHT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(57);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE3D_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(58);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE3D_HEIGHT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(59);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE3D_DEPTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(60);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE1D_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(55);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE2D_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(56);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE2D_HEIGHT: CUdevice_attribute_enum = CUdevice_attribute_enum(57);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE3D_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(58);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE3D_HEIGHT: CUdevice_attribute_enum = CUdevice_attribute_enum(59);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE3D_DEPTH: CUdevice_attribute_enum = CUdevice_attribute_enum(60);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE1D_LAYERED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(61);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE1D_LAYERED_LAYERS: CUdevice_attribute_enum =
@@ -221,173 +173,124 @@ impl CUdevice_attribute_enum {
         CUdevice_attribute_enum(64);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACE2D_LAYERED_LAYERS: CUdevice_attribute_enum =
         CUdevice_attribute_enum(65);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACECUBEMAP_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(66);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACECUBEMAP_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(66);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACECUBEMAP_LAYERED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(67);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_SURFACECUBEMAP_LAYERED_LAYERS: CUdevice_attribute_enum =
         CUdevice_attribute_enum(68);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_LINEAR_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(69);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LINEAR_WIDTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(70);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_LINEAR_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(69);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LINEAR_WIDTH: CUdevice_attribute_enum = CUdevice_attribute_enum(70);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LINEAR_HEIGHT: CUdevice_attribute_enum =
         CUdevice_attribute_enum(71);
-    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LINEAR_PITCH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(72);
+    pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_LINEAR_PITCH: CUdevice_attribute_enum = CUdevice_attribute_enum(72);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_MIPMAPPED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(73);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE2D_MIPMAPPED_HEIGHT: CUdevice_attribute_enum =
         CUdevice_attribute_enum(74);
-    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(75);
-    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(76);
+    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: CUdevice_attribute_enum = CUdevice_attribute_enum(75);
+    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: CUdevice_attribute_enum = CUdevice_attribute_enum(76);
     pub const CU_DEVICE_ATTRIBUTE_MAXIMUM_TEXTURE1D_MIPMAPPED_WIDTH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(77);
-    pub const CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(78);
-    pub const CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(79);
-    pub const CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(80);
+    pub const CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(78);
+    pub const CU_DEVICE_ATTRIBUTE_GLOBAL_L1_CACHE_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(79);
+    pub const CU_DEVICE_ATTRIBUTE_LOCAL_L1_CACHE_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(80);
     pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: CUdevice_attribute_enum =
         CUdevice_attribute_enum(81);
     pub const CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: CUdevice_attribute_enum =
         CUdevice_attribute_enum(82);
-    pub const CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(83);
-    pub const CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(84);
-    pub const CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(85);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(86);
+    pub const CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: CUdevice_attribute_enum = CUdevice_attribute_enum(83);
+    pub const CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD: CUdevice_attribute_enum = CUdevice_attribute_enum(84);
+    pub const CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD_GROUP_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(85);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(86);
     pub const CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO: CUdevice_attribute_enum =
         CUdevice_attribute_enum(87);
-    pub const CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(88);
-    pub const CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(89);
-    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(90);
+    pub const CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS: CUdevice_attribute_enum = CUdevice_attribute_enum(88);
+    pub const CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: CUdevice_attribute_enum = CUdevice_attribute_enum(89);
+    pub const CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(90);
     pub const CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: CUdevice_attribute_enum =
         CUdevice_attribute_enum(91);
-    pub const CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(92);
+    pub const CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1: CUdevice_attribute_enum = CUdevice_attribute_enum(92);
     pub const CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1: CUdevice_attribute_enum =
         CUdevice_attribute_enum(93);
     pub const CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V1: CUdevice_attribute_enum =
         CUdevice_attribute_enum(94);
-    pub const CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(95);
+    pub const CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: CUdevice_attribute_enum = CUdevice_attribute_enum(95);
     pub const CU_DEVICE_ATTRIBUTE_COOPERATIVE_MULTI_DEVICE_LAUNCH: CUdevice_attribute_enum =
         CUdevice_attribute_enum(96);
     pub const CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: CUdevice_attribute_enum =
         CUdevice_attribute_enum(97);
-    pub const CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(98);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(99);
-    pub const CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES:
-        CUdevice_attribute_enum = CUdevice_attribute_enum(100);
+    pub const CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES: CUdevice_attribute_enum = CUdevice_attribute_enum(98);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(99);
+    pub const CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES: CUdevice_attribute_enum =
+        CUdevice_attribute_enum(100);
     pub const CU_DEVICE_ATTRIBUTE_DIRECT_MANAGED_MEM_ACCESS_FROM_HOST: CUdevice_attribute_enum =
         CUdevice_attribute_enum(101);
     pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(102);
     pub const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(102);
-    pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
-        CUdevice_attribute_enum = CUdevice_attribute_enum(103);
+    pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: CUdevice_attribute_enum =
+        CUdevice_attribute_enum(103);
     pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_WIN32_HANDLE_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(104);
     pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_WIN32_KMT_HANDLE_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(105);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(106);
-    pub const CU_DEVICE_ATTRIBUTE_GENERIC_COMPRESSION_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(107);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(108);
-    pub const CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(109);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: CUdevice_attribute_enum = CUdevice_attribute_enum(106);
+    pub const CU_DEVICE_ATTRIBUTE_GENERIC_COMPRESSION_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(107);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE: CUdevice_attribute_enum = CUdevice_attribute_enum(108);
+    pub const CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE: CUdevice_attribute_enum = CUdevice_attribute_enum(109);
     pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(110);
     pub const CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK: CUdevice_attribute_enum =
         CUdevice_attribute_enum(111);
-    pub const CU_DEVICE_ATTRIBUTE_SPARSE_CUDA_ARRAY_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(112);
+    pub const CU_DEVICE_ATTRIBUTE_SPARSE_CUDA_ARRAY_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(112);
     pub const CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(113);
     pub const CU_DEVICE_ATTRIBUTE_TIMELINE_SEMAPHORE_INTEROP_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(114);
-    pub const CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(115);
-    pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(116);
+    pub const CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(115);
+    pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(116);
     pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: CUdevice_attribute_enum =
         CUdevice_attribute_enum(117);
     pub const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: CUdevice_attribute_enum =
         CUdevice_attribute_enum(118);
     pub const CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: CUdevice_attribute_enum =
         CUdevice_attribute_enum(119);
-    pub const CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(120);
+    pub const CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH: CUdevice_attribute_enum = CUdevice_attribute_enum(120);
     pub const CU_DEVICE_ATTRIBUTE_DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(121);
-    pub const CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(122);
-    pub const CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(123);
-    pub const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(124);
-    pub const CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(125);
-    pub const CU_DEVICE_ATTRIBUTE_MEM_SYNC_DOMAIN_COUNT: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(126);
-    pub const CU_DEVICE_ATTRIBUTE_TENSOR_MAP_ACCESS_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(127);
-    pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(128);
-    pub const CU_DEVICE_ATTRIBUTE_UNIFIED_FUNCTION_POINTERS: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(129);
-    pub const CU_DEVICE_ATTRIBUTE_NUMA_CONFIG: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(130);
+    pub const CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: CUdevice_attribute_enum = CUdevice_attribute_enum(122);
+    pub const CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR: CUdevice_attribute_enum = CUdevice_attribute_enum(123);
+    pub const CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(124);
+    pub const CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(125);
+    pub const CU_DEVICE_ATTRIBUTE_MEM_SYNC_DOMAIN_COUNT: CUdevice_attribute_enum = CUdevice_attribute_enum(126);
+    pub const CU_DEVICE_ATTRIBUTE_TENSOR_MAP_ACCESS_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(127);
+    pub const CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(128);
+    pub const CU_DEVICE_ATTRIBUTE_UNIFIED_FUNCTION_POINTERS: CUdevice_attribute_enum = CUdevice_attribute_enum(129);
+    pub const CU_DEVICE_ATTRIBUTE_NUMA_CONFIG: CUdevice_attribute_enum = CUdevice_attribute_enum(130);
     pub const CU_DEVICE_ATTRIBUTE_NUMA_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(131);
-    pub const CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(132);
-    pub const CU_DEVICE_ATTRIBUTE_MPS_ENABLED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(133);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(134);
-    pub const CU_DEVICE_ATTRIBUTE_D3D12_CIG_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(135);
-    pub const CU_DEVICE_ATTRIBUTE_MEM_DECOMPRESS_ALGORITHM_MASK: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(136);
-    pub const CU_DEVICE_ATTRIBUTE_MEM_DECOMPRESS_MAXIMUM_LENGTH: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(137);
-    pub const CU_DEVICE_ATTRIBUTE_VULKAN_CIG_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(138);
-    pub const CU_DEVICE_ATTRIBUTE_GPU_PCI_DEVICE_ID: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(139);
-    pub const CU_DEVICE_ATTRIBUTE_GPU_PCI_SUBSYSTEM_ID: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(140);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
-        CUdevice_attribute_enum = CUdevice_attribute_enum(141);
+    pub const CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(132);
+    pub const CU_DEVICE_ATTRIBUTE_MPS_ENABLED: CUdevice_attribute_enum = CUdevice_attribute_enum(133);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(134);
+    pub const CU_DEVICE_ATTRIBUTE_D3D12_CIG_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(135);
+    pub const CU_DEVICE_ATTRIBUTE_MEM_DECOMPRESS_ALGORITHM_MASK: CUdevice_attribute_enum = CUdevice_attribute_enum(136);
+    pub const CU_DEVICE_ATTRIBUTE_MEM_DECOMPRESS_MAXIMUM_LENGTH: CUdevice_attribute_enum = CUdevice_attribute_enum(137);
+    pub const CU_DEVICE_ATTRIBUTE_VULKAN_CIG_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(138);
+    pub const CU_DEVICE_ATTRIBUTE_GPU_PCI_DEVICE_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(139);
+    pub const CU_DEVICE_ATTRIBUTE_GPU_PCI_SUBSYSTEM_ID: CUdevice_attribute_enum = CUdevice_attribute_enum(140);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: CUdevice_attribute_enum =
+        CUdevice_attribute_enum(141);
     pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_MEMORY_POOLS_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(142);
     pub const CU_DEVICE_ATTRIBUTE_HOST_NUMA_MULTINODE_IPC_SUPPORTED: CUdevice_attribute_enum =
         CUdevice_attribute_enum(143);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(144);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
-        CUdevice_attribute_enum = CUdevice_attribute_enum(145);
-    pub const CU_DEVICE_ATTRIBUTE_HOST_ALLOC_DMA_BUF_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(146);
-    pub const CU_DEVICE_ATTRIBUTE_ONLY_PARTIAL_HOST_NATIVE_ATOMIC_SUPPORTED:
-        CUdevice_attribute_enum = CUdevice_attribute_enum(147);
-    pub const CU_DEVICE_ATTRIBUTE_ATOMIC_REDUCTION_SUPPORTED: CUdevice_attribute_enum =
-        CUdevice_attribute_enum(148);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_MEMORY_POOLS_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(144);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: CUdevice_attribute_enum =
+        CUdevice_attribute_enum(145);
+    pub const CU_DEVICE_ATTRIBUTE_HOST_ALLOC_DMA_BUF_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(146);
+    pub const CU_DEVICE_ATTRIBUTE_ONLY_PARTIAL_HOST_NATIVE_ATOMIC_SUPPORTED: CUdevice_attribute_enum =
+        CUdevice_attribute_enum(147);
+    pub const CU_DEVICE_ATTRIBUTE_ATOMIC_REDUCTION_SUPPORTED: CUdevice_attribute_enum = CUdevice_attribute_enum(148);
     pub const CU_DEVICE_ATTRIBUTE_MAX: CUdevice_attribute_enum = CUdevice_attribute_enum(149);
 }
 #[repr(transparent)]
@@ -396,45 +299,26 @@ pub struct CUdevice_attribute_enum(pub ::core::ffi::c_uint);
 pub use self::CUdevice_attribute_enum as CUdevice_attribute;
 impl CUpointer_attribute_enum {
     pub const CU_POINTER_ATTRIBUTE_CONTEXT: CUpointer_attribute_enum = CUpointer_attribute_enum(1);
-    pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(2);
-    pub const CU_POINTER_ATTRIBUTE_DEVICE_POINTER: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(3);
-    pub const CU_POINTER_ATTRIBUTE_HOST_POINTER: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(4);
-    pub const CU_POINTER_ATTRIBUTE_P2P_TOKENS: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(5);
-    pub const CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(6);
-    pub const CU_POINTER_ATTRIBUTE_BUFFER_ID: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(7);
-    pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(8);
-    pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(9);
-    pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(10);
-    pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(11);
-    pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(12);
+    pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: CUpointer_attribute_enum = CUpointer_attribute_enum(2);
+    pub const CU_POINTER_ATTRIBUTE_DEVICE_POINTER: CUpointer_attribute_enum = CUpointer_attribute_enum(3);
+    pub const CU_POINTER_ATTRIBUTE_HOST_POINTER: CUpointer_attribute_enum = CUpointer_attribute_enum(4);
+    pub const CU_POINTER_ATTRIBUTE_P2P_TOKENS: CUpointer_attribute_enum = CUpointer_attribute_enum(5);
+    pub const CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: CUpointer_attribute_enum = CUpointer_attribute_enum(6);
+    pub const CU_POINTER_ATTRIBUTE_BUFFER_ID: CUpointer_attribute_enum = CUpointer_attribute_enum(7);
+    pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: CUpointer_attribute_enum = CUpointer_attribute_enum(8);
+    pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: CUpointer_attribute_enum = CUpointer_attribute_enum(9);
+    pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: CUpointer_attribute_enum = CUpointer_attribute_enum(10);
+    pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: CUpointer_attribute_enum = CUpointer_attribute_enum(11);
+    pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: CUpointer_attribute_enum = CUpointer_attribute_enum(12);
     pub const CU_POINTER_ATTRIBUTE_MAPPED: CUpointer_attribute_enum = CUpointer_attribute_enum(13);
-    pub const CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(14);
-    pub const CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(15);
-    pub const CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(16);
-    pub const CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(17);
-    pub const CU_POINTER_ATTRIBUTE_MAPPING_SIZE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(18);
-    pub const CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(19);
-    pub const CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(20);
-    pub const CU_POINTER_ATTRIBUTE_IS_HW_DECOMPRESS_CAPABLE: CUpointer_attribute_enum =
-        CUpointer_attribute_enum(21);
+    pub const CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: CUpointer_attribute_enum = CUpointer_attribute_enum(14);
+    pub const CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: CUpointer_attribute_enum = CUpointer_attribute_enum(15);
+    pub const CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: CUpointer_attribute_enum = CUpointer_attribute_enum(16);
+    pub const CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: CUpointer_attribute_enum = CUpointer_attribute_enum(17);
+    pub const CU_POINTER_ATTRIBUTE_MAPPING_SIZE: CUpointer_attribute_enum = CUpointer_attribute_enum(18);
+    pub const CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR: CUpointer_attribute_enum = CUpointer_attribute_enum(19);
+    pub const CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: CUpointer_attribute_enum = CUpointer_attribute_enum(20);
+    pub const CU_POINTER_ATTRIBUTE_IS_HW_DECOMPRESS_CAPABLE: CUpointer_attribute_enum = CUpointer_attribute_enum(21);
 }
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
@@ -463,10 +347,8 @@ impl CUmem_advise_enum {
 pub struct CUmem_advise_enum(pub ::core::ffi::c_uint);
 pub use self::CUmem_advise_enum as CUmem_advise;
 impl CUdriverProcAddress_flags_enum {
-    pub const CU_GET_PROC_ADDRESS_DEFAULT: CUdriverProcAddress_flags_enum =
-        CUdriverProcAddress_flags_enum(0);
-    pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: CUdriverProcAddress_flags_enum =
-        CUdriverProcAddress_flags_enum(1);
+    pub const CU_GET_PROC_ADDRESS_DEFAULT: CUdriverProcAddress_flags_enum = CUdriverProcAddress_flags_enum(0);
+    pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: CUdriverProcAddress_flags_enum = CUdriverProcAddress_flags_enum(1);
     pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: CUdriverProcAddress_flags_enum =
         CUdriverProcAddress_flags_enum(2);
 }
@@ -475,8 +357,7 @@ impl CUdriverProcAddress_flags_enum {
 pub struct CUdriverProcAddress_flags_enum(pub ::core::ffi::c_uint);
 pub use self::CUdriverProcAddress_flags_enum as CUdriverProcAddress_flags;
 impl CUdriverProcAddressQueryResult_enum {
-    pub const CU_GET_PROC_ADDRESS_SUCCESS: CUdriverProcAddressQueryResult_enum =
-        CUdriverProcAddressQueryResult_enum(0);
+    pub const CU_GET_PROC_ADDRESS_SUCCESS: CUdriverProcAddressQueryResult_enum = CUdriverProcAddressQueryResult_enum(0);
     pub const CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: CUdriverProcAddressQueryResult_enum =
         CUdriverProcAddressQueryResult_enum(1);
     pub const CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT: CUdriverProcAddressQueryResult_enum =
@@ -595,18 +476,13 @@ impl cudaError_enum {
 pub struct cudaError_enum(pub ::core::ffi::c_uint);
 pub use self::cudaError_enum as CUresult;
 impl CUmemAllocationHandleType_enum {
-    pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum =
-        CUmemAllocationHandleType_enum(0);
+    pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(0);
     pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: CUmemAllocationHandleType_enum =
         CUmemAllocationHandleType_enum(1);
-    pub const CU_MEM_HANDLE_TYPE_WIN32: CUmemAllocationHandleType_enum =
-        CUmemAllocationHandleType_enum(2);
-    pub const CU_MEM_HANDLE_TYPE_WIN32_KMT: CUmemAllocationHandleType_enum =
-        CUmemAllocationHandleType_enum(4);
-    pub const CU_MEM_HANDLE_TYPE_FABRIC: CUmemAllocationHandleType_enum =
-        CUmemAllocationHandleType_enum(8);
-    pub const CU_MEM_HANDLE_TYPE_MAX: CUmemAllocationHandleType_enum =
-        CUmemAllocationHandleType_enum(2147483647);
+    pub const CU_MEM_HANDLE_TYPE_WIN32: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(2);
+    pub const CU_MEM_HANDLE_TYPE_WIN32_KMT: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(4);
+    pub const CU_MEM_HANDLE_TYPE_FABRIC: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(8);
+    pub const CU_MEM_HANDLE_TYPE_MAX: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(2147483647);
 }
 impl ::core::ops::BitOr<CUmemAllocationHandleType_enum> for CUmemAllocationHandleType_enum {
     type Output = Self;
@@ -641,10 +517,8 @@ pub use self::CUmemAllocationHandleType_enum as CUmemAllocationHandleType;
 impl CUmemAccess_flags_enum {
     pub const CU_MEM_ACCESS_FLAGS_PROT_NONE: CUmemAccess_flags_enum = CUmemAccess_flags_enum(0);
     pub const CU_MEM_ACCESS_FLAGS_PROT_READ: CUmemAccess_flags_enum = CUmemAccess_flags_enum(1);
-    pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: CUmemAccess_flags_enum =
-        CUmemAccess_flags_enum(3);
-    pub const CU_MEM_ACCESS_FLAGS_PROT_MAX: CUmemAccess_flags_enum =
-        CUmemAccess_flags_enum(2147483647);
+    pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: CUmemAccess_flags_enum = CUmemAccess_flags_enum(3);
+    pub const CU_MEM_ACCESS_FLAGS_PROT_MAX: CUmemAccess_flags_enum = CUmemAccess_flags_enum(2147483647);
 }
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
@@ -656,8 +530,7 @@ impl CUmemLocationType_enum {
     pub const CU_MEM_LOCATION_TYPE_DEVICE: CUmemLocationType_enum = CUmemLocationType_enum(1);
     pub const CU_MEM_LOCATION_TYPE_HOST: CUmemLocationType_enum = CUmemLocationType_enum(2);
     pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: CUmemLocationType_enum = CUmemLocationType_enum(3);
-    pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: CUmemLocationType_enum =
-        CUmemLocationType_enum(4);
+    pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: CUmemLocationType_enum = CUmemLocationType_enum(4);
     pub const CU_MEM_LOCATION_TYPE_INVISIBLE: CUmemLocationType_enum = CUmemLocationType_enum(5);
     pub const CU_MEM_LOCATION_TYPE_MAX: CUmemLocationType_enum = CUmemLocationType_enum(2147483647);
 }
@@ -666,13 +539,10 @@ impl CUmemLocationType_enum {
 pub struct CUmemLocationType_enum(pub ::core::ffi::c_uint);
 pub use self::CUmemLocationType_enum as CUmemLocationType;
 impl CUmemAllocationType_enum {
-    pub const CU_MEM_ALLOCATION_TYPE_INVALID: CUmemAllocationType_enum =
-        CUmemAllocationType_enum(0);
+    pub const CU_MEM_ALLOCATION_TYPE_INVALID: CUmemAllocationType_enum = CUmemAllocationType_enum(0);
     pub const CU_MEM_ALLOCATION_TYPE_PINNED: CUmemAllocationType_enum = CUmemAllocationType_enum(1);
-    pub const CU_MEM_ALLOCATION_TYPE_MANAGED: CUmemAllocationType_enum =
-        CUmemAllocationType_enum(2);
-    pub const CU_MEM_ALLOCATION_TYPE_MAX: CUmemAllocationType_enum =
-        CUmemAllocationType_enum(2147483647);
+    pub const CU_MEM_ALLOCATION_TYPE_MANAGED: CUmemAllocationType_enum = CUmemAllocationType_enum(2);
+    pub const CU_MEM_ALLOCATION_TYPE_MAX: CUmemAllocationType_enum = CUmemAllocationType_enum(2147483647);
 }
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
@@ -691,10 +561,8 @@ pub union CUmemLocation_st__bindgen_ty_1 {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of CUmemLocation_st__bindgen_ty_1"]
-        [::core::mem::size_of::<CUmemLocation_st__bindgen_ty_1>() - 4usize];
-    ["Alignment of CUmemLocation_st__bindgen_ty_1"]
-        [::core::mem::align_of::<CUmemLocation_st__bindgen_ty_1>() - 4usize];
+    ["Size of CUmemLocation_st__bindgen_ty_1"][::core::mem::size_of::<CUmemLocation_st__bindgen_ty_1>() - 4usize];
+    ["Alignment of CUmemLocation_st__bindgen_ty_1"][::core::mem::align_of::<CUmemLocation_st__bindgen_ty_1>() - 4usize];
     ["Offset of field: CUmemLocation_st__bindgen_ty_1::id"]
         [::core::mem::offset_of!(CUmemLocation_st__bindgen_ty_1, id) - 0usize];
 };
@@ -711,8 +579,7 @@ impl Default for CUmemLocation_st__bindgen_ty_1 {
 const _: () = {
     ["Size of CUmemLocation_st"][::core::mem::size_of::<CUmemLocation_st>() - 8usize];
     ["Alignment of CUmemLocation_st"][::core::mem::align_of::<CUmemLocation_st>() - 4usize];
-    ["Offset of field: CUmemLocation_st::type_"]
-        [::core::mem::offset_of!(CUmemLocation_st, type_) - 0usize];
+    ["Offset of field: CUmemLocation_st::type_"][::core::mem::offset_of!(CUmemLocation_st, type_) - 0usize];
 };
 impl Default for CUmemLocation_st {
     fn default() -> Self {
@@ -735,10 +602,8 @@ pub struct CUmemAccessDesc_st {
 const _: () = {
     ["Size of CUmemAccessDesc_st"][::core::mem::size_of::<CUmemAccessDesc_st>() - 12usize];
     ["Alignment of CUmemAccessDesc_st"][::core::mem::align_of::<CUmemAccessDesc_st>() - 4usize];
-    ["Offset of field: CUmemAccessDesc_st::location"]
-        [::core::mem::offset_of!(CUmemAccessDesc_st, location) - 0usize];
-    ["Offset of field: CUmemAccessDesc_st::flags"]
-        [::core::mem::offset_of!(CUmemAccessDesc_st, flags) - 8usize];
+    ["Offset of field: CUmemAccessDesc_st::location"][::core::mem::offset_of!(CUmemAccessDesc_st, location) - 0usize];
+    ["Offset of field: CUmemAccessDesc_st::flags"][::core::mem::offset_of!(CUmemAccessDesc_st, flags) - 8usize];
 };
 impl Default for CUmemAccessDesc_st {
     fn default() -> Self {
@@ -752,32 +617,20 @@ impl Default for CUmemAccessDesc_st {
 pub type CUmemAccessDesc_v1 = CUmemAccessDesc_st;
 pub type CUmemAccessDesc = CUmemAccessDesc_v1;
 impl CUmemPool_attribute_enum {
-    pub const CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(1);
-    pub const CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(2);
-    pub const CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(3);
-    pub const CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(4);
-    pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(5);
-    pub const CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(6);
-    pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(7);
+    pub const CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: CUmemPool_attribute_enum = CUmemPool_attribute_enum(1);
+    pub const CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: CUmemPool_attribute_enum = CUmemPool_attribute_enum(2);
+    pub const CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: CUmemPool_attribute_enum = CUmemPool_attribute_enum(3);
+    pub const CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: CUmemPool_attribute_enum = CUmemPool_attribute_enum(4);
+    pub const CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: CUmemPool_attribute_enum = CUmemPool_attribute_enum(5);
+    pub const CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: CUmemPool_attribute_enum = CUmemPool_attribute_enum(6);
+    pub const CU_MEMPOOL_ATTR_USED_MEM_CURRENT: CUmemPool_attribute_enum = CUmemPool_attribute_enum(7);
     pub const CU_MEMPOOL_ATTR_USED_MEM_HIGH: CUmemPool_attribute_enum = CUmemPool_attribute_enum(8);
-    pub const CU_MEMPOOL_ATTR_ALLOCATION_TYPE: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(9);
-    pub const CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(10);
+    pub const CU_MEMPOOL_ATTR_ALLOCATION_TYPE: CUmemPool_attribute_enum = CUmemPool_attribute_enum(9);
+    pub const CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES: CUmemPool_attribute_enum = CUmemPool_attribute_enum(10);
     pub const CU_MEMPOOL_ATTR_LOCATION_ID: CUmemPool_attribute_enum = CUmemPool_attribute_enum(11);
-    pub const CU_MEMPOOL_ATTR_LOCATION_TYPE: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(12);
-    pub const CU_MEMPOOL_ATTR_MAX_POOL_SIZE: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(13);
-    pub const CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED: CUmemPool_attribute_enum =
-        CUmemPool_attribute_enum(14);
+    pub const CU_MEMPOOL_ATTR_LOCATION_TYPE: CUmemPool_attribute_enum = CUmemPool_attribute_enum(12);
+    pub const CU_MEMPOOL_ATTR_MAX_POOL_SIZE: CUmemPool_attribute_enum = CUmemPool_attribute_enum(13);
+    pub const CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED: CUmemPool_attribute_enum = CUmemPool_attribute_enum(14);
 }
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
@@ -798,20 +651,15 @@ pub struct CUmemPoolProps_st {
 const _: () = {
     ["Size of CUmemPoolProps_st"][::core::mem::size_of::<CUmemPoolProps_st>() - 88usize];
     ["Alignment of CUmemPoolProps_st"][::core::mem::align_of::<CUmemPoolProps_st>() - 8usize];
-    ["Offset of field: CUmemPoolProps_st::allocType"]
-        [::core::mem::offset_of!(CUmemPoolProps_st, allocType) - 0usize];
+    ["Offset of field: CUmemPoolProps_st::allocType"][::core::mem::offset_of!(CUmemPoolProps_st, allocType) - 0usize];
     ["Offset of field: CUmemPoolProps_st::handleTypes"]
         [::core::mem::offset_of!(CUmemPoolProps_st, handleTypes) - 4usize];
-    ["Offset of field: CUmemPoolProps_st::location"]
-        [::core::mem::offset_of!(CUmemPoolProps_st, location) - 8usize];
+    ["Offset of field: CUmemPoolProps_st::location"][::core::mem::offset_of!(CUmemPoolProps_st, location) - 8usize];
     ["Offset of field: CUmemPoolProps_st::win32SecurityAttributes"]
         [::core::mem::offset_of!(CUmemPoolProps_st, win32SecurityAttributes) - 16usize];
-    ["Offset of field: CUmemPoolProps_st::maxSize"]
-        [::core::mem::offset_of!(CUmemPoolProps_st, maxSize) - 24usize];
-    ["Offset of field: CUmemPoolProps_st::usage"]
-        [::core::mem::offset_of!(CUmemPoolProps_st, usage) - 32usize];
-    ["Offset of field: CUmemPoolProps_st::reserved"]
-        [::core::mem::offset_of!(CUmemPoolProps_st, reserved) - 34usize];
+    ["Offset of field: CUmemPoolProps_st::maxSize"][::core::mem::offset_of!(CUmemPoolProps_st, maxSize) - 24usize];
+    ["Offset of field: CUmemPoolProps_st::usage"][::core::mem::offset_of!(CUmemPoolProps_st, usage) - 32usize];
+    ["Offset of field: CUmemPoolProps_st::reserved"][::core::mem::offset_of!(CUmemPoolProps_st, reserved) - 34usize];
 };
 impl Default for CUmemPoolProps_st {
     fn default() -> Self {
@@ -831,10 +679,8 @@ pub struct CUmemPoolPtrExportData_st {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of CUmemPoolPtrExportData_st"]
-        [::core::mem::size_of::<CUmemPoolPtrExportData_st>() - 64usize];
-    ["Alignment of CUmemPoolPtrExportData_st"]
-        [::core::mem::align_of::<CUmemPoolPtrExportData_st>() - 1usize];
+    ["Size of CUmemPoolPtrExportData_st"][::core::mem::size_of::<CUmemPoolPtrExportData_st>() - 64usize];
+    ["Alignment of CUmemPoolPtrExportData_st"][::core::mem::align_of::<CUmemPoolPtrExportData_st>() - 1usize];
     ["Offset of field: CUmemPoolPtrExportData_st::reserved"]
         [::core::mem::offset_of!(CUmemPoolPtrExportData_st, reserved) - 0usize];
 };
@@ -851,57 +697,21 @@ pub type CUmemPoolPtrExportData_v1 = CUmemPoolPtrExportData_st;
 pub type CUmemPoolPtrExportData = CUmemPoolPtrExportData_v1;
 #[doc = " Every member of `CUmemLocationType` these headers declare."]
 pub const CUmemLocationType_MEMBERS: &[(&str, CUmemLocationType)] = &[
-    (
-        "CU_MEM_LOCATION_TYPE_INVALID",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_NONE",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_NONE,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_DEVICE",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_HOST",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_HOST_NUMA",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_INVISIBLE",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_INVISIBLE,
-    ),
-    (
-        "CU_MEM_LOCATION_TYPE_MAX",
-        CUmemLocationType::CU_MEM_LOCATION_TYPE_MAX,
-    ),
+    ("CU_MEM_LOCATION_TYPE_INVALID", CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID),
+    ("CU_MEM_LOCATION_TYPE_NONE", CUmemLocationType::CU_MEM_LOCATION_TYPE_NONE),
+    ("CU_MEM_LOCATION_TYPE_DEVICE", CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE),
+    ("CU_MEM_LOCATION_TYPE_HOST", CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST),
+    ("CU_MEM_LOCATION_TYPE_HOST_NUMA", CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA),
+    ("CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT", CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT),
+    ("CU_MEM_LOCATION_TYPE_INVISIBLE", CUmemLocationType::CU_MEM_LOCATION_TYPE_INVISIBLE),
+    ("CU_MEM_LOCATION_TYPE_MAX", CUmemLocationType::CU_MEM_LOCATION_TYPE_MAX),
 ];
 #[doc = " Every member of `CUmemAllocationType` these headers declare."]
 pub const CUmemAllocationType_MEMBERS: &[(&str, CUmemAllocationType)] = &[
-    (
-        "CU_MEM_ALLOCATION_TYPE_INVALID",
-        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_INVALID,
-    ),
-    (
-        "CU_MEM_ALLOCATION_TYPE_PINNED",
-        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-    ),
-    (
-        "CU_MEM_ALLOCATION_TYPE_MANAGED",
-        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED,
-    ),
-    (
-        "CU_MEM_ALLOCATION_TYPE_MAX",
-        CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MAX,
-    ),
+    ("CU_MEM_ALLOCATION_TYPE_INVALID", CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_INVALID),
+    ("CU_MEM_ALLOCATION_TYPE_PINNED", CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED),
+    ("CU_MEM_ALLOCATION_TYPE_MANAGED", CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED),
+    ("CU_MEM_ALLOCATION_TYPE_MAX", CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MAX),
 ];
 #[doc = " Every member of `CUmemPool_attribute` these headers declare."]
 pub const CUmemPool_attribute_MEMBERS: &[(&str, CUmemPool_attribute)] = &[
@@ -909,91 +719,36 @@ pub const CUmemPool_attribute_MEMBERS: &[(&str, CUmemPool_attribute)] = &[
         "CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES",
         CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
     ),
-    (
-        "CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
-    ),
+    ("CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC", CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC),
     (
         "CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES",
         CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
     ),
-    (
-        "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_USED_MEM_CURRENT",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_USED_MEM_HIGH",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_ALLOCATION_TYPE",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_ALLOCATION_TYPE,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_LOCATION_ID",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_LOCATION_ID,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_LOCATION_TYPE",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_LOCATION_TYPE,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_MAX_POOL_SIZE",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_MAX_POOL_SIZE,
-    ),
-    (
-        "CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED",
-        CUmemPool_attribute::CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED,
-    ),
+    ("CU_MEMPOOL_ATTR_RELEASE_THRESHOLD", CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD),
+    ("CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT", CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
+    ("CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH", CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH),
+    ("CU_MEMPOOL_ATTR_USED_MEM_CURRENT", CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+    ("CU_MEMPOOL_ATTR_USED_MEM_HIGH", CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH),
+    ("CU_MEMPOOL_ATTR_ALLOCATION_TYPE", CUmemPool_attribute::CU_MEMPOOL_ATTR_ALLOCATION_TYPE),
+    ("CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES", CUmemPool_attribute::CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES),
+    ("CU_MEMPOOL_ATTR_LOCATION_ID", CUmemPool_attribute::CU_MEMPOOL_ATTR_LOCATION_ID),
+    ("CU_MEMPOOL_ATTR_LOCATION_TYPE", CUmemPool_attribute::CU_MEMPOOL_ATTR_LOCATION_TYPE),
+    ("CU_MEMPOOL_ATTR_MAX_POOL_SIZE", CUmemPool_attribute::CU_MEMPOOL_ATTR_MAX_POOL_SIZE),
+    ("CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED", CUmemPool_attribute::CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED),
 ];
 #[doc = " Every member of `CUmemAllocationHandleType` these headers declare."]
 pub const CUmemAllocationHandleType_MEMBERS: &[(&str, CUmemAllocationHandleType)] = &[
-    (
-        "CU_MEM_HANDLE_TYPE_NONE",
-        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-    ),
-    (
-        "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
-        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-    ),
-    (
-        "CU_MEM_HANDLE_TYPE_WIN32",
-        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32,
-    ),
-    (
-        "CU_MEM_HANDLE_TYPE_WIN32_KMT",
-        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT,
-    ),
-    (
-        "CU_MEM_HANDLE_TYPE_FABRIC",
-        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
-    ),
-    (
-        "CU_MEM_HANDLE_TYPE_MAX",
-        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_MAX,
-    ),
+    ("CU_MEM_HANDLE_TYPE_NONE", CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE),
+    ("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+    ("CU_MEM_HANDLE_TYPE_WIN32", CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32),
+    ("CU_MEM_HANDLE_TYPE_WIN32_KMT", CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_WIN32_KMT),
+    ("CU_MEM_HANDLE_TYPE_FABRIC", CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC),
+    ("CU_MEM_HANDLE_TYPE_MAX", CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_MAX),
 ];
 #[doc = " `cuCtxGetCurrent` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuCtxGetCurrent = unsafe extern "C" fn(pctx: *mut CUcontext) -> CUresult;
 #[doc = " `cuCtxGetDevice` as the driver hands it out for CUDA 13.0 and later."]
-pub type PFN_cuCtxGetDevice =
-    unsafe extern "C" fn(device: *mut CUdevice, ctx: CUcontext) -> CUresult;
+pub type PFN_cuCtxGetDevice = unsafe extern "C" fn(device: *mut CUdevice, ctx: CUcontext) -> CUresult;
 #[doc = " `cuCtxPopCurrent` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuCtxPopCurrent = unsafe extern "C" fn(pctx: *mut CUcontext) -> CUresult;
 #[doc = " `cuCtxPushCurrent` as the driver hands it out for CUDA 4.0 and later."]
@@ -1003,52 +758,36 @@ pub type PFN_cuCtxSetCurrent = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
 #[doc = " `cuCtxSynchronize` as the driver hands it out for CUDA 13.0 and later."]
 pub type PFN_cuCtxSynchronize = unsafe extern "C" fn(ctx: CUcontext) -> CUresult;
 #[doc = " `cuDeviceCanAccessPeer` as the driver hands it out for CUDA 4.0 and later."]
-pub type PFN_cuDeviceCanAccessPeer = unsafe extern "C" fn(
-    canAccessPeer: *mut ::core::ffi::c_int,
-    dev: CUdevice,
-    peerDev: CUdevice,
-) -> CUresult;
+pub type PFN_cuDeviceCanAccessPeer =
+    unsafe extern "C" fn(canAccessPeer: *mut ::core::ffi::c_int, dev: CUdevice, peerDev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGet` as the driver hands it out for CUDA 2.0 and later."]
-pub type PFN_cuDeviceGet =
-    unsafe extern "C" fn(device: *mut CUdevice, ordinal: ::core::ffi::c_int) -> CUresult;
+pub type PFN_cuDeviceGet = unsafe extern "C" fn(device: *mut CUdevice, ordinal: ::core::ffi::c_int) -> CUresult;
 #[doc = " `cuDeviceGetAttribute` as the driver hands it out for CUDA 2.0 and later."]
-pub type PFN_cuDeviceGetAttribute = unsafe extern "C" fn(
-    pi: *mut ::core::ffi::c_int,
-    attrib: CUdevice_attribute,
-    dev: CUdevice,
-) -> CUresult;
+pub type PFN_cuDeviceGetAttribute =
+    unsafe extern "C" fn(pi: *mut ::core::ffi::c_int, attrib: CUdevice_attribute, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGetCount` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuDeviceGetCount = unsafe extern "C" fn(count: *mut ::core::ffi::c_int) -> CUresult;
 #[doc = " `cuDeviceGetDefaultMemPool` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuDeviceGetDefaultMemPool =
-    unsafe extern "C" fn(pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult;
+pub type PFN_cuDeviceGetDefaultMemPool = unsafe extern "C" fn(pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGetMemPool` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuDeviceGetMemPool =
-    unsafe extern "C" fn(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult;
+pub type PFN_cuDeviceGetMemPool = unsafe extern "C" fn(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGetName` as the driver hands it out for CUDA 2.0 and later."]
-pub type PFN_cuDeviceGetName = unsafe extern "C" fn(
-    name: *mut ::core::ffi::c_char,
-    len: ::core::ffi::c_int,
-    dev: CUdevice,
-) -> CUresult;
+pub type PFN_cuDeviceGetName =
+    unsafe extern "C" fn(name: *mut ::core::ffi::c_char, len: ::core::ffi::c_int, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGetUuid` as the driver hands it out for CUDA 11.4 and later."]
 pub type PFN_cuDeviceGetUuid = unsafe extern "C" fn(uuid: *mut CUuuid, dev: CUdevice) -> CUresult;
 #[doc = " `cuDevicePrimaryCtxRelease` as the driver hands it out for CUDA 11.0 and later."]
 pub type PFN_cuDevicePrimaryCtxRelease = unsafe extern "C" fn(dev: CUdevice) -> CUresult;
 #[doc = " `cuDevicePrimaryCtxRetain` as the driver hands it out for CUDA 7.0 and later."]
-pub type PFN_cuDevicePrimaryCtxRetain =
-    unsafe extern "C" fn(pctx: *mut CUcontext, dev: CUdevice) -> CUresult;
+pub type PFN_cuDevicePrimaryCtxRetain = unsafe extern "C" fn(pctx: *mut CUcontext, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceSetMemPool` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuDeviceSetMemPool =
-    unsafe extern "C" fn(dev: CUdevice, pool: CUmemoryPool) -> CUresult;
+pub type PFN_cuDeviceSetMemPool = unsafe extern "C" fn(dev: CUdevice, pool: CUmemoryPool) -> CUresult;
 #[doc = " `cuDeviceTotalMem` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuDeviceTotalMem = unsafe extern "C" fn(bytes: *mut usize, dev: CUdevice) -> CUresult;
 #[doc = " `cuDriverGetVersion` as the driver hands it out for CUDA 2.2 and later."]
-pub type PFN_cuDriverGetVersion =
-    unsafe extern "C" fn(driverVersion: *mut ::core::ffi::c_int) -> CUresult;
+pub type PFN_cuDriverGetVersion = unsafe extern "C" fn(driverVersion: *mut ::core::ffi::c_int) -> CUresult;
 #[doc = " `cuEventCreate` as the driver hands it out for CUDA 2.0 and later."]
-pub type PFN_cuEventCreate =
-    unsafe extern "C" fn(phEvent: *mut CUevent, Flags: ::core::ffi::c_uint) -> CUresult;
+pub type PFN_cuEventCreate = unsafe extern "C" fn(phEvent: *mut CUevent, Flags: ::core::ffi::c_uint) -> CUresult;
 #[doc = " `cuEventDestroy` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuEventDestroy = unsafe extern "C" fn(hEvent: CUevent) -> CUresult;
 #[doc = " `cuEventElapsedTime` as the driver hands it out for CUDA 12.8 and later."]
@@ -1061,8 +800,7 @@ pub type PFN_cuEventRecord = unsafe extern "C" fn(hEvent: CUevent, hStream: CUst
 #[doc = " `cuEventSynchronize` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuEventSynchronize = unsafe extern "C" fn(hEvent: CUevent) -> CUresult;
 #[doc = " `cuGetErrorName` as the driver hands it out for CUDA 6.0 and later."]
-pub type PFN_cuGetErrorName =
-    unsafe extern "C" fn(error: CUresult, pStr: *mut *const ::core::ffi::c_char) -> CUresult;
+pub type PFN_cuGetErrorName = unsafe extern "C" fn(error: CUresult, pStr: *mut *const ::core::ffi::c_char) -> CUresult;
 #[doc = " `cuGetErrorString` as the driver hands it out for CUDA 6.0 and later."]
 pub type PFN_cuGetErrorString =
     unsafe extern "C" fn(error: CUresult, pStr: *mut *const ::core::ffi::c_char) -> CUresult;
@@ -1077,29 +815,20 @@ pub type PFN_cuGetProcAddress = unsafe extern "C" fn(
 #[doc = " `cuInit` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuInit = unsafe extern "C" fn(Flags: ::core::ffi::c_uint) -> CUresult;
 #[doc = " `cuMemAdvise` as the driver hands it out for CUDA 12.2 and later."]
-pub type PFN_cuMemAdvise = unsafe extern "C" fn(
-    devPtr: CUdeviceptr,
-    count: usize,
-    advice: CUmem_advise,
-    location: CUmemLocation,
-) -> CUresult;
+pub type PFN_cuMemAdvise =
+    unsafe extern "C" fn(devPtr: CUdeviceptr, count: usize, advice: CUmem_advise, location: CUmemLocation) -> CUresult;
 #[doc = " `cuMemAlloc` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuMemAlloc = unsafe extern "C" fn(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult;
 #[doc = " `cuMemAllocAsync` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuMemAllocAsync =
     unsafe extern "C" fn(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult;
 #[doc = " `cuMemAllocFromPoolAsync` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuMemAllocFromPoolAsync = unsafe extern "C" fn(
-    dptr: *mut CUdeviceptr,
-    bytesize: usize,
-    pool: CUmemoryPool,
-    hStream: CUstream,
-) -> CUresult;
+pub type PFN_cuMemAllocFromPoolAsync =
+    unsafe extern "C" fn(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult;
 #[doc = " `cuMemFree` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuMemFree = unsafe extern "C" fn(dptr: CUdeviceptr) -> CUresult;
 #[doc = " `cuMemFreeAsync` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuMemFreeAsync =
-    unsafe extern "C" fn(dptr: CUdeviceptr, hStream: CUstream) -> CUresult;
+pub type PFN_cuMemFreeAsync = unsafe extern "C" fn(dptr: CUdeviceptr, hStream: CUstream) -> CUresult;
 #[doc = " `cuMemGetDefaultMemPool` as the driver hands it out for CUDA 13.0 and later."]
 pub type PFN_cuMemGetDefaultMemPool = unsafe extern "C" fn(
     pool_out: *mut CUmemoryPool,
@@ -1109,11 +838,8 @@ pub type PFN_cuMemGetDefaultMemPool = unsafe extern "C" fn(
 #[doc = " `cuMemGetInfo` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuMemGetInfo = unsafe extern "C" fn(free: *mut usize, total: *mut usize) -> CUresult;
 #[doc = " `cuMemGetMemPool` as the driver hands it out for CUDA 13.0 and later."]
-pub type PFN_cuMemGetMemPool = unsafe extern "C" fn(
-    pool: *mut CUmemoryPool,
-    location: *mut CUmemLocation,
-    type_: CUmemAllocationType,
-) -> CUresult;
+pub type PFN_cuMemGetMemPool =
+    unsafe extern "C" fn(pool: *mut CUmemoryPool, location: *mut CUmemLocation, type_: CUmemAllocationType) -> CUresult;
 #[doc = " `cuMemPoolCreate` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuMemPoolCreate =
     unsafe extern "C" fn(pool: *mut CUmemoryPool, poolProps: *const CUmemPoolProps) -> CUresult;
@@ -1136,11 +862,8 @@ pub type PFN_cuMemPoolGetAccess = unsafe extern "C" fn(
     location: *mut CUmemLocation,
 ) -> CUresult;
 #[doc = " `cuMemPoolGetAttribute` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuMemPoolGetAttribute = unsafe extern "C" fn(
-    pool: CUmemoryPool,
-    attr: CUmemPool_attribute,
-    value: *mut ::core::ffi::c_void,
-) -> CUresult;
+pub type PFN_cuMemPoolGetAttribute =
+    unsafe extern "C" fn(pool: CUmemoryPool, attr: CUmemPool_attribute, value: *mut ::core::ffi::c_void) -> CUresult;
 #[doc = " `cuMemPoolImportFromShareableHandle` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuMemPoolImportFromShareableHandle = unsafe extern "C" fn(
     pool_out: *mut CUmemoryPool,
@@ -1158,14 +881,10 @@ pub type PFN_cuMemPoolImportPointer = unsafe extern "C" fn(
 pub type PFN_cuMemPoolSetAccess =
     unsafe extern "C" fn(pool: CUmemoryPool, map: *const CUmemAccessDesc, count: usize) -> CUresult;
 #[doc = " `cuMemPoolSetAttribute` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuMemPoolSetAttribute = unsafe extern "C" fn(
-    pool: CUmemoryPool,
-    attr: CUmemPool_attribute,
-    value: *mut ::core::ffi::c_void,
-) -> CUresult;
+pub type PFN_cuMemPoolSetAttribute =
+    unsafe extern "C" fn(pool: CUmemoryPool, attr: CUmemPool_attribute, value: *mut ::core::ffi::c_void) -> CUresult;
 #[doc = " `cuMemPoolTrimTo` as the driver hands it out for CUDA 11.2 and later."]
-pub type PFN_cuMemPoolTrimTo =
-    unsafe extern "C" fn(pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult;
+pub type PFN_cuMemPoolTrimTo = unsafe extern "C" fn(pool: CUmemoryPool, minBytesToKeep: usize) -> CUresult;
 #[doc = " `cuMemPrefetchAsync` as the driver hands it out for CUDA 12.2 and later."]
 pub type PFN_cuMemPrefetchAsync = unsafe extern "C" fn(
     devPtr: CUdeviceptr,
@@ -1175,18 +894,11 @@ pub type PFN_cuMemPrefetchAsync = unsafe extern "C" fn(
     hStream: CUstream,
 ) -> CUresult;
 #[doc = " `cuMemSetMemPool` as the driver hands it out for CUDA 13.0 and later."]
-pub type PFN_cuMemSetMemPool = unsafe extern "C" fn(
-    location: *mut CUmemLocation,
-    type_: CUmemAllocationType,
-    pool: CUmemoryPool,
-) -> CUresult;
+pub type PFN_cuMemSetMemPool =
+    unsafe extern "C" fn(location: *mut CUmemLocation, type_: CUmemAllocationType, pool: CUmemoryPool) -> CUresult;
 #[doc = " `cuMemcpyAsync` as the driver hands it out for CUDA 4.0 and later."]
-pub type PFN_cuMemcpyAsync = unsafe extern "C" fn(
-    dst: CUdeviceptr,
-    src: CUdeviceptr,
-    ByteCount: usize,
-    hStream: CUstream,
-) -> CUresult;
+pub type PFN_cuMemcpyAsync =
+    unsafe extern "C" fn(dst: CUdeviceptr, src: CUdeviceptr, ByteCount: usize, hStream: CUstream) -> CUresult;
 #[doc = " `cuMemcpyDtoDAsync` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuMemcpyDtoDAsync = unsafe extern "C" fn(
     dstDevice: CUdeviceptr,
@@ -1218,25 +930,14 @@ pub type PFN_cuMemcpyPeerAsync = unsafe extern "C" fn(
     hStream: CUstream,
 ) -> CUresult;
 #[doc = " `cuMemsetD32Async` as the driver hands it out for CUDA 3.2 and later."]
-pub type PFN_cuMemsetD32Async = unsafe extern "C" fn(
-    dstDevice: CUdeviceptr,
-    ui: ::core::ffi::c_uint,
-    N: usize,
-    hStream: CUstream,
-) -> CUresult;
+pub type PFN_cuMemsetD32Async =
+    unsafe extern "C" fn(dstDevice: CUdeviceptr, ui: ::core::ffi::c_uint, N: usize, hStream: CUstream) -> CUresult;
 #[doc = " `cuMemsetD8Async` as the driver hands it out for CUDA 3.2 and later."]
-pub type PFN_cuMemsetD8Async = unsafe extern "C" fn(
-    dstDevice: CUdeviceptr,
-    uc: ::core::ffi::c_uchar,
-    N: usize,
-    hStream: CUstream,
-) -> CUresult;
+pub type PFN_cuMemsetD8Async =
+    unsafe extern "C" fn(dstDevice: CUdeviceptr, uc: ::core::ffi::c_uchar, N: usize, hStream: CUstream) -> CUresult;
 #[doc = " `cuPointerGetAttribute` as the driver hands it out for CUDA 4.0 and later."]
-pub type PFN_cuPointerGetAttribute = unsafe extern "C" fn(
-    data: *mut ::core::ffi::c_void,
-    attribute: CUpointer_attribute,
-    ptr: CUdeviceptr,
-) -> CUresult;
+pub type PFN_cuPointerGetAttribute =
+    unsafe extern "C" fn(data: *mut ::core::ffi::c_void, attribute: CUpointer_attribute, ptr: CUdeviceptr) -> CUresult;
 #[doc = " `cuPointerGetAttributes` as the driver hands it out for CUDA 7.0 and later."]
 pub type PFN_cuPointerGetAttributes = unsafe extern "C" fn(
     numAttributes: ::core::ffi::c_uint,
@@ -1245,8 +946,7 @@ pub type PFN_cuPointerGetAttributes = unsafe extern "C" fn(
     ptr: CUdeviceptr,
 ) -> CUresult;
 #[doc = " `cuStreamCreate` as the driver hands it out for CUDA 2.0 and later."]
-pub type PFN_cuStreamCreate =
-    unsafe extern "C" fn(phStream: *mut CUstream, Flags: ::core::ffi::c_uint) -> CUresult;
+pub type PFN_cuStreamCreate = unsafe extern "C" fn(phStream: *mut CUstream, Flags: ::core::ffi::c_uint) -> CUresult;
 #[doc = " `cuStreamDestroy` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuStreamDestroy = unsafe extern "C" fn(hStream: CUstream) -> CUresult;
 #[doc = " `cuStreamQuery` as the driver hands it out for CUDA 2.0 and later."]
@@ -1254,11 +954,8 @@ pub type PFN_cuStreamQuery = unsafe extern "C" fn(hStream: CUstream) -> CUresult
 #[doc = " `cuStreamSynchronize` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuStreamSynchronize = unsafe extern "C" fn(hStream: CUstream) -> CUresult;
 #[doc = " `cuStreamWaitEvent` as the driver hands it out for CUDA 3.2 and later."]
-pub type PFN_cuStreamWaitEvent = unsafe extern "C" fn(
-    hStream: CUstream,
-    hEvent: CUevent,
-    Flags: ::core::ffi::c_uint,
-) -> CUresult;
+pub type PFN_cuStreamWaitEvent =
+    unsafe extern "C" fn(hStream: CUstream, hEvent: CUevent, Flags: ::core::ffi::c_uint) -> CUresult;
 
 crate::loader::entry_points! {
     cuCtxGetCurrent: PFN_cuCtxGetCurrent = 4000,

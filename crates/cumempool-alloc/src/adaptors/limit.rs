@@ -1,0 +1,59 @@
+//! A cap on the bytes in use, turned into a typed out-of-memory error.
+
+use crate::error::{Error, Result};
+use crate::resource::StreamOrderedResource;
+use cumempool::sys::CUdeviceptr;
+use cumempool::Stream;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+/// Refuses allocations that would take the bytes in use past a limit.
+#[derive(Debug)]
+pub struct Limit<R> {
+    inner: R,
+    limit: usize,
+    in_use: AtomicUsize,
+}
+
+impl<R> Limit<R> {
+    /// At most `limit` bytes in use through `inner` at once.
+    pub fn new(inner: R, limit: usize) -> Self {
+        Self { inner, limit, in_use: AtomicUsize::new(0) }
+    }
+
+    /// Bytes in use now.
+    pub fn in_use(&self) -> usize {
+        self.in_use.load(Relaxed)
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The wrapped resource.
+    pub fn inner(&self) -> &R {
+        &self.inner
+    }
+}
+
+impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
+    type Kind = R::Kind;
+
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        let claimed =
+            self.in_use.fetch_update(Relaxed, Relaxed, |used| used.checked_add(bytes).filter(|n| *n <= self.limit));
+        if let Err(in_use) = claimed {
+            return Err(Error::LimitExceeded { requested: bytes, limit: self.limit, in_use });
+        }
+        self.inner.allocate(bytes, align, stream).inspect_err(|_| {
+            self.in_use.fetch_sub(bytes, Relaxed);
+        })
+    }
+
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }?;
+        self.in_use.fetch_sub(bytes, Relaxed);
+        Ok(())
+    }
+}

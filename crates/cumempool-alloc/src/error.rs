@@ -1,0 +1,53 @@
+//! The crate's one error type.
+
+use cumempool::Route;
+
+/// `Result` with this crate's [`enum@Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong allocating through a resource.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The pool or driver failed (its own out-of-memory included).
+    #[error(transparent)]
+    Pool(#[from] cumempool::Error),
+
+    /// A [`Limit`](crate::Limit) adaptor refused the allocation.
+    #[error(
+        "out of memory: {requested} bytes would take the resource past its limit of {limit} bytes ({in_use} in use)"
+    )]
+    LimitExceeded {
+        /// Bytes asked for.
+        requested: usize,
+        /// The cap.
+        limit: usize,
+        /// Bytes in use when asked.
+        in_use: usize,
+    },
+
+    /// An alignment the resource cannot give.
+    #[error("alignment {requested} is not supported: {reason}")]
+    Alignment {
+        /// The alignment asked for.
+        requested: usize,
+        /// Why, and what would work.
+        reason: String,
+    },
+
+    /// A pool whose route does not hold the memory kind the resource type promises.
+    #[error("a pool of {route} does not hold {kind} memory; use a pool whose route does")]
+    KindMismatch {
+        /// The pool's route.
+        route: Route,
+        /// The kind the resource promises.
+        kind: &'static str,
+    },
+
+    /// A host allocation failed (the test heap).
+    #[error("the host heap could not allocate {requested} bytes")]
+    HostOutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+    },
+}

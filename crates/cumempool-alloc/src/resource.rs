@@ -1,0 +1,128 @@
+//! The stream-ordered resource trait, in the spirit of CCCL's `cuda::mr::resource` and RMM's
+//! device memory resources.
+
+use crate::error::Result;
+use crate::memory_kind::MemoryKind;
+use cumempool::sys::CUdeviceptr;
+use cumempool::Stream;
+
+/// The alignment every CUDA pool allocation has at least.
+pub const POOL_ALIGNMENT: usize = 256;
+
+/// Allocates and frees memory in stream order.
+///
+/// Memory from `allocate(bytes, align, s)` may be used by work queued on `s` after the call
+/// (and by the host once `s` has synchronised, for host-accessible kinds). `deallocate` queues
+/// the free on its stream: work queued earlier on that stream may still use the memory.
+pub trait StreamOrderedResource: Send + Sync {
+    /// Which processors may touch the memory.
+    type Kind: MemoryKind;
+
+    /// Allocates `bytes` aligned to `align` (a power of two), ordered on `stream`.
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr>;
+
+    /// Frees memory in stream order on `stream`.
+    ///
+    /// # Safety
+    /// `ptr` must come from `allocate` on this resource with the same `bytes` and `align`, be
+    /// freed once, and no work may use it after the free in the order of `stream`.
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()>;
+
+    /// Allocates with the pool alignment and frees on drop: the convenient form.
+    fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Allocation<'_, Self>>
+    where
+        Self: Sized,
+    {
+        let ptr = self.allocate(bytes, POOL_ALIGNMENT, stream)?;
+        Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
+    }
+}
+
+impl<R: StreamOrderedResource> StreamOrderedResource for &R {
+    type Kind = R::Kind;
+    #[inline]
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        (**self).allocate(bytes, align, stream)
+    }
+    #[inline]
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { (**self).deallocate(ptr, bytes, align, stream) }
+    }
+}
+
+impl<R: StreamOrderedResource> StreamOrderedResource for std::sync::Arc<R> {
+    type Kind = R::Kind;
+    #[inline]
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        (**self).allocate(bytes, align, stream)
+    }
+    #[inline]
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { (**self).deallocate(ptr, bytes, align, stream) }
+    }
+}
+
+/// Memory from a resource, freed on its stream when dropped.
+#[derive(Debug)]
+pub struct Allocation<'r, R: StreamOrderedResource> {
+    resource: &'r R,
+    ptr: CUdeviceptr,
+    bytes: usize,
+    stream: Stream,
+}
+
+impl<R: StreamOrderedResource> Allocation<'_, R> {
+    /// The address.
+    #[inline]
+    pub fn as_raw(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the size is zero.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The stream it is ordered on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+}
+
+impl<R: StreamOrderedResource> Drop for Allocation<'_, R> {
+    #[inline]
+    fn drop(&mut self) {
+        // SAFETY: allocated by this resource with these arguments, freed once.
+        if let Err(error) = unsafe { self.resource.deallocate(self.ptr, self.bytes, POOL_ALIGNMENT, &self.stream) } {
+            tracing::warn!(%error, ptr = self.ptr, "freeing an allocation failed");
+        }
+    }
+}
+
+/// Refuses alignments a pool does not guarantee (never silently ignored).
+#[inline]
+pub(crate) fn check_alignment(align: usize) -> Result<()> {
+    if align.is_power_of_two() && align <= POOL_ALIGNMENT {
+        return Ok(());
+    }
+    Err(alignment_error(align))
+}
+
+#[cold]
+fn alignment_error(align: usize) -> crate::Error {
+    let reason = if align.is_power_of_two() {
+        format!("pools guarantee {POOL_ALIGNMENT}-byte alignment; ask for {POOL_ALIGNMENT} or less")
+    } else {
+        "alignments are powers of two".to_owned()
+    };
+    crate::Error::Alignment { requested: align, reason }
+}
