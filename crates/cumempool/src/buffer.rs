@@ -16,12 +16,13 @@ pub struct Buffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     stream: Stream,
-    route: Route,
+    /// `None` for memory imported from a pool whose route this process does not know.
+    route: Option<Route>,
     _pool: Option<Arc<Owner>>,
 }
 
 impl Buffer {
-    pub(crate) fn empty(stream: Stream, route: Route) -> Self {
+    pub(crate) fn empty(stream: Stream, route: Option<Route>) -> Self {
         Self { ptr: 0, len: 0, stream, route, _pool: None }
     }
 
@@ -32,7 +33,7 @@ impl Buffer {
         ptr: sys::CUdeviceptr,
         len: usize,
         stream: Stream,
-        route: Route,
+        route: Option<Route>,
         pool: Option<Arc<Owner>>,
     ) -> Self {
         Self { ptr, len, stream, route, _pool: pool }
@@ -61,14 +62,15 @@ impl Buffer {
         &self.stream
     }
 
-    /// The route of the pool it came from.
-    pub fn route(&self) -> Route {
+    /// The route of the pool it came from (`None` for memory imported from a pool whose route
+    /// this process does not know).
+    pub fn route(&self) -> Option<Route> {
         self.route
     }
 
     /// Whether the host may read and write it directly (host, host NUMA and managed memory).
     pub fn is_host_accessible(&self) -> bool {
-        self.route.is_host_accessible()
+        self.route.is_some_and(|r| r.is_host_accessible())
     }
 
     fn check_len(&self, what: &'static str, len: usize) -> Result<()> {
@@ -141,7 +143,7 @@ impl Buffer {
         if self.is_empty() {
             return Ok(());
         }
-        if self.route.location.is_host() && self.route.allocation_type == AllocationType::Pinned {
+        if self.route.is_some_and(|r| r.location.is_host() && r.allocation_type == AllocationType::Pinned) {
             self.host_slice_mut()?.fill(value);
             return Ok(());
         }

@@ -118,12 +118,19 @@ pub enum Error {
     },
 
     /// Host code asked for memory the host cannot touch.
-    #[error(
-        "memory of {route} is not accessible from the host; use a host, host NUMA or managed pool, or copy to the host"
-    )]
+    #[error("memory of {} is not accessible from the host; use a host, host NUMA or managed pool, or copy to the host", route_text(.route))]
     NotHostAccessible {
-        /// The route the memory came from.
-        route: Route,
+        /// The route the memory came from, where known.
+        route: Option<Route>,
+    },
+
+    /// Sharing a pool or an allocation with another process failed.
+    #[error("{what}: {reason}")]
+    Sharing {
+        /// What was being done.
+        what: &'static str,
+        /// What was wrong, and what would be right.
+        reason: String,
     },
 
     /// The driver returned a value this crate does not know (a newer driver).
@@ -143,6 +150,10 @@ pub enum Error {
         /// What was wrong, and what would be right.
         reason: String,
     },
+}
+
+fn route_text(route: &Option<Route>) -> String {
+    route.map_or_else(|| "an imported pool of unknown location".to_owned(), |r| r.to_string())
 }
 
 fn limit_hint(limit: Option<u64>) -> String {

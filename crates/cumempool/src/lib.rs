@@ -28,6 +28,8 @@
 mod attributes;
 mod buffer;
 mod context;
+#[cfg(unix)]
+pub mod descriptor_passing;
 mod device;
 mod driver;
 mod error;
@@ -38,6 +40,7 @@ mod header_coverage;
 mod location;
 mod pool;
 mod routing;
+mod sharing;
 mod stream;
 
 pub use attributes::{PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
@@ -50,6 +53,7 @@ pub use handle_types::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use location::{AllocationType, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES};
 pub use pool::{Access, MemPool, Pool, PoolBuilder, PoolRef};
 pub use routing::{current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard};
+pub use sharing::SharedAllocation;
 pub use stream::{Event, Stream};
 
 /// The raw layer, for what this crate does not wrap.

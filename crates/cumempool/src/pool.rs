@@ -22,6 +22,8 @@ pub struct Pool {
     route: Option<Route>,
     /// The maximum size asked at creation, for error messages.
     max_size: Option<u64>,
+    /// The export handle types asked at creation; `None` where unknown (borrowed or imported).
+    handle_types: Option<HandleTypes>,
     /// Present when this crate must destroy the pool; clones keep it alive.
     owner: Option<Arc<Owner>>,
 }
@@ -82,12 +84,12 @@ impl Access {
 
 impl Pool {
     pub(crate) fn borrowed(raw: sys::CUmemoryPool, route: Option<Route>) -> Self {
-        Self { raw: Shared(raw), route, max_size: None, owner: None }
+        Self { raw: Shared(raw), route, max_size: None, handle_types: None, owner: None }
     }
 
     pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
         let owner = Arc::new(Owner { raw: Shared(raw), imported });
-        Self { raw: Shared(raw), route, max_size, owner: Some(owner) }
+        Self { raw: Shared(raw), route, max_size, handle_types: None, owner: Some(owner) }
     }
 
     /// The driver's handle. Valid while this handle (or a buffer from it) lives.
@@ -137,6 +139,20 @@ impl Pool {
     /// Whether two handles name the same driver pool.
     pub fn same_as(&self, other: &Pool) -> bool {
         self.raw == other.raw
+    }
+
+    pub(crate) fn owner_handle(&self) -> Option<Arc<Owner>> {
+        self.owner.clone()
+    }
+
+    /// The export handle types the pool was created with, where this process created it.
+    pub fn created_handle_types(&self) -> Option<HandleTypes> {
+        self.handle_types
+    }
+
+    pub(crate) fn with_handle_types(mut self, handle_types: HandleTypes) -> Self {
+        self.handle_types = Some(handle_types);
+        self
     }
 
     pub(crate) fn with_route(mut self, route: Option<Route>) -> Self {
@@ -214,13 +230,12 @@ impl Pool {
     /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[inline]
     pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Buffer> {
-        let route = self.route.unwrap_or(Route::device(0));
         if bytes == 0 {
-            return Ok(Buffer::empty(stream.clone(), route));
+            return Ok(Buffer::empty(stream.clone(), self.route));
         }
         let ptr = self.alloc_raw(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
-        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream.clone(), route, self.owner.clone()) })
+        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone()) })
     }
 
     /// The allocation behind [`Pool::alloc`], as a raw address the caller frees with
@@ -305,6 +320,10 @@ impl MemPool {
             }
             Err(shared) => Err(Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 }),
         }
+    }
+
+    pub(crate) fn from_pool(pool: Pool) -> Self {
+        Self(pool)
     }
 
     /// Takes ownership of a pool created elsewhere; it is destroyed when dropped.
@@ -426,7 +445,7 @@ impl PoolBuilder {
         }
         check(code, "cuMemPoolCreate")?;
         tracing::info!(route = %self.route, pool = ?raw, max_size = ?self.max_size, handle_types = %self.handle_types, "memory pool created");
-        Ok(MemPool(Pool::owned(raw, Some(self.route), self.max_size, false)))
+        Ok(MemPool(Pool::owned(raw, Some(self.route), self.max_size, false).with_handle_types(self.handle_types)))
     }
 
     /// The likeliest reason the driver refused these properties (from what drivers were seen to do).

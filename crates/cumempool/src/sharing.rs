@@ -1,0 +1,254 @@
+//! Sharing pools and their allocations with other processes: export a pool as a shareable
+//! handle, import it elsewhere, and map allocations across through their export data.
+//!
+//! The flow (see also [`crate::descriptor_passing`] for moving the handle over a socket):
+//! 1. The exporter creates a pool with an export handle type
+//!    (`MemPool::builder(route).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)`),
+//!    allocates, and calls [`Pool::export_fd`] and [`Buffer::export`].
+//! 2. The importer calls [`MemPool::import_fd`] and [`Pool::import_pointer`], which returns a
+//!    [`Buffer`] that unmaps the memory when dropped.
+//! 3. The importer must drop its mapping before the exporter frees the allocation.
+//!
+//! The driver forbids allocating from an imported pool; this crate refuses it with that reason.
+
+use crate::buffer::Buffer;
+use crate::driver::api;
+use crate::error::{Error, Result};
+use crate::handle_types::HandleTypes;
+use crate::pool::{MemPool, Pool};
+use crate::stream::Stream;
+use cumempool_sys as sys;
+use std::ffi::c_void;
+#[cfg(unix)]
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+
+/// An allocation's export data with its length: what another process needs to map it.
+///
+/// The driver's `CUmemPoolPtrExportData` is 64 opaque bytes; the length travels alongside
+/// because the importer cannot ask the driver for it. [`SharedAllocation::to_bytes`] gives a
+/// fixed 72-byte form for sockets and files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedAllocation {
+    data: sys::CUmemPoolPtrExportData,
+    len: u64,
+}
+
+impl SharedAllocation {
+    /// The size of [`SharedAllocation::to_bytes`].
+    pub const ENCODED_LEN: usize = 72;
+
+    /// The allocation's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether the allocation is empty (never true for exported memory).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// 64 bytes of driver export data, then the length as little-endian u64.
+    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut bytes = [0u8; Self::ENCODED_LEN];
+        for (dst, src) in bytes.iter_mut().zip(self.data.reserved.iter()) {
+            *dst = *src as u8;
+        }
+        bytes[64..].copy_from_slice(&self.len.to_le_bytes());
+        bytes
+    }
+
+    /// Reads [`SharedAllocation::to_bytes`]'s form; a wrong length is refused here, and data
+    /// the driver does not recognise is refused at import.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != Self::ENCODED_LEN {
+            return Err(Error::Sharing {
+                what: "reading shared allocation data",
+                reason: format!(
+                    "got {} bytes, expected {} (64 of export data and an 8-byte length): truncated or not export data",
+                    bytes.len(),
+                    Self::ENCODED_LEN
+                ),
+            });
+        }
+        let mut data = sys::CUmemPoolPtrExportData::default();
+        for (dst, src) in data.reserved.iter_mut().zip(bytes.iter()) {
+            *dst = *src as _;
+        }
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&bytes[64..]);
+        let len = u64::from_le_bytes(len);
+        if len == 0 {
+            return Err(Error::Sharing {
+                what: "reading shared allocation data",
+                reason: "the length is 0; exported allocations are never empty".into(),
+            });
+        }
+        Ok(Self { data, len })
+    }
+}
+
+impl Buffer {
+    /// The data another process needs to map this allocation from its imported pool.
+    ///
+    /// The pool must have been created with an export handle type.
+    /// See [cuMemPoolExportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn export(&self) -> Result<SharedAllocation> {
+        if self.is_empty() {
+            return Err(Error::Sharing {
+                what: "exporting an allocation",
+                reason: "an empty buffer has no memory to share".into(),
+            });
+        }
+        let f = api()?.cuMemPoolExportPointer()?;
+        let mut data = sys::CUmemPoolPtrExportData::default();
+        // SAFETY: a live pool allocation and a valid out-pointer.
+        let code = unsafe { f(&mut data, self.as_raw()) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(sharing_error("exporting an allocation", code, "the buffer's pool must be created with an export handle type (MemPool::builder(..).export_handle_types(..))"));
+        }
+        Ok(SharedAllocation { data, len: self.len() as u64 })
+    }
+}
+
+#[cold]
+fn sharing_error(what: &'static str, code: sys::CUresult, hint: &str) -> Error {
+    let (name, _) = crate::error::describe(code);
+    Error::Sharing { what, reason: format!("the driver answered {name}: {hint}") }
+}
+
+impl Pool {
+    fn require_export(&self, wanted: HandleTypes, what: &'static str) -> Result<()> {
+        if self.is_imported() {
+            return Err(Error::Sharing {
+                what,
+                reason: "this pool was imported; only the process that created it can export it".into(),
+            });
+        }
+        if let Some(created) = self.created_handle_types() {
+            if !created.contains(wanted) {
+                return Err(Error::Sharing {
+                    what,
+                    reason: format!("the pool was created with export handle types {created}; create it with MemPool::builder(..).export_handle_types(HandleTypes::{wanted}) to share it"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Exports the pool as a POSIX file descriptor, for another process to import.
+    ///
+    /// See [cuMemPoolExportToShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    #[cfg(unix)]
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        self.require_export(HandleTypes::POSIX_FILE_DESCRIPTOR, "exporting a pool as a file descriptor")?;
+        let f = api()?.cuMemPoolExportToShareableHandle()?;
+        let mut fd: std::ffi::c_int = -1;
+        let kind = HandleTypes::POSIX_FILE_DESCRIPTOR.to_raw();
+        // SAFETY: for POSIX_FILE_DESCRIPTOR the handle is an int.
+        let code = unsafe { f((&mut fd as *mut std::ffi::c_int).cast::<c_void>(), self.as_raw(), kind, 0) };
+        if code != sys::CUresult::CUDA_SUCCESS || fd < 0 {
+            return Err(sharing_error(
+                "exporting a pool as a file descriptor",
+                code,
+                "create the pool with HandleTypes::POSIX_FILE_DESCRIPTOR",
+            ));
+        }
+        // SAFETY: the driver hands over a new descriptor that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Exports the pool as a fabric handle (multi-node NVLink), where the device supports it.
+    pub fn export_fabric(&self) -> Result<[u8; 64]> {
+        self.require_export(HandleTypes::FABRIC, "exporting a pool as a fabric handle")?;
+        if let Some(ordinal) = self.route().and_then(|r| r.location.device()) {
+            let supported = crate::Device::get(ordinal)?.supported_handle_types()?;
+            if !supported.contains(HandleTypes::FABRIC) {
+                return Err(Error::Sharing {
+                    what: "exporting a pool as a fabric handle",
+                    reason: format!("device {ordinal} does not support fabric handles (it supports {supported})"),
+                });
+            }
+        }
+        let f = api()?.cuMemPoolExportToShareableHandle()?;
+        let mut handle = sys::CUmemFabricHandle::default();
+        // SAFETY: for FABRIC the handle is a CUmemFabricHandle.
+        let code = unsafe {
+            f(
+                (&mut handle as *mut sys::CUmemFabricHandle).cast::<c_void>(),
+                self.as_raw(),
+                HandleTypes::FABRIC.to_raw(),
+                0,
+            )
+        };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(sharing_error(
+                "exporting a pool as a fabric handle",
+                code,
+                "fabric export needs a pool created with HandleTypes::FABRIC and an IMEX channel on the system",
+            ));
+        }
+        Ok(handle.data.map(|b| b as u8))
+    }
+
+    /// Maps an allocation another process exported from this (imported) pool.
+    ///
+    /// The returned buffer unmaps the memory when dropped, in the order of `stream`; it must be
+    /// dropped (and the stream synchronised) before the exporter frees the allocation. The
+    /// memory must not be used before the exporter's allocation has completed.
+    /// See [cuMemPoolImportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn import_pointer(&self, shared: &SharedAllocation, stream: &Stream) -> Result<Buffer> {
+        if !self.is_imported() {
+            return Err(Error::Sharing {
+                what: "importing an allocation",
+                reason: "allocations are imported into a pool imported from the exporting process (MemPool::import_fd), not into one of this process's own".into(),
+            });
+        }
+        stream.bind()?;
+        let f = api()?.cuMemPoolImportPointer()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        let mut data = shared.data;
+        // SAFETY: valid pointers; the driver validates the export data.
+        let code = unsafe { f(&mut ptr, self.as_raw(), &mut data) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(sharing_error("importing an allocation", code, "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter"));
+        }
+        // SAFETY: a fresh mapping of `len` bytes; freeing it (cuMemFreeAsync) unmaps it, and the
+        // buffer keeps the imported pool alive until then.
+        Ok(unsafe { Buffer::from_pool(ptr, shared.len(), stream.clone(), self.route(), self.owner_handle()) })
+    }
+}
+
+impl MemPool {
+    /// Imports a pool another process exported with [`Pool::export_fd`].
+    ///
+    /// The descriptor is checked before the driver sees it (the driver answers a closed one with
+    /// `CUDA_ERROR_UNKNOWN`). Its location is known on a 13.2 driver ([`Pool::location`]); on
+    /// older drivers the importer learns it from the exporter. Allocating from it is refused:
+    /// map the exporter's allocations with [`Pool::import_pointer`].
+    /// See [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    #[cfg(unix)]
+    pub fn import_fd(fd: impl AsFd) -> Result<Self> {
+        let raw = fd.as_fd().as_raw_fd();
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        if unsafe { libc::fcntl(raw, libc::F_GETFD) } == -1 {
+            return Err(Error::Sharing { what: "importing a pool", reason: format!("descriptor {raw} is not open") });
+        }
+        let f = api()?.cuMemPoolImportFromShareableHandle()?;
+        let mut pool = std::ptr::null_mut();
+        // The driver takes the descriptor's value smuggled in the pointer argument.
+        let handle = raw as isize as *mut c_void;
+        // SAFETY: a valid out-pointer and an open descriptor.
+        let code = unsafe { f(&mut pool, handle, HandleTypes::POSIX_FILE_DESCRIPTOR.to_raw(), 0) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(sharing_error(
+                "importing a pool",
+                code,
+                "the descriptor must come from Pool::export_fd in another process",
+            ));
+        }
+        tracing::info!(pool = ?pool, "memory pool imported");
+        let imported = Pool::owned(pool, None, None, true);
+        let route = imported.location().ok().zip(imported.allocation_type().ok());
+        Ok(MemPool::from_pool(imported.with_route(route.map(|(l, t)| crate::Route::new(l, t)))))
+    }
+}
