@@ -51,7 +51,7 @@ impl SharedAllocation {
     pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
         let mut bytes = [0u8; Self::ENCODED_LEN];
         for (dst, src) in bytes.iter_mut().zip(self.data.reserved.iter()) {
-            *dst = *src as u8;
+            *dst = *src;
         }
         bytes[64..].copy_from_slice(&self.len.to_le_bytes());
         bytes
@@ -72,7 +72,7 @@ impl SharedAllocation {
         }
         let mut data = sys::CUmemPoolPtrExportData::default();
         for (dst, src) in data.reserved.iter_mut().zip(bytes.iter()) {
-            *dst = *src as _;
+            *dst = *src;
         }
         let mut len = [0u8; 8];
         len.copy_from_slice(&bytes[64..]);
@@ -187,7 +187,7 @@ impl Pool {
                 "fabric export needs a pool created with HandleTypes::FABRIC and an IMEX channel on the system",
             ));
         }
-        Ok(handle.data.map(|b| b as u8))
+        Ok(handle.data)
     }
 
     /// Maps an allocation another process exported from this (imported) pool.

@@ -1,0 +1,366 @@
+//! `cumempool bench`: the cost of an allocation+free pair per route and size, through raw
+//! `cumempool-sys` calls, the safe layer and the caching resource on the same pool in one run,
+//! and how each scales with threads.
+
+use crate::counting_allocator;
+use crate::table::{bytes, Table};
+use cumempool::{Context, Device, Location, MemPool, Pool, Route, Stream};
+use cumempool_alloc::{
+    CachingResource, DeviceMemory, HostMemory, ManagedMemory, MemoryKind, PoolResource, StreamOrderedResource,
+};
+use serde::Serialize;
+use std::io::Write;
+use std::sync::Barrier;
+use std::time::Instant;
+
+pub struct Options {
+    pub pairs: usize,
+    pub rounds: usize,
+    pub threads: Vec<usize>,
+    pub progress: bool,
+}
+
+#[derive(Serialize)]
+pub struct PairRow {
+    pub route: String,
+    pub size: usize,
+    pub raw_ns: f64,
+    pub safe_ns: f64,
+    pub cache_ns: f64,
+    /// Safe-layer cost over raw cost (target: at most 1.05).
+    pub safe_over_raw: f64,
+    /// Raw cost over cache cost.
+    pub cache_speedup: f64,
+    pub safe_heap_allocs_per_pair: f64,
+    pub cache_heap_allocs_per_pair: f64,
+}
+
+#[derive(Serialize)]
+pub struct ThreadRow {
+    pub threads: usize,
+    pub raw_pairs_per_s: f64,
+    pub safe_pairs_per_s: f64,
+    pub cache_pairs_per_s: f64,
+    pub cache_over_raw: f64,
+}
+
+#[derive(Serialize)]
+pub struct Report {
+    pub device: String,
+    pub driver: String,
+    pub pairs_per_measurement: usize,
+    pub rounds: usize,
+    pub statistic: &'static str,
+    pub rows: Vec<PairRow>,
+    pub sync_alloc_free_1mib_us: f64,
+    pub thread_size: usize,
+    pub threads: Vec<ThreadRow>,
+}
+
+struct Progress {
+    enabled: bool,
+    step: usize,
+    total: usize,
+}
+
+impl Progress {
+    fn tick(&mut self, what: &str) {
+        self.step += 1;
+        if self.enabled {
+            eprint!("\r\x1b[2K[{}/{}] {what}", self.step, self.total);
+            let _ = std::io::stderr().flush();
+        }
+    }
+
+    fn done(&self) {
+        if self.enabled {
+            eprint!("\r\x1b[2K");
+        }
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Nanoseconds per pair and heap allocations per pair over `pairs` calls of `pair`.
+fn time(pairs: usize, stream: &Stream, mut pair: impl FnMut() -> bool) -> cumempool::Result<(f64, f64)> {
+    let heap_before = counting_allocator::allocations();
+    let start = Instant::now();
+    let mut ok = true;
+    for _ in 0..pairs {
+        ok &= pair();
+    }
+    stream.synchronize()?;
+    let elapsed = start.elapsed().as_nanos() as f64;
+    let heap = (counting_allocator::allocations() - heap_before) as f64;
+    if !ok {
+        return Err(cumempool::Error::InvalidArgument {
+            what: "benchmark",
+            reason: "an allocation failed during the run".into(),
+        });
+    }
+    Ok((elapsed / pairs as f64, heap / pairs as f64))
+}
+
+fn raw_pair(pool: &Pool, stream: &Stream, size: usize) -> cumempool::Result<impl FnMut() -> bool> {
+    let driver = cumempool::sys::driver()?;
+    let (alloc, free) = (driver.cuMemAllocFromPoolAsync()?, driver.cuMemFreeAsync()?);
+    stream.bind()?;
+    let (pool, stream) = (pool.as_raw(), stream.as_raw());
+    Ok(move || {
+        let mut ptr = 0;
+        // SAFETY: a live pool and stream; the allocation is freed at once, in stream order.
+        unsafe {
+            let a = alloc(&mut ptr, size, pool, stream);
+            let f = free(ptr, stream);
+            a == cumempool::sys::CUresult::CUDA_SUCCESS && f == cumempool::sys::CUresult::CUDA_SUCCESS
+        }
+    })
+}
+
+fn measure_route<K: MemoryKind>(
+    route: Route,
+    context: &Context,
+    sizes: &[usize],
+    options: &Options,
+    progress: &mut Progress,
+) -> cumempool::Result<Vec<PairRow>> {
+    let pool = MemPool::new(route)?;
+    pool.set_release_threshold(u64::MAX)?;
+    let stream = Stream::new(context)?;
+    let cache = CachingResource::new(PoolResource::<K>::new(&pool).map_err(to_core)?);
+    let mut rows = Vec::new();
+    for &size in sizes {
+        progress.tick(&format!("{route} {}", bytes(size as u64)));
+        let mut raw = raw_pair(&pool, &stream, size)?;
+        let mut safe = || pool.alloc(size, &stream).is_ok();
+        let mut cached = || match cache.allocate(size, 256, &stream) {
+            // SAFETY: just allocated with these arguments; nothing used it.
+            Ok(ptr) => unsafe { cache.deallocate(ptr, size, 256, &stream) }.is_ok(),
+            Err(_) => false,
+        };
+        // Warm up every path (the pool grows, the cache fills, the stream's context binds).
+        time(options.pairs / 10 + 1, &stream, &mut raw)?;
+        time(options.pairs / 10 + 1, &stream, &mut safe)?;
+        time(options.pairs / 10 + 1, &stream, &mut cached)?;
+        let (mut r, mut s, mut c, mut s_heap, mut c_heap) = (Vec::new(), Vec::new(), Vec::new(), 0.0f64, 0.0f64);
+        for _ in 0..options.rounds {
+            r.push(time(options.pairs, &stream, &mut raw)?.0);
+            let (ns, heap) = time(options.pairs, &stream, &mut safe)?;
+            s.push(ns);
+            s_heap = s_heap.max(heap);
+            let (ns, heap) = time(options.pairs, &stream, &mut cached)?;
+            c.push(ns);
+            c_heap = c_heap.max(heap);
+        }
+        let (raw_ns, safe_ns, cache_ns) = (median(r), median(s), median(c));
+        rows.push(PairRow {
+            route: route.to_string(),
+            size,
+            raw_ns,
+            safe_ns,
+            cache_ns,
+            safe_over_raw: safe_ns / raw_ns,
+            cache_speedup: raw_ns / cache_ns,
+            safe_heap_allocs_per_pair: s_heap,
+            cache_heap_allocs_per_pair: c_heap,
+        });
+    }
+    Ok(rows)
+}
+
+fn to_core(error: cumempool_alloc::Error) -> cumempool::Error {
+    match error {
+        cumempool_alloc::Error::Pool(e) => e,
+        other => cumempool::Error::InvalidArgument { what: "benchmark", reason: other.to_string() },
+    }
+}
+
+fn sync_alloc_free(context: &Context) -> cumempool::Result<f64> {
+    context.make_current()?;
+    let driver = cumempool::sys::driver()?;
+    let (alloc, free) = (driver.cuMemAlloc()?, driver.cuMemFree()?);
+    let rounds = 2000;
+    let start = Instant::now();
+    for _ in 0..rounds {
+        let mut ptr = 0;
+        // SAFETY: the context is current; the memory is freed at once.
+        unsafe {
+            alloc(&mut ptr, 1 << 20);
+            free(ptr);
+        }
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e6 / rounds as f64)
+}
+
+/// Pairs per second, in total, of `threads` threads each on its own stream.
+fn scale(
+    threads: usize,
+    pairs: usize,
+    context: &Context,
+    pair: &(dyn Fn(&Stream) -> bool + Sync),
+) -> cumempool::Result<f64> {
+    let streams: Vec<Stream> = (0..threads).map(|_| Stream::new(context)).collect::<cumempool::Result<_>>()?;
+    let barrier = Barrier::new(threads + 1);
+    let elapsed = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .iter()
+            .map(|stream| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    for _ in 0..pairs / 20 + 1 {
+                        pair(stream); // warm: binds the context, fills a cache
+                    }
+                    barrier.wait();
+                    let mut ok = true;
+                    for _ in 0..pairs {
+                        ok &= pair(stream);
+                    }
+                    ok & stream.synchronize().is_ok()
+                })
+            })
+            .collect();
+        barrier.wait();
+        let start = Instant::now();
+        let ok = handles.into_iter().all(|h| h.join().unwrap_or(false));
+        (start.elapsed(), ok)
+    });
+    if !elapsed.1 {
+        return Err(cumempool::Error::InvalidArgument {
+            what: "thread benchmark",
+            reason: "an allocation failed".into(),
+        });
+    }
+    Ok((threads * pairs) as f64 / elapsed.0.as_secs_f64())
+}
+
+pub fn run(options: &Options) -> cumempool::Result<Report> {
+    cumempool::init()?;
+    let device = Device::get(0)?;
+    let context = device.primary_context()?;
+    let numa = device.host_numa_id()?.unwrap_or(0);
+    let sizes = [256, 1 << 20, 64 << 20];
+    let routes = [
+        Route::device(0),
+        Route::host(),
+        Route::host_numa(numa),
+        Route::managed(Location::Device(0)),
+        Route::managed(Location::Unspecified),
+    ];
+    let mut progress =
+        Progress { enabled: options.progress, step: 0, total: routes.len() * sizes.len() + options.threads.len() + 1 };
+    let mut rows = Vec::new();
+    for route in routes {
+        rows.extend(match route {
+            r if DeviceMemory::admits(r) => measure_route::<DeviceMemory>(r, &context, &sizes, options, &mut progress)?,
+            r if HostMemory::admits(r) => measure_route::<HostMemory>(r, &context, &sizes, options, &mut progress)?,
+            r => measure_route::<ManagedMemory>(r, &context, &sizes, options, &mut progress)?,
+        });
+    }
+    progress.tick("synchronous cuMemAlloc + cuMemFree");
+    let sync_alloc_free_1mib_us = sync_alloc_free(&context)?;
+
+    let thread_size = 1 << 20;
+    let pool = MemPool::new(Route::device(0))?;
+    pool.set_release_threshold(u64::MAX)?;
+    let driver = cumempool::sys::driver()?;
+    let (alloc, free) = (driver.cuMemAllocFromPoolAsync()?, driver.cuMemFreeAsync()?);
+    let raw_pool = pool.as_raw() as usize;
+    let raw = move |stream: &Stream| {
+        let mut ptr = 0;
+        // SAFETY: live pool and stream; freed at once in stream order.
+        unsafe {
+            stream.bind().is_ok()
+                && alloc(&mut ptr, thread_size, raw_pool as cumempool::sys::CUmemoryPool, stream.as_raw())
+                    == cumempool::sys::CUresult::CUDA_SUCCESS
+                && free(ptr, stream.as_raw()) == cumempool::sys::CUresult::CUDA_SUCCESS
+        }
+    };
+    let safe = |stream: &Stream| pool.alloc(thread_size, stream).is_ok();
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).map_err(to_core)?);
+    let cached = |stream: &Stream| match cache.allocate(thread_size, 256, stream) {
+        // SAFETY: just allocated with these arguments.
+        Ok(ptr) => unsafe { cache.deallocate(ptr, thread_size, 256, stream) }.is_ok(),
+        Err(_) => false,
+    };
+    let mut threads = Vec::new();
+    for &n in &options.threads {
+        progress.tick(&format!("{n} thread(s), one stream each, one device pool"));
+        let pairs = (options.pairs / n.max(1)).max(2000);
+        let raw_rate = scale(n, pairs, &context, &raw)?;
+        let safe_rate = scale(n, pairs, &context, &safe)?;
+        let cache_rate = scale(n, pairs * 10, &context, &cached)?;
+        threads.push(ThreadRow {
+            threads: n,
+            raw_pairs_per_s: raw_rate,
+            safe_pairs_per_s: safe_rate,
+            cache_pairs_per_s: cache_rate,
+            cache_over_raw: cache_rate / raw_rate,
+        });
+        cache.release().map_err(to_core)?;
+    }
+    progress.done();
+    Ok(Report {
+        device: device.name()?,
+        driver: cumempool::driver_version()?.to_string(),
+        pairs_per_measurement: options.pairs,
+        rounds: options.rounds,
+        statistic: "median of the rounds; raw, safe and cache interleaved on the same pool and stream",
+        rows,
+        sync_alloc_free_1mib_us,
+        thread_size,
+        threads,
+    })
+}
+
+pub fn render(report: &Report) -> String {
+    let mut out = format!(
+        "{} (driver {}): allocation+free pairs, {} pairs x {} rounds ({})\n\n",
+        report.device, report.driver, report.pairs_per_measurement, report.rounds, report.statistic
+    );
+    let mut table = Table::new(&[
+        "route",
+        "size",
+        "raw sys ns",
+        "safe ns",
+        "safe/raw",
+        "cache ns",
+        "cache speedup",
+        "heap allocs/pair (safe, cache)",
+    ]);
+    for r in &report.rows {
+        table.row(vec![
+            r.route.clone(),
+            bytes(r.size as u64),
+            format!("{:.0}", r.raw_ns),
+            format!("{:.0}", r.safe_ns),
+            format!("{:.3}", r.safe_over_raw),
+            format!("{:.1}", r.cache_ns),
+            format!("{:.1}x", r.cache_speedup),
+            format!("{:.2}, {:.2}", r.safe_heap_allocs_per_pair, r.cache_heap_allocs_per_pair),
+        ]);
+    }
+    out.push_str(&table.render());
+    out.push_str(&format!(
+        "\nsynchronous cuMemAlloc + cuMemFree of 1 MiB: {:.1} us\n\n",
+        report.sync_alloc_free_1mib_us
+    ));
+    out.push_str(&format!(
+        "thread scaling: {} per pair, one device pool, one stream per thread (pairs per second, in total)\n",
+        bytes(report.thread_size as u64)
+    ));
+    let mut threads = Table::new(&["threads", "raw sys", "safe", "cache", "cache/raw"]);
+    for t in &report.threads {
+        threads.row(vec![
+            t.threads.to_string(),
+            format!("{:.2} M/s", t.raw_pairs_per_s / 1e6),
+            format!("{:.2} M/s", t.safe_pairs_per_s / 1e6),
+            format!("{:.2} M/s", t.cache_pairs_per_s / 1e6),
+            format!("{:.0}x", t.cache_over_raw),
+        ]);
+    }
+    out.push_str(&threads.render());
+    out
+}

@@ -1,0 +1,180 @@
+//! `cumempool doctor`: what this build, this driver and these devices support, and why not.
+
+use crate::table::Table;
+use cumempool::sys;
+use cumempool::{Device, DriverVersion, HandleTypes};
+use serde::Serialize;
+
+#[derive(Serialize)]
+pub struct DeviceReport {
+    pub ordinal: i32,
+    pub name: String,
+    pub memory_pools: bool,
+    pub host_memory_pools: bool,
+    pub host_numa_memory_pools: bool,
+    pub concurrent_managed_access: bool,
+    pub host_numa_id: Option<i32>,
+    pub supported_handle_types: String,
+}
+
+#[derive(Serialize)]
+pub struct Feature {
+    pub feature: String,
+    pub works: bool,
+    pub why: String,
+}
+
+#[derive(Serialize)]
+pub struct Report {
+    pub crate_version: String,
+    pub compiled_features: Vec<String>,
+    pub bindings_cuda: String,
+    pub library_tried: String,
+    pub library_loaded: Option<String>,
+    pub driver: Option<String>,
+    pub error: Option<String>,
+    pub devices: Vec<DeviceReport>,
+    pub features: Vec<Feature>,
+}
+
+fn compiled_features() -> Vec<String> {
+    let mut features = vec!["cuda-13000".to_owned()];
+    if cfg!(feature = "cuda-13020") {
+        features.push("cuda-13020".into());
+    }
+    features
+}
+
+pub fn collect() -> Report {
+    let mut report = Report {
+        crate_version: env!("CARGO_PKG_VERSION").into(),
+        compiled_features: compiled_features(),
+        bindings_cuda: cumempool::bindings_version().to_string(),
+        library_tried: sys::library_path(),
+        library_loaded: None,
+        driver: None,
+        error: None,
+        devices: Vec::new(),
+        features: Vec::new(),
+    };
+    let version = match cumempool::init().and_then(|()| cumempool::driver_version()) {
+        Ok(version) => version,
+        Err(error) => {
+            report.error = Some(error.to_string());
+            return report;
+        }
+    };
+    report.library_loaded = cumempool::library_path().ok().map(str::to_owned);
+    report.driver = Some(version.to_string());
+    let devices = Device::all().unwrap_or_default();
+    for device in &devices {
+        report.devices.push(DeviceReport {
+            ordinal: device.ordinal(),
+            name: device.name().unwrap_or_else(|e| format!("? ({e})")),
+            memory_pools: device.supports_memory_pools().unwrap_or(false),
+            host_memory_pools: device.supports_host_memory_pools().unwrap_or(false),
+            host_numa_memory_pools: device.supports_host_numa_memory_pools().unwrap_or(false),
+            concurrent_managed_access: device.concurrent_managed_access().unwrap_or(false),
+            host_numa_id: device.host_numa_id().ok().flatten(),
+            supported_handle_types: device.supported_handle_types().map_or_else(|e| e.to_string(), |t| t.to_string()),
+        });
+    }
+    let any = |f: fn(&DeviceReport) -> bool| report.devices.iter().any(f);
+    let mut feature =
+        |name: &str, works: bool, why: String| report.features.push(Feature { feature: name.into(), works, why });
+    let routing = version >= DriverVersion::CUDA_13_0;
+    feature(
+        "location-keyed routing (default/current pools per route)",
+        routing,
+        if routing {
+            format!("driver {version} has cuMemGetMemPool/cuMemSetMemPool")
+        } else {
+            format!("needs driver 13.0, found {version}")
+        },
+    );
+    feature("device pools", any(|d| d.memory_pools), "MEMORY_POOLS_SUPPORTED per device".into());
+    feature("host pools", any(|d| d.host_memory_pools), "HOST_MEMORY_POOLS_SUPPORTED per device".into());
+    feature("host NUMA pools", any(|d| d.host_numa_memory_pools), "HOST_NUMA_MEMORY_POOLS_SUPPORTED per device".into());
+    feature(
+        "managed pools",
+        routing && any(|d| d.concurrent_managed_access),
+        "managed routes need 13.0; host access while the device runs needs CONCURRENT_MANAGED_ACCESS".into(),
+    );
+    let handle = |t: HandleTypes| devices.iter().any(|d| d.supported_handle_types().is_ok_and(|s| s.contains(t)));
+    feature(
+        "sharing pools by file descriptor (IPC)",
+        cfg!(unix) && handle(HandleTypes::POSIX_FILE_DESCRIPTOR),
+        "MEMPOOL_SUPPORTED_HANDLE_TYPES has POSIX_FILE_DESCRIPTOR".into(),
+    );
+    feature(
+        "sharing pools by fabric handle",
+        handle(HandleTypes::FABRIC),
+        "MEMPOOL_SUPPORTED_HANDLE_TYPES has FABRIC (also needs an IMEX channel)".into(),
+    );
+    let peers = devices.len() > 1 && devices[0].can_access_peer(devices[1]).unwrap_or(false);
+    feature(
+        "peer access to pools",
+        peers,
+        if devices.len() > 1 { "device 0 and 1 peer capability".into() } else { "one device only".into() },
+    );
+    let newer = cfg!(feature = "cuda-13020") && version >= DriverVersion::CUDA_13_2;
+    let why = if !cfg!(feature = "cuda-13020") {
+        "not compiled: build with the cuda-13020 feature".to_owned()
+    } else if version < DriverVersion::CUDA_13_2 {
+        format!("needs driver 13.2, found {version}: the six attributes return a typed DriverTooOld error")
+    } else {
+        format!("driver {version}")
+    };
+    feature("CUDA 13.2 pool attributes (ALLOCATION_TYPE, EXPORT_HANDLE_TYPES, LOCATION_ID/TYPE, MAX_POOL_SIZE, HW_DECOMPRESS_ENABLED)", newer, why);
+    report
+}
+
+pub fn render(report: &Report) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "cumempool {} (features: {}; declarations of CUDA {})\n",
+        report.crate_version,
+        report.compiled_features.join(", "),
+        report.bindings_cuda
+    ));
+    if let Some(error) = &report.error {
+        out.push_str(&format!("{error}\n(library tried: {})\n", report.library_tried));
+        return out;
+    }
+    out.push_str(&format!(
+        "driver: CUDA {} from {}\n\n",
+        report.driver.as_deref().unwrap_or("?"),
+        report.library_loaded.as_deref().unwrap_or("?")
+    ));
+    let mut devices = Table::new(&[
+        "device",
+        "name",
+        "pools",
+        "host pools",
+        "host NUMA pools",
+        "managed concurrent",
+        "NUMA id",
+        "handle types",
+    ]);
+    let yes = |b: bool| if b { "yes" } else { "no" }.to_owned();
+    for d in &report.devices {
+        devices.row(vec![
+            d.ordinal.to_string(),
+            d.name.clone(),
+            yes(d.memory_pools),
+            yes(d.host_memory_pools),
+            yes(d.host_numa_memory_pools),
+            yes(d.concurrent_managed_access),
+            d.host_numa_id.map_or("-".into(), |n| n.to_string()),
+            d.supported_handle_types.clone(),
+        ]);
+    }
+    out.push_str(&devices.render());
+    out.push('\n');
+    let mut features = Table::new(&["works", "feature", "why"]);
+    for f in &report.features {
+        features.row(vec![yes(f.works), f.feature.clone(), f.why.clone()]);
+    }
+    out.push_str(&features.render());
+    out
+}

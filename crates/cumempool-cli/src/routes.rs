@@ -1,0 +1,240 @@
+//! `cumempool routes`: every route's default and current pool, with attributes, and the
+//! driver's answer for routes that cannot exist.
+
+use crate::table::{bytes, Table};
+use cumempool::sys;
+use cumempool::{current_pool, default_pool, AllocationType, Device, Location, Pool, PoolAttribute, Route};
+use serde::Serialize;
+
+#[derive(Serialize)]
+pub struct RouteReport {
+    pub route: String,
+    pub location: String,
+    pub allocation_type: String,
+    /// The default pool's handle, or the refusal.
+    pub default_pool: Result<String, String>,
+    pub current_pool: Result<String, String>,
+    /// Whether the current pool differs from the default.
+    pub changed: bool,
+    /// Attributes of the current pool: name -> value or the reason it cannot be read.
+    pub attributes: Vec<(String, Result<u64, String>)>,
+}
+
+#[derive(Serialize)]
+pub struct RawProbe {
+    pub input: String,
+    /// What the library says before calling the driver (if it refuses).
+    pub library: Option<String>,
+    /// What `cuMemGetDefaultMemPool` itself answers.
+    pub driver: String,
+}
+
+#[derive(Serialize)]
+pub struct Report {
+    pub routes: Vec<RouteReport>,
+    pub invalid_inputs: Vec<RawProbe>,
+}
+
+/// Host NUMA nodes: the kernel's list where readable, else the nodes devices report.
+fn numa_nodes(devices: &[Device]) -> Vec<i32> {
+    let mut nodes: Vec<i32> = std::fs::read_dir("/sys/devices/system/node")
+        .map(|entries| {
+            entries.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("node")?.parse().ok()).collect()
+        })
+        .unwrap_or_default();
+    if nodes.is_empty() {
+        nodes = devices.iter().filter_map(|d| d.host_numa_id().ok().flatten()).collect();
+    }
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
+/// Every route kind: per device (pinned, managed), the host, each host NUMA node, the calling
+/// thread's NUMA node, and managed memory at the host and at no location.
+pub fn all_routes(devices: &[Device]) -> Vec<Route> {
+    let mut routes = Vec::new();
+    for device in devices {
+        routes.push(Route::device(device.ordinal()));
+        routes.push(Route::managed(Location::Device(device.ordinal())));
+    }
+    routes.push(Route::host());
+    routes.extend(numa_nodes(devices).into_iter().map(Route::host_numa));
+    routes.push(Route::new(Location::HostNumaCurrent, AllocationType::Pinned));
+    routes.push(Route::managed(Location::Host));
+    routes.push(Route::managed(Location::Unspecified));
+    routes
+}
+
+fn attributes_of(pool: &Pool) -> Vec<(String, Result<u64, String>)> {
+    PoolAttribute::ALL
+        .iter()
+        .map(|a| {
+            (a.name().trim_start_matches("CU_MEMPOOL_ATTR_").to_owned(), pool.attribute(*a).map_err(|e| e.to_string()))
+        })
+        .collect()
+}
+
+fn report_route(route: Route) -> RouteReport {
+    let default = default_pool(route);
+    let current = current_pool(route);
+    let changed = matches!((&default, &current), (Ok(d), Ok(c)) if !d.same_as(c));
+    let attributes = current.as_ref().map(|p| attributes_of(p)).unwrap_or_default();
+    RouteReport {
+        route: route.to_string(),
+        location: route.location.to_string(),
+        allocation_type: route.allocation_type.to_string(),
+        default_pool: default.map(|p| format!("{:?}", p.as_raw())).map_err(|e| e.to_string()),
+        current_pool: current.map(|p| format!("{:?}", p.as_raw())).map_err(|e| e.to_string()),
+        changed,
+        attributes,
+    }
+}
+
+/// Asks the driver directly about inputs the library refuses, so both answers are on record.
+fn raw_probes(device_count: i32) -> Vec<RawProbe> {
+    use sys::CUmemAllocationType as A;
+    let probe = |type_: u32, id: i32, alloc: A| -> String {
+        let Ok(driver) = sys::driver() else { return "no driver".into() };
+        let Ok(f) = driver.cuMemGetDefaultMemPool() else { return "entry point missing".into() };
+        let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+        location.type_ = sys::CUmemLocationType(type_);
+        // SAFETY: the id is the first (only) member of the location's union/field in both headers.
+        unsafe { std::ptr::write((&mut location as *mut sys::CUmemLocation).cast::<u8>().add(4).cast::<i32>(), id) };
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: valid pointers; the driver validates the rest.
+        let code = unsafe { f(&mut pool, &mut location, alloc) };
+        cumempool_error_name(code)
+    };
+    let library = |route: Route| default_pool(route).err().map(|e| e.to_string());
+    let mut probes = vec![
+        RawProbe {
+            input: "(NONE, PINNED)".into(),
+            library: library(Route::new(Location::Unspecified, AllocationType::Pinned)),
+            driver: probe(0, 0, A::CU_MEM_ALLOCATION_TYPE_PINNED),
+        },
+        RawProbe {
+            input: "(INVISIBLE, PINNED)".into(),
+            library: Some("Location::Invisible is only ever an output (refused as an input)".into()),
+            driver: probe(5, 0, A::CU_MEM_ALLOCATION_TYPE_PINNED),
+        },
+        RawProbe {
+            input: format!("(DEVICE {device_count}, PINNED)"),
+            library: library(Route::device(device_count)),
+            driver: probe(1, device_count, A::CU_MEM_ALLOCATION_TYPE_PINNED),
+        },
+        RawProbe {
+            input: "(DEVICE 0, INVALID type 0)".into(),
+            library: Some("AllocationType has no invalid variant (unrepresentable)".into()),
+            driver: probe(1, 0, A(0)),
+        },
+    ];
+    if let Ok(driver) = sys::driver() {
+        if let Ok(f) = driver.cuMemGetDefaultMemPool() {
+            let mut pool = std::ptr::null_mut();
+            // SAFETY: a NULL location is what is being probed; the driver checks it.
+            let code = unsafe { f(&mut pool, std::ptr::null_mut(), A::CU_MEM_ALLOCATION_TYPE_PINNED) };
+            probes.push(RawProbe {
+                input: "location pointer NULL".into(),
+                library: Some("references cannot be null (unrepresentable)".into()),
+                driver: cumempool_error_name(code),
+            });
+        }
+    }
+    probes
+}
+
+fn cumempool_error_name(code: sys::CUresult) -> String {
+    if code == sys::CUresult::CUDA_SUCCESS {
+        return "CUDA_SUCCESS (a pool exists)".into();
+    }
+    let Ok(driver) = sys::driver() else { return format!("CUresult {}", code.0) };
+    let Ok(f) = driver.cuGetErrorName() else { return format!("CUresult {}", code.0) };
+    let mut name = std::ptr::null();
+    // SAFETY: the driver writes a pointer to a static string.
+    if unsafe { f(code, &mut name) } == sys::CUresult::CUDA_SUCCESS && !name.is_null() {
+        // SAFETY: a NUL-terminated static string.
+        unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    } else {
+        format!("CUresult {}", code.0)
+    }
+}
+
+pub fn collect() -> cumempool::Result<Report> {
+    cumempool::init()?;
+    let devices = Device::all()?;
+    let routes = all_routes(&devices).into_iter().map(report_route).collect();
+    Ok(Report { routes, invalid_inputs: raw_probes(devices.len() as i32) })
+}
+
+pub fn render(report: &Report) -> String {
+    let mut table = Table::new(&[
+        "route",
+        "default pool",
+        "current pool",
+        "release threshold",
+        "reserved",
+        "used",
+        "13.2 attributes",
+    ]);
+    let attribute = |r: &RouteReport, name: &str| -> String {
+        match r.attributes.iter().find(|(n, _)| n == name) {
+            Some((_, Ok(v))) => bytes(*v),
+            Some((_, Err(_))) => "n/a".into(),
+            None => String::new(),
+        }
+    };
+    for r in &report.routes {
+        let current = match &r.current_pool {
+            Ok(handle) if r.changed => format!("{handle} (changed)"),
+            Ok(handle) => handle.clone(),
+            Err(_) => "-".into(),
+        };
+        let newer = r.attributes.iter().filter(|(n, _)| is_13_2(n)).collect::<Vec<_>>();
+        let newer = if newer.is_empty() {
+            "not compiled (cuda-13000 build)".to_owned()
+        } else if newer.iter().all(|(_, v)| v.is_err()) {
+            "need driver 13.2".to_owned()
+        } else {
+            newer
+                .iter()
+                .map(|(n, v)| format!("{}={}", n.to_lowercase(), v.as_ref().map_or("?".into(), |v| v.to_string())))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        match &r.default_pool {
+            Ok(handle) => table.row(vec![
+                r.route.clone(),
+                handle.clone(),
+                current,
+                attribute(r, "RELEASE_THRESHOLD"),
+                attribute(r, "RESERVED_MEM_CURRENT"),
+                attribute(r, "USED_MEM_CURRENT"),
+                if r.attributes.is_empty() { String::new() } else { newer },
+            ]),
+            Err(refusal) => {
+                table.row(vec![r.route.clone(), format!("refused: {}", short_refusal(refusal)), String::new()])
+            }
+        }
+    }
+    let mut out = table.render();
+    out.push_str("\nInputs that name no route (the library's refusal, and what the driver itself answers):\n");
+    let mut probes = Table::new(&["input", "cumempool", "driver"]);
+    for p in &report.invalid_inputs {
+        probes.row(vec![p.input.clone(), p.library.clone().unwrap_or_else(|| "-".into()), p.driver.clone()]);
+    }
+    out.push_str(&probes.render());
+    out
+}
+
+fn is_13_2(name: &str) -> bool {
+    ["ALLOCATION_TYPE", "EXPORT_HANDLE_TYPES", "LOCATION_ID", "LOCATION_TYPE", "MAX_POOL_SIZE", "HW_DECOMPRESS_ENABLED"]
+        .contains(&name)
+}
+
+/// The driver's error name out of a refusal message, where it has one.
+fn short_refusal(text: &str) -> String {
+    text.split_whitespace()
+        .find(|w| w.starts_with("CUDA_ERROR_"))
+        .map_or_else(|| text.to_owned(), |w| w.trim_end_matches(|c: char| !c.is_alphanumeric() && c != '_').to_owned())
+}
