@@ -3,8 +3,18 @@
 
 use std::process::Command;
 
+/// The binary: beside this test when packed for the GPU machine, else cargo's.
+fn binary() -> std::path::PathBuf {
+    let packed = std::env::current_exe().expect("own path").with_file_name("bin--cumempool");
+    if packed.exists() {
+        packed
+    } else {
+        env!("CARGO_BIN_EXE_cumempool").into()
+    }
+}
+
 fn cumempool(args: &[&str]) -> (i32, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_cumempool"))
+    let output = Command::new(binary())
         .args(args)
         .env("CUMEMPOOL_LIBCUDA", "/nonexistent/libcuda.so.1")
         .output()
