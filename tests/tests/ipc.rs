@@ -29,7 +29,6 @@ fn a_child_process_imports_the_pool_reads_the_pattern_and_writes_back() {
         MemPool::builder(Route::device(0)).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
     let mut buffer = pool.alloc(1 << 20, &stream).unwrap();
     buffer.copy_from_host(&pattern(1 << 20, 1)).unwrap();
-    let shared = buffer.export().unwrap();
 
     let path = std::env::temp_dir().join(format!("cumempool-ipc-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
@@ -48,7 +47,9 @@ fn a_child_process_imports_the_pool_reads_the_pattern_and_writes_back() {
         }
     };
     socket.set_nonblocking(false).unwrap();
+    // The pool is shared first: the driver exports allocations of an already shared pool.
     send_pool(&socket, &pool).unwrap();
+    let shared = buffer.export().unwrap();
     send_allocation(&mut socket, &shared).unwrap();
     let mut report = String::new();
     socket.read_to_string(&mut report).unwrap();

@@ -89,12 +89,9 @@ impl Buffer {
         if src.is_empty() {
             return Ok(());
         }
-        self.stream.bind()?;
-        let f = api()?.cuMemcpyHtoDAsync()?;
         // SAFETY: `src` is valid for its length, the buffer holds at least that many bytes, and
-        // the stream is synchronised below, before `src` can be released.
-        check(unsafe { f(self.ptr, src.as_ptr().cast(), src.len(), self.stream.as_raw()) }, "cuMemcpyHtoDAsync")?;
-        self.stream.synchronize()
+        // the copy is waited for before `src` can be released.
+        unsafe { self.copy_unified(self.ptr, src.as_ptr() as usize as sys::CUdeviceptr, src.len()) }
     }
 
     /// Copies the start of the buffer into `dst` and waits for the copy.
@@ -103,11 +100,8 @@ impl Buffer {
         if dst.is_empty() {
             return Ok(());
         }
-        self.stream.bind()?;
-        let f = api()?.cuMemcpyDtoHAsync()?;
         // SAFETY: as in `copy_from_host`, the other way round.
-        check(unsafe { f(dst.as_mut_ptr().cast(), self.ptr, dst.len(), self.stream.as_raw()) }, "cuMemcpyDtoHAsync")?;
-        self.stream.synchronize()
+        unsafe { self.copy_unified(dst.as_mut_ptr() as usize as sys::CUdeviceptr, self.ptr, dst.len()) }
     }
 
     /// Copies the start of `src` into the start of this buffer, ordered after the work queued
@@ -128,10 +122,22 @@ impl Buffer {
                 None => src.stream.synchronize()?,
             }
         }
-        let f = api()?.cuMemcpyAsync()?;
         // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
-        // for below, before either can be freed.
-        check(unsafe { f(self.ptr, src.ptr, src.len, self.stream.as_raw()) }, "cuMemcpyAsync")?;
+        // for before either can be freed.
+        unsafe { self.copy_unified(self.ptr, src.ptr, src.len) }
+    }
+
+    /// A copy on this buffer's stream between any two addresses, waited for before returning.
+    /// Unified addressing lets the driver infer the direction; the typed `HtoD`/`DtoH` copies
+    /// refuse host pool memory (CUDA_ERROR_INVALID_VALUE on driver 580).
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `len` bytes until the copy has finished.
+    unsafe fn copy_unified(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Result<()> {
+        self.stream.bind()?;
+        let f = api()?.cuMemcpyAsync()?;
+        // SAFETY: the caller vouches for both ranges.
+        check(unsafe { f(dst, src, len, self.stream.as_raw()) }, "cuMemcpyAsync")?;
         self.stream.synchronize()
     }
 

@@ -172,7 +172,9 @@ impl Pool {
     /// Sets the access of `device` to this pool's memory.
     ///
     /// The owning device always has read-write access; the driver refuses to lower it
-    /// (`CUDA_ERROR_NOT_SUPPORTED`), and so does this method, with that reason.
+    /// (`CUDA_ERROR_NOT_SUPPORTED`), and so does this method, with that reason. Driver 580
+    /// (CUDA 13.0) also refuses read-only access for peers; that comes back as
+    /// [`Error::InvalidArgument`] saying so.
     /// See [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn set_access(&self, device: Device, access: Access) -> Result<()> {
         self.set_access_many(&[(device, access)])
@@ -204,7 +206,15 @@ impl Pool {
             .collect();
         let f = api()?.cuMemPoolSetAccess()?;
         // SAFETY: a live pool and `len` valid descriptors.
-        check(unsafe { f(self.raw.0, descriptors.as_ptr(), descriptors.len()) }, "cuMemPoolSetAccess")
+        let code = unsafe { f(self.raw.0, descriptors.as_ptr(), descriptors.len()) };
+        if code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED && grants.iter().any(|(_, a)| *a == Access::Read) {
+            // Seen on driver 580 (13.0): pools take read-write or no access for peers, not read-only.
+            return Err(Error::InvalidArgument {
+                what: "setting pool access",
+                reason: "the driver does not support read-only access to pool memory (CUDA_ERROR_NOT_SUPPORTED); grant Access::ReadWrite or Access::None".into(),
+            });
+        }
+        check(code, "cuMemPoolSetAccess")
     }
 
     /// The access `device` has to this pool's memory.

@@ -90,7 +90,8 @@ impl SharedAllocation {
 impl Buffer {
     /// The data another process needs to map this allocation from its imported pool.
     ///
-    /// The pool must have been created with an export handle type.
+    /// The pool must have been created with an export handle type and already shared
+    /// ([`Pool::export_fd`]): the driver exports allocations of shared pools only.
     /// See [cuMemPoolExportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn export(&self) -> Result<SharedAllocation> {
         if self.is_empty() {
@@ -104,7 +105,7 @@ impl Buffer {
         // SAFETY: a live pool allocation and a valid out-pointer.
         let code = unsafe { f(&mut data, self.as_raw()) };
         if code != sys::CUresult::CUDA_SUCCESS {
-            return Err(sharing_error("exporting an allocation", code, "the buffer's pool must be created with an export handle type (MemPool::builder(..).export_handle_types(..))"));
+            return Err(sharing_error("exporting an allocation", code, "the buffer's pool must be created with an export handle type (MemPool::builder(..).export_handle_types(..)) and shared (Pool::export_fd or descriptor_passing::send_pool) before its allocations are exported"));
         }
         Ok(SharedAllocation { data, len: self.len() as u64 })
     }
