@@ -2,7 +2,8 @@
 //!
 //! CUDA's pools serialise inside the driver: one pool gives about 1.5 M allocation+free pairs
 //! per second on one thread and less in total on many. This cache answers repeated pairs on a
-//! stream without the driver, and threads on different streams rarely meet on a lock.
+//! stream without the driver. Each stream has its own slot and lock, found without taking any
+//! shared lock, so threads on different streams never wait for each other.
 //!
 //! Stream order stays correct because a cached block is only ever handed out again on the
 //! stream it was freed on (work on one stream runs in order), or given back to the resource
@@ -12,10 +13,18 @@ use crate::error::Result;
 use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64, AtomicUsize,
+    Ordering::{AcqRel, Acquire, Relaxed, Release},
+};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-const SHARDS: usize = 64;
+/// Streams a cache serves at once; allocations on further streams go straight to the resource below.
+const SLOTS: usize = 256;
+const EMPTY: usize = 0;
+/// A slot whose stream was released: lookups probe past it, registrations may take it.
+const RELEASED: usize = usize::MAX;
+
 const MIN_SHIFT: u32 = 8;
 const MAX_SHIFT: u32 = 40;
 const STEPS: u32 = 4;
@@ -49,28 +58,31 @@ pub(crate) fn class_bytes(index: usize) -> usize {
 }
 
 #[repr(align(128))]
-struct Padded<T>(T);
+struct Slot {
+    /// `EMPTY`, `RELEASED`, or the stream's key (its handle plus one, so the null stream fits).
+    key: AtomicUsize,
+    state: Mutex<SlotState>,
+}
 
 #[derive(Default)]
-struct Shard {
-    streams: Vec<StreamCache>,
-    /// Budget this shard has claimed from the global bound and not yet filled with blocks.
+struct SlotState {
+    /// The stream (kept alive while blocks are cached for it).
+    stream: Option<Stream>,
+    /// Free blocks by size class, all freed on `stream`.
+    blocks: Vec<Vec<CUdeviceptr>>,
+    cached_bytes: usize,
+    /// Budget this slot has claimed from the global bound and not yet filled with blocks.
     budget: usize,
     hits: u64,
     misses: u64,
 }
 
-struct StreamCache {
-    stream: Stream,
-    /// Free blocks by size class, all freed on `stream`.
-    blocks: Vec<Vec<CUdeviceptr>>,
-    cached_bytes: usize,
+fn key_of(stream: &Stream) -> usize {
+    (stream.as_raw() as usize).wrapping_add(1)
 }
 
-impl StreamCache {
-    fn new(stream: &Stream) -> Self {
-        Self { stream: stream.clone(), blocks: vec![Vec::new(); CLASSES], cached_bytes: 0 }
-    }
+fn home_of(key: usize) -> usize {
+    ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
 }
 
 /// Counters of a [`CachingResource`].
@@ -105,16 +117,19 @@ impl CacheStats {
 /// - A block freed on stream `s` is reused only by allocations on `s`, or freed to the
 ///   resource below on `s` when the cache is full or released.
 /// - Requests are rounded up to a size class (at most 25% above 256 B); requests over 1 TiB
-///   bypass the cache.
-/// - The bound counts cached bytes; budget is claimed from it in chunks, so the hot path
-///   touches only one shard's lock. Once warm, a cached pair allocates no heap memory.
+///   bypass the cache, and so do streams beyond the first 256 that free blocks into it.
+/// - Each stream has its own slot and lock; the bound counts cached bytes and is claimed in
+///   chunks, so the hot path touches no shared lock or counter. Once warm, a cached pair
+///   allocates no heap memory.
 /// - If the resource below runs out of memory, the cache gives back what it holds and retries
 ///   once.
 pub struct CachingResource<R: StreamOrderedResource> {
     inner: R,
-    shards: Box<[Padded<Mutex<Shard>>]>,
-    /// Bytes of the bound no shard has claimed.
+    slots: Box<[Slot]>,
+    /// Bytes of the bound no slot has claimed.
     unclaimed: AtomicUsize,
+    /// Misses of streams that found no free slot.
+    overflow_misses: AtomicU64,
     max_cached: usize,
     chunk: usize,
 }
@@ -123,6 +138,11 @@ impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CachingResource").field("max_cached", &self.max_cached).field("stats", &self.stats()).finish()
     }
+}
+
+fn lock(slot: &Slot) -> MutexGuard<'_, SlotState> {
+    // A panic while holding a slot cannot leave it inconsistent: every update is local.
+    slot.state.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<R: StreamOrderedResource> CachingResource<R> {
@@ -136,9 +156,20 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// A cache over `inner` holding at most `max_cached` bytes of free blocks.
     pub fn with_max_cached(inner: R, max_cached: usize) -> Self {
-        let shards = (0..SHARDS).map(|_| Padded(Mutex::new(Shard::default()))).collect();
-        let chunk = (max_cached / SHARDS).max(1 << 20).min(max_cached);
-        Self { inner, shards, unclaimed: AtomicUsize::new(max_cached), max_cached, chunk }
+        let slots = (0..SLOTS)
+            .map(|_| Slot { key: AtomicUsize::new(EMPTY), state: Mutex::new(SlotState::default()) })
+            .collect();
+        // Small enough that every slot can hold some budget at once; large enough that a
+        // stream's steady allocate/free pairs never touch the shared counter.
+        let chunk = (max_cached / (4 * SLOTS)).max(64 << 10).min(max_cached);
+        Self {
+            inner,
+            slots,
+            unclaimed: AtomicUsize::new(max_cached),
+            overflow_misses: AtomicU64::new(0),
+            max_cached,
+            chunk,
+        }
     }
 
     /// The resource below.
@@ -151,45 +182,71 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         self.max_cached
     }
 
+    /// The slot of the stream with `key`, if it has one.
     #[inline]
-    fn shard(&self, stream: &Stream) -> MutexGuard<'_, Shard> {
-        let key = (stream.as_raw() as usize as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let index = (key >> 58) as usize % SHARDS;
-        // A panic while holding a shard cannot leave it inconsistent: every update is local.
-        self.shards[index].0.lock().unwrap_or_else(PoisonError::into_inner)
+    fn find(&self, key: usize) -> Option<&Slot> {
+        let home = home_of(key);
+        for i in 0..SLOTS {
+            let slot = &self.slots[(home + i) % SLOTS];
+            match slot.key.load(Acquire) {
+                k if k == key => return Some(slot),
+                EMPTY => return None,
+                _ => {}
+            }
+        }
+        None
     }
 
-    /// Takes `bytes` of budget for a shard; false when the bound is reached.
-    fn claim(&self, shard: &mut Shard, bytes: usize) -> bool {
-        if shard.budget < bytes {
-            let need = bytes - shard.budget;
+    /// The stream's slot, taking a free one if it has none; `None` when all are taken.
+    fn find_or_register(&self, key: usize) -> Option<&Slot> {
+        if let Some(slot) = self.find(key) {
+            return Some(slot);
+        }
+        let home = home_of(key);
+        for i in 0..SLOTS {
+            let slot = &self.slots[(home + i) % SLOTS];
+            let current = slot.key.load(Acquire);
+            if (current == EMPTY || current == RELEASED)
+                && slot.key.compare_exchange(current, key, AcqRel, Acquire).is_ok()
+            {
+                return Some(slot);
+            }
+            if slot.key.load(Acquire) == key {
+                return Some(slot);
+            }
+        }
+        None
+    }
+
+    /// Takes `bytes` of budget for a slot; false when the bound is reached.
+    fn claim(&self, state: &mut SlotState, bytes: usize) -> bool {
+        if state.budget < bytes {
+            let need = bytes - state.budget;
             let take =
                 |amount: usize| self.unclaimed.fetch_update(Relaxed, Relaxed, |left| left.checked_sub(amount)).is_ok();
             let chunk = need.max(self.chunk);
             if take(chunk) {
-                shard.budget += chunk;
+                state.budget += chunk;
             } else if take(need) {
-                shard.budget += need;
+                state.budget += need;
             } else {
                 return false;
             }
         }
-        shard.budget -= bytes;
+        state.budget -= bytes;
         true
     }
 
-    /// Counters, summed over all shards.
+    /// Counters, summed over all streams.
     pub fn stats(&self) -> CacheStats {
-        let mut stats = CacheStats::default();
-        for shard in self.shards.iter() {
-            let shard = shard.0.lock().unwrap_or_else(PoisonError::into_inner);
-            stats.hits += shard.hits;
-            stats.misses += shard.misses;
-            for cache in &shard.streams {
-                stats.cached_bytes += cache.cached_bytes;
-                stats.cached_blocks += cache.blocks.iter().map(Vec::len).sum::<usize>();
-                stats.streams += 1;
-            }
+        let mut stats = CacheStats { misses: self.overflow_misses.load(Relaxed), ..CacheStats::default() };
+        for slot in self.slots.iter() {
+            let state = lock(slot);
+            stats.hits += state.hits;
+            stats.misses += state.misses;
+            stats.cached_bytes += state.cached_bytes;
+            stats.cached_blocks += state.blocks.iter().map(Vec::len).sum::<usize>();
+            stats.streams += usize::from(state.stream.is_some());
         }
         stats
     }
@@ -206,32 +263,35 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     fn release_where(&self, mut which: impl FnMut(&Stream) -> bool) -> Result<()> {
         let mut taken = Vec::new();
-        for shard in self.shards.iter() {
-            let mut shard = shard.0.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut i = 0;
-            while i < shard.streams.len() {
-                if which(&shard.streams[i].stream) {
-                    taken.push(shard.streams.swap_remove(i));
-                } else {
-                    i += 1;
-                }
+        for slot in self.slots.iter() {
+            let mut state = lock(slot);
+            let Some(stream) = state.stream.as_ref() else { continue };
+            if !which(stream) {
+                continue;
             }
-            let budget = std::mem::take(&mut shard.budget);
-            self.unclaimed.fetch_add(budget, Relaxed);
+            let blocks = std::mem::take(&mut state.blocks);
+            let stream = state.stream.take();
+            self.unclaimed
+                .fetch_add(std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes), Relaxed);
+            // Under the slot's lock, so a thread that found the old key sees the change.
+            slot.key.store(RELEASED, Release);
+            drop(state);
+            if let Some(stream) = stream {
+                taken.push((stream, blocks));
+            }
         }
         let mut first_error = None;
-        for cache in taken {
-            for (index, blocks) in cache.blocks.iter().enumerate() {
+        for (stream, blocks) in taken {
+            for (index, list) in blocks.iter().enumerate() {
                 let bytes = class_bytes(index);
-                for ptr in blocks {
+                for ptr in list {
                     // SAFETY: each block came from `inner` with the class size and was freed by
-                    // its user on `cache.stream`; it is given back once, on that stream.
-                    if let Err(error) = unsafe { self.inner.deallocate(*ptr, bytes, POOL_ALIGNMENT, &cache.stream) } {
+                    // its user on `stream`; it is given back once, on that stream.
+                    if let Err(error) = unsafe { self.inner.deallocate(*ptr, bytes, POOL_ALIGNMENT, &stream) } {
                         first_error.get_or_insert(error);
                     }
                 }
             }
-            self.unclaimed.fetch_add(cache.cached_bytes, Relaxed);
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -249,19 +309,25 @@ impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
         let Some((index, class)) = size_class(bytes) else {
             return self.inner.allocate(bytes, align, stream);
         };
-        {
-            let mut guard = self.shard(stream);
-            let shard = &mut *guard;
-            let raw = stream.as_raw();
-            if let Some(cache) = shard.streams.iter_mut().find(|c| c.stream.as_raw() == raw) {
-                if let Some(ptr) = cache.blocks[index].pop() {
-                    cache.cached_bytes -= class;
-                    shard.budget += class;
-                    shard.hits += 1;
-                    return Ok(ptr);
+        let key = key_of(stream);
+        match self.find(key) {
+            Some(slot) => {
+                let mut state = lock(slot);
+                if slot.key.load(Acquire) == key {
+                    if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
+                        state.cached_bytes -= class;
+                        state.budget += class;
+                        state.hits += 1;
+                        return Ok(ptr);
+                    }
+                    state.misses += 1;
+                } else {
+                    self.overflow_misses.fetch_add(1, Relaxed);
                 }
             }
-            shard.misses += 1;
+            None => {
+                self.overflow_misses.fetch_add(1, Relaxed);
+            }
         }
         match self.inner.allocate(class, align, stream) {
             Err(crate::Error::Pool(cumempool::Error::OutOfMemory { .. })) if self.stats().cached_blocks > 0 => {
@@ -281,27 +347,23 @@ impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
             // SAFETY: a bypassing block came from `inner` with these arguments.
             return unsafe { self.inner.deallocate(ptr, bytes, align, stream) };
         };
-        {
-            let mut guard = self.shard(stream);
-            let shard = &mut *guard;
-            if self.claim(shard, class) {
-                let raw = stream.as_raw();
-                let position = shard.streams.iter().position(|c| c.stream.as_raw() == raw);
-                let cache = match position {
-                    Some(i) => &mut shard.streams[i],
-                    None => {
-                        shard.streams.push(StreamCache::new(stream));
-                        let last = shard.streams.len() - 1;
-                        &mut shard.streams[last]
-                    }
-                };
-                cache.blocks[index].push(ptr);
-                cache.cached_bytes += class;
+        let key = key_of(stream);
+        if let Some(slot) = self.find_or_register(key) {
+            let mut state = lock(slot);
+            if slot.key.load(Acquire) == key && self.claim(&mut state, class) {
+                if state.stream.is_none() {
+                    state.stream = Some(stream.clone());
+                }
+                if state.blocks.is_empty() {
+                    state.blocks = vec![Vec::new(); CLASSES];
+                }
+                state.blocks[index].push(ptr);
+                state.cached_bytes += class;
                 return Ok(());
             }
         }
-        // SAFETY: the block came from `inner` with the class size; the cache is full, so it
-        // goes back below, on the stream its user freed it on.
+        // SAFETY: the block came from `inner` with the class size; the cache is full (or has no
+        // slot for this stream), so it goes back below, on the stream its user freed it on.
         unsafe { self.inner.deallocate(ptr, class, align, stream) }
     }
 }

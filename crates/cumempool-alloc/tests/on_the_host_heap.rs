@@ -170,3 +170,28 @@ fn threads_on_their_own_streams_keep_their_bytes() {
     cache.release().unwrap();
     assert_eq!(cache.inner().usage().current_bytes, 0, "nothing leaks");
 }
+
+#[test]
+fn streams_beyond_the_slots_bypass_the_cache_and_released_slots_are_reused() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let streams: Vec<Stream> = (1..=300).map(fake_stream).collect();
+    for stream in &streams {
+        let ptr = cache.allocate(1024, 256, stream).unwrap();
+        unsafe { cache.deallocate(ptr, 1024, 256, stream) }.unwrap();
+    }
+    let stats = cache.stats();
+    assert_eq!(stats.streams, 256, "{stats:?}");
+    assert_eq!(below.usage().current_count, 256, "the other 44 blocks went straight back");
+    for stream in &streams[..10] {
+        cache.release_stream(stream).unwrap();
+    }
+    assert_eq!(cache.stats().streams, 246);
+    let late = fake_stream(1000);
+    let ptr = cache.allocate(1024, 256, &late).unwrap();
+    unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
+    assert_eq!(cache.allocate(1024, 256, &late).unwrap(), ptr, "a released slot serves a new stream");
+    unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
+    cache.release().unwrap();
+    assert_eq!(below.usage().current_bytes, 0);
+}

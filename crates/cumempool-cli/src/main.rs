@@ -40,10 +40,10 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Pairs per measurement.
-        #[arg(long, default_value_t = 10_000)]
+        #[arg(long, default_value_t = 2_000)]
         pairs: usize,
         /// Interleaved rounds per measurement (the median and the minimum are reported).
-        #[arg(long, default_value_t = 15)]
+        #[arg(long, default_value_t = 61)]
         rounds: usize,
         /// Thread counts to scale through.
         #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]

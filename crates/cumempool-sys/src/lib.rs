@@ -21,6 +21,7 @@
 //!   still runs on a 13.0 driver for everything 13.0 offers.
 //! - `cuda-13000`: the declarations of CUDA 13.0 only: none of the 13.2 items exist, so code
 //!   built with it is guaranteed at compile time not to use them.
+#![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(not(feature = "cuda-13000"))]
