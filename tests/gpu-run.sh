@@ -14,7 +14,7 @@ B=.gpu/bin/bin--cumempool
 $B routes > "$OUT/routes.txt" 2>&1; echo "routes rc=$?"
 $B routes --json > "$OUT/routes.json" 2>&1
 $B doctor > "$OUT/doctor.txt" 2>&1; echo "doctor rc=$?"
-if [ "${BENCH:-1}" = 1 ]; then timeout 240 $B bench --json > "$OUT/bench.json" 2>"$OUT/bench.err"; echo "bench rc=$?"; fi
+if [ "${BENCH:-1}" = 1 ]; then timeout 300 $B bench --json-out "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench.err"; echo "bench rc=$?"; cat "$OUT/bench.txt"; fi
 if [ "${SANITIZE_RUN:-1}" = 1 ]; then
   # The negative tests provoke driver refusals on purpose; compute-sanitizer would count each as
   # an "API error". Memory errors and leaks are what must be zero, so API errors are not reported.

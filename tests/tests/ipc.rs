@@ -93,3 +93,22 @@ fn exporting_without_an_export_handle_type_is_a_clear_error() {
     }
     drop(exportable.export_fd().unwrap());
 }
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn fabric_export_works_or_says_why() {
+    let _stream = gpu_stream().expect("a GPU");
+    let device = cumempool::Device::get(0).unwrap();
+    let supported = device.supported_handle_types().unwrap();
+    let built = MemPool::builder(Route::device(0)).export_handle_types(HandleTypes::FABRIC).build();
+    match (supported.contains(HandleTypes::FABRIC), built) {
+        (true, Ok(pool)) => match pool.export_fabric() {
+            Ok(handle) => assert!(handle.iter().any(|b| *b != 0), "a fabric handle has content"),
+            Err(e @ Error::Sharing { .. }) => eprintln!("fabric export refused: {e}"),
+            Err(other) => panic!("fabric export: {other:?}"),
+        },
+        (true, Err(e)) => panic!("the device supports fabric handles but the pool was refused: {e}"),
+        (false, Ok(pool)) => assert!(matches!(pool.export_fabric(), Err(Error::Sharing { .. }))),
+        (false, Err(e)) => eprintln!("no fabric support here: {e}"),
+    }
+}

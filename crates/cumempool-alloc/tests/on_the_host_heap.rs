@@ -195,3 +195,17 @@ fn streams_beyond_the_slots_bypass_the_cache_and_released_slots_are_reused() {
     cache.release().unwrap();
     assert_eq!(below.usage().current_bytes, 0);
 }
+
+#[test]
+fn resources_and_allocators_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<CachingResource<HostHeap>>();
+    send_sync::<Statistics<HostHeap>>();
+    send_sync::<Limit<HostHeap>>();
+    send_sync::<Traced<HostHeap>>();
+    send_sync::<cumempool_alloc::PoolResource<cumempool_alloc::DeviceMemory>>();
+    send_sync::<cumempool_alloc::CurrentPoolResource<cumempool_alloc::ManagedMemory>>();
+    send_sync::<cumempool_alloc::PoolAllocator<cumempool_alloc::HostMemory>>();
+    fn error<E: std::error::Error + Send + Sync + 'static>() {}
+    error::<Error>();
+}

@@ -51,6 +51,9 @@ enum Command {
         /// A short run (a tenth of the pairs, three rounds).
         #[arg(long)]
         quick: bool,
+        /// Also write the JSON report to this file (the table still goes to stdout).
+        #[arg(long, value_name = "FILE")]
+        json_out: Option<std::path::PathBuf>,
     },
 }
 
@@ -96,12 +99,23 @@ fn main() -> ExitCode {
             }
             code
         }
-        Command::Bench { json, pairs, rounds, threads, quick } => {
+        Command::Bench { json, pairs, rounds, threads, quick, json_out } => {
             let (pairs, rounds) = if quick { (pairs / 10, 3) } else { (pairs, rounds) };
             let options = bench::Options { pairs: pairs.max(100), rounds: rounds.max(1), threads, progress: !json };
             match bench::run(&options) {
-                Ok(report) if json => print_json(&report),
                 Ok(report) => {
+                    if let Some(path) = json_out {
+                        let written = serde_json::to_string_pretty(&report)
+                            .map_err(std::io::Error::other)
+                            .and_then(|text| std::fs::write(&path, text));
+                        if let Err(error) = written {
+                            eprintln!("error: writing {}: {error}", path.display());
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                    if json {
+                        return print_json(&report);
+                    }
                     print!("{}", bench::render(&report));
                     ExitCode::SUCCESS
                 }
