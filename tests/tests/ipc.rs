@@ -104,7 +104,12 @@ fn fabric_export_works_or_says_why() {
     match (supported.contains(HandleTypes::FABRIC), built) {
         (true, Ok(pool)) => match pool.export_fabric() {
             Ok(handle) => assert!(handle.iter().any(|b| *b != 0), "a fabric handle has content"),
-            Err(e @ Error::Sharing { .. }) => eprintln!("fabric export refused: {e}"),
+            Err(e @ Error::Sharing { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("IMEX"), "{text}");
+                eprintln!("fabric export refused: {text}");
+                drop(pool); // must not crash (driver 580 does in cuMemPoolDestroy after a refused export)
+            }
             Err(other) => panic!("fabric export: {other:?}"),
         },
         (true, Err(e)) => panic!("the device supports fabric handles but the pool was refused: {e}"),

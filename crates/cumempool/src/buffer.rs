@@ -10,19 +10,20 @@ use std::sync::Arc;
 
 /// Memory from a pool, freed with `cuMemFreeAsync` on its stream when dropped.
 ///
-/// Holds its stream and (for owned pools) its pool, so neither can go away first.
+/// Borrows its stream, so the compiler keeps the stream alive at no run-time cost, and holds
+/// its pool (for owned pools), so the pool's handle is never used after it is destroyed.
 #[derive(Debug)]
-pub struct Buffer {
+pub struct Buffer<'s> {
     ptr: sys::CUdeviceptr,
     len: usize,
-    stream: Stream,
+    stream: &'s Stream,
     /// `None` for memory imported from a pool whose route this process does not know.
     route: Option<Route>,
     _pool: Option<Arc<Owner>>,
 }
 
-impl Buffer {
-    pub(crate) fn empty(stream: Stream, route: Option<Route>) -> Self {
+impl<'s> Buffer<'s> {
+    pub(crate) fn empty(stream: &'s Stream, route: Option<Route>) -> Self {
         Self { ptr: 0, len: 0, stream, route, _pool: None }
     }
 
@@ -32,7 +33,7 @@ impl Buffer {
     pub(crate) unsafe fn from_pool(
         ptr: sys::CUdeviceptr,
         len: usize,
-        stream: Stream,
+        stream: &'s Stream,
         route: Option<Route>,
         pool: Option<Arc<Owner>>,
     ) -> Self {
@@ -58,8 +59,8 @@ impl Buffer {
     }
 
     /// The stream the buffer is ordered on and freed on.
-    pub fn stream(&self) -> &Stream {
-        &self.stream
+    pub fn stream(&self) -> &'s Stream {
+        self.stream
     }
 
     /// The route of the pool it came from (`None` for memory imported from a pool whose route
@@ -106,17 +107,17 @@ impl Buffer {
 
     /// Copies the start of `src` into the start of this buffer, ordered after the work queued
     /// on both streams, and waits for the copy.
-    pub fn copy_from(&mut self, src: &Buffer) -> Result<()> {
+    pub fn copy_from(&mut self, src: &Buffer<'_>) -> Result<()> {
         self.check_len("copying between buffers", src.len)?;
         if src.is_empty() {
             return Ok(());
         }
         self.stream.bind()?;
-        if !self.stream.same_as(&src.stream) {
+        if !self.stream.same_as(src.stream) {
             match src.stream.context() {
                 Some(context) => {
                     let ready = Event::new(context)?;
-                    ready.record(&src.stream)?;
+                    ready.record(src.stream)?;
                     self.stream.wait(&ready)?;
                 }
                 None => src.stream.synchronize()?,
@@ -204,13 +205,13 @@ impl Buffer {
     }
 }
 
-impl Drop for Buffer {
+impl Drop for Buffer<'_> {
     fn drop(&mut self) {
         if self.len == 0 {
             return;
         }
         // SAFETY: the buffer owns the allocation and frees it once, on its own stream.
-        if let Err(error) = unsafe { free_async(self.ptr, &self.stream) } {
+        if let Err(error) = unsafe { free_async(self.ptr, self.stream) } {
             tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
         }
     }

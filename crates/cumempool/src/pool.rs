@@ -11,6 +11,7 @@ use crate::location::{AllocationType, Location, Route};
 use crate::stream::Stream;
 use cumempool_sys as sys;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// A pool's handle with what this crate knows of it. [`MemPool`] and [`PoolRef`] dereference to
@@ -33,10 +34,18 @@ pub struct Pool {
 pub(crate) struct Owner {
     raw: Shared<sys::CUmemoryPool>,
     pub(crate) imported: bool,
+    /// Set when the driver left the pool in a state where destroying it crashes the process.
+    pub(crate) unsafe_to_destroy: AtomicBool,
 }
 
 impl Drop for Owner {
     fn drop(&mut self) {
+        if self.unsafe_to_destroy.load(Relaxed) {
+            // Driver 580: cuMemPoolDestroy segfaults inside libcuda on a pool whose fabric
+            // export was refused. Leaking the pool is the lesser harm.
+            tracing::warn!(pool = ?self.raw.0, "not destroying a pool the driver left unsafe to destroy (refused fabric export); it is leaked");
+            return;
+        }
         if let Err(error) = destroy_raw(self.raw.0) {
             tracing::warn!(%error, pool = ?self.raw.0, "destroying a memory pool failed");
         } else {
@@ -88,7 +97,7 @@ impl Pool {
     }
 
     pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
-        let owner = Arc::new(Owner { raw: Shared(raw), imported });
+        let owner = Arc::new(Owner { raw: Shared(raw), imported, unsafe_to_destroy: AtomicBool::new(false) });
         Self { raw: Shared(raw), route, max_size, handle_types: None, owner: Some(owner) }
     }
 
@@ -139,6 +148,13 @@ impl Pool {
     /// Whether two handles name the same driver pool.
     pub fn same_as(&self, other: &Pool) -> bool {
         self.raw == other.raw
+    }
+
+    /// Marks the pool as one the driver cannot destroy safely: it will be leaked, not destroyed.
+    pub(crate) fn mark_unsafe_to_destroy(&self) {
+        if let Some(owner) = &self.owner {
+            owner.unsafe_to_destroy.store(true, Relaxed);
+        }
     }
 
     pub(crate) fn owner_handle(&self) -> Option<Arc<Owner>> {
@@ -239,13 +255,13 @@ impl Pool {
     /// the pool's maximum size, or of device memory, is [`Error::OutOfMemory`].
     /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[inline]
-    pub fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Buffer> {
+    pub fn alloc<'s>(&self, bytes: usize, stream: &'s Stream) -> Result<Buffer<'s>> {
         if bytes == 0 {
-            return Ok(Buffer::empty(stream.clone(), self.route));
+            return Ok(Buffer::empty(stream, self.route));
         }
         let ptr = self.alloc_raw(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
-        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone()) })
+        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream, self.route, self.owner.clone()) })
     }
 
     /// The allocation behind [`Pool::alloc`], as a raw address the caller frees with

@@ -87,7 +87,7 @@ impl SharedAllocation {
     }
 }
 
-impl Buffer {
+impl Buffer<'_> {
     /// The data another process needs to map this allocation from its imported pool.
     ///
     /// The pool must have been created with an export handle type and already shared
@@ -109,6 +109,18 @@ impl Buffer {
         }
         Ok(SharedAllocation { data, len: self.len() as u64 })
     }
+}
+
+/// Where the NVIDIA driver exposes IMEX channels, which fabric handles need.
+const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+
+/// Whether an IMEX channel exists. Checked before a fabric export because driver 580 refuses the
+/// export without one and then crashes when the pool is destroyed.
+fn imex_channel_present() -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    std::fs::read_dir(IMEX_CHANNELS).is_ok_and(|mut entries| entries.next().is_some())
 }
 
 #[cold]
@@ -159,6 +171,11 @@ impl Pool {
     }
 
     /// Exports the pool as a fabric handle (multi-node NVLink), where the device supports it.
+    ///
+    /// Needs an IMEX channel (`/dev/nvidia-caps-imex-channels/*` on Linux); without one this is
+    /// refused before the driver is called, because driver 580 refuses the export and then
+    /// crashes when the pool is destroyed. If the driver refuses anyway, the pool is never
+    /// destroyed (it is leaked, with a warning) for the same reason.
     pub fn export_fabric(&self) -> Result<[u8; 64]> {
         self.require_export(HandleTypes::FABRIC, "exporting a pool as a fabric handle")?;
         if let Some(ordinal) = self.route().and_then(|r| r.location.device()) {
@@ -169,6 +186,12 @@ impl Pool {
                     reason: format!("device {ordinal} does not support fabric handles (it supports {supported})"),
                 });
             }
+        }
+        if !imex_channel_present() {
+            return Err(Error::Sharing {
+                what: "exporting a pool as a fabric handle",
+                reason: format!("no IMEX channel on this system ({IMEX_CHANNELS} is missing or empty): fabric handles need the IMEX service; within one node share with HandleTypes::POSIX_FILE_DESCRIPTOR"),
+            });
         }
         let f = api()?.cuMemPoolExportToShareableHandle()?;
         let mut handle = sys::CUmemFabricHandle::default();
@@ -182,10 +205,12 @@ impl Pool {
             )
         };
         if code != sys::CUresult::CUDA_SUCCESS {
+            // Driver 580 crashes in cuMemPoolDestroy after refusing a fabric export.
+            self.mark_unsafe_to_destroy();
             return Err(sharing_error(
                 "exporting a pool as a fabric handle",
                 code,
-                "fabric export needs a pool created with HandleTypes::FABRIC and an IMEX channel on the system",
+                "fabric export needs a pool created with HandleTypes::FABRIC and an IMEX channel; this pool will not be destroyed (the driver crashes destroying it after this refusal)",
             ));
         }
         Ok(handle.data)
@@ -197,7 +222,7 @@ impl Pool {
     /// dropped (and the stream synchronised) before the exporter frees the allocation. The
     /// memory must not be used before the exporter's allocation has completed.
     /// See [cuMemPoolImportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
-    pub fn import_pointer(&self, shared: &SharedAllocation, stream: &Stream) -> Result<Buffer> {
+    pub fn import_pointer<'s>(&self, shared: &SharedAllocation, stream: &'s Stream) -> Result<Buffer<'s>> {
         if !self.is_imported() {
             return Err(Error::Sharing {
                 what: "importing an allocation",
@@ -215,7 +240,7 @@ impl Pool {
         }
         // SAFETY: a fresh mapping of `len` bytes; freeing it (cuMemFreeAsync) unmaps it, and the
         // buffer keeps the imported pool alive until then.
-        Ok(unsafe { Buffer::from_pool(ptr, shared.len(), stream.clone(), self.route(), self.owner_handle()) })
+        Ok(unsafe { Buffer::from_pool(ptr, shared.len(), stream, self.route(), self.owner_handle()) })
     }
 }
 
