@@ -27,6 +27,17 @@ pub fn gpu_stream() -> Option<cumempool::Stream> {
     Some(cumempool::Stream::new(&context).unwrap_or_else(|e| panic!("creating a stream: {e}")))
 }
 
+/// One route of every kind that serves allocations on device 0's machine: device, host, host
+/// NUMA node 0, and managed memory at the device, the host and no location.
+pub const ROUTE_KINDS: [cumempool::Route; 6] = [
+    cumempool::Route::device(0),
+    cumempool::Route::host(),
+    cumempool::Route::host_numa(0),
+    cumempool::Route::managed(cumempool::Location::Device(0)),
+    cumempool::Route::managed(cumempool::Location::Host),
+    cumempool::Route::managed(cumempool::Location::Unspecified),
+];
+
 static GLOBAL_STATE: Mutex<()> = Mutex::new(());
 
 /// Held by every test that changes (or depends on) process-global routing.

@@ -2,21 +2,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{default_pool, Error, Location, MemPool, Route};
-use cumempool_tests::{gpu_stream, pattern};
+use cumempool_tests::{gpu_stream, pattern, ROUTE_KINDS};
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn bytes_round_trip_through_every_route_kind() {
     let stream = gpu_stream().expect("a GPU");
-    let routes = [
-        Route::device(0),
-        Route::host(),
-        Route::host_numa(0),
-        Route::managed(Location::Device(0)),
-        Route::managed(Location::Host),
-        Route::managed(Location::Unspecified),
-    ];
-    for (seed, route) in routes.into_iter().enumerate() {
+    for (seed, route) in ROUTE_KINDS.into_iter().enumerate() {
         let pool = default_pool(route).unwrap();
         let data = pattern(3 << 20, seed as u8);
         let mut buffer = pool.alloc(data.len(), &stream).unwrap();

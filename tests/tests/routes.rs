@@ -3,29 +3,20 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{current_pool, default_pool, is_default, set_current_pool, Error, Location, MemPool, Route};
-use cumempool_tests::{gpu, routing_lock};
-
-const SERVED: [Route; 6] = [
-    Route::device(0),
-    Route::host(),
-    Route::host_numa(0),
-    Route::managed(Location::Device(0)),
-    Route::managed(Location::Host),
-    Route::managed(Location::Unspecified),
-];
+use cumempool_tests::{gpu, routing_lock, ROUTE_KINDS};
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn every_route_kind_has_a_distinct_default_pool() {
     let _gpu = gpu().expect("a GPU");
     let _lock = routing_lock();
-    let pools: Vec<_> = SERVED.iter().map(|r| default_pool(*r).unwrap_or_else(|e| panic!("{r}: {e}"))).collect();
+    let pools: Vec<_> = ROUTE_KINDS.iter().map(|r| default_pool(*r).unwrap_or_else(|e| panic!("{r}: {e}"))).collect();
     for (i, a) in pools.iter().enumerate() {
-        assert_eq!(a.route(), Some(SERVED[i]));
+        assert_eq!(a.route(), Some(ROUTE_KINDS[i]));
         for b in &pools[i + 1..] {
             assert!(!a.same_as(b), "{:?} and {:?} share a pool", a.route(), b.route());
         }
-        assert!(is_default(SERVED[i]).unwrap(), "{} starts on its default pool", SERVED[i]);
+        assert!(is_default(ROUTE_KINDS[i]).unwrap(), "{} starts on its default pool", ROUTE_KINDS[i]);
     }
 }
 
