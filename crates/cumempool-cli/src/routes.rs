@@ -213,7 +213,16 @@ pub fn render(report: &Report) -> String {
                 if r.attributes.is_empty() { String::new() } else { newer },
             ]),
             Err(refusal) => {
-                table.row(vec![r.route.clone(), format!("refused: {}", short_refusal(refusal)), String::new()])
+                let dash = || "-".to_owned();
+                table.row(vec![
+                    r.route.clone(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    format!("refused: {}", short_refusal(refusal)),
+                ])
             }
         }
     }
