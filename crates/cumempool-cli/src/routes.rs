@@ -148,16 +148,7 @@ fn cumempool_error_name(code: sys::CUresult) -> String {
     if code == sys::CUresult::CUDA_SUCCESS {
         return "CUDA_SUCCESS (a pool exists)".into();
     }
-    let Ok(driver) = sys::driver() else { return format!("CUresult {}", code.0) };
-    let Ok(f) = driver.cuGetErrorName() else { return format!("CUresult {}", code.0) };
-    let mut name = std::ptr::null();
-    // SAFETY: the driver writes a pointer to a static string.
-    if unsafe { f(code, &mut name) } == sys::CUresult::CUDA_SUCCESS && !name.is_null() {
-        // SAFETY: a NUL-terminated static string.
-        unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
-    } else {
-        format!("CUresult {}", code.0)
-    }
+    cumempool::error_name(code)
 }
 
 pub fn collect() -> cumempool::Result<Report> {

@@ -200,6 +200,12 @@ pub(crate) fn describe(code: sys::CUresult) -> (String, String) {
     )
 }
 
+/// The driver's name for a `CUresult`, such as `CUDA_ERROR_INVALID_VALUE` (`CUresult N` where
+/// no driver is loaded or it does not know the code).
+pub fn error_name(code: sys::CUresult) -> String {
+    describe(code).0
+}
+
 /// `Ok` for `CUDA_SUCCESS`, else the driver error for `during`.
 #[inline]
 pub(crate) fn check(code: sys::CUresult, during: &'static str) -> Result<()> {

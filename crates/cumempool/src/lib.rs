@@ -48,7 +48,7 @@ pub use buffer::{free_async, Buffer};
 pub use context::Context;
 pub use device::Device;
 pub use driver::{bindings_version, driver_version, init, library_path, DriverVersion};
-pub use error::{Error, Result};
+pub use error::{error_name, Error, Result};
 pub use handle_types::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use location::{AllocationType, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES};
 pub use pool::{Access, MemPool, Pool, PoolBuilder, PoolRef};

@@ -316,25 +316,17 @@ impl MemPool {
     /// Fails with [`Error::PoolInUse`] (leaving the pool alive) while buffers, clones or routes
     /// still hold it.
     pub fn destroy(self) -> Result<()> {
-        let Some(owner) = self.0.owner else {
-            return Ok(());
-        };
-        match Arc::try_unwrap(owner) {
-            Ok(owner) => {
-                let raw = owner.raw.0;
-                std::mem::forget(owner);
-                destroy_raw(raw)?;
-                tracing::debug!(pool = ?raw, "memory pool destroyed");
-                Ok(())
-            }
-            Err(shared) => Err(Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 }),
+        let owned = self.0.owner.is_some();
+        let raw = self.release_ownership()?;
+        if owned {
+            destroy_raw(raw)?;
+            tracing::debug!(pool = ?raw, "memory pool destroyed");
         }
+        Ok(())
     }
 
-    /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
-    ///
-    /// Fails with [`Error::PoolInUse`] while other holders remain.
-    pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
+    /// The raw handle, with this crate's duty to destroy it given up, if no one else holds it.
+    fn release_ownership(self) -> Result<sys::CUmemoryPool> {
         let Some(owner) = self.0.owner else {
             return Ok(self.0.raw.0);
         };
@@ -346,6 +338,13 @@ impl MemPool {
             }
             Err(shared) => Err(Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 }),
         }
+    }
+
+    /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
+    ///
+    /// Fails with [`Error::PoolInUse`] while other holders remain.
+    pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
+        self.release_ownership()
     }
 
     pub(crate) fn from_pool(pool: Pool) -> Self {
