@@ -6,10 +6,11 @@ use cumempool_alloc::{
     CachingResource, Error, HostHeap, Limit, Statistics, StreamOrderedResource, Traced, POOL_ALIGNMENT,
 };
 
-/// A stream handle the host heap never hands to a driver.
+/// A stream handle the host heap never hands to a driver. Offset past the handles that mean
+/// "a stream of the current context" (0, 1, 2), which `borrow_raw` refuses without a context.
 fn fake_stream(id: usize) -> Stream {
     // SAFETY: HostHeap ignores streams, so the handle is never used.
-    unsafe { Stream::borrow_raw(id as cumempool::sys::CUstream, None) }
+    unsafe { Stream::borrow_raw((0x100 + id) as cumempool::sys::CUstream, None) }.unwrap()
 }
 
 fn write_and_check(ptr: u64, bytes: usize, value: u8) {
@@ -23,7 +24,7 @@ fn write_and_check(ptr: u64, bytes: usize, value: u8) {
 #[test]
 fn statistics_count_current_peak_and_total() {
     let stats = Statistics::new(HostHeap);
-    let stream = Stream::legacy();
+    let stream = fake_stream(0);
     let a = stats.alloc(1000, &stream).unwrap();
     let b = stats.alloc(24, &stream).unwrap();
     assert_eq!(stats.usage().current_bytes, 1024);
@@ -38,7 +39,7 @@ fn statistics_count_current_peak_and_total() {
 #[test]
 fn a_limit_is_a_typed_out_of_memory_and_frees_make_room() {
     let limited = Limit::new(HostHeap, 4096);
-    let stream = Stream::legacy();
+    let stream = fake_stream(0);
     let first = limited.alloc(3000, &stream).unwrap();
     match limited.alloc(2000, &stream) {
         Err(e @ Error::LimitExceeded { requested: 2000, limit: 4096, in_use: 3000 }) => {
@@ -56,7 +57,7 @@ fn a_limit_is_a_typed_out_of_memory_and_frees_make_room() {
 #[test]
 fn adaptors_compose_in_any_order() {
     let stack = Traced::new(Limit::new(Statistics::new(HostHeap), 1 << 20), "test");
-    let stream = Stream::legacy();
+    let stream = fake_stream(0);
     {
         let block = stack.alloc(512, &stream).unwrap();
         write_and_check(block.as_raw(), 512, 7);
@@ -71,7 +72,7 @@ fn adaptors_compose_in_any_order() {
 
 #[test]
 fn alignments_above_the_pool_guarantee_are_refused_not_ignored() {
-    let stream = Stream::legacy();
+    let stream = fake_stream(0);
     let cache = CachingResource::new(HostHeap);
     assert!(matches!(cache.allocate(64, POOL_ALIGNMENT * 2, &stream), Err(Error::Alignment { requested: 512, .. })));
     assert!(matches!(HostHeap.allocate(64, 3, &stream), Err(Error::Alignment { requested: 3, .. })));

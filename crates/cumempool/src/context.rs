@@ -5,7 +5,6 @@ use crate::driver::api;
 use crate::error::{check, Result};
 use crate::handle::Shared;
 use cumempool_sys as sys;
-use std::cell::Cell;
 use std::sync::Arc;
 
 /// A retained primary context. Clones share one retain; the last drop releases it.
@@ -19,11 +18,6 @@ pub struct Context(Arc<Retained>);
 struct Retained {
     raw: Shared<sys::CUcontext>,
     device: Device,
-}
-
-thread_local! {
-    // What this crate last made current on this thread, to skip redundant cuCtxSetCurrent calls.
-    static CURRENT: Cell<sys::CUcontext> = const { Cell::new(std::ptr::null_mut()) };
 }
 
 impl Context {
@@ -51,15 +45,21 @@ impl Context {
     pub fn make_current(&self) -> Result<()> {
         let f = api()?.cuCtxSetCurrent()?;
         // SAFETY: a retained context.
-        check(unsafe { f(self.0.raw.0) }, "cuCtxSetCurrent")?;
-        CURRENT.with(|c| c.set(self.0.raw.0));
-        Ok(())
+        check(unsafe { f(self.0.raw.0) }, "cuCtxSetCurrent")
     }
 
-    /// Makes this context current unless this crate already did so on this thread.
+    /// Makes this context current unless it already is.
+    ///
+    /// Asks the driver every time (`cuCtxGetCurrent` is a thread-local read inside libcuda, a few
+    /// nanoseconds): other code in the process (the runtime's `cudaSetDevice`, a push or a pop)
+    /// may have changed the current context since this crate last set it.
     #[inline]
     pub(crate) fn ensure_current(&self) -> Result<()> {
-        if CURRENT.with(Cell::get) == self.0.raw.0 {
+        let get = api()?.cuCtxGetCurrent()?;
+        let mut current = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check(unsafe { get(&mut current) }, "cuCtxGetCurrent")?;
+        if current == self.0.raw.0 {
             return Ok(());
         }
         self.make_current()
@@ -86,11 +86,6 @@ impl Context {
 
 impl Drop for Retained {
     fn drop(&mut self) {
-        CURRENT.with(|c| {
-            if c.get() == self.raw.0 {
-                c.set(std::ptr::null_mut());
-            }
-        });
         let result = api().and_then(|d| {
             let f = d.cuDevicePrimaryCtxRelease()?;
             // SAFETY: balances the retain in `retain_primary`.

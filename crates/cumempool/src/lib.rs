@@ -54,7 +54,7 @@ pub use location::{AllocationType, Location, Route, UNMAPPED_ALLOCATION_TYPES, U
 pub use pool::{Access, MemPool, Pool, PoolBuilder, PoolRef};
 pub use routing::{current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard};
 pub use sharing::SharedAllocation;
-pub use stream::{Event, Stream};
+pub use stream::{Event, Stream, StreamId};
 
 /// The raw layer, for what this crate does not wrap.
 pub use cumempool_sys as sys;

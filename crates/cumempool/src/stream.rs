@@ -5,27 +5,66 @@ use crate::driver::api;
 use crate::error::{check, Error, Result};
 use crate::handle::Shared;
 use cumempool_sys as sys;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// A CUDA stream. Clones share it; an owned stream is destroyed when the last clone drops.
 ///
-/// Buffers keep a clone of the stream they are freed on, so a stream outlives its buffers.
+/// [`Buffer`](crate::Buffer)s borrow the stream they are freed on, so the compiler keeps the
+/// stream alive for them.
+///
+/// Every `Stream` value made by [`Stream::new`], [`Stream::legacy`] or [`Stream::borrow_raw`]
+/// has its own [`StreamId`], shared by its clones and never reused in the process. Caches key
+/// freed memory by it, not by the raw handle: raw handle values can name different streams (the
+/// legacy stream `0` is a different stream in each context, and a destroyed stream's handle
+/// value can come back for a new stream).
 #[derive(Clone, Debug)]
 pub struct Stream(Arc<StreamInner>);
 
 #[derive(Debug)]
 struct StreamInner {
     raw: Shared<sys::CUstream>,
-    /// `None` for the legacy default stream and borrowed streams given without a context: work
-    /// on them runs in whatever context is current on the calling thread.
+    /// `None` only for borrowed ordinary streams given without a context: the driver finds
+    /// their context from the handle. Streams whose handle means "the stream of the current
+    /// context" always have one.
     context: Option<Context>,
     owned: bool,
+    id: StreamId,
 }
 
+/// A stream's identity in this process: unique per [`Stream`] (shared by its clones), never
+/// reused, unlike raw handle values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(u64);
+
+impl StreamId {
+    fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Relaxed))
+    }
+
+    /// The number, for logs.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// `CU_STREAM_LEGACY`: the legacy default stream of the current context, like `0`.
+const LEGACY_HANDLE: usize = 0x1;
+/// `CU_STREAM_PER_THREAD`: a different stream on each thread.
+const PER_THREAD_HANDLE: usize = 0x2;
+
 impl Stream {
+    fn from_parts(raw: sys::CUstream, context: Option<Context>, owned: bool) -> Self {
+        Self(Arc::new(StreamInner { raw: Shared(raw), context, owned, id: StreamId::next() }))
+    }
+
     /// A new non-blocking stream in `context` (it does not synchronise with the legacy stream).
     ///
-    /// See [cuStreamCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    /// # Errors
+    /// The driver's refusal (`cuStreamCreate`), or a driver that cannot be loaded.
+    ///
+    /// See [cuStreamCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1ga581f0c5833e21ded8b5a56594e243f4).
     pub fn new(context: &Context) -> Result<Self> {
         context.ensure_current()?;
         let f = api()?.cuStreamCreate()?;
@@ -33,31 +72,62 @@ impl Stream {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
         // SAFETY: valid out-pointer; the context is current.
         check(unsafe { f(&mut raw, flags) }, "cuStreamCreate")?;
-        Ok(Self(Arc::new(StreamInner { raw: Shared(raw), context: Some(context.clone()), owned: true })))
+        Ok(Self::from_parts(raw, Some(context.clone()), true))
     }
 
-    /// The legacy default stream (`0`), in whatever context is current on the calling thread.
-    /// Creating it calls no driver function.
-    pub fn legacy() -> Self {
-        Self(Arc::new(StreamInner { raw: Shared(std::ptr::null_mut()), context: None, owned: false }))
+    /// The legacy default stream (`0`) of `context`. Creating it calls no driver function;
+    /// work queued on it makes `context` current first, so it is always that context's legacy
+    /// stream, whichever thread uses it.
+    pub fn legacy(context: &Context) -> Self {
+        Self::from_parts(std::ptr::null_mut(), Some(context.clone()), false)
     }
 
     /// Borrows a stream created elsewhere (by another library, say); it is never destroyed here.
     ///
-    /// With a context, that context is made current before work is queued on the stream;
-    /// without, work runs in whatever context is current on the calling thread.
+    /// With a context, that context is made current before work is queued on the stream.
+    /// The handles that mean "a stream of the current context" are refused where they would be
+    /// ambiguous: `0` and `CU_STREAM_LEGACY` need the context they belong to, and
+    /// `CU_STREAM_PER_THREAD` is refused always (it names another stream on every thread, and a
+    /// `Stream` may move between threads): use [`Stream::legacy`] or a stream of your own.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for the refused handles above.
     ///
     /// # Safety
     /// `raw` must be a valid stream (of `context`, if given) and must outlive every clone of the
-    /// result and every buffer allocated on it.
-    pub unsafe fn borrow_raw(raw: sys::CUstream, context: Option<&Context>) -> Self {
-        Self(Arc::new(StreamInner { raw: Shared(raw), context: context.cloned(), owned: false }))
+    /// result and every buffer allocated on it. Caches (such as `cumempool-alloc`'s) may hold a
+    /// clone until they are released.
+    pub unsafe fn borrow_raw(raw: sys::CUstream, context: Option<&Context>) -> Result<Self> {
+        match (raw as usize, context) {
+            (PER_THREAD_HANDLE, _) => Err(Error::InvalidArgument {
+                what: "borrowing a stream",
+                reason: "CU_STREAM_PER_THREAD names a different stream on every thread, and a Stream may move between threads; borrow a stream you created, or use Stream::legacy(&context)".into(),
+            }),
+            (0 | LEGACY_HANDLE, None) => Err(Error::InvalidArgument {
+                what: "borrowing a stream",
+                reason: "the legacy stream handle names the legacy stream of whichever context is current; give its context (or use Stream::legacy(&context))".into(),
+            }),
+            _ => Ok(Self::from_parts(raw, context.cloned(), false)),
+        }
     }
 
     /// The driver's handle.
     #[inline]
     pub fn as_raw(&self) -> sys::CUstream {
         self.0.raw.0
+    }
+
+    /// This stream's identity: shared by its clones, never reused.
+    #[inline]
+    pub fn id(&self) -> StreamId {
+        self.0.id
+    }
+
+    /// How many `Stream` values (this one and its clones) share this stream now. A cache that
+    /// holds the only one knows nobody else can queue work on the stream any more.
+    #[inline]
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.0)
     }
 
     /// The context the stream belongs to, where known.
@@ -67,6 +137,9 @@ impl Stream {
     }
 
     /// Makes the stream's context current on this thread (if it has one), ready to queue work.
+    ///
+    /// # Errors
+    /// The driver's refusal to make the context current.
     #[inline]
     pub fn bind(&self) -> Result<()> {
         match &self.0.context {
@@ -75,23 +148,33 @@ impl Stream {
         }
     }
 
-    /// Whether this handle destroys the stream (false for [`Stream::borrow_raw`]).
+    /// Whether this handle destroys the stream (false for [`Stream::legacy`] and
+    /// [`Stream::borrow_raw`]).
     pub fn is_owned(&self) -> bool {
         self.0.owned
     }
 
     /// Waits until all work queued on the stream has finished.
+    ///
+    /// # Errors
+    /// The driver's answer (`cuStreamSynchronize`), which includes errors of earlier
+    /// asynchronous work on the stream.
+    ///
+    /// See [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g15e49dd91ec15991eb7c0a741beb7dad).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         let f = api()?.cuStreamSynchronize()?;
-        // SAFETY: a live stream.
+        // SAFETY: a live stream, in its context.
         check(unsafe { f(self.as_raw()) }, "cuStreamSynchronize")
     }
 
     /// Whether all queued work has finished, without waiting.
+    ///
+    /// See [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g1b0d24bbe97fa68e4bc511fb6adfeb0b).
     pub fn is_idle(&self) -> Result<bool> {
+        self.bind()?;
         let f = api()?.cuStreamQuery()?;
-        // SAFETY: a live stream.
+        // SAFETY: a live stream, in its context.
         match unsafe { f(self.as_raw()) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -100,15 +183,20 @@ impl Stream {
     }
 
     /// Makes later work on this stream wait for `event`.
+    ///
+    /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g6a898b652dfc6aa1d5c8d97062618b2f).
     pub fn wait(&self, event: &Event) -> Result<()> {
+        self.bind()?;
         let f = api()?.cuStreamWaitEvent()?;
         // SAFETY: live stream and event.
         check(unsafe { f(self.as_raw(), event.as_raw(), 0) }, "cuStreamWaitEvent")
     }
 
-    /// Whether two handles name the same driver stream.
+    /// Whether two handles name the same driver stream: the same handle in the same context.
     pub fn same_as(&self, other: &Stream) -> bool {
-        self.as_raw() == other.as_raw()
+        self.id() == other.id()
+            || (self.as_raw() == other.as_raw()
+                && self.context().map(Context::as_raw) == other.context().map(Context::as_raw))
     }
 }
 
@@ -159,6 +247,7 @@ impl Event {
     /// Records the event at the current end of `stream`.
     #[inline]
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        stream.bind()?;
         let f = api()?.cuEventRecord()?;
         // SAFETY: live event and stream.
         check(unsafe { f(self.raw.0, stream.as_raw()) }, "cuEventRecord")
@@ -194,5 +283,37 @@ impl Drop for Event {
         if let Err(error) = result {
             tracing::warn!(%error, "destroying an event failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_that_name_a_different_stream_per_thread_or_context_are_refused() {
+        // SAFETY: refused before any use.
+        let per_thread = unsafe { Stream::borrow_raw(PER_THREAD_HANDLE as sys::CUstream, None) };
+        assert!(per_thread.is_err_and(|e| e.to_string().contains("CU_STREAM_PER_THREAD")));
+        for legacy in [0, LEGACY_HANDLE] {
+            // SAFETY: refused before any use.
+            let borrowed = unsafe { Stream::borrow_raw(legacy as sys::CUstream, None) };
+            assert!(borrowed.is_err_and(|e| e.to_string().contains("give its context")), "{legacy:#x}");
+        }
+    }
+
+    #[test]
+    fn every_stream_value_has_its_own_identity_shared_by_its_clones() {
+        // SAFETY: never given to a driver.
+        let a = unsafe { Stream::borrow_raw(0x1000 as sys::CUstream, None) }.unwrap();
+        // SAFETY: as above; the same raw handle borrowed again is a new identity.
+        let b = unsafe { Stream::borrow_raw(0x1000 as sys::CUstream, None) }.unwrap();
+        let a2 = a.clone();
+        assert_eq!(a.id(), a2.id());
+        assert_ne!(a.id(), b.id());
+        assert_eq!((a.handle_count(), b.handle_count()), (2, 1));
+        drop(a2);
+        assert_eq!(a.handle_count(), 1);
+        assert!(a.same_as(&b), "the same handle without a context is the same driver stream");
     }
 }
