@@ -173,6 +173,13 @@ impl Error {
         }
     }
 
+    /// Whether the failure means "no memory": the pool's or the device's out-of-memory, however
+    /// it was reported. Caches and adaptors above a pool answer this by giving memory back and
+    /// retrying.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.cuda_code() == Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0)
+    }
+
     /// Builds the error for a failed driver call, with the driver's name for the code.
     #[cold]
     pub(crate) fn driver(code: sys::CUresult, during: &'static str) -> Self {
