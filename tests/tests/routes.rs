@@ -128,3 +128,133 @@ fn a_pool_of_another_route_is_refused_before_the_driver() {
     }
     assert!(is_default(Route::device(0)).unwrap());
 }
+
+/// The driver's current pool of `route`, read without this crate's bookkeeping.
+fn raw_current(route: Route) -> cumempool::sys::CUmemoryPool {
+    cumempool::current_pool(route).unwrap().as_raw()
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn guards_dropped_out_of_order_leave_the_route_on_what_was_current_before() {
+    let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let route = Route::host();
+    let default = default_pool(route).unwrap();
+    let (a, b) = (MemPool::new(route).unwrap(), MemPool::new(route).unwrap());
+    let guard_a = set_current_pool(route, &a).unwrap();
+    let guard_b = set_current_pool(route, &b).unwrap();
+    drop(guard_a);
+    assert_eq!(raw_current(route), b.as_raw(), "the newest live change still shows");
+    drop(guard_b);
+    assert_eq!(raw_current(route), default.as_raw(), "measured before the fix: the route ended on A");
+    // Nothing holds A or B any more: both can be destroyed now.
+    a.destroy().unwrap();
+    b.destroy().unwrap();
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_forgotten_guard_keeps_its_pool_until_the_route_is_reset() {
+    let context = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let route = Route::host();
+    let pool = MemPool::new(route).unwrap();
+    let raw = pool.as_raw();
+    std::mem::forget(set_current_pool(route, &pool).unwrap());
+    drop(pool);
+    assert_eq!(raw_current(route), raw);
+    let stream = cumempool::Stream::new(&context).unwrap();
+    let mut buffer = current_pool(route).unwrap().alloc(4096, &stream).unwrap();
+    buffer.host_slice_mut().unwrap().fill(1);
+    drop(buffer);
+    stream.synchronize().unwrap();
+    cumempool::reset_current_pool(route).unwrap();
+    assert!(is_default(route).unwrap());
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn guards_of_one_route_on_several_threads_end_on_the_default() {
+    let context = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let route = Route::device(0);
+    let pools: Vec<MemPool> = (0..4).map(|_| MemPool::new(route).unwrap()).collect();
+    for round in 0..20 {
+        let barrier = std::sync::Barrier::new(pools.len());
+        std::thread::scope(|scope| {
+            for (i, pool) in pools.iter().enumerate() {
+                let (barrier, context) = (&barrier, &context);
+                scope.spawn(move || {
+                    context.make_current().unwrap();
+                    let guard = set_current_pool(route, pool).unwrap();
+                    barrier.wait();
+                    if (i + round) % 2 == 0 {
+                        guard.restore().unwrap();
+                    } else {
+                        drop(guard);
+                    }
+                });
+            }
+        });
+        assert!(is_default(route).unwrap(), "round {round}");
+    }
+    for pool in pools {
+        pool.destroy().unwrap();
+    }
+}
+
+/// A pool made by "another library" through the raw API.
+fn foreign_pool(route: Route) -> cumempool::sys::CUmemoryPool {
+    let driver = cumempool::sys::driver().unwrap();
+    let props = MemPool::builder(route).to_props().unwrap();
+    let mut raw = std::ptr::null_mut();
+    assert_eq!(unsafe { driver.cuMemPoolCreate().unwrap()(&mut raw, &props) }, cumempool::sys::CUresult::CUDA_SUCCESS);
+    raw
+}
+
+fn raw_set(route: Route, pool: cumempool::sys::CUmemoryPool) {
+    let driver = cumempool::sys::driver().unwrap();
+    let (mut location, kind) = (route.location.to_raw().unwrap(), route.allocation_type.to_raw());
+    assert_eq!(
+        unsafe { driver.cuMemSetMemPool().unwrap()(&mut location, kind, pool) },
+        cumempool::sys::CUresult::CUDA_SUCCESS
+    );
+}
+
+fn raw_destroy(pool: cumempool::sys::CUmemoryPool) {
+    let driver = cumempool::sys::driver().unwrap();
+    assert_eq!(unsafe { driver.cuMemPoolDestroy().unwrap()(pool) }, cumempool::sys::CUresult::CUDA_SUCCESS);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_foreign_pool_destroyed_meanwhile_is_never_restored() {
+    let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let route = Route::host();
+    let foreign = foreign_pool(route);
+    raw_set(route, foreign);
+    let ours = MemPool::new(route).unwrap();
+    let guard = set_current_pool(route, &ours).unwrap();
+    raw_destroy(foreign); // the other library lets its pool go while ours is current
+    drop(guard);
+    assert!(is_default(route).unwrap(), "the default, never the destroyed pool's handle");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_change_made_outside_the_library_is_not_overwritten() {
+    let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let route = Route::host();
+    let ours = MemPool::new(route).unwrap();
+    let guard = set_current_pool(route, &ours).unwrap();
+    let foreign = foreign_pool(route);
+    raw_set(route, foreign);
+    drop(guard);
+    assert_eq!(raw_current(route), foreign, "the outside change stays");
+    ours.destroy().expect("the route no longer holds our pool");
+    cumempool::reset_current_pool(route).unwrap();
+    raw_destroy(foreign);
+}

@@ -108,6 +108,10 @@ pub enum Error {
         holders: usize,
     },
 
+    /// A pool the driver cannot destroy safely, left alive for the rest of the process.
+    #[error("the pool was not destroyed: driver 580 crashes in cuMemPoolDestroy on a pool whose fabric export it refused, so it is left alive (leaked) for the rest of the process")]
+    UnsafeToDestroy,
+
     /// A pool creation the driver refused, with the reason where it is known.
     #[error("cannot create a pool for {route}: {reason}")]
     PoolCreation {

@@ -38,26 +38,30 @@ pub(crate) struct Owner {
     pub(crate) unsafe_to_destroy: AtomicBool,
 }
 
-impl Drop for Owner {
-    fn drop(&mut self) {
+impl Owner {
+    /// The one place a pool is given back to the driver: Drop and [`MemPool::destroy`] both
+    /// come here.
+    fn release(&self) -> Result<()> {
         if self.unsafe_to_destroy.load(Relaxed) {
-            // Driver 580: cuMemPoolDestroy segfaults inside libcuda on a pool whose fabric
-            // export was refused. Leaking the pool is the lesser harm.
-            tracing::warn!(pool = ?self.raw.0, "not destroying a pool the driver left unsafe to destroy (refused fabric export); it is leaked");
-            return;
+            // Driver 580: cuMemPoolDestroy crashes inside libcuda on a pool whose fabric export
+            // was refused. Leaking the pool is the lesser harm.
+            return Err(Error::UnsafeToDestroy);
         }
-        if let Err(error) = destroy_raw(self.raw.0) {
-            tracing::warn!(%error, pool = ?self.raw.0, "destroying a memory pool failed");
-        } else {
-            tracing::debug!(pool = ?self.raw.0, imported = self.imported, "memory pool destroyed");
-        }
+        let f = api()?.cuMemPoolDestroy()?;
+        // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking sole
+        // ownership and forgetting the owner).
+        check(unsafe { f(self.raw.0) }, "cuMemPoolDestroy")?;
+        tracing::debug!(pool = ?self.raw.0, imported = self.imported, "memory pool destroyed");
+        Ok(())
     }
 }
 
-fn destroy_raw(raw: sys::CUmemoryPool) -> Result<()> {
-    let f = api()?.cuMemPoolDestroy()?;
-    // SAFETY: called once, by the pool's only owner.
-    check(unsafe { f(raw) }, "cuMemPoolDestroy")
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if let Err(error) = self.release() {
+            tracing::warn!(%error, pool = ?self.raw.0, "a memory pool was not destroyed");
+        }
+    }
 }
 
 /// Access a device has to a pool's memory.
@@ -313,38 +317,51 @@ impl MemPool {
 
     /// Destroys the pool now and returns the driver's answer, if this is the last holder.
     ///
-    /// Fails with [`Error::PoolInUse`] (leaving the pool alive) while buffers, clones or routes
-    /// still hold it.
+    /// # Errors
+    /// [`Error::PoolInUse`] (leaving the pool alive) while buffers, clones or routes still hold
+    /// it; [`Error::UnsafeToDestroy`] for a pool the driver cannot destroy safely (it is left
+    /// alive for good, as dropping it would); else the driver's answer.
+    ///
+    /// See [cuMemPoolDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn destroy(self) -> Result<()> {
-        let owned = self.0.owner.is_some();
-        let raw = self.release_ownership()?;
-        if owned {
-            destroy_raw(raw)?;
-            tracing::debug!(pool = ?raw, "memory pool destroyed");
+        match self.into_sole_owner()? {
+            Ok(owner) => {
+                let result = owner.release();
+                // Released (or deliberately left alive) above: Drop must not try again.
+                std::mem::forget(owner);
+                result
+            }
+            Err(_borrowed) => Ok(()),
         }
-        Ok(())
     }
 
-    /// The raw handle, with this crate's duty to destroy it given up, if no one else holds it.
-    fn release_ownership(self) -> Result<sys::CUmemoryPool> {
+    /// The owner, if this handle holds the only reference to it (`Err(raw)` for a pool this
+    /// handle never owned).
+    fn into_sole_owner(self) -> Result<std::result::Result<Owner, sys::CUmemoryPool>> {
         let Some(owner) = self.0.owner else {
-            return Ok(self.0.raw.0);
+            return Ok(Err(self.0.raw.0));
         };
-        match Arc::try_unwrap(owner) {
+        Arc::try_unwrap(owner).map(Ok).map_err(|shared| Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 })
+    }
+
+    /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
+    ///
+    /// # Errors
+    /// [`Error::PoolInUse`] while other holders remain, and [`Error::UnsafeToDestroy`] for a
+    /// pool no one can destroy safely (it stays owned here, and is never destroyed).
+    pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
+        match self.into_sole_owner()? {
+            Ok(owner) if owner.unsafe_to_destroy.load(Relaxed) => {
+                std::mem::forget(owner);
+                Err(Error::UnsafeToDestroy)
+            }
             Ok(owner) => {
                 let raw = owner.raw.0;
                 std::mem::forget(owner);
                 Ok(raw)
             }
-            Err(shared) => Err(Error::PoolInUse { holders: Arc::strong_count(&shared) - 1 }),
+            Err(raw) => Ok(raw),
         }
-    }
-
-    /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
-    ///
-    /// Fails with [`Error::PoolInUse`] while other holders remain.
-    pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
-        self.release_ownership()
     }
 
     pub(crate) fn from_pool(pool: Pool) -> Self {
@@ -490,5 +507,34 @@ impl PoolBuilder {
             Location::HostNuma(node) => format!("the driver refused host NUMA node {node}; check that the node exists (Device::host_numa_id gives a device's nearest)"),
             _ => format!("the driver refused these properties (handle types {}, max size {:?}, hw decompress {})", self.handle_types, self.max_size, self.hw_decompress),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool handle no driver ever sees: the code under test must not call the driver.
+    fn unsafe_to_destroy_pool() -> MemPool {
+        // SAFETY: the handle is only marked and released below, never passed to the driver.
+        let pool = unsafe { MemPool::from_raw(0xdead_0000 as sys::CUmemoryPool, Route::host()) };
+        pool.mark_unsafe_to_destroy();
+        pool
+    }
+
+    #[test]
+    fn destroy_never_calls_the_driver_on_a_pool_it_cannot_destroy_safely() {
+        // Before one release path, destroy() called cuMemPoolDestroy here (driver 580 crashes).
+        assert!(matches!(unsafe_to_destroy_pool().destroy(), Err(Error::UnsafeToDestroy)));
+        assert!(matches!(unsafe_to_destroy_pool().into_raw(), Err(Error::UnsafeToDestroy)));
+        drop(unsafe_to_destroy_pool());
+    }
+
+    #[test]
+    fn a_pool_with_other_holders_is_not_destroyed() {
+        let pool = unsafe_to_destroy_pool();
+        let clone = pool.clone();
+        assert!(matches!(pool.destroy(), Err(Error::PoolInUse { holders: 1 })));
+        assert!(matches!(clone.destroy(), Err(Error::UnsafeToDestroy)));
     }
 }

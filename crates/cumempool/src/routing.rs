@@ -3,29 +3,68 @@
 //!
 //! Changing a route's current pool is **process-global**: every thread and every library in
 //! the process that allocates through that route is affected. [`set_current_pool`] therefore
-//! returns a guard that puts the previous pool back, and a pool this crate routed is kept alive
-//! for as long as it is current.
+//! returns a guard that undoes the change, and a pool this crate routed is kept alive for as
+//! long as it is current. The rules for several guards on one route are on [`set_current_pool`].
 
 use crate::driver::api;
 use crate::error::{Error, Result};
+use crate::handle::Shared;
 use crate::location::Route;
 use crate::pool::{Pool, PoolRef};
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, PoisonError};
-
-/// Pools this crate made current, by route: holding them keeps them alive while they are current.
-static ROUTED: Mutex<BTreeMap<Route, Pool>> = Mutex::new(BTreeMap::new());
-
-fn routed() -> MutexGuard<'static, BTreeMap<Route, Pool>> {
-    // The map stays consistent even if a holder panicked: every update is a single insert/remove.
-    ROUTED.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 #[cold]
 fn refused(route: Route, code: sys::CUresult, during: &'static str) -> Error {
     let (name, description) = crate::error::describe(code);
     Error::RouteRefused { route, code: code.0, name, description, during }
+}
+
+/// What this crate knows of each route it changed. See [`set_current_pool`] for the rules.
+static ROUTED: Mutex<BTreeMap<Route, RouteStack>> = Mutex::new(BTreeMap::new());
+
+fn routed() -> MutexGuard<'static, BTreeMap<Route, RouteStack>> {
+    // Every update below leaves the map consistent before anything that can panic runs.
+    ROUTED.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One route's changes made through this crate, newest last.
+#[derive(Debug)]
+struct RouteStack {
+    /// The pool that was current before the first entry: the driver's default, or a pool another
+    /// library routed (which this crate cannot keep alive, so it is never restored blindly).
+    base: Base,
+    /// Pools made current through this crate; the route shows the last. Held here, so a pool is
+    /// alive for as long as it is current.
+    entries: Vec<Entry>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Base {
+    Default(Shared<sys::CUmemoryPool>),
+    Foreign(Shared<sys::CUmemoryPool>),
+}
+
+#[derive(Debug)]
+struct Entry {
+    /// The guard that removes it; [`KEPT`] once kept (or its guard forgotten: the same).
+    guard: u64,
+    pool: Pool,
+}
+
+/// The guard id of an entry that stays until the route is reset.
+const KEPT: u64 = 0;
+
+impl RouteStack {
+    /// What the driver should show for this route if nothing outside this crate changed it.
+    fn expected(&self) -> sys::CUmemoryPool {
+        match (self.entries.last(), self.base) {
+            (Some(entry), _) => entry.pool.as_raw(),
+            (None, Base::Default(raw) | Base::Foreign(raw)) => raw.0,
+        }
+    }
 }
 
 /// The driver-owned default pool of `route`. Never changes and is never destroyed.
@@ -70,32 +109,61 @@ fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
 
 /// The current pool of `route`: the last one set for it, else its default pool.
 ///
-/// A pool that this crate made current comes back keeping it alive.
-/// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+/// A pool that this crate made current comes back keeping it alive. One routed by other code
+/// through the raw API is that code's to keep alive.
+///
+/// # Errors
+/// [`Error::InvalidRoute`] / [`Error::InvalidDevice`] before the driver, or the driver's refusal
+/// as [`Error::RouteRefused`].
+///
+/// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html#group__CUDA__MALLOC__ASYNC_1g4b3a5d2e2fd1d0a3ee8d4b8e0e0e9b9f).
 pub fn current_pool(route: Route) -> Result<PoolRef> {
     let map = routed();
     let raw = current_raw(route)?;
-    let pool = match map.get(&route) {
-        Some(pool) if pool.as_raw() == raw => pool.clone(),
-        _ => Pool::borrowed(raw, Some(route)),
+    let ours = map.get(&route).and_then(|stack| stack.entries.iter().rev().find(|e| e.pool.as_raw() == raw));
+    let pool = match ours {
+        Some(entry) => entry.pool.clone(),
+        None => Pool::borrowed(raw, Some(route)),
     };
     Ok(PoolRef::new(pool))
 }
 
 /// Whether `route`'s current pool is its default pool.
+///
+/// # Errors
+/// As [`current_pool`].
 pub fn is_default(route: Route) -> Result<bool> {
     Ok(current_raw(route)? == default_pool(route)?.as_raw())
 }
 
+static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
+
 /// Makes `pool` the current pool of `route`, **for the whole process**.
 ///
 /// Every thread and library that allocates through this route from now on gets memory from
-/// `pool`. The returned guard puts the previous pool back when dropped; call
-/// [`RouteGuard::keep`] to make the change last. While `pool` is current it is kept alive,
-/// even if every other handle to it is dropped.
+/// `pool`. While `pool` is current it is kept alive, even if every other handle to it is dropped.
+///
+/// Each route keeps a stack of the changes made through this crate:
+/// - the route shows the newest change whose guard is alive (or was kept), and when none is
+///   left, the pool that was current before the first one;
+/// - dropping a [`RouteGuard`] removes its own change, in any order and from any thread; the
+///   driver is only called when the pool it shows has to change;
+/// - [`RouteGuard::keep`] (or forgetting the guard) leaves the change in place until
+///   [`reset_current_pool`];
+/// - a change made outside this crate (through the raw API) is never silently overwritten:
+///   when a guard finds the route showing a pool it did not expect, it leaves the route as it
+///   is and forgets this crate's changes to it (with a `tracing` warning);
+/// - a pool that another library had made current before the first change is restored only
+///   if it is the route's default pool; otherwise the default pool is restored (with a
+///   warning), because this crate cannot know whether that library has destroyed it since.
 ///
 /// A pool created for another route is refused with [`Error::PoolRouteMismatch`] before the
 /// driver is called.
+///
+/// # Errors
+/// [`Error::PoolRouteMismatch`], an invalid route, or the driver's refusal as
+/// [`Error::RouteRefused`]; the route is unchanged then.
+///
 /// See [cuMemSetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 #[must_use = "dropping the guard at once puts the previous pool back; call .keep() to make the change last"]
 pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
@@ -105,35 +173,63 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
         }
     }
     let mut map = routed();
-    let previous_raw = current_raw(route)?;
-    set_raw(route, pool.as_raw())?;
-    let previous = match map.insert(route, pool.clone().with_route(Some(route))) {
-        Some(kept) if kept.as_raw() == previous_raw => kept,
-        _ => Pool::borrowed(previous_raw, Some(route)),
+    let current = current_raw(route)?;
+    // Changes made outside this crate since it last looked end its stack for this route.
+    let detached = match map.get(&route) {
+        Some(stack) if stack.expected() != current => {
+            tracing::warn!(%route, expected = ?stack.expected(), found = ?current, "the current pool was changed outside cumempool; its earlier changes to this route are forgotten");
+            map.remove(&route)
+        }
+        _ => None,
     };
+    set_raw(route, pool.as_raw())?;
+    let stack = match map.entry(route) {
+        std::collections::btree_map::Entry::Occupied(stack) => stack.into_mut(),
+        std::collections::btree_map::Entry::Vacant(vacant) => {
+            let base = if current == default_raw(route)? {
+                Base::Default(Shared(current))
+            } else {
+                Base::Foreign(Shared(current))
+            };
+            vacant.insert(RouteStack { base, entries: Vec::new() })
+        }
+    };
+    let guard = NEXT_GUARD.fetch_add(1, Relaxed);
+    stack.entries.push(Entry { guard, pool: pool.clone().with_route(Some(route)) });
     drop(map);
-    tracing::info!(%route, pool = ?pool.as_raw(), previous = ?previous_raw, "current pool changed (process-wide)");
-    Ok(RouteGuard { route, previous: Some(previous) })
+    drop(detached);
+    tracing::info!(%route, pool = ?pool.as_raw(), previous = ?current, "current pool changed (process-wide)");
+    Ok(RouteGuard { route, id: guard })
 }
 
-/// Makes `route`'s default pool current again, for the whole process.
+/// Makes `route`'s default pool current again, for the whole process, and forgets every change
+/// made through this crate to it (their guards do nothing any more).
+///
+/// # Errors
+/// An invalid route, or the driver's refusal; the route is unchanged then.
 pub fn reset_current_pool(route: Route) -> Result<()> {
-    let default = default_pool(route)?;
+    let default = default_raw(route)?;
     let mut map = routed();
-    set_raw(route, default.as_raw())?;
+    set_raw(route, default)?;
     let released = map.remove(&route);
     drop(map);
+    // Pools kept alive only by the route may be destroyed here, after the route moved on.
     drop(released);
     tracing::info!(%route, "current pool reset to the default (process-wide)");
     Ok(())
 }
 
-/// Puts a route's previous current pool back when dropped (see [`set_current_pool`]).
+fn default_raw(route: Route) -> Result<sys::CUmemoryPool> {
+    Ok(default_pool(route)?.as_raw())
+}
+
+/// Removes one change from its route's stack (see [`set_current_pool`]) when dropped.
 #[derive(Debug)]
 #[must_use = "dropping the guard at once puts the previous pool back; call .keep() to make the change last"]
 pub struct RouteGuard {
     route: Route,
-    previous: Option<Pool>,
+    /// Its entry's id; [`KEPT`] once it has let go.
+    id: u64,
 }
 
 impl RouteGuard {
@@ -142,35 +238,78 @@ impl RouteGuard {
         self.route
     }
 
-    /// Makes the change last: the route keeps the new pool (and keeps it alive) until changed again.
+    /// Makes the change last: it stays on the route's stack (keeping its pool alive) until
+    /// [`reset_current_pool`] or a change outside this crate.
     pub fn keep(mut self) {
-        self.previous = None;
+        let mut map = routed();
+        if let Some(entry) = map.get_mut(&self.route).and_then(|s| s.entries.iter_mut().find(|e| e.guard == self.id)) {
+            entry.guard = KEPT;
+        }
+        self.id = KEPT;
     }
 
-    /// Puts the previous pool back now and reports the driver's answer.
+    /// Removes this change now and reports the driver's answer.
+    ///
+    /// # Errors
+    /// The driver's refusal to show the pool below this change; the change then stays on the
+    /// stack as if kept, so the pool the route still shows stays alive.
     pub fn restore(mut self) -> Result<()> {
-        self.put_back()
+        self.remove()
     }
 
-    fn put_back(&mut self) -> Result<()> {
-        let Some(previous) = self.previous.take() else {
+    fn remove(&mut self) -> Result<()> {
+        let id = std::mem::replace(&mut self.id, KEPT);
+        if id == KEPT {
+            return Ok(());
+        }
+        let mut map = routed();
+        let Some(stack) = map.get_mut(&self.route) else {
+            return Ok(()); // reset, or detached by a change outside this crate
+        };
+        let Some(index) = stack.entries.iter().position(|e| e.guard == id) else {
             return Ok(());
         };
-        let mut map = routed();
-        set_raw(self.route, previous.as_raw())?;
-        let released = if previous.is_owned() { map.insert(self.route, previous) } else { map.remove(&self.route) };
+        let current = current_raw(self.route)?;
+        if current != stack.expected() {
+            tracing::warn!(route = %self.route, found = ?current, "the current pool was changed outside cumempool; leaving it as it is");
+            let detached = map.remove(&self.route);
+            drop(map);
+            drop(detached);
+            return Ok(());
+        }
+        // What the route shows once this change is gone: the newest other change, else the base.
+        let newest_other = stack.entries.iter().enumerate().rev().find(|(i, _)| *i != index);
+        let wanted = match (newest_other, stack.base) {
+            (Some((_, entry)), _) => entry.pool.as_raw(),
+            (None, Base::Default(raw)) => raw.0,
+            (None, Base::Foreign(raw)) => {
+                tracing::warn!(route = %self.route, foreign = ?raw.0, "restoring the default pool, not the pool another library had made current: it may have been destroyed since");
+                default_raw(self.route)?
+            }
+        };
+        let removed = stack.entries.remove(index);
+        if wanted != current {
+            if let Err(error) = set_raw(self.route, wanted) {
+                // The route still shows the removed pool: keep it alive, as if kept.
+                stack.entries.insert(index, Entry { guard: KEPT, pool: removed.pool });
+                return Err(error);
+            }
+        }
+        if stack.entries.is_empty() {
+            map.remove(&self.route);
+        }
         drop(map);
         // A pool that was only kept alive by its route may be destroyed here, after the route moved on.
-        drop(released);
-        tracing::info!(route = %self.route, "current pool restored (process-wide)");
+        drop(removed);
+        tracing::info!(route = %self.route, "a route change was undone (process-wide)");
         Ok(())
     }
 }
 
 impl Drop for RouteGuard {
     fn drop(&mut self) {
-        if let Err(error) = self.put_back() {
-            tracing::warn!(%error, route = %self.route, "restoring the previous current pool failed");
+        if let Err(error) = self.remove() {
+            tracing::warn!(%error, route = %self.route, "undoing a route change failed; the route keeps its pool");
         }
     }
 }
