@@ -47,8 +47,17 @@ impl<K: HostAccessible> std::fmt::Debug for PoolAllocator<K> {
 
 impl<K: HostAccessible> PoolAllocator<K> {
     /// An allocator over `pool` with a new stream in `context`.
+    ///
+    /// # Errors
+    /// [`Error::KindMismatch`](crate::Error::KindMismatch) for a pool of another memory kind;
+    /// for managed memory, [`cumempool::Error::ManagedMemoryNotHostAccessible`] on machines
+    /// whose devices lack concurrent managed access (the host may not touch managed memory
+    /// there while kernels run); a stream the driver refuses.
     pub fn new(pool: &Pool, context: &Context) -> Result<Self> {
         let resource = PoolResource::new(pool)?;
+        if pool.allocation_type()? == cumempool::AllocationType::Managed {
+            cumempool::require_concurrent_managed_access()?;
+        }
         let stream = Stream::new(context)?;
         Ok(Self { inner: Arc::new(Shared { resource, stream }) })
     }

@@ -175,6 +175,9 @@ impl<'s> Buffer<'s> {
         if !self.is_host_accessible() {
             return Err(Error::NotHostAccessible { route: self.route });
         }
+        if self.route.is_some_and(|r| r.allocation_type == AllocationType::Managed) {
+            crate::device::require_concurrent_managed_access()?;
+        }
         self.stream.synchronize()?;
         Ok(self.ptr as usize as *mut u8)
     }
@@ -182,7 +185,11 @@ impl<'s> Buffer<'s> {
     /// The bytes, for the host to read, after waiting for the buffer's stream.
     ///
     /// Only for host-accessible memory (host, host NUMA, managed); device memory is
-    /// [`Error::NotHostAccessible`].
+    /// [`Error::NotHostAccessible`], and managed memory on a machine whose devices lack
+    /// concurrent managed access is [`Error::ManagedMemoryNotHostAccessible`].
+    ///
+    /// # Errors
+    /// The refusals above, or the stream's failure while waiting for it.
     pub fn host_slice(&self) -> Result<&[u8]> {
         if self.is_empty() {
             return Ok(&[]);

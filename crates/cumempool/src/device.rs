@@ -17,6 +17,44 @@ pub struct Device {
 
 static COUNT: OnceLock<i32> = OnceLock::new();
 
+/// Fails unless the host may touch managed memory while devices run work.
+///
+/// Without `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS` on every device, the host must not
+/// touch any managed memory while any kernel runs (the access faults), and other threads may
+/// start kernels at any time, so no wait on one stream makes it safe. Host access is refused
+/// there instead. Asked of the driver once per process.
+///
+/// # Errors
+/// [`Error::ManagedMemoryNotHostAccessible`] naming the first device without concurrent access.
+pub fn require_concurrent_managed_access() -> Result<()> {
+    static FIRST_WITHOUT: OnceLock<Option<i32>> = OnceLock::new();
+    let first_without = match FIRST_WITHOUT.get() {
+        Some(found) => *found,
+        None => {
+            let devices = Device::all()?;
+            let found = first_without_concurrent_access(
+                devices.iter().map(|d| d.concurrent_managed_access().map(|access| (d.ordinal(), access))),
+            )?;
+            *FIRST_WITHOUT.get_or_init(|| found)
+        }
+    };
+    match first_without {
+        None => Ok(()),
+        Some(device) => Err(Error::ManagedMemoryNotHostAccessible { device }),
+    }
+}
+
+/// The first device whose answer is "no concurrent managed access".
+fn first_without_concurrent_access(answers: impl Iterator<Item = Result<(i32, bool)>>) -> Result<Option<i32>> {
+    for answer in answers {
+        let (ordinal, concurrent) = answer?;
+        if !concurrent {
+            return Ok(Some(ordinal));
+        }
+    }
+    Ok(None)
+}
+
 impl Device {
     /// How many devices the driver sees (asked once; it cannot change within a process).
     ///
@@ -147,5 +185,19 @@ impl Device {
     /// Retains the device's primary context (released when the last clone is dropped).
     pub fn primary_context(self) -> Result<Context> {
         Context::retain_primary(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_device_without_concurrent_managed_access_makes_managed_memory_host_only_when_idle() {
+        let answers = |list: &[(i32, bool)]| list.iter().map(|a| Ok(*a)).collect::<Vec<Result<(i32, bool)>>>();
+        assert_eq!(first_without_concurrent_access(answers(&[(0, true), (1, true)]).into_iter()).unwrap(), None);
+        assert_eq!(first_without_concurrent_access(answers(&[(0, true), (1, false)]).into_iter()).unwrap(), Some(1));
+        let text = Error::ManagedMemoryNotHostAccessible { device: 1 }.to_string();
+        assert!(text.contains("device 1") && text.contains("copy_to_host"), "{text}");
     }
 }

@@ -128,6 +128,13 @@ pub enum Error {
         route: Option<Route>,
     },
 
+    /// Managed memory the host may not touch on this machine.
+    #[error("device {device} has no concurrent managed access (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS = 0): the host must not touch managed memory while any kernel may run; copy it to the host with Buffer::copy_to_host instead")]
+    ManagedMemoryNotHostAccessible {
+        /// The first device without concurrent managed access.
+        device: i32,
+    },
+
     /// Sharing a pool or an allocation with another process failed.
     #[error("{what}: {reason}")]
     Sharing {
@@ -135,6 +142,25 @@ pub enum Error {
         what: &'static str,
         /// What was wrong, and what would be right.
         reason: String,
+    },
+
+    /// Export data whose length (sent by the peer) is more than the driver mapped.
+    #[error("the shared allocation claims {claimed} bytes but the driver mapped {mapped}: the export data's length is wrong (or not from Buffer::export); the mapping was undone")]
+    SharedLengthMismatch {
+        /// The length in the export data.
+        claimed: u64,
+        /// What the driver mapped from the imported address.
+        mapped: u64,
+    },
+
+    /// An operating-system call failed (sockets, descriptors), with its cause.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
     },
 
     /// The driver returned a value this crate does not know (a newer driver).

@@ -46,7 +46,7 @@ mod stream;
 pub use attributes::{PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
 pub use buffer::{free_async, Buffer};
 pub use context::Context;
-pub use device::Device;
+pub use device::{require_concurrent_managed_access, Device};
 pub use driver::{bindings_version, driver_version, init, library_path, DriverVersion};
 pub use error::{error_name, Error, Result};
 pub use handle_types::{HandleTypes, UNMAPPED_HANDLE_TYPES};

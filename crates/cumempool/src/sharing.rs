@@ -13,7 +13,7 @@
 
 use crate::buffer::Buffer;
 use crate::driver::api;
-use crate::error::{Error, Result};
+use crate::error::{check, Error, Result};
 use crate::handle_types::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
@@ -238,10 +238,55 @@ impl Pool {
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(sharing_error("importing an allocation", code, "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter"));
         }
-        // SAFETY: a fresh mapping of `len` bytes; freeing it (cuMemFreeAsync) unmaps it, and the
-        // buffer keeps the imported pool alive until then.
+        // The length came over the wire: a buffer must never reach past what the driver mapped.
+        let checked = mapped_bytes_from(ptr).and_then(|mapped| {
+            if shared.len <= mapped {
+                Ok(())
+            } else {
+                Err(Error::SharedLengthMismatch { claimed: shared.len, mapped })
+            }
+        });
+        if let Err(error) = checked {
+            // SAFETY: the fresh mapping is not handed out; freeing it unmaps it.
+            if let Err(unmap) = unsafe { crate::buffer::free_async(ptr, stream) } {
+                tracing::warn!(%unmap, ptr, "unmapping a refused import failed");
+            }
+            return Err(error);
+        }
+        // SAFETY: a fresh mapping of at least `len` bytes (checked above); freeing it
+        // (cuMemFreeAsync) unmaps it, and the buffer keeps the imported pool alive until then.
         Ok(unsafe { Buffer::from_pool(ptr, shared.len(), stream, self.route(), self.owner_handle()) })
     }
+}
+
+/// The bytes the driver has mapped from `ptr` to the end of its allocation.
+fn mapped_bytes_from(ptr: sys::CUdeviceptr) -> Result<u64> {
+    let f = api()?.cuPointerGetAttribute()?;
+    let mut start: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    // SAFETY: RANGE_START_ADDR writes a CUdeviceptr and RANGE_SIZE a size_t.
+    check(
+        unsafe {
+            f(
+                (&mut start as *mut sys::CUdeviceptr).cast::<c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                ptr,
+            )
+        },
+        "cuPointerGetAttribute(RANGE_START_ADDR)",
+    )?;
+    // SAFETY: as above.
+    check(
+        unsafe {
+            f(
+                (&mut size as *mut usize).cast::<c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ptr,
+            )
+        },
+        "cuPointerGetAttribute(RANGE_SIZE)",
+    )?;
+    Ok((start + size as u64).saturating_sub(ptr))
 }
 
 impl MemPool {

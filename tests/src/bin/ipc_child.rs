@@ -42,6 +42,14 @@ fn run(socket: &mut UnixStream) -> Result<Vec<String>, Error> {
     let mut garbage = [0x5au8; SharedAllocation::ENCODED_LEN];
     garbage[64..].copy_from_slice(&4096u64.to_le_bytes());
     let garbage = SharedAllocation::from_bytes(&garbage)?;
+    // A peer that claims more bytes than it shared: the driver's mapping decides, not the wire.
+    let mut inflated = shared.to_bytes();
+    inflated[64..].copy_from_slice(&(1u64 << 30).to_le_bytes());
+    let inflated = SharedAllocation::from_bytes(&inflated)?;
+    report.push(check(
+        "importing with a length beyond the allocation",
+        pool.import_pointer(&inflated, &stream).map(drop),
+    ));
     report.push(check("importing garbage export data", pool.import_pointer(&garbage, &stream).map(drop)));
     report
         .push(check("reading truncated export data", SharedAllocation::from_bytes(&shared.to_bytes()[..40]).map(drop)));
