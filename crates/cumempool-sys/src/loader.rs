@@ -194,11 +194,10 @@ impl Driver {
         // the library is kept open for as long as any pointer resolved from it is reachable.
         let library = unsafe { libloading::Library::new(path) }
             .map_err(|e| LoadError::LibraryNotFound { path: path.to_owned(), reason: e.to_string() })?;
-        // SAFETY: these symbols have had these signatures since CUDA 2.0 / 12.0 (`_v2`).
-        let (get_version, get_proc_address, init) = unsafe {
+        // SAFETY: these symbols have had these signatures since CUDA 2.0.
+        let (get_version, init) = unsafe {
             (
                 bootstrap::<PFN_cuDriverGetVersion>(&library, path, "cuDriverGetVersion")?,
-                bootstrap::<PFN_cuGetProcAddress>(&library, path, "cuGetProcAddress_v2")?,
                 bootstrap::<PFN_cuInit>(&library, path, "cuInit")?,
             )
         };
@@ -208,6 +207,16 @@ impl Driver {
         if code != CUresult::CUDA_SUCCESS {
             return Err(LoadError::VersionQueryFailed { code: code.0 });
         }
+        // SAFETY: `cuGetProcAddress_v2` has had this signature since CUDA 12.0.
+        let get_proc_address = match unsafe { bootstrap::<PFN_cuGetProcAddress>(&library, path, "cuGetProcAddress_v2") }
+        {
+            Ok(function) => function,
+            // A driver that knows its version is a driver, just an old one.
+            Err(_) if version < 12000 => {
+                return Err(LoadError::DriverTooOld { function: "cuGetProcAddress_v2", needs: 12000, driver: version })
+            }
+            Err(error) => return Err(error),
+        };
         let request = BINDINGS_VERSION.min(version);
         let lookup = |name: &CStr| -> Option<NonNull<c_void>> { resolve(get_proc_address, name, request).ok() };
         // Some drivers only hand out entry points after cuInit; initialising is harmless then.

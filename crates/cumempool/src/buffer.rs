@@ -12,7 +12,18 @@ use std::sync::Arc;
 ///
 /// Borrows its stream, so the compiler keeps the stream alive at no run-time cost, and holds
 /// its pool (for owned pools), so the pool's handle is never used after it is destroyed.
+///
+/// A buffer that is not kept is freed at once, so the compiler warns about it:
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// fn allocate(pool: &cumempool::Pool, stream: &cumempool::Stream) -> cumempool::Result<()> {
+///     pool.alloc(4096, stream)?; // the buffer would be freed right here
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug)]
+#[must_use = "a buffer that is not kept is freed at once"]
 pub struct Buffer<'s> {
     ptr: sys::CUdeviceptr,
     len: usize,

@@ -3,7 +3,8 @@
 use crate::error::{Error, Result};
 use cumempool_sys as sys;
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Once, OnceLock};
 
 #[derive(Clone, Debug)]
 enum InitFailure {
@@ -13,9 +14,35 @@ enum InitFailure {
 
 static API: OnceLock<Result<&'static sys::Driver, InitFailure>> = OnceLock::new();
 
-/// The loaded and initialised driver: one atomic load once warm.
+/// Set in a child process forked after this crate started using the driver: CUDA does not
+/// survive fork, so every later call answers [`Error::ForkedChild`] instead of reaching libcuda.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+#[cfg(unix)]
+extern "C" fn mark_forked_child() {
+    FORKED.store(true, Relaxed);
+}
+
+fn watch_for_fork() {
+    #[cfg(unix)]
+    {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: registers a handler that only stores to an atomic, which is async-signal-safe.
+            let code = unsafe { libc::pthread_atfork(None, None, Some(mark_forked_child)) };
+            if code != 0 {
+                tracing::warn!(code, "pthread_atfork failed: CUDA use in forked children will not be detected");
+            }
+        });
+    }
+}
+
+/// The loaded and initialised driver: two atomic loads once warm.
 #[inline]
 pub(crate) fn api() -> Result<&'static sys::Driver> {
+    if FORKED.load(Relaxed) {
+        return Err(Error::ForkedChild);
+    }
     match API.get_or_init(load_and_init) {
         Ok(driver) => Ok(driver),
         Err(failure) => Err(failure_error(failure)),
@@ -31,6 +58,7 @@ fn failure_error(failure: &InitFailure) -> Error {
 }
 
 fn load_and_init() -> Result<&'static sys::Driver, InitFailure> {
+    watch_for_fork();
     let driver = sys::driver().map_err(InitFailure::Load)?;
     let init = driver.cuInit().map_err(InitFailure::Load)?;
     // SAFETY: flags must be 0.

@@ -15,6 +15,10 @@ pub enum Error {
     #[error(transparent)]
     Load(#[from] sys::LoadError),
 
+    /// A CUDA call in a child process created by `fork()` after the parent used CUDA.
+    #[error("CUDA cannot be used in a process forked after its parent initialised CUDA; start the child with exec (std::process::Command) and share pools with descriptor_passing")]
+    ForkedChild,
+
     /// A driver call failed.
     #[error("{during} failed with {name} ({code}): {description}")]
     Driver {
