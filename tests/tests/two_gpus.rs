@@ -80,3 +80,26 @@ fn routing_on_each_device_is_independent() {
     }
     assert!(current_pool(route1).unwrap().same_as(&default_pool(route1).unwrap()));
 }
+
+#[test]
+#[ignore = "requires two CUDA GPUs"]
+fn the_legacy_streams_of_two_contexts_never_share_cached_blocks() {
+    use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, StreamOrderedResource};
+    let Some((zero, one)) = two_devices() else { return };
+    let (context0, context1) = (zero.primary_context().unwrap(), one.primary_context().unwrap());
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    pool.set_access(one, Access::ReadWrite).unwrap();
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).unwrap());
+    let (legacy0, legacy1) = (Stream::legacy(&context0), Stream::legacy(&context1));
+    let block = cache.allocate(1 << 20, 256, &legacy0).unwrap();
+    unsafe { cache.deallocate(block, 1 << 20, 256, &legacy0) }.unwrap();
+    // Both handles are 0; keyed by the handle (before the fix) this was a hit: device 1's legacy
+    // stream got a block whose free on device 0's legacy stream nothing ordered it after.
+    let other = cache.allocate(1 << 20, 256, &legacy1).unwrap();
+    assert_ne!(other, block, "a block crossed from one context's legacy stream to another's");
+    unsafe { cache.deallocate(other, 1 << 20, 256, &legacy1) }.unwrap();
+    cache.release().unwrap();
+    legacy0.synchronize().unwrap();
+    legacy1.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}

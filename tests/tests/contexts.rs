@@ -1,0 +1,60 @@
+//! The current context is the driver's, not the library's guess: code outside the library (the
+//! runtime's `cudaSetDevice`, a push or pop) may change it at any time.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::sys;
+use cumempool::{MemPool, Route, Stream};
+use cumempool_tests::gpu;
+
+fn raw_current() -> sys::CUcontext {
+    let mut current = std::ptr::null_mut();
+    let get = sys::driver().unwrap().cuCtxGetCurrent().unwrap();
+    assert_eq!(unsafe { get(&mut current) }, sys::CUresult::CUDA_SUCCESS);
+    current
+}
+
+fn raw_set_current(context: sys::CUcontext) {
+    let set = sys::driver().unwrap().cuCtxSetCurrent().unwrap();
+    assert_eq!(unsafe { set(context) }, sys::CUresult::CUDA_SUCCESS);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_context_unset_behind_the_library_is_made_current_again() {
+    let context = gpu().expect("a GPU");
+    let first = Stream::new(&context).unwrap();
+    assert_eq!(raw_current(), context.as_raw());
+    raw_set_current(std::ptr::null_mut()); // other code pops the context
+    // Measured before the fix: cuStreamCreate ran with no current context (the library believed
+    // its own thread-local) and failed with CUDA_ERROR_INVALID_CONTEXT.
+    let second = Stream::new(&context).unwrap();
+    assert_eq!(raw_current(), context.as_raw());
+    raw_set_current(std::ptr::null_mut());
+    let (free, total) = context.memory_info().unwrap();
+    assert!(free > 0 && free <= total);
+    raw_set_current(std::ptr::null_mut());
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let buffer = pool.alloc(4096, &second).unwrap();
+    drop(buffer);
+    second.synchronize().unwrap();
+    first.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_buffer_on_the_legacy_stream_is_freed_in_its_own_context_from_any_thread() {
+    let context = gpu().expect("a GPU");
+    let legacy = Stream::legacy(&context);
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let buffer = pool.alloc(1 << 20, &legacy).unwrap();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            assert!(raw_current().is_null(), "a fresh thread has no current context");
+            drop(buffer); // the free binds the allocation's context first
+            assert_eq!(raw_current(), context.as_raw());
+        });
+    });
+    legacy.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}
