@@ -25,8 +25,8 @@ fn a_context_unset_behind_the_library_is_made_current_again() {
     let first = Stream::new(&context).unwrap();
     assert_eq!(raw_current(), context.as_raw());
     raw_set_current(std::ptr::null_mut()); // other code pops the context
-    // Measured before the fix: cuStreamCreate ran with no current context (the library believed
-    // its own thread-local) and failed with CUDA_ERROR_INVALID_CONTEXT.
+    // Before the fix the library believed its own thread-local, so cuStreamCreate ran with no
+    // current context.
     let second = Stream::new(&context).unwrap();
     assert_eq!(raw_current(), context.as_raw());
     raw_set_current(std::ptr::null_mut());
