@@ -57,5 +57,5 @@ fn zero_bytes_is_an_empty_buffer_without_a_driver_call() {
     assert!(buffer.is_empty() && buffer.as_raw() == 0);
     assert!(buffer.host_slice_mut().unwrap().is_empty());
     assert_eq!(pool.used_mem_current().unwrap(), 0);
-    assert!(matches!(buffer.copy_from_host(&[1]), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(buffer.copy_from_host(&[1]), Err(Error::DoesNotFit { requested: 1, capacity: 0, .. })));
 }

@@ -25,8 +25,8 @@ fn a_context_unset_behind_the_library_is_made_current_again() {
     let first = Stream::new(&context).unwrap();
     assert_eq!(raw_current(), context.as_raw());
     raw_set_current(std::ptr::null_mut()); // other code pops the context
-    // Before the fix the library believed its own thread-local, so cuStreamCreate ran with no
-    // current context.
+                                           // Before the fix the library believed its own thread-local, so cuStreamCreate ran with no
+                                           // current context.
     let second = Stream::new(&context).unwrap();
     assert_eq!(raw_current(), context.as_raw());
     raw_set_current(std::ptr::null_mut());

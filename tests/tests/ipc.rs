@@ -76,23 +76,26 @@ fn exporting_without_an_export_handle_type_is_a_clear_error() {
     let stream = gpu_stream().expect("a GPU");
     let private = MemPool::new(Route::device(0)).unwrap();
     match private.export_fd() {
-        Err(e @ Error::Sharing { .. }) => assert!(e.to_string().contains("POSIX_FILE_DESCRIPTOR"), "{e}"),
+        Err(e @ Error::NotShareable { .. }) => assert!(e.to_string().contains("POSIX_FILE_DESCRIPTOR"), "{e}"),
         other => panic!("expected Sharing, got {other:?}"),
     }
-    assert!(matches!(private.export_fabric(), Err(Error::Sharing { .. })));
+    assert!(matches!(private.export_fabric(), Err(Error::NotShareable { .. })));
     let buffer = private.alloc(4096, &stream).unwrap();
     match buffer.export() {
-        Err(e @ Error::Sharing { .. }) => eprintln!("{e}"),
+        Err(e @ Error::SharingRefused { .. }) => {
+            assert!(e.cuda_code().is_some(), "the driver's answer is kept: {e:?}");
+            eprintln!("{e}");
+        }
         other => panic!("expected Sharing, got {other:?}"),
     }
     let empty = private.alloc(0, &stream).unwrap();
-    assert!(matches!(empty.export(), Err(Error::Sharing { .. })));
+    assert!(matches!(empty.export(), Err(Error::NotShareable { .. })));
     let exportable =
         MemPool::builder(Route::device(0)).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
     #[cfg(feature = "cuda-13020")]
     match exportable.export_handle_types() {
         Ok(types) => assert_eq!(types, HandleTypes::POSIX_FILE_DESCRIPTOR),
-        Err(Error::DriverTooOld { needs: 13020, .. }) => {}
+        Err(Error::DriverTooOld { needs: cumempool::DriverVersion::CUDA_13_2, .. }) => {}
         other => panic!("EXPORT_HANDLE_TYPES: {other:?}"),
     }
     drop(exportable.export_fd().unwrap());
@@ -108,7 +111,7 @@ fn fabric_export_works_or_says_why() {
     match (supported.contains(HandleTypes::FABRIC), built) {
         (true, Ok(pool)) => match pool.export_fabric() {
             Ok(handle) => assert!(handle.iter().any(|b| *b != 0), "a fabric handle has content"),
-            Err(e @ Error::Sharing { .. }) => {
+            Err(e @ (Error::NotShareable { .. } | Error::SharingRefused { .. })) => {
                 let text = e.to_string();
                 assert!(text.contains("IMEX"), "{text}");
                 eprintln!("fabric export refused: {text}");
@@ -117,7 +120,7 @@ fn fabric_export_works_or_says_why() {
             Err(other) => panic!("fabric export: {other:?}"),
         },
         (true, Err(e)) => panic!("the device supports fabric handles but the pool was refused: {e}"),
-        (false, Ok(pool)) => assert!(matches!(pool.export_fabric(), Err(Error::Sharing { .. }))),
+        (false, Ok(pool)) => assert!(matches!(pool.export_fabric(), Err(Error::NotShareable { .. }))),
         (false, Err(e)) => eprintln!("no fabric support here: {e}"),
     }
 }

@@ -38,7 +38,7 @@ fn peer_access_to_a_pool_is_refused_until_granted() {
     // Read-only: granted where the driver supports it, else a clear refusal (driver 580 refuses).
     match pool.set_access(one, Access::Read) {
         Ok(()) => assert_eq!(pool.access(one).unwrap(), Access::Read),
-        Err(e @ Error::InvalidArgument { .. }) => {
+        Err(e @ Error::AccessNotGrantable { .. }) => {
             assert!(e.to_string().contains("read-only"), "{e}");
             assert_eq!(pool.access(one).unwrap(), Access::None, "a refused grant changes nothing");
             eprintln!("{e}");

@@ -1,9 +1,10 @@
 //! Every pool attribute, typed: the eight of CUDA 11.2 and, with `cuda-13020`, the six of 13.2.
 
-use crate::driver::{api, require, DriverVersion};
+use crate::driver::driver_call;
+use crate::driver::{require, DriverVersion};
 #[cfg(not(feature = "cuda-13020"))]
 use crate::error::Error;
-use crate::error::{check, Result};
+use crate::error::Result;
 #[cfg(feature = "cuda-13020")]
 use crate::handle_types::HandleTypes;
 #[cfg(feature = "cuda-13020")]
@@ -175,42 +176,52 @@ impl Pool {
     /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn attribute(&self, attribute: PoolAttribute) -> Result<u64> {
         require(attribute.name(), attribute.since())?;
-        let f = api()?.cuMemPoolGetAttribute()?;
         if attribute.is_wide() {
             let mut value: u64 = 0;
             // SAFETY: the attribute's value type is cuuint64_t.
-            check(
-                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut u64).cast::<c_void>()) },
-                "cuMemPoolGetAttribute",
-            )?;
+            unsafe {
+                driver_call!(cuMemPoolGetAttribute(
+                    self.as_raw(),
+                    attribute.to_raw(),
+                    (&mut value as *mut u64).cast::<c_void>()
+                ))
+            }?;
             Ok(value)
         } else {
             let mut value: i32 = 0;
             // SAFETY: the attribute's value type is int (or a C enum, which is int-sized).
-            check(
-                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut i32).cast::<c_void>()) },
-                "cuMemPoolGetAttribute",
-            )?;
+            unsafe {
+                driver_call!(cuMemPoolGetAttribute(
+                    self.as_raw(),
+                    attribute.to_raw(),
+                    (&mut value as *mut i32).cast::<c_void>()
+                ))
+            }?;
             Ok(value as u32 as u64)
         }
     }
 
     fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
-        let f = api()?.cuMemPoolSetAttribute()?;
         if attribute.is_wide() {
             let mut value = value;
             // SAFETY: the attribute's value type is cuuint64_t.
-            check(
-                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut u64).cast::<c_void>()) },
-                "cuMemPoolSetAttribute",
-            )
+            unsafe {
+                driver_call!(cuMemPoolSetAttribute(
+                    self.as_raw(),
+                    attribute.to_raw(),
+                    (&mut value as *mut u64).cast::<c_void>()
+                ))
+            }
         } else {
             let mut value = i32::from(value != 0);
             // SAFETY: the attribute's value type is int.
-            check(
-                unsafe { f(self.as_raw(), attribute.to_raw(), (&mut value as *mut i32).cast::<c_void>()) },
-                "cuMemPoolSetAttribute",
-            )
+            unsafe {
+                driver_call!(cuMemPoolSetAttribute(
+                    self.as_raw(),
+                    attribute.to_raw(),
+                    (&mut value as *mut i32).cast::<c_void>()
+                ))
+            }
         }
     }
 
@@ -326,8 +337,8 @@ impl Pool {
     pub(crate) fn location_attribute(&self) -> Result<crate::location::Location> {
         Err(Error::DriverTooOld {
             feature: "reading an imported pool's location (needs the cuda-13020 feature)",
-            needs: 13020,
-            found: sys::BINDINGS_VERSION,
+            needs: DriverVersion::CUDA_13_2,
+            found: DriverVersion(sys::BINDINGS_VERSION),
         })
     }
 
@@ -335,8 +346,8 @@ impl Pool {
     pub(crate) fn allocation_type_attribute(&self) -> Result<crate::location::AllocationType> {
         Err(Error::DriverTooOld {
             feature: "reading an imported pool's allocation type (needs the cuda-13020 feature)",
-            needs: 13020,
-            found: sys::BINDINGS_VERSION,
+            needs: DriverVersion::CUDA_13_2,
+            found: DriverVersion(sys::BINDINGS_VERSION),
         })
     }
 

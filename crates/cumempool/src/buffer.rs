@@ -1,7 +1,7 @@
 //! Stream-ordered allocations: freed on their stream when dropped.
 
-use crate::driver::api;
-use crate::error::{check, Error, Result};
+use crate::driver::driver_call;
+use crate::error::{Error, Result};
 use crate::location::{AllocationType, Location, Route};
 use crate::pool::Owner;
 use crate::stream::{Event, Stream};
@@ -87,10 +87,7 @@ impl<'s> Buffer<'s> {
 
     fn check_len(&self, what: &'static str, len: usize) -> Result<()> {
         if len > self.len {
-            return Err(Error::InvalidArgument {
-                what,
-                reason: format!("{len} bytes do not fit the buffer's {} bytes", self.len),
-            });
+            return Err(Error::DoesNotFit { what, requested: len, capacity: self.len });
         }
         Ok(())
     }
@@ -147,9 +144,8 @@ impl<'s> Buffer<'s> {
     /// Both ranges must be valid for `len` bytes until the copy has finished.
     unsafe fn copy_unified(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Result<()> {
         self.stream.bind()?;
-        let f = api()?.cuMemcpyAsync()?;
         // SAFETY: the caller vouches for both ranges.
-        check(unsafe { f(dst, src, len, self.stream.as_raw()) }, "cuMemcpyAsync")?;
+        unsafe { driver_call!(cuMemcpyAsync(dst, src, len, self.stream.as_raw())) }?;
         self.stream.synchronize()
     }
 
@@ -166,9 +162,8 @@ impl<'s> Buffer<'s> {
             return Ok(());
         }
         self.stream.bind()?;
-        let f = api()?.cuMemsetD8Async()?;
         // SAFETY: a live allocation of `len` bytes.
-        check(unsafe { f(self.ptr, value, self.len, self.stream.as_raw()) }, "cuMemsetD8Async")
+        unsafe { driver_call!(cuMemsetD8Async(self.ptr, value, self.len, self.stream.as_raw())) }
     }
 
     /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
@@ -177,9 +172,8 @@ impl<'s> Buffer<'s> {
             return Ok(());
         }
         self.stream.bind()?;
-        let f = api()?.cuMemPrefetchAsync()?;
         // SAFETY: a live managed allocation of `len` bytes.
-        check(unsafe { f(self.ptr, self.len, location.to_raw()?, 0, self.stream.as_raw()) }, "cuMemPrefetchAsync")
+        unsafe { driver_call!(cuMemPrefetchAsync(self.ptr, self.len, location.to_raw()?, 0, self.stream.as_raw())) }
     }
 
     fn host_ptr(&self) -> Result<*mut u8> {
@@ -245,7 +239,6 @@ impl Drop for Buffer<'_> {
 #[inline]
 pub unsafe fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
     stream.bind()?;
-    let f = api()?.cuMemFreeAsync()?;
     // SAFETY: a live allocation, freed once, ordered on its stream.
-    check(unsafe { f(ptr, stream.as_raw()) }, "cuMemFreeAsync")
+    unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }
 }

@@ -1,8 +1,8 @@
 //! The primary context of a device: retained, made current, released.
 
 use crate::device::Device;
-use crate::driver::api;
-use crate::error::{check, Result};
+use crate::driver::driver_call;
+use crate::error::Result;
 use crate::handle::Shared;
 use cumempool_sys as sys;
 use std::sync::Arc;
@@ -22,10 +22,9 @@ struct Retained {
 
 impl Context {
     pub(crate) fn retain_primary(device: Device) -> Result<Self> {
-        let f = api()?.cuDevicePrimaryCtxRetain()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle.
-        check(unsafe { f(&mut raw, device.as_raw()) }, "cuDevicePrimaryCtxRetain")?;
+        unsafe { driver_call!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
         Ok(Self(Arc::new(Retained { raw: Shared(raw), device })))
     }
 
@@ -43,9 +42,8 @@ impl Context {
     ///
     /// See [cuCtxSetCurrent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
     pub fn make_current(&self) -> Result<()> {
-        let f = api()?.cuCtxSetCurrent()?;
         // SAFETY: a retained context.
-        check(unsafe { f(self.0.raw.0) }, "cuCtxSetCurrent")
+        unsafe { driver_call!(cuCtxSetCurrent(self.0.raw.0)) }
     }
 
     /// Makes this context current unless it already is.
@@ -55,10 +53,9 @@ impl Context {
     /// may have changed the current context since this crate last set it.
     #[inline]
     pub(crate) fn ensure_current(&self) -> Result<()> {
-        let get = api()?.cuCtxGetCurrent()?;
         let mut current = std::ptr::null_mut();
         // SAFETY: a valid out-pointer.
-        check(unsafe { get(&mut current) }, "cuCtxGetCurrent")?;
+        unsafe { driver_call!(cuCtxGetCurrent(&mut current)) }?;
         if current == self.0.raw.0 {
             return Ok(());
         }
@@ -68,29 +65,24 @@ impl Context {
     /// Waits for all work in this context.
     pub fn synchronize(&self) -> Result<()> {
         self.ensure_current()?;
-        let f = api()?.cuCtxSynchronize()?;
         // SAFETY: a retained context (cuCtxSynchronize_v2 takes it explicitly).
-        check(unsafe { f(self.0.raw.0) }, "cuCtxSynchronize")
+        unsafe { driver_call!(cuCtxSynchronize(self.0.raw.0)) }
     }
 
     /// Free and total memory of this context's device, in bytes.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.ensure_current()?;
-        let f = api()?.cuMemGetInfo()?;
         let (mut free, mut total) = (0, 0);
         // SAFETY: valid out-pointers; the context is current.
-        check(unsafe { f(&mut free, &mut total) }, "cuMemGetInfo")?;
+        unsafe { driver_call!(cuMemGetInfo(&mut free, &mut total)) }?;
         Ok((free, total))
     }
 }
 
 impl Drop for Retained {
     fn drop(&mut self) {
-        let result = api().and_then(|d| {
-            let f = d.cuDevicePrimaryCtxRelease()?;
-            // SAFETY: balances the retain in `retain_primary`.
-            check(unsafe { f(self.device.as_raw()) }, "cuDevicePrimaryCtxRelease")
-        });
+        // SAFETY: balances the retain in `retain_primary`.
+        let result = unsafe { driver_call!(cuDevicePrimaryCtxRelease(self.device.as_raw())) };
         if let Err(error) = result {
             tracing::warn!(%error, device = self.device.ordinal(), "releasing a primary context failed");
         }

@@ -57,8 +57,8 @@ fn retrying<T>(mut call: impl FnMut() -> rustix::io::Result<T>) -> rustix::io::R
 /// Sends `fd` with `payload` (at least one byte) as one message.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for an empty payload, [`Error::Io`] when the socket fails, and
-/// [`Error::Sharing`] when only part of the payload went out.
+/// [`Error::InvalidArgument`] for an empty payload, [`Error::Io`] when the socket fails or only
+/// part of the payload went out.
 pub fn send_fd(socket: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> Result<()> {
     if payload.is_empty() {
         return Err(Error::InvalidArgument {
@@ -74,9 +74,12 @@ pub fn send_fd(socket: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> Resul
     let sent = retrying(|| sendmsg(socket, &iov, &mut control, SendFlags::NOSIGNAL))
         .map_err(|e| io_error("sending a descriptor", e.into()))?;
     if sent < payload.len() {
-        return Err(Error::Sharing {
+        return Err(Error::Io {
             what: "sending a descriptor",
-            reason: format!("only {sent} of {} bytes were sent", payload.len()),
+            source: std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                format!("only {sent} of {} bytes were sent", payload.len()),
+            ),
         });
     }
     Ok(())
@@ -89,7 +92,7 @@ pub fn send_fd(socket: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> Resul
 /// cannot make this process keep descriptors it did not ask for.
 ///
 /// # Errors
-/// [`Error::Io`] when the socket fails, [`Error::Sharing`] for the refusals above.
+/// [`Error::Io`] when the socket fails, [`Error::MalformedMessage`] for the refusals above.
 pub fn receive_fd(socket: &UnixStream, payload: &mut [u8]) -> Result<(OwnedFd, usize)> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_DESCRIPTORS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -103,7 +106,7 @@ pub fn receive_fd(socket: &UnixStream, payload: &mut [u8]) -> Result<(OwnedFd, u
             descriptors.extend(fds);
         }
     }
-    let refuse = |reason: String| Err(Error::Sharing { what: "receiving a descriptor", reason });
+    let refuse = |reason: String| Err(Error::MalformedMessage { what: "receiving a descriptor", reason });
     if received.flags.contains(ReturnFlags::CTRUNC) {
         return refuse(format!(
             "the message brought more descriptors than the {MAX_DESCRIPTORS} it may; all {} received were closed",
@@ -167,7 +170,7 @@ pub fn receive_pool(socket: &UnixStream) -> Result<ReceivedPool> {
     let mut message = [0u8; POOL_MESSAGE_LEN];
     let (fd, len) = receive_fd(socket, &mut message)?;
     if len != POOL_MESSAGE_LEN || &message[..8] != POOL_MAGIC {
-        return Err(Error::Sharing {
+        return Err(Error::MalformedMessage {
             what: "receiving a pool",
             reason: "the message is not a cumempool pool message (send it with send_pool)".into(),
         });

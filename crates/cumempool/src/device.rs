@@ -1,8 +1,8 @@
 //! CUDA devices: enumeration and the attributes that matter to pools.
 
 use crate::context::Context;
-use crate::driver::api;
-use crate::error::{check, Error, Result};
+use crate::driver::driver_call;
+use crate::error::{Error, Result};
 use crate::handle_types::HandleTypes;
 use cumempool_sys as sys;
 use std::ffi::c_char;
@@ -63,10 +63,9 @@ impl Device {
         if let Some(count) = COUNT.get() {
             return Ok(*count);
         }
-        let f = api()?.cuDeviceGetCount()?;
         let mut count = 0;
         // SAFETY: valid out-pointer.
-        check(unsafe { f(&mut count) }, "cuDeviceGetCount")?;
+        unsafe { driver_call!(cuDeviceGetCount(&mut count)) }?;
         Ok(*COUNT.get_or_init(|| count))
     }
 
@@ -78,10 +77,9 @@ impl Device {
         if !(0..count).contains(&ordinal) {
             return Err(Error::InvalidDevice { ordinal, count });
         }
-        let f = api()?.cuDeviceGet()?;
         let mut raw = 0;
         // SAFETY: valid out-pointer; the ordinal is in range.
-        check(unsafe { f(&mut raw, ordinal) }, "cuDeviceGet")?;
+        unsafe { driver_call!(cuDeviceGet(&mut raw, ordinal)) }?;
         Ok(Self { ordinal, raw })
     }
 
@@ -102,29 +100,26 @@ impl Device {
 
     /// The marketing name, such as `NVIDIA H200`.
     pub fn name(self) -> Result<String> {
-        let f = api()?.cuDeviceGetName()?;
         let mut buffer = [0 as c_char; 256];
         // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
-        check(unsafe { f(buffer.as_mut_ptr(), buffer.len() as i32, self.raw) }, "cuDeviceGetName")?;
+        unsafe { driver_call!(cuDeviceGetName(buffer.as_mut_ptr(), buffer.len() as i32, self.raw)) }?;
         let bytes: Vec<u8> = buffer.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
     /// The device's UUID.
     pub fn uuid(self) -> Result<[u8; 16]> {
-        let f = api()?.cuDeviceGetUuid()?;
         let mut uuid = sys::CUuuid::default();
         // SAFETY: valid out-pointer.
-        check(unsafe { f(&mut uuid, self.raw) }, "cuDeviceGetUuid")?;
+        unsafe { driver_call!(cuDeviceGetUuid(&mut uuid, self.raw)) }?;
         Ok(uuid.bytes.map(|b| b as u8))
     }
 
     /// Total memory of the device, in bytes.
     pub fn total_memory(self) -> Result<usize> {
-        let f = api()?.cuDeviceTotalMem()?;
         let mut bytes = 0;
         // SAFETY: valid out-pointer.
-        check(unsafe { f(&mut bytes, self.raw) }, "cuDeviceTotalMem")?;
+        unsafe { driver_call!(cuDeviceTotalMem(&mut bytes, self.raw)) }?;
         Ok(bytes)
     }
 
@@ -132,10 +127,9 @@ impl Device {
     ///
     /// See [cuDeviceGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
     pub fn attribute(self, attribute: sys::CUdevice_attribute) -> Result<i32> {
-        let f = api()?.cuDeviceGetAttribute()?;
         let mut value = 0;
         // SAFETY: valid out-pointer.
-        check(unsafe { f(&mut value, attribute, self.raw) }, "cuDeviceGetAttribute")?;
+        unsafe { driver_call!(cuDeviceGetAttribute(&mut value, attribute, self.raw)) }?;
         Ok(value)
     }
 
@@ -175,10 +169,9 @@ impl Device {
     ///
     /// See [cuDeviceCanAccessPeer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html).
     pub fn can_access_peer(self, peer: Device) -> Result<bool> {
-        let f = api()?.cuDeviceCanAccessPeer()?;
         let mut can = 0;
         // SAFETY: valid out-pointer.
-        check(unsafe { f(&mut can, self.raw, peer.raw) }, "cuDeviceCanAccessPeer")?;
+        unsafe { driver_call!(cuDeviceCanAccessPeer(&mut can, self.raw, peer.raw)) }?;
         Ok(can != 0)
     }
 

@@ -1,6 +1,6 @@
 //! The process's driver: loaded and initialised once, and its version.
 
-use crate::error::{Error, Result};
+use crate::error::{DriverError, Error, Result};
 use cumempool_sys as sys;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -70,6 +70,58 @@ fn load_and_init() -> Result<&'static sys::Driver, InitFailure> {
     Ok(driver)
 }
 
+/// What a driver entry point answered, with the function's name, so an error names the call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Answer {
+    pub(crate) code: sys::CUresult,
+    pub(crate) function: &'static str,
+}
+
+impl Answer {
+    /// `Ok` for `CUDA_SUCCESS`, else [`Error::Driver`] naming the function.
+    #[inline]
+    pub(crate) fn check(self) -> Result<()> {
+        if self.code == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(self.error())
+        }
+    }
+
+    /// The driver's answer as an error's cause.
+    #[cold]
+    pub(crate) fn cause(self) -> DriverError {
+        DriverError::new(self.function, self.code)
+    }
+
+    /// The error for this answer (whatever it is).
+    #[cold]
+    pub(crate) fn error(self) -> Error {
+        Error::Driver(self.cause())
+    }
+}
+
+/// The one path to the driver: resolves `cuX`, calls it with the arguments, and answers an
+/// [`Answer`] naming the function, without judging the code. Use inside `unsafe`, with the
+/// call's `// SAFETY:` reasoning.
+macro_rules! driver_answer {
+    ($name:ident($($arg:expr),* $(,)?)) => {
+        match $crate::driver::api().and_then(|driver| driver.$name().map_err($crate::Error::Load)) {
+            Ok(function) => Ok($crate::driver::Answer { code: function($($arg),*), function: stringify!($name) }),
+            Err(error) => Err(error),
+        }
+    };
+}
+
+/// [`driver_answer!`], with any code but `CUDA_SUCCESS` turned into [`Error::Driver`].
+macro_rules! driver_call {
+    ($name:ident($($arg:expr),* $(,)?)) => {
+        $crate::driver::driver_answer!($name($($arg),*)).and_then($crate::driver::Answer::check)
+    };
+}
+
+pub(crate) use {driver_answer, driver_call};
+
 /// Loads and initialises the driver (`cuInit`), once per process.
 ///
 /// Every other call does this on first use; call it to learn early whether a driver is there.
@@ -124,9 +176,9 @@ pub fn bindings_version() -> DriverVersion {
 
 /// Fails with [`Error::DriverTooOld`] unless the driver is at least `needs`.
 pub(crate) fn require(feature: &'static str, needs: DriverVersion) -> Result<()> {
-    let found = api()?.version();
-    if found < needs.0 {
-        return Err(Error::DriverTooOld { feature, needs: needs.0, found });
+    let found = DriverVersion(api()?.version());
+    if found < needs {
+        return Err(Error::DriverTooOld { feature, needs, found });
     }
     Ok(())
 }

@@ -1,11 +1,39 @@
-//! The crate's one error type.
+//! The crate's one error type, and the driver's answer it carries when the driver refused.
 
-use crate::location::Route;
+use crate::location::{Location, Route};
+use crate::pool::Access;
 use cumempool_sys as sys;
 use std::ffi::CStr;
 
 /// `Result` with this crate's [`enum@Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A driver call that did not return `CUDA_SUCCESS`: which call, and what it answered.
+///
+/// Every error of this crate that comes from the driver carries one (as its
+/// [`source`](std::error::Error::source) or as [`Error::Driver`]), so
+/// [`Error::cuda_code`] always has the `CUresult`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{function} failed with {name} ({code}): {description}")]
+pub struct DriverError {
+    /// The entry point, such as `cuMemPoolCreate`.
+    pub function: &'static str,
+    /// The raw `CUresult`.
+    pub code: u32,
+    /// Its name, such as `CUDA_ERROR_INVALID_VALUE`.
+    pub name: String,
+    /// The driver's description of it.
+    pub description: String,
+}
+
+impl DriverError {
+    /// The driver's answer `code` from `function`, named by the driver where it can.
+    #[cold]
+    pub fn new(function: &'static str, code: sys::CUresult) -> Self {
+        let (name, description) = describe(code);
+        Self { function, code: code.0, name, description }
+    }
+}
 
 /// Everything that can go wrong, each variant saying what was wrong and what would be right.
 #[derive(Debug, thiserror::Error)]
@@ -20,27 +48,18 @@ pub enum Error {
     ForkedChild,
 
     /// A driver call failed.
-    #[error("{during} failed with {name} ({code}): {description}")]
-    Driver {
-        /// The raw `CUresult`.
-        code: u32,
-        /// Its name, such as `CUDA_ERROR_INVALID_VALUE`.
-        name: String,
-        /// The driver's description of it.
-        description: String,
-        /// What was being done.
-        during: &'static str,
-    },
+    #[error(transparent)]
+    Driver(#[from] DriverError),
 
     /// The pool, or the device behind it, could not supply the memory.
-    #[error("out of memory: {during} could not allocate {requested} bytes{}", limit_hint(*.limit))]
+    #[error("out of memory: {function} could not allocate {requested} bytes{}", limit_hint(*.limit))]
     OutOfMemory {
         /// The bytes asked for.
         requested: usize,
         /// The pool's maximum size, where one was set.
         limit: Option<u64>,
-        /// What was being done.
-        during: &'static str,
+        /// The driver call that ran out.
+        function: &'static str,
     },
 
     /// A device ordinal that does not exist on this machine.
@@ -61,39 +80,34 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A location that cannot be given to the driver.
+    #[error("{location} cannot be given to the driver: {reason}")]
+    InvalidLocation {
+        /// The location.
+        location: Location,
+        /// Why, and what would be right.
+        reason: &'static str,
+    },
+
     /// The driver refused a route (it has no pool there, or not on this machine).
-    #[error("the driver refused {route} in {during}: {name} ({code}): {description}")]
+    #[error("the driver refused {route}: {cause}")]
     RouteRefused {
         /// The route asked for.
         route: Route,
-        /// The raw `CUresult`.
-        code: u32,
-        /// Its name, such as `CUDA_ERROR_NOT_SUPPORTED`.
-        name: String,
-        /// The driver's description of it.
-        description: String,
-        /// The driver call.
-        during: &'static str,
-    },
-
-    /// A location given where the driver accepts only other kinds.
-    #[error("{what}: {reason}")]
-    InvalidLocation {
-        /// What was being done.
-        what: &'static str,
-        /// What was wrong, and what would be right.
-        reason: String,
+        /// The driver's answer.
+        #[source]
+        cause: DriverError,
     },
 
     /// The running driver is too old for a feature.
-    #[error("{feature} needs a CUDA {} driver or newer; the running driver is CUDA {}", sys::version_label(*.needs), sys::version_label(*.found))]
+    #[error("{feature} needs a CUDA {needs} driver or newer; the running driver is CUDA {found}")]
     DriverTooOld {
         /// What was asked for.
         feature: &'static str,
         /// The driver version it needs.
-        needs: i32,
+        needs: crate::DriverVersion,
         /// The running driver's version.
-        found: i32,
+        found: crate::DriverVersion,
     },
 
     /// A pool given for a route it cannot serve.
@@ -116,13 +130,16 @@ pub enum Error {
     #[error("the pool was not destroyed: driver 580 crashes in cuMemPoolDestroy on a pool whose fabric export it refused, so it is left alive (leaked) for the rest of the process")]
     UnsafeToDestroy,
 
-    /// A pool creation the driver refused, with the reason where it is known.
+    /// A pool creation the driver refused, with the likeliest reason.
     #[error("cannot create a pool for {route}: {reason}")]
     PoolCreation {
         /// The route asked for.
         route: Route,
         /// Why the driver refuses it, and what would work.
         reason: String,
+        /// The driver's answer.
+        #[source]
+        cause: DriverError,
     },
 
     /// Host code asked for memory the host cannot touch.
@@ -139,12 +156,66 @@ pub enum Error {
         device: i32,
     },
 
-    /// Sharing a pool or an allocation with another process failed.
-    #[error("{what}: {reason}")]
-    Sharing {
+    /// More bytes than a buffer holds.
+    #[error("{what}: {requested} bytes do not fit the buffer's {capacity} bytes")]
+    DoesNotFit {
         /// What was being done.
         what: &'static str,
-        /// What was wrong, and what would be right.
+        /// The bytes asked for.
+        requested: usize,
+        /// The buffer's size.
+        capacity: usize,
+    },
+
+    /// An access a device cannot be given to a pool.
+    #[error("device {device} cannot be given {access:?} access to this pool: {reason}")]
+    AccessNotGrantable {
+        /// The device.
+        device: i32,
+        /// The access asked for.
+        access: Access,
+        /// Why, and what would work.
+        reason: &'static str,
+    },
+
+    /// A raw stream handle that cannot be borrowed safely.
+    #[error("this stream handle cannot be borrowed: {reason}")]
+    StreamNotBorrowable {
+        /// Why, and what would work.
+        reason: &'static str,
+    },
+
+    /// An allocation from a pool imported from another process.
+    #[error("allocating from an imported pool: the driver only lets the exporting process allocate; allocate there and share the pointer with Buffer::export")]
+    ImportedPoolAllocation,
+
+    /// A pool or allocation that cannot be shared as asked (checked before the driver).
+    #[error("{what}: {reason}")]
+    NotShareable {
+        /// What was being done.
+        what: &'static str,
+        /// Why, and what would work.
+        reason: String,
+    },
+
+    /// The driver refused to export or import a pool or an allocation.
+    #[error("{what}: {cause}; {hint}")]
+    SharingRefused {
+        /// What was being done.
+        what: &'static str,
+        /// What the call needs, in the library's words.
+        hint: &'static str,
+        /// The driver's answer.
+        #[source]
+        cause: DriverError,
+    },
+
+    /// Bytes from a peer that are not what the sharing protocol sends.
+    #[error("{what}: {reason}")]
+    MalformedMessage {
+        /// What was being received.
+        what: &'static str,
+        /// What was wrong with it.
         reason: String,
     },
 
@@ -176,7 +247,7 @@ pub enum Error {
         value: i64,
     },
 
-    /// A request that cannot be served as asked.
+    /// A request that cannot be served as asked, for a reason no other variant names.
     #[error("{what}: {reason}")]
     InvalidArgument {
         /// What was being done.
@@ -201,7 +272,10 @@ impl Error {
     /// The raw `CUresult` when the driver reported the failure.
     pub fn cuda_code(&self) -> Option<u32> {
         match self {
-            Self::Driver { code, .. } | Self::RouteRefused { code, .. } => Some(*code),
+            Self::Driver(cause)
+            | Self::RouteRefused { cause, .. }
+            | Self::PoolCreation { cause, .. }
+            | Self::SharingRefused { cause, .. } => Some(cause.code),
             Self::OutOfMemory { .. } => Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0),
             _ => None,
         }
@@ -216,14 +290,13 @@ impl Error {
 
     /// Builds the error for a failed driver call, with the driver's name for the code.
     #[cold]
-    pub(crate) fn driver(code: sys::CUresult, during: &'static str) -> Self {
-        let (name, description) = describe(code);
-        Self::Driver { code: code.0, name, description, during }
+    pub(crate) fn driver(code: sys::CUresult, function: &'static str) -> Self {
+        Self::Driver(DriverError::new(function, code))
     }
 }
 
 /// The driver's name and description of `code`, or a stand-in when the driver cannot say.
-pub(crate) fn describe(code: sys::CUresult) -> (String, String) {
+fn describe(code: sys::CUresult) -> (String, String) {
     let text = |f: Option<sys::PFN_cuGetErrorName>| -> Option<String> {
         let f = f?;
         let mut ptr: *const std::ffi::c_char = std::ptr::null();
@@ -247,12 +320,26 @@ pub fn error_name(code: sys::CUresult) -> String {
     describe(code).0
 }
 
-/// `Ok` for `CUDA_SUCCESS`, else the driver error for `during`.
-#[inline]
-pub(crate) fn check(code: sys::CUresult, during: &'static str) -> Result<()> {
-    if code == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::driver(code, during))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn driver_refusals_keep_their_code_and_chain_their_cause() {
+        let cause = DriverError {
+            function: "cuMemPoolCreate",
+            code: 1,
+            name: "CUDA_ERROR_INVALID_VALUE".into(),
+            description: "invalid argument".into(),
+        };
+        let error = Error::PoolCreation { route: Route::host(), reason: "because".into(), cause: cause.clone() };
+        assert_eq!(error.cuda_code(), Some(1));
+        let source = error.source().map(ToString::to_string).unwrap_or_default();
+        assert!(source.contains("cuMemPoolCreate") && source.contains("CUDA_ERROR_INVALID_VALUE"), "{source}");
+        let io = Error::Io { what: "receiving", source: std::io::Error::from(std::io::ErrorKind::BrokenPipe) };
+        let kind = io.source().and_then(|s| s.downcast_ref::<std::io::Error>()).map(std::io::Error::kind);
+        assert_eq!(kind, Some(std::io::ErrorKind::BrokenPipe), "the io::Error's kind survives");
+        assert!(Error::Driver(DriverError { code: 2, ..cause }).is_out_of_memory());
     }
 }

@@ -37,16 +37,10 @@ impl Location {
         use sys::CUmemLocationType as T;
         let (type_, id) = match self {
             Self::Device(ordinal) if ordinal < 0 => {
-                return Err(Error::InvalidLocation {
-                    what: "device location",
-                    reason: format!("device ordinal {ordinal} is negative; ordinals start at 0"),
-                })
+                return Err(Error::InvalidLocation { location: self, reason: "device ordinals start at 0" })
             }
             Self::HostNuma(node) if node < 0 => {
-                return Err(Error::InvalidLocation {
-                    what: "host NUMA location",
-                    reason: format!("NUMA node {node} is negative; nodes are numbered from 0"),
-                })
+                return Err(Error::InvalidLocation { location: self, reason: "NUMA nodes are numbered from 0" })
             }
             Self::Device(ordinal) => (T::CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
             Self::Host => (T::CU_MEM_LOCATION_TYPE_HOST, 0),
@@ -56,8 +50,8 @@ impl Location {
             #[cfg(feature = "cuda-13020")]
             Self::Invisible => {
                 return Err(Error::InvalidLocation {
-                    what: "invisible location",
-                    reason: "the driver only reports Invisible for imported pools; it is never an input".into(),
+                    location: self,
+                    reason: "the driver only reports Invisible for imported pools; it is never an input",
                 })
             }
         };
@@ -303,7 +297,7 @@ mod tests {
     fn negative_ids_are_refused_before_the_driver() {
         assert!(Location::Device(-1).to_raw().is_err());
         let text = Location::HostNuma(-2).to_raw().err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(text.contains("-2") && text.contains("negative"), "{text}");
+        assert!(text.contains("-2") && text.contains("numbered from 0"), "{text}");
     }
 
     #[test]

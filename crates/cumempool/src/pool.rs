@@ -3,8 +3,8 @@
 
 use crate::buffer::Buffer;
 use crate::device::Device;
-use crate::driver::api;
-use crate::error::{check, Error, Result};
+use crate::driver::{driver_answer, driver_call};
+use crate::error::{DriverError, Error, Result};
 use crate::handle::Shared;
 use crate::handle_types::HandleTypes;
 use crate::location::{AllocationType, Location, Route};
@@ -47,10 +47,9 @@ impl Owner {
             // was refused. Leaking the pool is the lesser harm.
             return Err(Error::UnsafeToDestroy);
         }
-        let f = api()?.cuMemPoolDestroy()?;
         // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking sole
         // ownership and forgetting the owner).
-        check(unsafe { f(self.raw.0) }, "cuMemPoolDestroy")?;
+        unsafe { driver_call!(cuMemPoolDestroy(self.raw.0)) }?;
         tracing::debug!(pool = ?self.raw.0, imported = self.imported, "memory pool destroyed");
         Ok(())
     }
@@ -184,9 +183,8 @@ impl Pool {
     ///
     /// See [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
-        let f = api()?.cuMemPoolTrimTo()?;
         // SAFETY: a live pool.
-        check(unsafe { f(self.raw.0, keep_bytes) }, "cuMemPoolTrimTo")
+        unsafe { driver_call!(cuMemPoolTrimTo(self.raw.0, keep_bytes)) }
     }
 
     /// Sets the access of `device` to this pool's memory.
@@ -194,7 +192,11 @@ impl Pool {
     /// The owning device always has read-write access; the driver refuses to lower it
     /// (`CUDA_ERROR_NOT_SUPPORTED`), and so does this method, with that reason. Driver 580
     /// (CUDA 13.0) also refuses read-only access for peers; that comes back as
-    /// [`Error::InvalidArgument`] saying so.
+    /// [`Error::AccessNotGrantable`] saying so.
+    ///
+    /// # Errors
+    /// [`Error::AccessNotGrantable`] for the refusals above, else the driver's answer.
+    ///
     /// See [cuMemPoolSetAccess](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn set_access(&self, device: Device, access: Access) -> Result<()> {
         self.set_access_many(&[(device, access)])
@@ -206,12 +208,10 @@ impl Pool {
         if let Some((device, access)) =
             grants.iter().find(|(d, a)| Some(d.ordinal()) == owner && *a != Access::ReadWrite)
         {
-            return Err(Error::InvalidArgument {
-                what: "setting pool access",
-                reason: format!(
-                    "device {} owns the pool and always has read-write access; {access:?} cannot be set for it",
-                    device.ordinal()
-                ),
+            return Err(Error::AccessNotGrantable {
+                device: device.ordinal(),
+                access: *access,
+                reason: "the device owns the pool and always has read-write access",
             });
         }
         let descriptors: Vec<sys::CUmemAccessDesc> = grants
@@ -224,17 +224,20 @@ impl Pool {
                 flags: access.to_raw(),
             })
             .collect();
-        let f = api()?.cuMemPoolSetAccess()?;
         // SAFETY: a live pool and `len` valid descriptors.
-        let code = unsafe { f(self.raw.0, descriptors.as_ptr(), descriptors.len()) };
-        if code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED && grants.iter().any(|(_, a)| *a == Access::Read) {
+        let answer =
+            unsafe { driver_answer!(cuMemPoolSetAccess(self.raw.0, descriptors.as_ptr(), descriptors.len())) }?;
+        if answer.code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED {
             // Seen on driver 580 (13.0): pools take read-write or no access for peers, not read-only.
-            return Err(Error::InvalidArgument {
-                what: "setting pool access",
-                reason: "the driver does not support read-only access to pool memory (CUDA_ERROR_NOT_SUPPORTED); grant Access::ReadWrite or Access::None".into(),
-            });
+            if let Some((device, access)) = grants.iter().find(|(_, a)| *a == Access::Read) {
+                return Err(Error::AccessNotGrantable {
+                    device: device.ordinal(),
+                    access: *access,
+                    reason: "the driver does not support read-only access to pool memory (CUDA_ERROR_NOT_SUPPORTED); grant Access::ReadWrite or Access::None",
+                });
+            }
         }
-        check(code, "cuMemPoolSetAccess")
+        answer.check()
     }
 
     /// The access `device` has to this pool's memory.
@@ -244,11 +247,10 @@ impl Pool {
 
     /// The access a location (a device, or the host) has to this pool's memory.
     pub fn access_from(&self, location: Location) -> Result<Access> {
-        let f = api()?.cuMemPoolGetAccess()?;
         let mut raw_location = location.to_raw()?;
         let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
         // SAFETY: valid pointers; a live pool.
-        check(unsafe { f(&mut flags, self.raw.0, &mut raw_location) }, "cuMemPoolGetAccess")?;
+        unsafe { driver_call!(cuMemPoolGetAccess(&mut flags, self.raw.0, &mut raw_location)) }?;
         Access::from_raw(flags)
     }
 
@@ -276,22 +278,18 @@ impl Pool {
     #[inline]
     pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
         if self.is_imported() {
-            return Err(Error::InvalidArgument {
-                what: "allocating from an imported pool",
-                reason: "the driver only lets the exporting process allocate; allocate there and share the pointer with Buffer::export".into(),
-            });
+            return Err(Error::ImportedPoolAllocation);
         }
         stream.bind()?;
-        let f = api()?.cuMemAllocFromPoolAsync()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer, live pool and stream, context current.
-        let code = unsafe { f(&mut ptr, bytes, self.raw.0, stream.as_raw()) };
-        match code {
+        let answer = unsafe { driver_answer!(cuMemAllocFromPoolAsync(&mut ptr, bytes, self.raw.0, stream.as_raw())) }?;
+        match answer.code {
             sys::CUresult::CUDA_SUCCESS => Ok(ptr),
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                Err(Error::OutOfMemory { requested: bytes, limit: self.max_size, during: "cuMemAllocFromPoolAsync" })
+                Err(Error::OutOfMemory { requested: bytes, limit: self.max_size, function: answer.function })
             }
-            code => Err(Error::driver(code, "cuMemAllocFromPoolAsync")),
+            _ => Err(answer.error()),
         }
     }
 }
@@ -474,18 +472,19 @@ impl PoolBuilder {
     /// See [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn build(self) -> Result<MemPool> {
         let props = self.to_props()?;
-        let f = api()?.cuMemPoolCreate()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and props.
-        let code = unsafe { f(&mut raw, &props) };
-        if code == sys::CUresult::CUDA_ERROR_INVALID_VALUE || code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED {
-            let (name, _) = crate::error::describe(code);
+        let answer = unsafe { driver_answer!(cuMemPoolCreate(&mut raw, &props)) }?;
+        if answer.code == sys::CUresult::CUDA_ERROR_INVALID_VALUE
+            || answer.code == sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+        {
             return Err(Error::PoolCreation {
                 route: self.route,
-                reason: format!("{} (driver: {name})", self.refusal_reason()),
+                reason: self.refusal_reason(),
+                cause: DriverError::new(answer.function, answer.code),
             });
         }
-        check(code, "cuMemPoolCreate")?;
+        answer.check()?;
         tracing::info!(route = %self.route, pool = ?raw, max_size = ?self.max_size, handle_types = %self.handle_types, "memory pool created");
         Ok(MemPool(Pool::owned(raw, Some(self.route), self.max_size, false).with_handle_types(self.handle_types)))
     }

@@ -6,7 +6,7 @@
 //! returns a guard that undoes the change, and a pool this crate routed is kept alive for as
 //! long as it is current. The rules for several guards on one route are on [`set_current_pool`].
 
-use crate::driver::api;
+use crate::driver::{driver_answer, Answer};
 use crate::error::{Error, Result};
 use crate::handle::Shared;
 use crate::location::Route;
@@ -16,10 +16,13 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-#[cold]
-fn refused(route: Route, code: sys::CUresult, during: &'static str) -> Error {
-    let (name, description) = crate::error::describe(code);
-    Error::RouteRefused { route, code: code.0, name, description, during }
+/// `Ok` for `CUDA_SUCCESS`, else [`Error::RouteRefused`] with the driver's answer.
+fn route_answer(route: Route, answer: Answer) -> Result<()> {
+    if answer.code == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::RouteRefused { route, cause: answer.cause() })
+    }
 }
 
 /// What this crate knows of each route it changed. See [`set_current_pool`] for the rules.
@@ -74,37 +77,24 @@ impl RouteStack {
 /// See [cuMemGetDefaultMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn default_pool(route: Route) -> Result<PoolRef> {
     let (mut location, allocation_type) = route.to_raw()?;
-    let f = api()?.cuMemGetDefaultMemPool()?;
     let mut raw = std::ptr::null_mut();
     // SAFETY: valid out-pointer and location.
-    let code = unsafe { f(&mut raw, &mut location, allocation_type) };
-    if code != sys::CUresult::CUDA_SUCCESS {
-        return Err(refused(route, code, "cuMemGetDefaultMemPool"));
-    }
+    route_answer(route, unsafe { driver_answer!(cuMemGetDefaultMemPool(&mut raw, &mut location, allocation_type)) }?)?;
     Ok(PoolRef::new(Pool::borrowed(raw, Some(route))))
 }
 
 fn current_raw(route: Route) -> Result<sys::CUmemoryPool> {
     let (mut location, allocation_type) = route.to_raw()?;
-    let f = api()?.cuMemGetMemPool()?;
     let mut raw = std::ptr::null_mut();
     // SAFETY: valid out-pointer and location.
-    let code = unsafe { f(&mut raw, &mut location, allocation_type) };
-    if code != sys::CUresult::CUDA_SUCCESS {
-        return Err(refused(route, code, "cuMemGetMemPool"));
-    }
+    route_answer(route, unsafe { driver_answer!(cuMemGetMemPool(&mut raw, &mut location, allocation_type)) }?)?;
     Ok(raw)
 }
 
 fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
     let (mut location, allocation_type) = route.to_raw()?;
-    let f = api()?.cuMemSetMemPool()?;
     // SAFETY: valid location and a live pool.
-    let code = unsafe { f(&mut location, allocation_type, pool) };
-    if code != sys::CUresult::CUDA_SUCCESS {
-        return Err(refused(route, code, "cuMemSetMemPool"));
-    }
-    Ok(())
+    route_answer(route, unsafe { driver_answer!(cuMemSetMemPool(&mut location, allocation_type, pool)) }?)
 }
 
 /// The current pool of `route`: the last one set for it, else its default pool.

@@ -12,8 +12,8 @@
 //! The driver forbids allocating from an imported pool; this crate refuses it with that reason.
 
 use crate::buffer::Buffer;
-use crate::driver::api;
-use crate::error::{check, Error, Result};
+use crate::driver::{driver_answer, driver_call, Answer};
+use crate::error::{Error, Result};
 use crate::handle_types::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
@@ -61,7 +61,7 @@ impl SharedAllocation {
     /// the driver does not recognise is refused at import.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         if bytes.len() != Self::ENCODED_LEN {
-            return Err(Error::Sharing {
+            return Err(Error::MalformedMessage {
                 what: "reading shared allocation data",
                 reason: format!(
                     "got {} bytes, expected {} (64 of export data and an 8-byte length): truncated or not export data",
@@ -78,7 +78,7 @@ impl SharedAllocation {
         len.copy_from_slice(&bytes[64..]);
         let len = u64::from_le_bytes(len);
         if len == 0 {
-            return Err(Error::Sharing {
+            return Err(Error::MalformedMessage {
                 what: "reading shared allocation data",
                 reason: "the length is 0; exported allocations are never empty".into(),
             });
@@ -95,18 +95,15 @@ impl Buffer<'_> {
     /// See [cuMemPoolExportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn export(&self) -> Result<SharedAllocation> {
         if self.is_empty() {
-            return Err(Error::Sharing {
+            return Err(Error::NotShareable {
                 what: "exporting an allocation",
                 reason: "an empty buffer has no memory to share".into(),
             });
         }
-        let f = api()?.cuMemPoolExportPointer()?;
         let mut data = sys::CUmemPoolPtrExportData::default();
         // SAFETY: a live pool allocation and a valid out-pointer.
-        let code = unsafe { f(&mut data, self.as_raw()) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            return Err(sharing_error("exporting an allocation", code, "the buffer's pool must be created with an export handle type (MemPool::builder(..).export_handle_types(..)) and shared (Pool::export_fd or descriptor_passing::send_pool) before its allocations are exported"));
-        }
+        let answer = unsafe { driver_answer!(cuMemPoolExportPointer(&mut data, self.as_raw())) }?;
+        refused_unless_success(answer, "exporting an allocation", "the buffer's pool must be created with an export handle type (MemPool::builder(..).export_handle_types(..)) and shared (Pool::export_fd or descriptor_passing::send_pool) before its allocations are exported")?;
         Ok(SharedAllocation { data, len: self.len() as u64 })
     }
 }
@@ -123,23 +120,26 @@ fn imex_channel_present() -> bool {
     std::fs::read_dir(IMEX_CHANNELS).is_ok_and(|mut entries| entries.next().is_some())
 }
 
-#[cold]
-fn sharing_error(what: &'static str, code: sys::CUresult, hint: &str) -> Error {
-    let (name, _) = crate::error::describe(code);
-    Error::Sharing { what, reason: format!("the driver answered {name}: {hint}") }
+/// `Ok` for `CUDA_SUCCESS`, else [`Error::SharingRefused`] with the driver's answer and `hint`.
+fn refused_unless_success(answer: Answer, what: &'static str, hint: &'static str) -> Result<()> {
+    if answer.code == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::SharingRefused { what, hint, cause: answer.cause() })
+    }
 }
 
 impl Pool {
     fn require_export(&self, wanted: HandleTypes, what: &'static str) -> Result<()> {
         if self.is_imported() {
-            return Err(Error::Sharing {
+            return Err(Error::NotShareable {
                 what,
                 reason: "this pool was imported; only the process that created it can export it".into(),
             });
         }
         if let Some(created) = self.created_handle_types() {
             if !created.contains(wanted) {
-                return Err(Error::Sharing {
+                return Err(Error::NotShareable {
                     what,
                     reason: format!("the pool was created with export handle types {created}; create it with MemPool::builder(..).export_handle_types(HandleTypes::{wanted}) to share it"),
                 });
@@ -154,17 +154,24 @@ impl Pool {
     #[cfg(unix)]
     pub fn export_fd(&self) -> Result<OwnedFd> {
         self.require_export(HandleTypes::POSIX_FILE_DESCRIPTOR, "exporting a pool as a file descriptor")?;
-        let f = api()?.cuMemPoolExportToShareableHandle()?;
         let mut fd: std::ffi::c_int = -1;
         let kind = HandleTypes::POSIX_FILE_DESCRIPTOR.to_raw();
         // SAFETY: for POSIX_FILE_DESCRIPTOR the handle is an int.
-        let code = unsafe { f((&mut fd as *mut std::ffi::c_int).cast::<c_void>(), self.as_raw(), kind, 0) };
-        if code != sys::CUresult::CUDA_SUCCESS || fd < 0 {
-            return Err(sharing_error(
-                "exporting a pool as a file descriptor",
-                code,
-                "create the pool with HandleTypes::POSIX_FILE_DESCRIPTOR",
-            ));
+        let answer = unsafe {
+            driver_answer!(cuMemPoolExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast::<c_void>(),
+                self.as_raw(),
+                kind,
+                0
+            ))
+        }?;
+        const HINT: &str = "create the pool with HandleTypes::POSIX_FILE_DESCRIPTOR";
+        refused_unless_success(answer, "exporting a pool as a file descriptor", HINT)?;
+        if fd < 0 {
+            return Err(Error::NotShareable {
+                what: "exporting a pool as a file descriptor",
+                reason: format!("the driver reported success but handed out descriptor {fd}"),
+            });
         }
         // SAFETY: the driver hands over a new descriptor that we now own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -181,38 +188,33 @@ impl Pool {
         if let Some(ordinal) = self.route().and_then(|r| r.location.device()) {
             let supported = crate::Device::get(ordinal)?.supported_handle_types()?;
             if !supported.contains(HandleTypes::FABRIC) {
-                return Err(Error::Sharing {
+                return Err(Error::NotShareable {
                     what: "exporting a pool as a fabric handle",
                     reason: format!("device {ordinal} does not support fabric handles (it supports {supported})"),
                 });
             }
         }
         if !imex_channel_present() {
-            return Err(Error::Sharing {
+            return Err(Error::NotShareable {
                 what: "exporting a pool as a fabric handle",
                 reason: format!("no IMEX channel on this system ({IMEX_CHANNELS} is missing or empty): fabric handles need the IMEX service; within one node share with HandleTypes::POSIX_FILE_DESCRIPTOR"),
             });
         }
-        let f = api()?.cuMemPoolExportToShareableHandle()?;
         let mut handle = sys::CUmemFabricHandle::default();
         // SAFETY: for FABRIC the handle is a CUmemFabricHandle.
-        let code = unsafe {
-            f(
+        let answer = unsafe {
+            driver_answer!(cuMemPoolExportToShareableHandle(
                 (&mut handle as *mut sys::CUmemFabricHandle).cast::<c_void>(),
                 self.as_raw(),
                 HandleTypes::FABRIC.to_raw(),
-                0,
-            )
-        };
-        if code != sys::CUresult::CUDA_SUCCESS {
+                0
+            ))
+        }?;
+        if answer.code != sys::CUresult::CUDA_SUCCESS {
             // Driver 580 crashes in cuMemPoolDestroy after refusing a fabric export.
             self.mark_unsafe_to_destroy();
-            return Err(sharing_error(
-                "exporting a pool as a fabric handle",
-                code,
-                "fabric export needs a pool created with HandleTypes::FABRIC and an IMEX channel; this pool will not be destroyed (the driver crashes destroying it after this refusal)",
-            ));
         }
+        refused_unless_success(answer, "exporting a pool as a fabric handle", "fabric export needs a pool created with HandleTypes::FABRIC and an IMEX channel; this pool will not be destroyed (the driver crashes destroying it after this refusal)")?;
         Ok(handle.data)
     }
 
@@ -224,20 +226,17 @@ impl Pool {
     /// See [cuMemPoolImportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn import_pointer<'s>(&self, shared: &SharedAllocation, stream: &'s Stream) -> Result<Buffer<'s>> {
         if !self.is_imported() {
-            return Err(Error::Sharing {
+            return Err(Error::NotShareable {
                 what: "importing an allocation",
                 reason: "allocations are imported into a pool imported from the exporting process (MemPool::import_fd), not into one of this process's own".into(),
             });
         }
         stream.bind()?;
-        let f = api()?.cuMemPoolImportPointer()?;
         let mut ptr: sys::CUdeviceptr = 0;
         let mut data = shared.data;
         // SAFETY: valid pointers; the driver validates the export data.
-        let code = unsafe { f(&mut ptr, self.as_raw(), &mut data) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            return Err(sharing_error("importing an allocation", code, "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter"));
-        }
+        let answer = unsafe { driver_answer!(cuMemPoolImportPointer(&mut ptr, self.as_raw(), &mut data)) }?;
+        refused_unless_success(answer, "importing an allocation", "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter")?;
         // The length came over the wire: a buffer must never reach past what the driver mapped.
         let checked = mapped_bytes_from(ptr).and_then(|mapped| {
             if shared.len <= mapped {
@@ -261,31 +260,25 @@ impl Pool {
 
 /// The bytes the driver has mapped from `ptr` to the end of its allocation.
 fn mapped_bytes_from(ptr: sys::CUdeviceptr) -> Result<u64> {
-    let f = api()?.cuPointerGetAttribute()?;
+    use sys::CUpointer_attribute as A;
     let mut start: sys::CUdeviceptr = 0;
     let mut size: usize = 0;
-    // SAFETY: RANGE_START_ADDR writes a CUdeviceptr and RANGE_SIZE a size_t.
-    check(
-        unsafe {
-            f(
-                (&mut start as *mut sys::CUdeviceptr).cast::<c_void>(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                ptr,
-            )
-        },
-        "cuPointerGetAttribute(RANGE_START_ADDR)",
-    )?;
-    // SAFETY: as above.
-    check(
-        unsafe {
-            f(
-                (&mut size as *mut usize).cast::<c_void>(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                ptr,
-            )
-        },
-        "cuPointerGetAttribute(RANGE_SIZE)",
-    )?;
+    // SAFETY: RANGE_START_ADDR writes a CUdeviceptr.
+    unsafe {
+        driver_call!(cuPointerGetAttribute(
+            (&mut start as *mut sys::CUdeviceptr).cast::<c_void>(),
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            ptr
+        ))
+    }?;
+    // SAFETY: RANGE_SIZE writes a size_t.
+    unsafe {
+        driver_call!(cuPointerGetAttribute(
+            (&mut size as *mut usize).cast::<c_void>(),
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            ptr
+        ))
+    }?;
     Ok((start + size as u64).saturating_sub(ptr))
 }
 
@@ -302,21 +295,22 @@ impl MemPool {
         let raw = fd.as_fd().as_raw_fd();
         // SAFETY: F_GETFD only reads the descriptor's flags.
         if unsafe { libc::fcntl(raw, libc::F_GETFD) } == -1 {
-            return Err(Error::Sharing { what: "importing a pool", reason: format!("descriptor {raw} is not open") });
+            return Err(Error::NotShareable {
+                what: "importing a pool",
+                reason: format!("descriptor {raw} is not open"),
+            });
         }
-        let f = api()?.cuMemPoolImportFromShareableHandle()?;
         let mut pool = std::ptr::null_mut();
         // The driver takes the descriptor's value smuggled in the pointer argument.
         let handle = raw as isize as *mut c_void;
+        let kind = HandleTypes::POSIX_FILE_DESCRIPTOR.to_raw();
         // SAFETY: a valid out-pointer and an open descriptor.
-        let code = unsafe { f(&mut pool, handle, HandleTypes::POSIX_FILE_DESCRIPTOR.to_raw(), 0) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            return Err(sharing_error(
-                "importing a pool",
-                code,
-                "the descriptor must come from Pool::export_fd in another process",
-            ));
-        }
+        let answer = unsafe { driver_answer!(cuMemPoolImportFromShareableHandle(&mut pool, handle, kind, 0)) }?;
+        refused_unless_success(
+            answer,
+            "importing a pool",
+            "the descriptor must come from Pool::export_fd in another process",
+        )?;
         tracing::info!(pool = ?pool, "memory pool imported");
         let imported = Pool::owned(pool, None, None, true);
         let route = imported.location().ok().zip(imported.allocation_type().ok());

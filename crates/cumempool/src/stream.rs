@@ -1,8 +1,8 @@
 //! Streams and events: the order in which pool memory is handed out and given back.
 
 use crate::context::Context;
-use crate::driver::api;
-use crate::error::{check, Error, Result};
+use crate::driver::{driver_answer, driver_call};
+use crate::error::{Error, Result};
 use crate::handle::Shared;
 use cumempool_sys as sys;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -67,11 +67,10 @@ impl Stream {
     /// See [cuStreamCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1ga581f0c5833e21ded8b5a56594e243f4).
     pub fn new(context: &Context) -> Result<Self> {
         context.ensure_current()?;
-        let f = api()?.cuStreamCreate()?;
         let mut raw = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
         // SAFETY: valid out-pointer; the context is current.
-        check(unsafe { f(&mut raw, flags) }, "cuStreamCreate")?;
+        unsafe { driver_call!(cuStreamCreate(&mut raw, flags)) }?;
         Ok(Self::from_parts(raw, Some(context.clone()), true))
     }
 
@@ -91,7 +90,7 @@ impl Stream {
     /// `Stream` may move between threads): use [`Stream::legacy`] or a stream of your own.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for the refused handles above.
+    /// [`Error::StreamNotBorrowable`] for the refused handles above.
     ///
     /// # Safety
     /// `raw` must be a valid stream (of `context`, if given) and must outlive every clone of the
@@ -99,13 +98,11 @@ impl Stream {
     /// clone until they are released.
     pub unsafe fn borrow_raw(raw: sys::CUstream, context: Option<&Context>) -> Result<Self> {
         match (raw as usize, context) {
-            (PER_THREAD_HANDLE, _) => Err(Error::InvalidArgument {
-                what: "borrowing a stream",
-                reason: "CU_STREAM_PER_THREAD names a different stream on every thread, and a Stream may move between threads; borrow a stream you created, or use Stream::legacy(&context)".into(),
+            (PER_THREAD_HANDLE, _) => Err(Error::StreamNotBorrowable {
+                reason: "CU_STREAM_PER_THREAD names a different stream on every thread, and a Stream may move between threads; borrow a stream you created, or use Stream::legacy(&context)",
             }),
-            (0 | LEGACY_HANDLE, None) => Err(Error::InvalidArgument {
-                what: "borrowing a stream",
-                reason: "the legacy stream handle names the legacy stream of whichever context is current; give its context (or use Stream::legacy(&context))".into(),
+            (0 | LEGACY_HANDLE, None) => Err(Error::StreamNotBorrowable {
+                reason: "the legacy stream handle names the legacy stream of whichever context is current; give its context (or use Stream::legacy(&context))",
             }),
             _ => Ok(Self::from_parts(raw, context.cloned(), false)),
         }
@@ -163,9 +160,8 @@ impl Stream {
     /// See [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g15e49dd91ec15991eb7c0a741beb7dad).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        let f = api()?.cuStreamSynchronize()?;
         // SAFETY: a live stream, in its context.
-        check(unsafe { f(self.as_raw()) }, "cuStreamSynchronize")
+        unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) }
     }
 
     /// Whether all queued work has finished, without waiting.
@@ -173,12 +169,12 @@ impl Stream {
     /// See [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g1b0d24bbe97fa68e4bc511fb6adfeb0b).
     pub fn is_idle(&self) -> Result<bool> {
         self.bind()?;
-        let f = api()?.cuStreamQuery()?;
         // SAFETY: a live stream, in its context.
-        match unsafe { f(self.as_raw()) } {
+        let answer = unsafe { driver_answer!(cuStreamQuery(self.as_raw())) }?;
+        match answer.code {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            code => Err(Error::driver(code, "cuStreamQuery")),
+            _ => Err(answer.error()),
         }
     }
 
@@ -187,9 +183,8 @@ impl Stream {
     /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g6a898b652dfc6aa1d5c8d97062618b2f).
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.bind()?;
-        let f = api()?.cuStreamWaitEvent()?;
         // SAFETY: live stream and event.
-        check(unsafe { f(self.as_raw(), event.as_raw(), 0) }, "cuStreamWaitEvent")
+        unsafe { driver_call!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
     }
 
     /// Whether two handles name the same driver stream: the same handle in the same context.
@@ -207,9 +202,8 @@ impl Drop for StreamInner {
         }
         let bound = self.context.as_ref().map_or(Ok(()), Context::ensure_current);
         let result = bound.and_then(|()| {
-            let f = api()?.cuStreamDestroy()?;
             // SAFETY: an owned stream, destroyed once.
-            check(unsafe { f(self.raw.0) }, "cuStreamDestroy")
+            unsafe { driver_call!(cuStreamDestroy(self.raw.0)) }
         });
         if let Err(error) = result {
             tracing::warn!(%error, "destroying a stream failed");
@@ -230,11 +224,10 @@ impl Event {
     /// See [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
     pub fn new(context: &Context) -> Result<Self> {
         context.ensure_current()?;
-        let f = api()?.cuEventCreate()?;
         let mut raw = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         // SAFETY: valid out-pointer; the context is current.
-        check(unsafe { f(&mut raw, flags) }, "cuEventCreate")?;
+        unsafe { driver_call!(cuEventCreate(&mut raw, flags)) }?;
         Ok(Self { raw: Shared(raw), context: context.clone() })
     }
 
@@ -248,37 +241,34 @@ impl Event {
     #[inline]
     pub fn record(&self, stream: &Stream) -> Result<()> {
         stream.bind()?;
-        let f = api()?.cuEventRecord()?;
         // SAFETY: live event and stream.
-        check(unsafe { f(self.raw.0, stream.as_raw()) }, "cuEventRecord")
+        unsafe { driver_call!(cuEventRecord(self.raw.0, stream.as_raw())) }
     }
 
     /// Whether the work before the last record has finished, without waiting.
     #[inline]
     pub fn is_complete(&self) -> Result<bool> {
-        let f = api()?.cuEventQuery()?;
         // SAFETY: a live event.
-        match unsafe { f(self.raw.0) } {
+        let answer = unsafe { driver_answer!(cuEventQuery(self.raw.0)) }?;
+        match answer.code {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            code => Err(Error::driver(code, "cuEventQuery")),
+            _ => Err(answer.error()),
         }
     }
 
     /// Waits on the host until the work before the last record has finished.
     pub fn synchronize(&self) -> Result<()> {
-        let f = api()?.cuEventSynchronize()?;
         // SAFETY: a live event.
-        check(unsafe { f(self.raw.0) }, "cuEventSynchronize")
+        unsafe { driver_call!(cuEventSynchronize(self.raw.0)) }
     }
 }
 
 impl Drop for Event {
     fn drop(&mut self) {
         let result = self.context.ensure_current().and_then(|()| {
-            let f = api()?.cuEventDestroy()?;
             // SAFETY: an owned event, destroyed once.
-            check(unsafe { f(self.raw.0) }, "cuEventDestroy")
+            unsafe { driver_call!(cuEventDestroy(self.raw.0)) }
         });
         if let Err(error) = result {
             tracing::warn!(%error, "destroying an event failed");
