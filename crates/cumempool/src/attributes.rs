@@ -13,154 +13,128 @@ use crate::pool::Pool;
 use cumempool_sys as sys;
 use std::ffi::c_void;
 
-/// A pool attribute, named as in `CUmemPool_attribute`.
+/// How an attribute's value is passed to the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum PoolAttribute {
-    /// `REUSE_FOLLOW_EVENT_DEPENDENCIES` (bool).
-    ReuseFollowEventDependencies,
-    /// `REUSE_ALLOW_OPPORTUNISTIC` (bool).
-    ReuseAllowOpportunistic,
-    /// `REUSE_ALLOW_INTERNAL_DEPENDENCIES` (bool).
-    ReuseAllowInternalDependencies,
-    /// `RELEASE_THRESHOLD` (bytes).
-    ReleaseThreshold,
-    /// `RESERVED_MEM_CURRENT` (bytes).
-    ReservedMemCurrent,
-    /// `RESERVED_MEM_HIGH` (bytes; resettable to zero).
-    ReservedMemHigh,
-    /// `USED_MEM_CURRENT` (bytes).
-    UsedMemCurrent,
-    /// `USED_MEM_HIGH` (bytes; resettable to zero).
-    UsedMemHigh,
-    /// `ALLOCATION_TYPE` (13.2).
+pub enum AttributeValue {
+    /// A C `int` read as true or false.
+    Bool,
+    /// A C `int` (or an int-sized C enum or bit set).
+    Int,
+    /// A `cuuint64_t` count of bytes.
+    Bytes,
+}
+
+/// What the driver lets a program do with an attribute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AttributeAccess {
+    /// Read and set.
+    ReadWrite,
+    /// Read only.
+    ReadOnly,
+    /// Read, and reset to zero (high-water marks).
+    ReadReset,
+}
+
+/// The table of pool attributes: one row each, read by the library, the command and the tests.
+/// A new CUDA version's attribute is one row here.
+macro_rules! pool_attributes {
+    ($($(#[cfg($gate:meta)])* $variant:ident = $constant:ident, since $since:ident, $value:ident, $access:ident, $doc:literal;)*) => {
+        /// A pool attribute, named as in `CUmemPool_attribute`.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum PoolAttribute {
+            $(
+                #[doc = $doc]
+                $(#[cfg($gate)] #[cfg_attr(docsrs, doc(cfg($gate)))])*
+                $variant,
+            )*
+        }
+
+        impl PoolAttribute {
+            /// Every attribute the crate was built with, in driver order.
+            pub const ALL: &'static [Self] = &[$($(#[cfg($gate)])* Self::$variant,)*];
+
+            /// The driver's form.
+            pub fn to_raw(self) -> sys::CUmemPool_attribute {
+                match self {
+                    $($(#[cfg($gate)])* Self::$variant => sys::CUmemPool_attribute::$constant,)*
+                }
+            }
+
+            /// The C name, such as `CU_MEMPOOL_ATTR_MAX_POOL_SIZE`.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($(#[cfg($gate)])* Self::$variant => stringify!($constant),)*
+                }
+            }
+
+            /// The oldest driver that knows the attribute.
+            pub fn since(self) -> DriverVersion {
+                match self {
+                    $($(#[cfg($gate)])* Self::$variant => DriverVersion::$since,)*
+                }
+            }
+
+            /// How the value is passed to the driver.
+            pub fn value(self) -> AttributeValue {
+                match self {
+                    $($(#[cfg($gate)])* Self::$variant => AttributeValue::$value,)*
+                }
+            }
+
+            /// What the driver lets a program do with it.
+            pub fn access(self) -> AttributeAccess {
+                match self {
+                    $($(#[cfg($gate)])* Self::$variant => AttributeAccess::$access,)*
+                }
+            }
+        }
+    };
+}
+
+pool_attributes! {
+    ReuseFollowEventDependencies = CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES, since CUDA_11_2, Bool, ReadWrite,
+        "Whether memory freed on one stream is reused on another once an event dependency orders them.";
+    ReuseAllowOpportunistic = CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, since CUDA_11_2, Bool, ReadWrite,
+        "Whether memory whose free is already known complete is reused on any stream.";
+    ReuseAllowInternalDependencies = CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, since CUDA_11_2, Bool, ReadWrite,
+        "Whether the pool may insert its own dependencies to reuse memory.";
+    ReleaseThreshold = CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, since CUDA_11_2, Bytes, ReadWrite,
+        "Bytes the pool keeps reserved at a synchronisation before releasing memory to the system.";
+    ReservedMemCurrent = CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, since CUDA_11_2, Bytes, ReadOnly,
+        "Bytes the pool holds from the system now.";
+    ReservedMemHigh = CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, since CUDA_11_2, Bytes, ReadReset,
+        "The high-water mark of the reserved bytes.";
+    UsedMemCurrent = CU_MEMPOOL_ATTR_USED_MEM_CURRENT, since CUDA_11_2, Bytes, ReadOnly,
+        "Bytes allocated from the pool now.";
+    UsedMemHigh = CU_MEMPOOL_ATTR_USED_MEM_HIGH, since CUDA_11_2, Bytes, ReadReset,
+        "The high-water mark of the used bytes.";
     #[cfg(feature = "cuda-13020")]
-    AllocationType,
-    /// `EXPORT_HANDLE_TYPES` (13.2).
+    AllocationType = CU_MEMPOOL_ATTR_ALLOCATION_TYPE, since CUDA_13_2, Int, ReadOnly,
+        "The kind of memory the pool hands out (a `CUmemAllocationType`).";
     #[cfg(feature = "cuda-13020")]
-    ExportHandleTypes,
-    /// `LOCATION_ID` (13.2).
+    ExportHandleTypes = CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES, since CUDA_13_2, Int, ReadOnly,
+        "The handle types the pool can export (a `CUmemAllocationHandleType` bit set).";
     #[cfg(feature = "cuda-13020")]
-    LocationId,
-    /// `LOCATION_TYPE` (13.2).
+    LocationId = CU_MEMPOOL_ATTR_LOCATION_ID, since CUDA_13_2, Int, ReadOnly,
+        "The id of the pool's location (device ordinal or NUMA node).";
     #[cfg(feature = "cuda-13020")]
-    LocationType,
-    /// `MAX_POOL_SIZE` (13.2; bytes).
+    LocationType = CU_MEMPOOL_ATTR_LOCATION_TYPE, since CUDA_13_2, Int, ReadOnly,
+        "The type of the pool's location (a `CUmemLocationType`).";
     #[cfg(feature = "cuda-13020")]
-    MaxPoolSize,
-    /// `HW_DECOMPRESS_ENABLED` (13.2; bool).
+    MaxPoolSize = CU_MEMPOOL_ATTR_MAX_POOL_SIZE, since CUDA_13_2, Bytes, ReadOnly,
+        "The most bytes the pool may hold (0: no limit).";
     #[cfg(feature = "cuda-13020")]
-    HwDecompressEnabled,
+    HwDecompressEnabled = CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED, since CUDA_13_2, Bool, ReadOnly,
+        "Whether the pool's memory is usable by the hardware decompression engine.";
 }
 
 impl PoolAttribute {
-    /// Every attribute the crate was built with, in driver order.
-    pub const ALL: &'static [Self] = &[
-        Self::ReuseFollowEventDependencies,
-        Self::ReuseAllowOpportunistic,
-        Self::ReuseAllowInternalDependencies,
-        Self::ReleaseThreshold,
-        Self::ReservedMemCurrent,
-        Self::ReservedMemHigh,
-        Self::UsedMemCurrent,
-        Self::UsedMemHigh,
-        #[cfg(feature = "cuda-13020")]
-        Self::AllocationType,
-        #[cfg(feature = "cuda-13020")]
-        Self::ExportHandleTypes,
-        #[cfg(feature = "cuda-13020")]
-        Self::LocationId,
-        #[cfg(feature = "cuda-13020")]
-        Self::LocationType,
-        #[cfg(feature = "cuda-13020")]
-        Self::MaxPoolSize,
-        #[cfg(feature = "cuda-13020")]
-        Self::HwDecompressEnabled,
-    ];
-
-    /// The driver's form.
-    pub fn to_raw(self) -> sys::CUmemPool_attribute {
-        use sys::CUmemPool_attribute as A;
-        match self {
-            Self::ReuseFollowEventDependencies => A::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
-            Self::ReuseAllowOpportunistic => A::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
-            Self::ReuseAllowInternalDependencies => A::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-            Self::ReleaseThreshold => A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            Self::ReservedMemCurrent => A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-            Self::ReservedMemHigh => A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-            Self::UsedMemCurrent => A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-            Self::UsedMemHigh => A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            #[cfg(feature = "cuda-13020")]
-            Self::AllocationType => A::CU_MEMPOOL_ATTR_ALLOCATION_TYPE,
-            #[cfg(feature = "cuda-13020")]
-            Self::ExportHandleTypes => A::CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES,
-            #[cfg(feature = "cuda-13020")]
-            Self::LocationId => A::CU_MEMPOOL_ATTR_LOCATION_ID,
-            #[cfg(feature = "cuda-13020")]
-            Self::LocationType => A::CU_MEMPOOL_ATTR_LOCATION_TYPE,
-            #[cfg(feature = "cuda-13020")]
-            Self::MaxPoolSize => A::CU_MEMPOOL_ATTR_MAX_POOL_SIZE,
-            #[cfg(feature = "cuda-13020")]
-            Self::HwDecompressEnabled => A::CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED,
-        }
-    }
-
     /// The attribute for a raw value, if the crate knows it.
     pub fn from_raw(raw: sys::CUmemPool_attribute) -> Option<Self> {
         Self::ALL.iter().copied().find(|a| a.to_raw() == raw)
-    }
-
-    /// The C name, such as `CU_MEMPOOL_ATTR_MAX_POOL_SIZE`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::ReuseFollowEventDependencies => "CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES",
-            Self::ReuseAllowOpportunistic => "CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC",
-            Self::ReuseAllowInternalDependencies => "CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES",
-            Self::ReleaseThreshold => "CU_MEMPOOL_ATTR_RELEASE_THRESHOLD",
-            Self::ReservedMemCurrent => "CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT",
-            Self::ReservedMemHigh => "CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH",
-            Self::UsedMemCurrent => "CU_MEMPOOL_ATTR_USED_MEM_CURRENT",
-            Self::UsedMemHigh => "CU_MEMPOOL_ATTR_USED_MEM_HIGH",
-            #[cfg(feature = "cuda-13020")]
-            Self::AllocationType => "CU_MEMPOOL_ATTR_ALLOCATION_TYPE",
-            #[cfg(feature = "cuda-13020")]
-            Self::ExportHandleTypes => "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES",
-            #[cfg(feature = "cuda-13020")]
-            Self::LocationId => "CU_MEMPOOL_ATTR_LOCATION_ID",
-            #[cfg(feature = "cuda-13020")]
-            Self::LocationType => "CU_MEMPOOL_ATTR_LOCATION_TYPE",
-            #[cfg(feature = "cuda-13020")]
-            Self::MaxPoolSize => "CU_MEMPOOL_ATTR_MAX_POOL_SIZE",
-            #[cfg(feature = "cuda-13020")]
-            Self::HwDecompressEnabled => "CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED",
-        }
-    }
-
-    /// The oldest driver that knows the attribute.
-    pub fn since(self) -> DriverVersion {
-        if (self.to_raw().0) > sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH.0 {
-            DriverVersion::CUDA_13_2
-        } else {
-            DriverVersion(11020)
-        }
-    }
-
-    /// Whether the value is 64 bits wide (the byte counts); the others are C `int`s.
-    fn is_wide(self) -> bool {
-        use sys::CUmemPool_attribute as A;
-        let raw = self.to_raw();
-        let wide = [
-            A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-            A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-        ];
-        #[cfg(feature = "cuda-13020")]
-        if raw == A::CU_MEMPOOL_ATTR_MAX_POOL_SIZE {
-            return true;
-        }
-        wide.contains(&raw)
     }
 }
 
@@ -176,7 +150,7 @@ impl Pool {
     /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn attribute(&self, attribute: PoolAttribute) -> Result<u64> {
         require(attribute.name(), attribute.since())?;
-        if attribute.is_wide() {
+        if attribute.value() == AttributeValue::Bytes {
             let mut value: u64 = 0;
             // SAFETY: the attribute's value type is cuuint64_t.
             unsafe {
@@ -202,7 +176,7 @@ impl Pool {
     }
 
     fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
-        if attribute.is_wide() {
+        if attribute.value() == AttributeValue::Bytes {
             let mut value = value;
             // SAFETY: the attribute's value type is cuuint64_t.
             unsafe {
@@ -367,8 +341,10 @@ mod tests {
             assert_eq!(PoolAttribute::from_raw(attribute.to_raw()), Some(*attribute));
             assert!(attribute.name().starts_with("CU_MEMPOOL_ATTR_"));
         }
-        assert_eq!(PoolAttribute::ReleaseThreshold.since(), DriverVersion(11020));
-        assert!(PoolAttribute::ReleaseThreshold.is_wide() && !PoolAttribute::ReuseAllowOpportunistic.is_wide());
+        assert_eq!(PoolAttribute::ReleaseThreshold.since(), DriverVersion::CUDA_11_2);
+        assert_eq!(PoolAttribute::ReleaseThreshold.value(), AttributeValue::Bytes);
+        assert_eq!(PoolAttribute::ReuseAllowOpportunistic.value(), AttributeValue::Bool);
+        assert_eq!(PoolAttribute::UsedMemHigh.access(), AttributeAccess::ReadReset);
     }
 
     #[cfg(feature = "cuda-13020")]
@@ -376,7 +352,9 @@ mod tests {
     fn the_six_new_attributes_need_13_2() {
         let new: Vec<_> = PoolAttribute::ALL.iter().filter(|a| a.since() == DriverVersion::CUDA_13_2).collect();
         assert_eq!(new.len(), 6);
-        assert!(PoolAttribute::MaxPoolSize.is_wide() && !PoolAttribute::LocationId.is_wide());
+        assert_eq!(PoolAttribute::MaxPoolSize.value(), AttributeValue::Bytes);
+        assert_eq!(PoolAttribute::LocationId.value(), AttributeValue::Int);
+        assert!(new.iter().all(|a| a.access() == AttributeAccess::ReadOnly));
     }
 
     #[cfg(not(feature = "cuda-13020"))]

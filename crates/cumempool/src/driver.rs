@@ -135,6 +135,8 @@ pub fn init() -> Result<()> {
 pub struct DriverVersion(pub i32);
 
 impl DriverVersion {
+    /// CUDA 11.2: stream-ordered allocation and memory pools.
+    pub const CUDA_11_2: Self = Self(11020);
     /// CUDA 13.0: location-keyed routing.
     pub const CUDA_13_0: Self = Self(13000);
     /// CUDA 13.2: the six new pool attributes.

@@ -43,7 +43,7 @@ mod routing;
 mod sharing;
 mod stream;
 
-pub use attributes::{PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
+pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
 pub use buffer::{free_async, Buffer};
 pub use context::Context;
 pub use device::{require_concurrent_managed_access, Device};
