@@ -1,7 +1,7 @@
 //! Every pool attribute, typed: the eight of CUDA 11.2 and, with `cuda-13020`, the six of 13.2.
 
 use crate::driver::driver_call;
-use crate::driver::{require, DriverVersion};
+use crate::driver::require;
 #[cfg(not(feature = "cuda-13020"))]
 use crate::error::Error;
 use crate::error::Result;
@@ -10,6 +10,7 @@ use crate::handle_types::HandleTypes;
 #[cfg(feature = "cuda-13020")]
 use crate::location::{AllocationType, Location};
 use crate::pool::Pool;
+use crate::version::DriverVersion;
 use cumempool_sys as sys;
 use std::ffi::c_void;
 
@@ -274,7 +275,7 @@ impl Pool {
     #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
     pub fn allocation_type_attribute(&self) -> Result<AllocationType> {
         let raw = self.attribute(PoolAttribute::AllocationType)?;
-        AllocationType::try_from(sys::CUmemAllocationType(raw as u32))
+        Ok(AllocationType::try_from(sys::CUmemAllocationType(raw as u32))?)
     }
 
     /// The handle types the pool exports, as the driver reports them (driver 13.2).
@@ -290,7 +291,7 @@ impl Pool {
     pub fn location_attribute(&self) -> Result<Location> {
         let type_ = self.attribute(PoolAttribute::LocationType)? as u32;
         let id = self.attribute(PoolAttribute::LocationId)? as u32 as i32;
-        Location::try_from(crate::location::raw_location(sys::CUmemLocationType(type_), id))
+        Ok(Location::try_from(crate::location::raw_location(sys::CUmemLocationType(type_), id))?)
     }
 
     /// The pool's maximum size in bytes, as the driver reports it (driver 13.2).

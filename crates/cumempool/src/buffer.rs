@@ -3,7 +3,7 @@
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
 use crate::location::{AllocationType, Location, Route};
-use crate::pool::Owner;
+use crate::owner::Owner;
 use crate::stream::{Event, Stream};
 use cumempool_sys as sys;
 use std::sync::Arc;

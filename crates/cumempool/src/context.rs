@@ -88,3 +88,15 @@ impl Drop for Retained {
         }
     }
 }
+
+impl Device {
+    /// Retains the device's primary context (released when the last clone is dropped).
+    ///
+    /// # Errors
+    /// The driver's refusal (`cuDevicePrimaryCtxRetain`).
+    ///
+    /// See [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html#group__CUDA__PRIMARY__CTX_1g9051f2d5c31501997a6cb0530290a300).
+    pub fn primary_context(self) -> Result<Context> {
+        Context::retain_primary(self)
+    }
+}

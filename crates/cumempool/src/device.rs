@@ -1,9 +1,9 @@
 //! CUDA devices: enumeration and the attributes that matter to pools.
 
-use crate::context::Context;
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
 use crate::handle_types::HandleTypes;
+use crate::location::{Location, Route};
 use cumempool_sys as sys;
 use std::ffi::c_char;
 use std::sync::OnceLock;
@@ -174,10 +174,28 @@ impl Device {
         unsafe { driver_call!(cuDeviceCanAccessPeer(&mut can, self.raw, peer.raw)) }?;
         Ok(can != 0)
     }
+}
 
-    /// Retains the device's primary context (released when the last clone is dropped).
-    pub fn primary_context(self) -> Result<Context> {
-        Context::retain_primary(self)
+/// Routes are checked against this machine's devices here, where the device count is known.
+impl Route {
+    /// Refuses, before any driver call, a route that cannot exist: `Unspecified` with pinned
+    /// memory, `Invisible` as an input, negative ids ([`Route::check_shape`]), and device
+    /// ordinals this machine lacks.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRoute`] or [`Error::InvalidDevice`], saying what would work.
+    pub fn validate(&self) -> Result<()> {
+        self.check_shape()?;
+        if let Location::Device(ordinal) = self.location {
+            Device::get(ordinal)?;
+        }
+        Ok(())
+    }
+
+    /// The driver's form of the location and the allocation type, after [`Route::validate`].
+    pub(crate) fn to_raw(self) -> Result<(sys::CUmemLocation, sys::CUmemAllocationType)> {
+        self.validate()?;
+        Ok((self.location.to_raw()?, self.allocation_type.to_raw()))
     }
 }
 

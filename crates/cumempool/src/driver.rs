@@ -1,8 +1,8 @@
 //! The process's driver: loaded and initialised once, and its version.
 
 use crate::error::{DriverError, Error, Result};
+use crate::version::DriverVersion;
 use cumempool_sys as sys;
-use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Once, OnceLock};
 
@@ -128,35 +128,6 @@ pub(crate) use {driver_answer, driver_call};
 /// See [cuInit](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html).
 pub fn init() -> Result<()> {
     api().map(|_| ())
-}
-
-/// A CUDA driver version, as `cuDriverGetVersion` reports it (`13000` for 13.0).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DriverVersion(pub i32);
-
-impl DriverVersion {
-    /// CUDA 11.2: stream-ordered allocation and memory pools.
-    pub const CUDA_11_2: Self = Self(11020);
-    /// CUDA 13.0: location-keyed routing.
-    pub const CUDA_13_0: Self = Self(13000);
-    /// CUDA 13.2: the six new pool attributes.
-    pub const CUDA_13_2: Self = Self(13020);
-
-    /// The major version (13 for 13.2).
-    pub fn major(self) -> i32 {
-        self.0 / 1000
-    }
-
-    /// The minor version (2 for 13.2).
-    pub fn minor(self) -> i32 {
-        (self.0 % 1000) / 10
-    }
-}
-
-impl fmt::Display for DriverVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.major(), self.minor())
-    }
 }
 
 /// The running driver's version.

@@ -1,7 +1,9 @@
 //! The crate's one error type, and the driver's answer it carries when the driver refused.
 
-use crate::location::{Location, Route};
-use crate::pool::Access;
+use crate::access::Access;
+use crate::location::{InvalidLocation, InvalidRoute, Route};
+use crate::unknown_value::UnknownValue;
+use crate::version::DriverVersion;
 use cumempool_sys as sys;
 use std::ffi::CStr;
 
@@ -72,22 +74,12 @@ pub enum Error {
     },
 
     /// A (location, allocation type) pair that cannot name a pool.
-    #[error("{route} is not a valid route: {reason}")]
-    InvalidRoute {
-        /// The route asked for.
-        route: Route,
-        /// Why it cannot exist, and what would.
-        reason: &'static str,
-    },
+    #[error(transparent)]
+    InvalidRoute(#[from] InvalidRoute),
 
     /// A location that cannot be given to the driver.
-    #[error("{location} cannot be given to the driver: {reason}")]
-    InvalidLocation {
-        /// The location.
-        location: Location,
-        /// Why, and what would be right.
-        reason: &'static str,
-    },
+    #[error(transparent)]
+    InvalidLocation(#[from] InvalidLocation),
 
     /// The driver refused a route (it has no pool there, or not on this machine).
     #[error("the driver refused {route}: {cause}")]
@@ -105,9 +97,9 @@ pub enum Error {
         /// What was asked for.
         feature: &'static str,
         /// The driver version it needs.
-        needs: crate::DriverVersion,
+        needs: DriverVersion,
         /// The running driver's version.
-        found: crate::DriverVersion,
+        found: DriverVersion,
     },
 
     /// A pool given for a route it cannot serve.
@@ -239,13 +231,8 @@ pub enum Error {
     },
 
     /// The driver returned a value this crate does not know (a newer driver).
-    #[error("the driver returned {value} for {type_name}, which this version of cumempool does not know; a newer cumempool may")]
-    UnknownValue {
-        /// The C type.
-        type_name: &'static str,
-        /// The raw value.
-        value: i64,
-    },
+    #[error(transparent)]
+    UnknownValue(#[from] UnknownValue),
 
     /// A request that cannot be served as asked, for a reason no other variant names.
     #[error("{what}: {reason}")]

@@ -1,9 +1,28 @@
 //! Where pool memory lives, what kind it is, and the routes they form together.
 
-use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::unknown_value::UnknownValue;
 use cumempool_sys as sys;
 use std::fmt;
+
+/// A location that cannot be given to the driver, with the reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{location} cannot be given to the driver: {reason}")]
+pub struct InvalidLocation {
+    /// The location.
+    pub location: Location,
+    /// Why, and what would be right.
+    pub reason: &'static str,
+}
+
+/// A (location, allocation type) pair that cannot name a pool, with the reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{route} is not a valid route: {reason}")]
+pub struct InvalidRoute {
+    /// The route asked for.
+    pub route: Route,
+    /// Why it cannot exist, and what would.
+    pub reason: &'static str,
+}
 
 /// Where a pool's memory resides: the safe form of `CUmemLocation`.
 ///
@@ -33,14 +52,17 @@ impl Location {
     /// The driver's form, for a location that may be passed to the driver.
     ///
     /// Refuses `Invisible`, and negative device ordinals or NUMA ids, before the driver sees them.
-    pub fn to_raw(self) -> Result<sys::CUmemLocation> {
+    ///
+    /// # Errors
+    /// [`InvalidLocation`] for the refusals above.
+    pub fn to_raw(self) -> Result<sys::CUmemLocation, InvalidLocation> {
         use sys::CUmemLocationType as T;
         let (type_, id) = match self {
             Self::Device(ordinal) if ordinal < 0 => {
-                return Err(Error::InvalidLocation { location: self, reason: "device ordinals start at 0" })
+                return Err(InvalidLocation { location: self, reason: "device ordinals start at 0" })
             }
             Self::HostNuma(node) if node < 0 => {
-                return Err(Error::InvalidLocation { location: self, reason: "NUMA nodes are numbered from 0" })
+                return Err(InvalidLocation { location: self, reason: "NUMA nodes are numbered from 0" })
             }
             Self::Device(ordinal) => (T::CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
             Self::Host => (T::CU_MEM_LOCATION_TYPE_HOST, 0),
@@ -49,7 +71,7 @@ impl Location {
             Self::Unspecified => (T::CU_MEM_LOCATION_TYPE_NONE, 0),
             #[cfg(feature = "cuda-13020")]
             Self::Invisible => {
-                return Err(Error::InvalidLocation {
+                return Err(InvalidLocation {
                     location: self,
                     reason: "the driver only reports Invisible for imported pools; it is never an input",
                 })
@@ -73,10 +95,10 @@ impl Location {
 }
 
 impl TryFrom<sys::CUmemLocation> for Location {
-    type Error = Error;
+    type Error = UnknownValue;
 
     /// Reads a location the driver wrote; values this crate does not know are an error, never UB.
-    fn try_from(raw: sys::CUmemLocation) -> Result<Self> {
+    fn try_from(raw: sys::CUmemLocation) -> Result<Self, UnknownValue> {
         use sys::CUmemLocationType as T;
         Ok(match raw.type_ {
             T::CU_MEM_LOCATION_TYPE_DEVICE => Self::Device(raw_id(&raw)),
@@ -86,7 +108,7 @@ impl TryFrom<sys::CUmemLocation> for Location {
             T::CU_MEM_LOCATION_TYPE_NONE => Self::Unspecified,
             #[cfg(feature = "cuda-13020")]
             T::CU_MEM_LOCATION_TYPE_INVISIBLE => Self::Invisible,
-            other => return Err(Error::UnknownValue { type_name: "CUmemLocationType", value: other.0.into() }),
+            other => return Err(UnknownValue { type_name: "CUmemLocationType", value: other.0.into() }),
         })
     }
 }
@@ -162,13 +184,13 @@ impl AllocationType {
 }
 
 impl TryFrom<sys::CUmemAllocationType> for AllocationType {
-    type Error = Error;
+    type Error = UnknownValue;
 
-    fn try_from(raw: sys::CUmemAllocationType) -> Result<Self> {
+    fn try_from(raw: sys::CUmemAllocationType) -> Result<Self, UnknownValue> {
         match raw {
             sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED => Ok(Self::Pinned),
             sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_MANAGED => Ok(Self::Managed),
-            other => Err(Error::UnknownValue { type_name: "CUmemAllocationType", value: other.0.into() }),
+            other => Err(UnknownValue { type_name: "CUmemAllocationType", value: other.0.into() }),
         }
     }
 }
@@ -229,34 +251,26 @@ impl Route {
         true
     }
 
-    /// Refuses, before any driver call, a route that cannot exist: `Unspecified` with pinned
-    /// memory, `Invisible` as an input, negative ids, and device ordinals this machine lacks.
-    pub fn validate(&self) -> Result<()> {
-        let invalid = |reason| Err(Error::InvalidRoute { route: *self, reason });
+    /// Refuses a route that cannot exist on any machine: `Unspecified` with pinned memory,
+    /// `Invisible` as an input, and negative ids. [`Route::validate`] adds the check against
+    /// this machine's devices.
+    ///
+    /// # Errors
+    /// [`InvalidRoute`] naming what is wrong and what would work.
+    pub fn check_shape(&self) -> Result<(), InvalidRoute> {
+        let invalid = |reason| Err(InvalidRoute { route: *self, reason });
         match (self.location, self.allocation_type) {
             (Location::Unspecified, AllocationType::Pinned) => {
-                return invalid("an unspecified location serves managed memory only; name a device, the host or a host NUMA node for pinned memory")
+                invalid("an unspecified location serves managed memory only; name a device, the host or a host NUMA node for pinned memory")
             }
             #[cfg(feature = "cuda-13020")]
             (Location::Invisible, _) => {
-                return invalid("Invisible is only ever reported by the driver, for imported pools; it cannot be asked for")
+                invalid("Invisible is only ever reported by the driver, for imported pools; it cannot be asked for")
             }
-            (Location::Device(ordinal), _) if ordinal < 0 => {
-                return invalid("device ordinals are 0 or more")
-            }
-            (Location::HostNuma(node), _) if node < 0 => return invalid("host NUMA node ids are 0 or more"),
-            (Location::Device(ordinal), _) => {
-                Device::get(ordinal)?;
-            }
-            _ => {}
+            (Location::Device(ordinal), _) if ordinal < 0 => invalid("device ordinals are 0 or more"),
+            (Location::HostNuma(node), _) if node < 0 => invalid("host NUMA node ids are 0 or more"),
+            _ => Ok(()),
         }
-        Ok(())
-    }
-
-    /// The driver's form of the location and the allocation type, after [`Route::validate`].
-    pub(crate) fn to_raw(self) -> Result<(sys::CUmemLocation, sys::CUmemAllocationType)> {
-        self.validate()?;
-        Ok((self.location.to_raw()?, self.allocation_type.to_raw()))
     }
 }
 
@@ -289,7 +303,7 @@ mod tests {
     fn unknown_location_types_are_an_error_not_ub() {
         let raw = raw_location(sys::CUmemLocationType(0x77), 0);
         let error = Location::try_from(raw).expect_err("0x77 is not a location type");
-        assert!(matches!(error, Error::UnknownValue { value: 0x77, .. }), "{error}");
+        assert_eq!(error.value, 0x77, "{error}");
         assert!(AllocationType::try_from(sys::CUmemAllocationType(9)).is_err());
     }
 
@@ -303,20 +317,20 @@ mod tests {
     #[test]
     fn impossible_routes_are_refused_with_what_would_work() {
         let text = Route::new(Location::Unspecified, AllocationType::Pinned)
-            .validate()
+            .check_shape()
             .expect_err("NONE is managed-only")
             .to_string();
         assert!(text.contains("managed memory only"), "{text}");
-        assert!(Route::host_numa(-1).validate().is_err());
-        assert!(Route::managed(Location::Unspecified).validate().is_ok());
-        assert!(Route::host().validate().is_ok());
+        assert!(Route::host_numa(-1).check_shape().is_err());
+        assert!(Route::managed(Location::Unspecified).check_shape().is_ok());
+        assert!(Route::host().check_shape().is_ok());
     }
 
     #[cfg(feature = "cuda-13020")]
     #[test]
     fn invisible_is_an_output_only() {
         assert!(Location::Invisible.to_raw().is_err());
-        assert!(Route::managed(Location::Invisible).validate().is_err());
+        assert!(Route::managed(Location::Invisible).check_shape().is_err());
         let raw = raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVISIBLE, -2);
         assert_eq!(Location::try_from(raw).expect("13.2 knows it"), Location::Invisible);
     }

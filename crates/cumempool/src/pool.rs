@@ -1,6 +1,7 @@
 //! Memory pools: owned ([`MemPool`]) and borrowed ([`PoolRef`]), their creation, trimming,
 //! access from devices, and stream-ordered allocation.
 
+use crate::access::Access;
 use crate::buffer::Buffer;
 use crate::device::Device;
 use crate::driver::{driver_answer, driver_call};
@@ -8,10 +9,10 @@ use crate::error::{DriverError, Error, Result};
 use crate::handle::Shared;
 use crate::handle_types::HandleTypes;
 use crate::location::{AllocationType, Location, Route};
+use crate::owner::Owner;
 use crate::stream::Stream;
 use cumempool_sys as sys;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// A pool's handle with what this crate knows of it. [`MemPool`] and [`PoolRef`] dereference to
@@ -29,78 +30,13 @@ pub struct Pool {
     owner: Option<Arc<Owner>>,
 }
 
-/// Destroys the pool when the last holder (pool handle, buffer, route) lets go.
-#[derive(Debug)]
-pub(crate) struct Owner {
-    raw: Shared<sys::CUmemoryPool>,
-    pub(crate) imported: bool,
-    /// Set when the driver left the pool in a state where destroying it crashes the process.
-    pub(crate) unsafe_to_destroy: AtomicBool,
-}
-
-impl Owner {
-    /// The one place a pool is given back to the driver: Drop and [`MemPool::destroy`] both
-    /// come here.
-    fn release(&self) -> Result<()> {
-        if self.unsafe_to_destroy.load(Relaxed) {
-            // Driver 580: cuMemPoolDestroy crashes inside libcuda on a pool whose fabric export
-            // was refused. Leaking the pool is the lesser harm.
-            return Err(Error::UnsafeToDestroy);
-        }
-        // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking sole
-        // ownership and forgetting the owner).
-        unsafe { driver_call!(cuMemPoolDestroy(self.raw.0)) }?;
-        tracing::debug!(pool = ?self.raw.0, imported = self.imported, "memory pool destroyed");
-        Ok(())
-    }
-}
-
-impl Drop for Owner {
-    fn drop(&mut self) {
-        if let Err(error) = self.release() {
-            tracing::warn!(%error, pool = ?self.raw.0, "a memory pool was not destroyed");
-        }
-    }
-}
-
-/// Access a device has to a pool's memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Access {
-    /// No access.
-    None,
-    /// Read-only access.
-    Read,
-    /// Read-write access.
-    ReadWrite,
-}
-
-impl Access {
-    fn to_raw(self) -> sys::CUmemAccess_flags {
-        match self {
-            Self::None => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
-            Self::Read => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
-            Self::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        }
-    }
-
-    fn from_raw(raw: sys::CUmemAccess_flags) -> Result<Self> {
-        match raw {
-            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE => Ok(Self::None),
-            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => Ok(Self::Read),
-            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Ok(Self::ReadWrite),
-            other => Err(Error::UnknownValue { type_name: "CUmemAccess_flags", value: other.0.into() }),
-        }
-    }
-}
-
 impl Pool {
     pub(crate) fn borrowed(raw: sys::CUmemoryPool, route: Option<Route>) -> Self {
         Self { raw: Shared(raw), route, max_size: None, handle_types: None, owner: None }
     }
 
     pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
-        let owner = Arc::new(Owner { raw: Shared(raw), imported, unsafe_to_destroy: AtomicBool::new(false) });
+        let owner = Arc::new(Owner::new(raw, imported));
         Self { raw: Shared(raw), route, max_size, handle_types: None, owner: Some(owner) }
     }
 
@@ -156,7 +92,7 @@ impl Pool {
     /// Marks the pool as one the driver cannot destroy safely: it will be leaked, not destroyed.
     pub(crate) fn mark_unsafe_to_destroy(&self) {
         if let Some(owner) = &self.owner {
-            owner.unsafe_to_destroy.store(true, Relaxed);
+            owner.mark_unsafe_to_destroy();
         }
     }
 
@@ -251,7 +187,7 @@ impl Pool {
         let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
         // SAFETY: valid pointers; a live pool.
         unsafe { driver_call!(cuMemPoolGetAccess(&mut flags, self.raw.0, &mut raw_location)) }?;
-        Access::from_raw(flags)
+        Ok(Access::from_raw(flags)?)
     }
 
     /// Allocates `bytes` from this pool, ordered on `stream`; the buffer is freed on the same
@@ -349,12 +285,12 @@ impl MemPool {
     /// pool no one can destroy safely (it stays owned here, and is never destroyed).
     pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
         match self.into_sole_owner()? {
-            Ok(owner) if owner.unsafe_to_destroy.load(Relaxed) => {
+            Ok(owner) if owner.is_unsafe_to_destroy() => {
                 std::mem::forget(owner);
                 Err(Error::UnsafeToDestroy)
             }
             Ok(owner) => {
-                let raw = owner.raw.0;
+                let raw = owner.raw();
                 std::mem::forget(owner);
                 Ok(raw)
             }

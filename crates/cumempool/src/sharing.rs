@@ -1,7 +1,7 @@
 //! Sharing pools and their allocations with other processes: export a pool as a shareable
 //! handle, import it elsewhere, and map allocations across through their export data.
 //!
-//! The flow (see also [`crate::descriptor_passing`] for moving the handle over a socket):
+//! The flow (the `descriptor_passing` module moves the handle over a socket):
 //! 1. The exporter creates a pool with an export handle type
 //!    (`MemPool::builder(route).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR)`),
 //!    allocates, and calls [`Pool::export_fd`] and [`Buffer::export`].

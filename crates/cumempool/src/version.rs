@@ -1,0 +1,32 @@
+//! CUDA versions, in the driver's numbering (`13020` is 13.2).
+
+use std::fmt;
+
+/// A CUDA driver version, as `cuDriverGetVersion` reports it (`13000` for 13.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DriverVersion(pub i32);
+
+impl DriverVersion {
+    /// CUDA 11.2: stream-ordered allocation and memory pools.
+    pub const CUDA_11_2: Self = Self(11020);
+    /// CUDA 13.0: location-keyed routing.
+    pub const CUDA_13_0: Self = Self(13000);
+    /// CUDA 13.2: the six new pool attributes.
+    pub const CUDA_13_2: Self = Self(13020);
+
+    /// The major version (13 for 13.2).
+    pub fn major(self) -> i32 {
+        self.0 / 1000
+    }
+
+    /// The minor version (2 for 13.2).
+    pub fn minor(self) -> i32 {
+        (self.0 % 1000) / 10
+    }
+}
+
+impl fmt::Display for DriverVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major(), self.minor())
+    }
+}
