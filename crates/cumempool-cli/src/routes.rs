@@ -79,7 +79,7 @@ fn report_route(route: Route) -> RouteReport {
     let default = default_pool(route);
     let current = current_pool(route);
     let changed = matches!((&default, &current), (Ok(d), Ok(c)) if !d.same_as(c));
-    let attributes = current.as_ref().map(|p| attributes_of(p)).unwrap_or_default();
+    let attributes = current.as_ref().map(attributes_of).unwrap_or_default();
     RouteReport {
         route: route.to_string(),
         location: route.location.to_string(),

@@ -6,7 +6,7 @@ use crate::driver::require;
 use crate::error::Error;
 use crate::error::Result;
 #[cfg(feature = "cuda-13020")]
-use crate::handle_types::HandleTypes;
+use crate::export_handles::HandleTypes;
 #[cfg(feature = "cuda-13020")]
 use crate::location::{AllocationType, Location};
 use crate::pool::Pool;

@@ -2,8 +2,8 @@
 
 use crate::device::Device;
 use crate::driver::driver_call;
+use crate::driver_handle::DriverHandle;
 use crate::error::Result;
-use crate::handle::Shared;
 use cumempool_sys as sys;
 use std::sync::Arc;
 
@@ -16,7 +16,7 @@ pub struct Context(Arc<Retained>);
 
 #[derive(Debug)]
 struct Retained {
-    raw: Shared<sys::CUcontext>,
+    raw: DriverHandle<sys::CUcontext>,
     device: Device,
 }
 
@@ -25,7 +25,7 @@ impl Context {
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and device handle.
         unsafe { driver_call!(cuDevicePrimaryCtxRetain(&mut raw, device.as_raw())) }?;
-        Ok(Self(Arc::new(Retained { raw: Shared(raw), device })))
+        Ok(Self(Arc::new(Retained { raw: DriverHandle(raw), device })))
     }
 
     /// The device whose primary context this is.

@@ -2,7 +2,7 @@
 
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
-use crate::handle_types::HandleTypes;
+use crate::export_handles::HandleTypes;
 use crate::location::{Location, Route};
 use cumempool_sys as sys;
 use std::ffi::c_char;

@@ -4,7 +4,7 @@
 //! no preference) with an [`AllocationType`] (pinned or managed). Every route has a
 //! driver-owned [default pool](default_pool) and a [current pool](current_pool), which
 //! [`set_current_pool`] changes for the whole process. This crate wraps all of it: RAII pools
-//! ([`MemPool`]) and borrowed handles ([`PoolRef`]), every pool attribute typed (CUDA 13.2's
+//! ([`MemPool`]) and handles that never own ([`PoolRef`]), every pool attribute typed (CUDA 13.2's
 //! six new ones with the `cuda-13020` feature, failing cleanly on older drivers), buffers freed
 //! in stream order, and errors that say what was wrong and what would be right.
 //!
@@ -33,9 +33,9 @@ mod context;
 pub mod descriptor_passing;
 mod device;
 mod driver;
+mod driver_handle;
 mod error;
-mod handle;
-mod handle_types;
+mod export_handles;
 #[cfg(test)]
 mod header_coverage;
 mod location;
@@ -54,7 +54,7 @@ pub use context::Context;
 pub use device::{require_concurrent_managed_access, Device};
 pub use driver::{bindings_version, driver_version, init, library_path};
 pub use error::{error_name, DriverError, Error, Result};
-pub use handle_types::{HandleTypes, UNMAPPED_HANDLE_TYPES};
+pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use location::{
     AllocationType, InvalidLocation, InvalidRoute, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
 };

@@ -2,15 +2,15 @@
 //! the pool alive, and the last to let go destroys it, through one release path.
 
 use crate::driver::driver_call;
+use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
-use crate::handle::Shared;
 use cumempool_sys as sys;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 /// Destroys the pool when the last holder (pool handle, buffer, route) lets go.
 #[derive(Debug)]
 pub(crate) struct Owner {
-    raw: Shared<sys::CUmemoryPool>,
+    raw: DriverHandle<sys::CUmemoryPool>,
     pub(crate) imported: bool,
     /// Set when the driver left the pool in a state where destroying it crashes the process.
     unsafe_to_destroy: AtomicBool,
@@ -43,7 +43,7 @@ impl Drop for Owner {
 
 impl Owner {
     pub(crate) fn new(raw: sys::CUmemoryPool, imported: bool) -> Self {
-        Self { raw: Shared(raw), imported, unsafe_to_destroy: AtomicBool::new(false) }
+        Self { raw: DriverHandle(raw), imported, unsafe_to_destroy: AtomicBool::new(false) }
     }
 
     pub(crate) fn raw(&self) -> sys::CUmemoryPool {

@@ -1,13 +1,21 @@
-//! Memory pools: owned ([`MemPool`]) and borrowed ([`PoolRef`]), their creation, trimming,
-//! access from devices, and stream-ordered allocation.
+//! Memory pools: their three handles, creation, trimming, access from devices, and
+//! stream-ordered allocation.
+//!
+//! Ownership shows in the type:
+//! - [`MemPool`]: a pool this process created or imported; it (with its clones, buffers and
+//!   routes) keeps the pool alive, and the last holder destroys it.
+//! - [`PoolRef`]: a pool this handle never keeps alive: a route's default pool (owned by the
+//!   driver, never destroyed) or one borrowed from elsewhere with `unsafe` [`PoolRef::from_raw`].
+//! - [`Pool`]: what both dereference to, the operations every pool has. A `Pool` value (from
+//!   [`current_pool`](crate::current_pool), or a clone) owns when it came from a `MemPool`.
 
 use crate::access::Access;
 use crate::buffer::Buffer;
 use crate::device::Device;
 use crate::driver::{driver_answer, driver_call};
+use crate::driver_handle::DriverHandle;
 use crate::error::{DriverError, Error, Result};
-use crate::handle::Shared;
-use crate::handle_types::HandleTypes;
+use crate::export_handles::HandleTypes;
 use crate::location::{AllocationType, Location, Route};
 use crate::owner::Owner;
 use crate::stream::Stream;
@@ -15,11 +23,14 @@ use cumempool_sys as sys;
 use std::ops::Deref;
 use std::sync::Arc;
 
-/// A pool's handle with what this crate knows of it. [`MemPool`] and [`PoolRef`] dereference to
-/// it, so every pool offers the same operations whoever owns it.
+/// A pool's handle with what this crate knows of it: the operations every pool has.
+///
+/// [`MemPool`] and [`PoolRef`] dereference to it. A `Pool` cloned from a [`MemPool`], or
+/// returned by [`current_pool`](crate::current_pool) for a pool this crate routed, keeps the
+/// pool alive like the `MemPool` does ([`Pool::is_owned`]); one from a [`PoolRef`] does not.
 #[derive(Clone, Debug)]
 pub struct Pool {
-    raw: Shared<sys::CUmemoryPool>,
+    raw: DriverHandle<sys::CUmemoryPool>,
     /// Known for pools this process created or looked up by route; `None` for imported pools.
     route: Option<Route>,
     /// The maximum size asked at creation, for error messages.
@@ -32,12 +43,12 @@ pub struct Pool {
 
 impl Pool {
     pub(crate) fn borrowed(raw: sys::CUmemoryPool, route: Option<Route>) -> Self {
-        Self { raw: Shared(raw), route, max_size: None, handle_types: None, owner: None }
+        Self { raw: DriverHandle(raw), route, max_size: None, handle_types: None, owner: None }
     }
 
     pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
         let owner = Arc::new(Owner::new(raw, imported));
-        Self { raw: Shared(raw), route, max_size, handle_types: None, owner: Some(owner) }
+        Self { raw: DriverHandle(raw), route, max_size, handle_types: None, owner: Some(owner) }
     }
 
     /// The driver's handle. Valid while this handle (or a buffer from it) lives.
@@ -318,11 +329,8 @@ impl Deref for MemPool {
     }
 }
 
-/// A pool this handle does not own: a route's default pool (which the driver owns and never
-/// destroys) or its current pool.
-///
-/// A current pool that this crate routed is kept alive by the route; one routed by other code
-/// through the raw API is that code's to keep alive.
+/// A pool this handle never keeps alive: a route's default pool, which the driver owns and never
+/// destroys, or a pool borrowed from elsewhere with [`PoolRef::from_raw`].
 #[derive(Clone, Debug)]
 pub struct PoolRef(Pool);
 

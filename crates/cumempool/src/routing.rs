@@ -7,8 +7,8 @@
 //! long as it is current. The rules for several guards on one route are on [`set_current_pool`].
 
 use crate::driver::{driver_answer, Answer};
+use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
-use crate::handle::Shared;
 use crate::location::Route;
 use crate::pool::{Pool, PoolRef};
 use cumempool_sys as sys;
@@ -46,8 +46,8 @@ struct RouteStack {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Base {
-    Default(Shared<sys::CUmemoryPool>),
-    Foreign(Shared<sys::CUmemoryPool>),
+    Default(DriverHandle<sys::CUmemoryPool>),
+    Foreign(DriverHandle<sys::CUmemoryPool>),
 }
 
 #[derive(Debug)]
@@ -99,15 +99,16 @@ fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
 
 /// The current pool of `route`: the last one set for it, else its default pool.
 ///
-/// A pool that this crate made current comes back keeping it alive. One routed by other code
-/// through the raw API is that code's to keep alive.
+/// A pool that this crate made current comes back owning, keeping it alive ([`Pool::is_owned`]);
+/// the default pool and a pool routed by other code through the raw API come back not owning
+/// (the driver keeps a default pool alive; the other code must keep its own).
 ///
 /// # Errors
 /// [`Error::InvalidRoute`] / [`Error::InvalidDevice`] before the driver, or the driver's refusal
 /// as [`Error::RouteRefused`].
 ///
 /// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html#group__CUDA__MALLOC__ASYNC_1g4b3a5d2e2fd1d0a3ee8d4b8e0e0e9b9f).
-pub fn current_pool(route: Route) -> Result<PoolRef> {
+pub fn current_pool(route: Route) -> Result<Pool> {
     let map = routed();
     let raw = current_raw(route)?;
     let ours = map.get(&route).and_then(|stack| stack.entries.iter().rev().find(|e| e.pool.as_raw() == raw));
@@ -115,7 +116,7 @@ pub fn current_pool(route: Route) -> Result<PoolRef> {
         Some(entry) => entry.pool.clone(),
         None => Pool::borrowed(raw, Some(route)),
     };
-    Ok(PoolRef::new(pool))
+    Ok(pool)
 }
 
 /// Whether `route`'s current pool is its default pool.
@@ -177,9 +178,9 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
         std::collections::btree_map::Entry::Occupied(stack) => stack.into_mut(),
         std::collections::btree_map::Entry::Vacant(vacant) => {
             let base = if current == default_raw(route)? {
-                Base::Default(Shared(current))
+                Base::Default(DriverHandle(current))
             } else {
-                Base::Foreign(Shared(current))
+                Base::Foreign(DriverHandle(current))
             };
             vacant.insert(RouteStack { base, entries: Vec::new() })
         }

@@ -14,7 +14,7 @@
 use crate::buffer::Buffer;
 use crate::driver::{driver_answer, driver_call, Answer};
 use crate::error::{Error, Result};
-use crate::handle_types::HandleTypes;
+use crate::export_handles::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
 use cumempool_sys as sys;

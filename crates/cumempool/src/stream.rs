@@ -2,8 +2,8 @@
 
 use crate::context::Context;
 use crate::driver::{driver_answer, driver_call};
+use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
-use crate::handle::Shared;
 use cumempool_sys as sys;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -23,7 +23,7 @@ pub struct Stream(Arc<StreamInner>);
 
 #[derive(Debug)]
 struct StreamInner {
-    raw: Shared<sys::CUstream>,
+    raw: DriverHandle<sys::CUstream>,
     /// `None` only for borrowed ordinary streams given without a context: the driver finds
     /// their context from the handle. Streams whose handle means "the stream of the current
     /// context" always have one.
@@ -56,7 +56,7 @@ const PER_THREAD_HANDLE: usize = 0x2;
 
 impl Stream {
     fn from_parts(raw: sys::CUstream, context: Option<Context>, owned: bool) -> Self {
-        Self(Arc::new(StreamInner { raw: Shared(raw), context, owned, id: StreamId::next() }))
+        Self(Arc::new(StreamInner { raw: DriverHandle(raw), context, owned, id: StreamId::next() }))
     }
 
     /// A new non-blocking stream in `context` (it does not synchronise with the legacy stream).
@@ -214,7 +214,7 @@ impl Drop for StreamInner {
 /// A CUDA event without timing: a point in a stream that other streams and the host can wait on.
 #[derive(Debug)]
 pub struct Event {
-    raw: Shared<sys::CUevent>,
+    raw: DriverHandle<sys::CUevent>,
     context: Context,
 }
 
@@ -228,7 +228,7 @@ impl Event {
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         // SAFETY: valid out-pointer; the context is current.
         unsafe { driver_call!(cuEventCreate(&mut raw, flags)) }?;
-        Ok(Self { raw: Shared(raw), context: context.clone() })
+        Ok(Self { raw: DriverHandle(raw), context: context.clone() })
     }
 
     /// The driver's handle.
