@@ -95,7 +95,7 @@ impl Device {
     /// # Errors
     /// The driver's refusal (`cuDevicePrimaryCtxRetain`).
     ///
-    /// See [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html#group__CUDA__PRIMARY__CTX_1g9051f2d5c31501997a6cb0530290a300).
+    /// See [cuDevicePrimaryCtxRetain](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PRIMARY__CTX.html).
     pub fn primary_context(self) -> Result<Context> {
         Context::retain_primary(self)
     }

@@ -107,7 +107,7 @@ fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
 /// [`Error::InvalidRoute`] / [`Error::InvalidDevice`] before the driver, or the driver's refusal
 /// as [`Error::RouteRefused`].
 ///
-/// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html#group__CUDA__MALLOC__ASYNC_1g4b3a5d2e2fd1d0a3ee8d4b8e0e0e9b9f).
+/// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn current_pool(route: Route) -> Result<Pool> {
     let map = routed();
     let raw = current_raw(route)?;

@@ -64,7 +64,7 @@ impl Stream {
     /// # Errors
     /// The driver's refusal (`cuStreamCreate`), or a driver that cannot be loaded.
     ///
-    /// See [cuStreamCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1ga581f0c5833e21ded8b5a56594e243f4).
+    /// See [cuStreamCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn new(context: &Context) -> Result<Self> {
         context.ensure_current()?;
         let mut raw = std::ptr::null_mut();
@@ -157,7 +157,7 @@ impl Stream {
     /// The driver's answer (`cuStreamSynchronize`), which includes errors of earlier
     /// asynchronous work on the stream.
     ///
-    /// See [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g15e49dd91ec15991eb7c0a741beb7dad).
+    /// See [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: a live stream, in its context.
@@ -166,7 +166,7 @@ impl Stream {
 
     /// Whether all queued work has finished, without waiting.
     ///
-    /// See [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g1b0d24bbe97fa68e4bc511fb6adfeb0b).
+    /// See [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn is_idle(&self) -> Result<bool> {
         self.bind()?;
         // SAFETY: a live stream, in its context.
@@ -180,7 +180,7 @@ impl Stream {
 
     /// Makes later work on this stream wait for `event`.
     ///
-    /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g6a898b652dfc6aa1d5c8d97062618b2f).
+    /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.bind()?;
         // SAFETY: live stream and event.
