@@ -101,7 +101,8 @@ fn repeated_pairs_on_a_stream_are_cache_hits_on_the_same_block() {
 
 #[test]
 fn a_block_freed_on_one_stream_is_never_handed_to_another() {
-    let cache = CachingResource::new(HostHeap);
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
     let (a, b) = (fake_stream(1), fake_stream(2));
     let on_a = cache.allocate(4096, 256, &a).unwrap();
     unsafe { cache.deallocate(on_a, 4096, 256, &a) }.unwrap();
@@ -111,6 +112,55 @@ fn a_block_freed_on_one_stream_is_never_handed_to_another() {
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
     assert_eq!(cache.allocate(4096, 256, &b).unwrap(), on_b);
     assert_eq!(cache.allocate(4096, 256, &a).unwrap(), on_a);
+    unsafe { cache.deallocate(on_a, 4096, 256, &a) }.unwrap();
+    unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
+    drop(cache);
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}
+
+#[test]
+fn every_no_memory_answer_says_so() {
+    let stream = fake_stream(0);
+    let limited = Limit::new(HostHeap, 100);
+    let refused = limited.allocate(200, 256, &stream).unwrap_err();
+    assert!(refused.is_out_of_memory(), "{refused}");
+    assert!(Error::HostOutOfMemory { requested: 1 }.is_out_of_memory());
+    let alignment = HostHeap.allocate(64, 3, &stream).unwrap_err();
+    assert!(!alignment.is_out_of_memory(), "{alignment}");
+}
+
+/// Allocates nothing (fake addresses) and refuses every free, as a failing driver would.
+struct FailingFrees;
+
+impl StreamOrderedResource for FailingFrees {
+    type Kind = cumempool_alloc::HostMemory;
+
+    fn allocate(&self, _bytes: usize, _align: usize, _stream: &Stream) -> cumempool_alloc::Result<u64> {
+        Ok(0x10_000)
+    }
+
+    unsafe fn deallocate(
+        &self,
+        _ptr: u64,
+        _bytes: usize,
+        _align: usize,
+        _stream: &Stream,
+    ) -> cumempool_alloc::Result<()> {
+        Err(Error::Pool(cumempool::Error::InvalidArgument { what: "freeing", reason: "the test refuses".into() }))
+    }
+}
+
+#[test]
+fn a_failed_free_below_still_gives_the_bytes_back_to_limit_and_statistics() {
+    let stream = fake_stream(0);
+    let stack = Limit::new(Statistics::new(FailingFrees), 4096);
+    let ptr = stack.allocate(4096, 256, &stream).unwrap();
+    assert!(unsafe { stack.deallocate(ptr, 4096, 256, &stream) }.is_err(), "the error is still reported");
+    assert_eq!(stack.in_use(), 0, "the caller cannot free it again, so the limit must not keep it");
+    assert_eq!(stack.inner().usage().current_bytes, 0);
+    assert_eq!(stack.inner().usage().current_count, 0);
+    let again = stack.allocate(4096, 256, &stream).expect("the limit has room again");
+    let _ = unsafe { stack.deallocate(again, 4096, 256, &stream) };
 }
 
 #[test]
