@@ -23,7 +23,8 @@
 //!   only the cache still holds ([`Stream::handle_count`] is 1) give their blocks back below on
 //!   that stream and drop it; if that is not enough, the least recently used other streams'
 //!   slots are evicted the same way before a block is refused. This happens on slow paths only,
-//!   under a lock the hot path never takes.
+//!   under a lock the hot path never takes. After a scan found no slot to free (more than 256
+//!   live streams), streams without a slot free straight below for a while without scanning.
 //! - **Every no-memory answer retries.** When the resource below answers with any error for
 //!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
 //!   [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what it holds and retries
@@ -38,6 +39,7 @@ use std::sync::atomic::{
     Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Streams a cache serves at once; allocations on further streams go straight to the resource below.
 const SLOTS: usize = 256;
@@ -45,6 +47,10 @@ const SLOTS: usize = 256;
 const EMPTY: u64 = 0;
 /// A slot whose stream was released: lookups probe past it, registrations may take it.
 const RELEASED: u64 = u64::MAX;
+/// After a scan for unused streams found no slot to free, streams without a slot skip the scan
+/// for this long: a scan locks every slot, and with more than `SLOTS` live streams it would run
+/// on every free of the streams beyond them.
+const SLOT_SCAN_INTERVAL: Duration = Duration::from_micros(100);
 
 const MIN_SHIFT: u32 = 8;
 const MAX_SHIFT: u32 = 40;
@@ -166,6 +172,11 @@ pub struct CachingResource<R: StreamOrderedResource> {
     clock: AtomicU64,
     /// Held to change slot keys (register, reclaim, evict, release); never on the hot path.
     registry: Mutex<()>,
+    /// When the cache was made: the origin of `next_slot_scan`.
+    made: Instant,
+    /// Nanoseconds after `made` before which streams that find no slot skip the scan for
+    /// unused streams.
+    next_slot_scan: AtomicU64,
     max_cached: usize,
     chunk: usize,
 }
@@ -205,6 +216,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             overflow_misses: AtomicU64::new(0),
             clock: AtomicU64::new(0),
             registry: Mutex::new(()),
+            made: Instant::now(),
+            next_slot_scan: AtomicU64::new(0),
             max_cached,
             chunk,
         }
@@ -393,49 +406,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     /// As [`StreamOrderedResource::deallocate`], for a block of size class `index`.
     #[cold]
     unsafe fn deallocate_slow(&self, ptr: CUdeviceptr, index: usize, stream: &Stream) -> Result<()> {
-        let class = class_bytes(index);
-        let key = stream.id().get();
         let mut taken = Vec::new();
-        let cached = {
-            let _registry = lock(&self.registry);
-            let now = self.clock.fetch_add(1, Relaxed) + 1;
-            let own = self.find(key);
-            if let Some(own) = own {
-                // Its unfilled budget counts towards the block, before others give anything up.
-                let mut state = lock(&self.slots[own].state);
-                self.unclaimed.fetch_add(std::mem::take(&mut state.budget), Relaxed);
-            }
-            let mut slot = own.or_else(|| self.free_slot(key));
-            if slot.is_none() {
-                self.reclaim_unused(None, &mut taken);
-                slot = self.free_slot(key);
-            }
-            match slot {
-                Some(slot) if self.make_room(class, Some(slot), &mut taken) => {
-                    let mut state = lock(&self.slots[slot].state);
-                    if state.stream.is_none() {
-                        state.stream = Some(stream.clone());
-                        self.slots[slot].key.store(key, Release);
-                    }
-                    if state.blocks.is_empty() {
-                        state.blocks = vec![Vec::new(); CLASSES];
-                    }
-                    state.last_used = now;
-                    match state.blocks.get_mut(index) {
-                        Some(list) => {
-                            list.push(ptr);
-                            state.cached_bytes += class;
-                            true
-                        }
-                        None => {
-                            self.unclaimed.fetch_add(class, Relaxed);
-                            false
-                        }
-                    }
-                }
-                _ => false,
-            }
-        };
+        let cached = !self.no_slot_for_now(stream) && self.cache_making_room(ptr, index, stream, &mut taken);
         if let Err(error) = self.give_back(taken) {
             tracing::warn!(%error, "giving evicted blocks back failed");
         }
@@ -444,7 +416,71 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         }
         // SAFETY: the block came from `inner` with the class size and `POOL_ALIGNMENT`; it
         // cannot be cached, so it goes back below, on the stream its user freed it on.
-        unsafe { self.inner.deallocate(ptr, class, POOL_ALIGNMENT, stream) }
+        unsafe { self.inner.deallocate(ptr, class_bytes(index), POOL_ALIGNMENT, stream) }
+    }
+
+    /// Whether `stream` has no slot, none is free, and a scan for unused streams found nothing
+    /// less than [`SLOT_SCAN_INTERVAL`] ago: then its free goes straight below without the
+    /// registry lock, so that streams beyond the slots (all live) are not serialised on it.
+    fn no_slot_for_now(&self, stream: &Stream) -> bool {
+        let key = stream.id().get();
+        if self.find(key).is_some() || self.free_slot(key).is_some() {
+            return false;
+        }
+        self.nanos() < self.next_slot_scan.load(Relaxed)
+    }
+
+    /// Nanoseconds since the cache was made.
+    fn nanos(&self) -> u64 {
+        u64::try_from(self.made.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Caches the block under the registry lock, reclaiming and evicting what it must; false
+    /// when it cannot be cached. What was taken from other slots lands in `taken`.
+    fn cache_making_room(&self, ptr: CUdeviceptr, index: usize, stream: &Stream, taken: &mut Vec<Taken>) -> bool {
+        let class = class_bytes(index);
+        let key = stream.id().get();
+        let _registry = lock(&self.registry);
+        let now = self.clock.fetch_add(1, Relaxed) + 1;
+        let own = self.find(key);
+        if let Some(own) = own {
+            // Its unfilled budget counts towards the block, before others give anything up.
+            let mut state = lock(&self.slots[own].state);
+            self.unclaimed.fetch_add(std::mem::take(&mut state.budget), Relaxed);
+        }
+        let mut slot = own.or_else(|| self.free_slot(key));
+        if slot.is_none() {
+            self.reclaim_unused(None, taken);
+            slot = self.free_slot(key);
+            if slot.is_none() {
+                let interval = u64::try_from(SLOT_SCAN_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+                self.next_slot_scan.store(self.nanos().saturating_add(interval), Relaxed);
+            }
+        }
+        let Some(slot) = slot else { return false };
+        if !self.make_room(class, Some(slot), taken) {
+            return false;
+        }
+        let mut state = lock(&self.slots[slot].state);
+        if state.stream.is_none() {
+            state.stream = Some(stream.clone());
+            self.slots[slot].key.store(key, Release);
+        }
+        if state.blocks.is_empty() {
+            state.blocks = vec![Vec::new(); CLASSES];
+        }
+        state.last_used = now;
+        match state.blocks.get_mut(index) {
+            Some(list) => {
+                list.push(ptr);
+                state.cached_bytes += class;
+                true
+            }
+            None => {
+                self.unclaimed.fetch_add(class, Relaxed);
+                false
+            }
+        }
     }
 }
 

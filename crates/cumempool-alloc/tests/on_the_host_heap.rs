@@ -297,6 +297,34 @@ fn a_free_that_goes_straight_below_takes_no_slot() {
 }
 
 #[test]
+fn a_dropped_streams_slot_serves_a_new_stream_when_no_slot_is_free() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let mut streams: Vec<Stream> = (0..256).map(|i| fake_stream(500 + i)).collect();
+    for stream in &streams {
+        let ptr = cache.allocate(1024, 256, stream).unwrap();
+        unsafe { cache.deallocate(ptr, 1024, 256, stream) }.unwrap();
+    }
+    assert_eq!(cache.stats().streams, 256, "every slot is taken");
+    let overflow = fake_stream(900);
+    let ptr = cache.allocate(1024, 256, &overflow).unwrap();
+    unsafe { cache.deallocate(ptr, 1024, 256, &overflow) }.unwrap();
+    assert_eq!(below.usage().current_count, 256, "a stream beyond the slots bypasses the cache");
+    drop(streams.swap_remove(17));
+    // A scan for unused streams that found none is not repeated for 100 us.
+    std::thread::sleep(std::time::Duration::from_millis(1));
+    let late = fake_stream(901);
+    let ptr = cache.allocate(1024, 256, &late).unwrap();
+    unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
+    let stats = cache.stats();
+    assert_eq!(stats.streams, 256, "{stats:?}");
+    assert_eq!(cache.allocate(1024, 256, &late).unwrap(), ptr, "the dropped stream's slot took the late block");
+    unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
+    drop(cache);
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}
+
+#[test]
 fn a_dropped_streams_blocks_are_given_back_and_its_budget_reused() {
     let below = Statistics::new(HostHeap);
     let cache = CachingResource::with_max_cached(&below, 64 << 10);
