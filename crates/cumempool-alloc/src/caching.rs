@@ -5,9 +5,30 @@
 //! stream without the driver. Each stream has its own slot and lock, found without taking any
 //! shared lock, so threads on different streams never wait for each other.
 //!
-//! Stream order stays correct because a cached block is only ever handed out again on the
-//! stream it was freed on (work on one stream runs in order), or given back to the resource
-//! below with a free on that same stream. It never moves to another stream by itself.
+//! The rules that keep it sound and its budget useful:
+//!
+//! - **Streams by identity.** Slots are keyed by [`Stream::id`], never by the raw handle: handle
+//!   values can name different streams (the legacy stream of another context, a destroyed
+//!   borrowed stream's successor). A cached block is only handed out again on the stream it was
+//!   freed on (work on one stream runs in order), or given back below with a free on that same
+//!   stream, whose clone the slot keeps alive while it holds blocks.
+//! - **One alignment below.** Size-class blocks are always allocated from the resource below
+//!   with [`POOL_ALIGNMENT`] and always given back with exactly (class bytes, `POOL_ALIGNMENT`),
+//!   on every path: a hit, a free that does not fit, eviction, release. Every alignment a request
+//!   may ask for is at most `POOL_ALIGNMENT`, so any cached block serves any request. Requests too
+//!   large for a class bypass the cache with their own (bytes, align) both ways.
+//! - **Slots only for cached blocks.** A stream takes a slot when a block is cached for it, not
+//!   for a free that goes straight below.
+//! - **Reclaim, then evict.** When the bound is reached or no slot is free, slots whose stream
+//!   only the cache still holds ([`Stream::handle_count`] is 1) give their blocks back below on
+//!   that stream and drop it; if that is not enough, the least recently used other streams'
+//!   slots are evicted the same way before a block is refused. This happens on slow paths only,
+//!   under a lock the hot path never takes. After a scan found no slot to free (more than 256
+//!   live streams), streams without a slot free straight below for a while without scanning.
+//! - **Every no-memory answer retries.** When the resource below answers with any error for
+//!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
+//!   [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what it holds and retries
+//!   once.
 
 use crate::error::Result;
 use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
@@ -15,15 +36,21 @@ use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
-    Ordering::{AcqRel, Acquire, Relaxed, Release},
+    Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Streams a cache serves at once; allocations on further streams go straight to the resource below.
 const SLOTS: usize = 256;
-const EMPTY: usize = 0;
+/// A slot never used: lookups stop here. Stream ids start at 1.
+const EMPTY: u64 = 0;
 /// A slot whose stream was released: lookups probe past it, registrations may take it.
-const RELEASED: usize = usize::MAX;
+const RELEASED: u64 = u64::MAX;
+/// After a scan for unused streams found no slot to free, streams without a slot skip the scan
+/// for this long: a scan locks every slot, and with more than `SLOTS` live streams it would run
+/// on every free of the streams beyond them.
+const SLOT_SCAN_INTERVAL: Duration = Duration::from_micros(100);
 
 const MIN_SHIFT: u32 = 8;
 const MAX_SHIFT: u32 = 40;
@@ -59,30 +86,36 @@ pub(crate) fn class_bytes(index: usize) -> usize {
 
 #[repr(align(128))]
 struct Slot {
-    /// `EMPTY`, `RELEASED`, or the stream's key (its handle plus one, so the null stream fits).
-    key: AtomicUsize,
+    /// `EMPTY`, `RELEASED`, or the [`Stream::id`] of its stream. Written only under the
+    /// registry lock and the slot's own lock; read without either on the hot path.
+    key: AtomicU64,
     state: Mutex<SlotState>,
 }
 
 #[derive(Default)]
 struct SlotState {
-    /// The stream (kept alive while blocks are cached for it).
+    /// The stream, kept alive while blocks are cached for it; `Some` exactly while the slot
+    /// has a key.
     stream: Option<Stream>,
     /// Free blocks by size class, all freed on `stream`.
     blocks: Vec<Vec<CUdeviceptr>>,
     cached_bytes: usize,
     /// Budget this slot has claimed from the global bound and not yet filled with blocks.
     budget: usize,
+    /// The LRU clock when the slot was last used.
+    last_used: u64,
     hits: u64,
     misses: u64,
 }
 
-fn key_of(stream: &Stream) -> usize {
-    (stream.as_raw() as usize).wrapping_add(1)
+/// What a slot held when it was taken away: to be given back below, then let go of.
+struct Taken {
+    stream: Stream,
+    blocks: Vec<Vec<CUdeviceptr>>,
 }
 
-fn home_of(key: usize) -> usize {
-    ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
+fn home_of(key: u64) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
 }
 
 /// Counters of a [`CachingResource`].
@@ -115,21 +148,35 @@ impl CacheStats {
 /// Keeps freed blocks per stream and size class, bounded in bytes.
 ///
 /// - A block freed on stream `s` is reused only by allocations on `s`, or freed to the
-///   resource below on `s` when the cache is full or released.
-/// - Requests are rounded up to a size class (at most 25% above 256 B); requests over 1 TiB
-///   bypass the cache, and so do streams beyond the first 256 that free blocks into it.
-/// - Each stream has its own slot and lock; the bound counts cached bytes and is claimed in
-///   chunks, so the hot path touches no shared lock or counter. Once warm, a cached pair
-///   allocates no heap memory.
-/// - If the resource below runs out of memory, the cache gives back what it holds and retries
-///   once.
+///   resource below on `s` when it does not fit, is evicted or released. Streams are told apart
+///   by [`Stream::id`], never by their raw handle.
+/// - Requests are rounded up to a size class (at most 25% above 256 B) and allocated below with
+///   [`POOL_ALIGNMENT`], so a cached block satisfies any alignment; requests over 1 TiB bypass
+///   the cache, and so do streams beyond the first 256 with blocks cached at once.
+/// - Each stream has its own slot and lock; the bound counts cached bytes exactly and is claimed
+///   in chunks, so the hot path (a hit, or a free on a stream with a slot and budget) touches no
+///   shared lock or counter. Once warm, a cached pair allocates no heap memory.
+/// - When the bound is reached or the slots run out, the blocks of streams nobody else holds any
+///   more are given back, then those of the least recently used streams.
+/// - If the resource below answers with a no-memory error, the cache gives back what it holds
+///   and retries once.
 pub struct CachingResource<R: StreamOrderedResource> {
     inner: R,
     slots: Box<[Slot]>,
     /// Bytes of the bound no slot has claimed.
     unclaimed: AtomicUsize,
-    /// Misses of streams that found no free slot.
+    /// Misses of streams that found no slot.
     overflow_misses: AtomicU64,
+    /// A coarse clock for least-recently-used eviction: advanced on slow paths only, read by
+    /// the hot path.
+    clock: AtomicU64,
+    /// Held to change slot keys (register, reclaim, evict, release); never on the hot path.
+    registry: Mutex<()>,
+    /// When the cache was made: the origin of `next_slot_scan`.
+    made: Instant,
+    /// Nanoseconds after `made` before which streams that find no slot skip the scan for
+    /// unused streams.
+    next_slot_scan: AtomicU64,
     max_cached: usize,
     chunk: usize,
 }
@@ -140,9 +187,10 @@ impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
     }
 }
 
-fn lock(slot: &Slot) -> MutexGuard<'_, SlotState> {
-    // A panic while holding a slot cannot leave it inconsistent: every update is local.
-    slot.state.lock().unwrap_or_else(PoisonError::into_inner)
+/// Locks ignoring poison: a panic while holding a slot cannot leave it inconsistent, every
+/// update is local.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<R: StreamOrderedResource> CachingResource<R> {
@@ -156,9 +204,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// A cache over `inner` holding at most `max_cached` bytes of free blocks.
     pub fn with_max_cached(inner: R, max_cached: usize) -> Self {
-        let slots = (0..SLOTS)
-            .map(|_| Slot { key: AtomicUsize::new(EMPTY), state: Mutex::new(SlotState::default()) })
-            .collect();
+        let slots =
+            (0..SLOTS).map(|_| Slot { key: AtomicU64::new(EMPTY), state: Mutex::new(SlotState::default()) }).collect();
         // Small enough that every slot can hold some budget at once; large enough that a
         // stream's steady allocate/free pairs never touch the shared counter.
         let chunk = (max_cached / (4 * SLOTS)).max(64 << 10).min(max_cached);
@@ -167,6 +214,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             slots,
             unclaimed: AtomicUsize::new(max_cached),
             overflow_misses: AtomicU64::new(0),
+            clock: AtomicU64::new(0),
+            registry: Mutex::new(()),
+            made: Instant::now(),
+            next_slot_scan: AtomicU64::new(0),
             max_cached,
             chunk,
         }
@@ -182,14 +233,14 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         self.max_cached
     }
 
-    /// The slot of the stream with `key`, if it has one.
+    /// The index of the slot of the stream with `key`, if it has one.
     #[inline]
-    fn find(&self, key: usize) -> Option<&Slot> {
+    fn find(&self, key: u64) -> Option<usize> {
         let home = home_of(key);
         for i in 0..SLOTS {
-            let slot = &self.slots[(home + i) % SLOTS];
-            match slot.key.load(Acquire) {
-                k if k == key => return Some(slot),
+            let index = (home + i) % SLOTS;
+            match self.slots[index].key.load(Acquire) {
+                k if k == key => return Some(index),
                 EMPTY => return None,
                 _ => {}
             }
@@ -197,51 +248,114 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         None
     }
 
-    /// The stream's slot, taking a free one if it has none; `None` when all are taken.
-    fn find_or_register(&self, key: usize) -> Option<&Slot> {
-        if let Some(slot) = self.find(key) {
-            return Some(slot);
-        }
+    /// A slot a stream with `key` may take: the first one free on its probe path, so `find`
+    /// reaches it. Only under the registry lock.
+    fn free_slot(&self, key: u64) -> Option<usize> {
         let home = home_of(key);
-        for i in 0..SLOTS {
-            let slot = &self.slots[(home + i) % SLOTS];
-            let current = slot.key.load(Acquire);
-            if (current == EMPTY || current == RELEASED)
-                && slot.key.compare_exchange(current, key, AcqRel, Acquire).is_ok()
-            {
-                return Some(slot);
-            }
-            if slot.key.load(Acquire) == key {
-                return Some(slot);
-            }
-        }
-        None
+        (0..SLOTS)
+            .map(|i| (home + i) % SLOTS)
+            .find(|&index| matches!(self.slots[index].key.load(Acquire), EMPTY | RELEASED))
     }
 
-    /// Takes `bytes` of budget for a slot; false when the bound is reached.
-    fn claim(&self, state: &mut SlotState, bytes: usize) -> bool {
-        if state.budget < bytes {
-            let need = bytes - state.budget;
-            let take =
-                |amount: usize| self.unclaimed.fetch_update(Relaxed, Relaxed, |left| left.checked_sub(amount)).is_ok();
+    /// Takes `bytes` of the bound no slot has claimed; false when there are not that many.
+    fn take_unclaimed(&self, bytes: usize) -> bool {
+        self.unclaimed.fetch_update(Relaxed, Relaxed, |left| left.checked_sub(bytes)).is_ok()
+    }
+
+    /// Takes `bytes` of budget for a slot, claiming a chunk of the bound when its own is short;
+    /// false when the bound is reached.
+    #[inline]
+    fn claim(&self, budget: &mut usize, bytes: usize) -> bool {
+        if *budget < bytes {
+            let need = bytes - *budget;
             let chunk = need.max(self.chunk);
-            if take(chunk) {
-                state.budget += chunk;
-            } else if take(need) {
-                state.budget += need;
+            if self.take_unclaimed(chunk) {
+                *budget += chunk;
+            } else if self.take_unclaimed(need) {
+                *budget += need;
             } else {
                 return false;
             }
         }
-        state.budget -= bytes;
+        *budget -= bytes;
         true
+    }
+
+    /// Empties the slot at `index` if it has a stream and `which` picks it: its bytes return to
+    /// the bound, its key is released. Only under the registry lock.
+    fn take_slot(&self, index: usize, which: impl FnOnce(&SlotState) -> bool) -> Option<Taken> {
+        let slot = &self.slots[index];
+        let mut state = lock(&slot.state);
+        if state.stream.is_none() || !which(&state) {
+            return None;
+        }
+        let stream = state.stream.take()?;
+        let blocks = std::mem::take(&mut state.blocks);
+        let bytes = std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes);
+        self.unclaimed.fetch_add(bytes, Relaxed);
+        // Under the slot's lock, so a thread that found the old key sees the change.
+        slot.key.store(RELEASED, Release);
+        Some(Taken { stream, blocks })
+    }
+
+    /// Takes the slots whose stream only the cache still holds (nobody can queue work on it
+    /// any more), except the slot `keep`. Only under the registry lock.
+    fn reclaim_unused(&self, keep: Option<usize>, taken: &mut Vec<Taken>) {
+        for index in (0..SLOTS).filter(|&index| Some(index) != keep) {
+            let unused = |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1);
+            taken.extend(self.take_slot(index, unused));
+        }
+    }
+
+    /// Makes `bytes` of the bound unclaimed and takes them: reclaims unused streams' slots,
+    /// then evicts the least recently used other streams' slots. Only under the registry lock.
+    fn make_room(&self, bytes: usize, keep: Option<usize>, taken: &mut Vec<Taken>) -> bool {
+        if bytes > self.max_cached {
+            return false;
+        }
+        if self.take_unclaimed(bytes) {
+            return true;
+        }
+        self.reclaim_unused(keep, taken);
+        while !self.take_unclaimed(bytes) {
+            let oldest = (0..SLOTS)
+                .filter(|&index| Some(index) != keep)
+                .filter_map(|index| {
+                    let state = lock(&self.slots[index].state);
+                    state.stream.is_some().then_some((state.last_used, index))
+                })
+                .min();
+            let Some((_, victim)) = oldest else { return false };
+            taken.extend(self.take_slot(victim, |_| true));
+        }
+        true
+    }
+
+    /// Gives taken blocks back below, each on the stream it was freed on, then lets go of the
+    /// streams. Called without any lock held.
+    fn give_back(&self, taken: Vec<Taken>) -> Result<()> {
+        let mut first_error = None;
+        for Taken { stream, blocks } in taken {
+            for (index, list) in blocks.iter().enumerate() {
+                let bytes = class_bytes(index);
+                for &ptr in list {
+                    // SAFETY: each block came from `inner` with the class size and
+                    // `POOL_ALIGNMENT`, and was freed by its user on `stream`; it is given back
+                    // once, on that stream.
+                    if let Err(error) = unsafe { self.inner.deallocate(ptr, bytes, POOL_ALIGNMENT, &stream) } {
+                        first_error.get_or_insert(error);
+                    }
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Counters, summed over all streams.
     pub fn stats(&self) -> CacheStats {
         let mut stats = CacheStats { misses: self.overflow_misses.load(Relaxed), ..CacheStats::default() };
         for slot in self.slots.iter() {
-            let state = lock(slot);
+            let state = lock(&slot.state);
             stats.hits += state.hits;
             stats.misses += state.misses;
             stats.cached_bytes += state.cached_bytes;
@@ -251,49 +365,122 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         stats
     }
 
-    /// Frees every cached block to the resource below (each on the stream it was freed on).
+    /// Frees every cached block to the resource below (each on the stream it was freed on) and
+    /// lets go of every stream.
     pub fn release(&self) -> Result<()> {
-        self.release_where(|_| true)
-    }
-
-    /// Frees the blocks cached for `stream` to the resource below, and lets go of the stream.
-    pub fn release_stream(&self, stream: &Stream) -> Result<()> {
-        self.release_where(|s| s.same_as(stream))
-    }
-
-    fn release_where(&self, mut which: impl FnMut(&Stream) -> bool) -> Result<()> {
         let mut taken = Vec::new();
-        for slot in self.slots.iter() {
-            let mut state = lock(slot);
-            let Some(stream) = state.stream.as_ref() else { continue };
-            if !which(stream) {
-                continue;
-            }
-            let blocks = std::mem::take(&mut state.blocks);
-            let stream = state.stream.take();
-            self.unclaimed
-                .fetch_add(std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes), Relaxed);
-            // Under the slot's lock, so a thread that found the old key sees the change.
-            slot.key.store(RELEASED, Release);
-            drop(state);
-            if let Some(stream) = stream {
-                taken.push((stream, blocks));
-            }
+        {
+            let _registry = lock(&self.registry);
+            taken.extend((0..SLOTS).filter_map(|index| self.take_slot(index, |_| true)));
         }
-        let mut first_error = None;
-        for (stream, blocks) in taken {
-            for (index, list) in blocks.iter().enumerate() {
-                let bytes = class_bytes(index);
-                for ptr in list {
-                    // SAFETY: each block came from `inner` with the class size and was freed by
-                    // its user on `stream`; it is given back once, on that stream.
-                    if let Err(error) = unsafe { self.inner.deallocate(*ptr, bytes, POOL_ALIGNMENT, &stream) } {
-                        first_error.get_or_insert(error);
-                    }
+        self.give_back(taken)
+    }
+
+    /// Frees the blocks cached for `stream` (this very stream: its clones, not other streams
+    /// with the same handle value) to the resource below, and lets go of the stream.
+    pub fn release_stream(&self, stream: &Stream) -> Result<()> {
+        let taken = {
+            let _registry = lock(&self.registry);
+            self.find(stream.id().get()).and_then(|index| self.take_slot(index, |_| true))
+        };
+        self.give_back(taken.into_iter().collect())
+    }
+
+    /// Allocates below; on a no-memory answer gives back every cached block and retries once.
+    fn allocate_below(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        match self.inner.allocate(bytes, align, stream) {
+            Err(error) if error.is_out_of_memory() => {
+                if let Err(error) = self.release() {
+                    tracing::warn!(%error, "giving cached blocks back failed");
                 }
+                self.inner.allocate(bytes, align, stream)
+            }
+            other => other,
+        }
+    }
+
+    /// Caches a block whose stream has no slot or whose slot has no budget left, making room
+    /// if it can; otherwise gives it back below.
+    ///
+    /// # Safety
+    /// As [`StreamOrderedResource::deallocate`], for a block of size class `index`.
+    #[cold]
+    unsafe fn deallocate_slow(&self, ptr: CUdeviceptr, index: usize, stream: &Stream) -> Result<()> {
+        let mut taken = Vec::new();
+        let cached = !self.no_slot_for_now(stream) && self.cache_making_room(ptr, index, stream, &mut taken);
+        if let Err(error) = self.give_back(taken) {
+            tracing::warn!(%error, "giving evicted blocks back failed");
+        }
+        if cached {
+            return Ok(());
+        }
+        // SAFETY: the block came from `inner` with the class size and `POOL_ALIGNMENT`; it
+        // cannot be cached, so it goes back below, on the stream its user freed it on.
+        unsafe { self.inner.deallocate(ptr, class_bytes(index), POOL_ALIGNMENT, stream) }
+    }
+
+    /// Whether `stream` has no slot, none is free, and a scan for unused streams found nothing
+    /// less than [`SLOT_SCAN_INTERVAL`] ago: then its free goes straight below without the
+    /// registry lock, so that streams beyond the slots (all live) are not serialised on it.
+    fn no_slot_for_now(&self, stream: &Stream) -> bool {
+        let key = stream.id().get();
+        if self.find(key).is_some() || self.free_slot(key).is_some() {
+            return false;
+        }
+        self.nanos() < self.next_slot_scan.load(Relaxed)
+    }
+
+    /// Nanoseconds since the cache was made.
+    fn nanos(&self) -> u64 {
+        u64::try_from(self.made.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Caches the block under the registry lock, reclaiming and evicting what it must; false
+    /// when it cannot be cached. What was taken from other slots lands in `taken`.
+    fn cache_making_room(&self, ptr: CUdeviceptr, index: usize, stream: &Stream, taken: &mut Vec<Taken>) -> bool {
+        let class = class_bytes(index);
+        let key = stream.id().get();
+        let _registry = lock(&self.registry);
+        let now = self.clock.fetch_add(1, Relaxed) + 1;
+        let own = self.find(key);
+        if let Some(own) = own {
+            // Its unfilled budget counts towards the block, before others give anything up.
+            let mut state = lock(&self.slots[own].state);
+            self.unclaimed.fetch_add(std::mem::take(&mut state.budget), Relaxed);
+        }
+        let mut slot = own.or_else(|| self.free_slot(key));
+        if slot.is_none() {
+            self.reclaim_unused(None, taken);
+            slot = self.free_slot(key);
+            if slot.is_none() {
+                let interval = u64::try_from(SLOT_SCAN_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+                self.next_slot_scan.store(self.nanos().saturating_add(interval), Relaxed);
             }
         }
-        first_error.map_or(Ok(()), Err)
+        let Some(slot) = slot else { return false };
+        if !self.make_room(class, Some(slot), taken) {
+            return false;
+        }
+        let mut state = lock(&self.slots[slot].state);
+        if state.stream.is_none() {
+            state.stream = Some(stream.clone());
+            self.slots[slot].key.store(key, Release);
+        }
+        if state.blocks.is_empty() {
+            state.blocks = vec![Vec::new(); CLASSES];
+        }
+        state.last_used = now;
+        match state.blocks.get_mut(index) {
+            Some(list) => {
+                list.push(ptr);
+                state.cached_bytes += class;
+                true
+            }
+            None => {
+                self.unclaimed.fetch_add(class, Relaxed);
+                false
+            }
+        }
     }
 }
 
@@ -307,13 +494,15 @@ impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
             return Ok(0);
         }
         let Some((index, class)) = size_class(bytes) else {
-            return self.inner.allocate(bytes, align, stream);
+            return self.allocate_below(bytes, align, stream);
         };
-        let key = key_of(stream);
-        match self.find(key) {
+        let key = stream.id().get();
+        let found = self.find(key).map(|index| &self.slots[index]);
+        match found {
             Some(slot) => {
-                let mut state = lock(slot);
-                if slot.key.load(Acquire) == key {
+                let mut state = lock(&slot.state);
+                if slot.key.load(Relaxed) == key {
+                    state.last_used = self.clock.load(Relaxed);
                     if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
                         state.cached_bytes -= class;
                         state.budget += class;
@@ -329,13 +518,8 @@ impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
                 self.overflow_misses.fetch_add(1, Relaxed);
             }
         }
-        match self.inner.allocate(class, align, stream) {
-            Err(crate::Error::Pool(cumempool::Error::OutOfMemory { .. })) if self.stats().cached_blocks > 0 => {
-                self.release()?;
-                self.inner.allocate(class, align, stream)
-            }
-            other => other,
-        }
+        // Every class block is allocated with the pools' alignment, which satisfies any request.
+        self.allocate_below(class, POOL_ALIGNMENT, stream)
     }
 
     #[inline]
@@ -347,24 +531,23 @@ impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
             // SAFETY: a bypassing block came from `inner` with these arguments.
             return unsafe { self.inner.deallocate(ptr, bytes, align, stream) };
         };
-        let key = key_of(stream);
-        if let Some(slot) = self.find_or_register(key) {
-            let mut state = lock(slot);
-            if slot.key.load(Acquire) == key && self.claim(&mut state, class) {
-                if state.stream.is_none() {
-                    state.stream = Some(stream.clone());
+        let key = stream.id().get();
+        if let Some(slot) = self.find(key).map(|index| &self.slots[index]) {
+            let mut guard = lock(&slot.state);
+            let state = &mut *guard;
+            if slot.key.load(Relaxed) == key {
+                if let Some(list) = state.blocks.get_mut(index) {
+                    if self.claim(&mut state.budget, class) {
+                        list.push(ptr);
+                        state.cached_bytes += class;
+                        state.last_used = self.clock.load(Relaxed);
+                        return Ok(());
+                    }
                 }
-                if state.blocks.is_empty() {
-                    state.blocks = vec![Vec::new(); CLASSES];
-                }
-                state.blocks[index].push(ptr);
-                state.cached_bytes += class;
-                return Ok(());
             }
         }
-        // SAFETY: the block came from `inner` with the class size; the cache is full (or has no
-        // slot for this stream), so it goes back below, on the stream its user freed it on.
-        unsafe { self.inner.deallocate(ptr, class, align, stream) }
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.deallocate_slow(ptr, index, stream) }
     }
 }
 

@@ -51,3 +51,16 @@ pub enum Error {
         requested: usize,
     },
 }
+
+impl Error {
+    /// Whether the failure means "no memory": the pool's own out-of-memory, a [`Limit`](crate::Limit)
+    /// refusal or the host heap's. Every layer answers it the same way (a cache gives its blocks
+    /// back and retries), as RMM's limiting adaptor answers with the upstream's out-of-memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Self::Pool(error) => error.is_out_of_memory(),
+            Self::LimitExceeded { .. } | Self::HostOutOfMemory { .. } => true,
+            Self::Alignment { .. } | Self::KindMismatch { .. } => false,
+        }
+    }
+}

@@ -66,6 +66,7 @@ impl<R: StreamOrderedResource> StreamOrderedResource for std::sync::Arc<R> {
 
 /// Memory from a resource, freed on its stream when dropped.
 #[derive(Debug)]
+#[must_use = "dropping an allocation frees it at once"]
 pub struct Allocation<'r, R: StreamOrderedResource> {
     resource: &'r R,
     ptr: CUdeviceptr,

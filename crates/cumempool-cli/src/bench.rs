@@ -2,6 +2,8 @@
 //! `cumempool-sys` calls, the safe layer and the caching resource on the same pool in one run,
 //! and how each scales with threads.
 
+mod stream_handover;
+
 use crate::counting_allocator;
 use crate::table::{bytes, Table};
 use cumempool::{Context, Device, Location, MemPool, Pool, Route, Stream};
@@ -62,6 +64,7 @@ pub struct Report {
     pub sync_alloc_free_1mib_us: f64,
     pub thread_size: usize,
     pub threads: Vec<ThreadRow>,
+    pub stream_handover: stream_handover::Report,
 }
 
 struct Progress {
@@ -211,6 +214,25 @@ fn sync_alloc_free(context: &Context) -> cumempool::Result<f64> {
     Ok(start.elapsed().as_secs_f64() * 1e6 / rounds as f64)
 }
 
+/// An allocation+free pair of `bytes` from `pool` on any stream, through raw driver calls, for
+/// any thread: it makes the stream's context current first.
+fn raw_pool_pair(pool: &Pool) -> cumempool::Result<impl Fn(&Stream, usize) -> bool + Sync + Copy> {
+    let driver = cumempool::sys::driver()?;
+    let (alloc, free) = (driver.cuMemAllocFromPoolAsync()?, driver.cuMemFreeAsync()?);
+    let raw_pool = pool.as_raw() as usize;
+    Ok(move |stream: &Stream, bytes: usize| {
+        let mut ptr = 0;
+        // SAFETY: live pool and stream (the caller keeps the pool alive while it uses the pair);
+        // freed at once in stream order.
+        unsafe {
+            stream.bind().is_ok()
+                && alloc(&mut ptr, bytes, raw_pool as cumempool::sys::CUmemoryPool, stream.as_raw())
+                    == cumempool::sys::CUresult::CUDA_SUCCESS
+                && free(ptr, stream.as_raw()) == cumempool::sys::CUresult::CUDA_SUCCESS
+        }
+    })
+}
+
 /// Pairs per second, in total, of `threads` threads each on its own stream.
 fn scale(
     threads: usize,
@@ -219,20 +241,33 @@ fn scale(
     pair: &(dyn Fn(&Stream) -> bool + Sync),
 ) -> cumempool::Result<f64> {
     let streams: Vec<Stream> = (0..threads).map(|_| Stream::new(context)).collect::<cumempool::Result<_>>()?;
-    let barrier = Barrier::new(threads + 1);
+    // Warm: binds the context, fills a cache.
+    on_threads(&streams.iter().collect::<Vec<_>>(), pairs / 20 + 1, pairs, &|stream, _, _| pair(stream))
+}
+
+/// Pairs per second, in total, of a thread per entry of `streams` (entries may repeat a stream),
+/// each making `warm` untimed calls, then `pairs` timed calls of `pair(stream, thread, step)`.
+fn on_threads(
+    streams: &[&Stream],
+    warm: usize,
+    pairs: usize,
+    pair: &(dyn Fn(&Stream, usize, usize) -> bool + Sync),
+) -> cumempool::Result<f64> {
+    let barrier = Barrier::new(streams.len() + 1);
     let elapsed = std::thread::scope(|scope| {
         let handles: Vec<_> = streams
             .iter()
-            .map(|stream| {
+            .enumerate()
+            .map(|(thread, &stream)| {
                 let barrier = &barrier;
                 scope.spawn(move || {
-                    for _ in 0..pairs / 20 + 1 {
-                        pair(stream); // warm: binds the context, fills a cache
+                    for step in 0..warm {
+                        pair(stream, thread, step);
                     }
                     barrier.wait();
                     let mut ok = true;
-                    for _ in 0..pairs {
-                        ok &= pair(stream);
+                    for step in 0..pairs {
+                        ok &= pair(stream, thread, step);
                     }
                     ok & stream.synchronize().is_ok()
                 })
@@ -249,7 +284,7 @@ fn scale(
             reason: "an allocation failed".into(),
         });
     }
-    Ok((threads * pairs) as f64 / elapsed.0.as_secs_f64())
+    Ok((streams.len() * pairs) as f64 / elapsed.0.as_secs_f64())
 }
 
 pub fn run(options: &Options) -> cumempool::Result<Report> {
@@ -266,7 +301,7 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
         Route::managed(Location::Unspecified),
     ];
     let mut progress =
-        Progress { enabled: options.progress, step: 0, total: routes.len() * sizes.len() + options.threads.len() + 1 };
+        Progress { enabled: options.progress, step: 0, total: routes.len() * sizes.len() + options.threads.len() + 2 };
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -281,19 +316,8 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
     let thread_size = 1 << 20;
     let pool = MemPool::new(Route::device(0))?;
     pool.set_release_threshold(u64::MAX)?;
-    let driver = cumempool::sys::driver()?;
-    let (alloc, free) = (driver.cuMemAllocFromPoolAsync()?, driver.cuMemFreeAsync()?);
-    let raw_pool = pool.as_raw() as usize;
-    let raw = move |stream: &Stream| {
-        let mut ptr = 0;
-        // SAFETY: live pool and stream; freed at once in stream order.
-        unsafe {
-            stream.bind().is_ok()
-                && alloc(&mut ptr, thread_size, raw_pool as cumempool::sys::CUmemoryPool, stream.as_raw())
-                    == cumempool::sys::CUresult::CUDA_SUCCESS
-                && free(ptr, stream.as_raw()) == cumempool::sys::CUresult::CUDA_SUCCESS
-        }
-    };
+    let raw_sized = raw_pool_pair(&pool)?;
+    let raw = move |stream: &Stream| raw_sized(stream, thread_size);
     let safe = |stream: &Stream| pool.alloc(thread_size, stream).is_ok();
     let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).map_err(to_core)?);
     let cached = |stream: &Stream| match cache.allocate(thread_size, 256, stream) {
@@ -323,6 +347,9 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
             cache_over_raw: cache_rate / raw_rate,
         });
     }
+    progress.tick("stream handover: a stream per thread, then one shared stream");
+    // 20,000 pairs per thread at the default --pairs 2000, as in issue 9; --quick shrinks it.
+    let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
     progress.done();
     Ok(Report {
         device: device.name()?,
@@ -335,6 +362,7 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
         sync_alloc_free_1mib_us,
         thread_size,
         threads,
+        stream_handover,
     })
 }
 
@@ -385,5 +413,7 @@ pub fn render(report: &Report) -> String {
         ]);
     }
     out.push_str(&threads.render());
+    out.push('\n');
+    out.push_str(&stream_handover::render(&report.stream_handover));
     out
 }

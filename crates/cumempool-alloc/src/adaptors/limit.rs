@@ -1,4 +1,5 @@
-//! A cap on the bytes in use, turned into a typed out-of-memory error.
+//! A cap on the bytes in use, turned into a typed out-of-memory error
+//! ([`Error::is_out_of_memory`] is true for it, as for the pool's own).
 
 use crate::error::{Error, Result};
 use crate::resource::StreamOrderedResource;
@@ -51,9 +52,9 @@ impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
-        // SAFETY: forwarded under the caller's promise.
-        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }?;
+        // The bytes come back even if the free below fails: the caller may not free them again.
         self.in_use.fetch_sub(bytes, Relaxed);
-        Ok(())
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }
     }
 }

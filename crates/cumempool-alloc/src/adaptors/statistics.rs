@@ -85,10 +85,10 @@ impl<R: StreamOrderedResource> StreamOrderedResource for Statistics<R> {
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
-        // SAFETY: forwarded under the caller's promise.
-        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }?;
+        // Counted as freed even if the free below fails: the caller may not free it again.
         self.bytes.sub(bytes);
         self.count.sub(1);
-        Ok(())
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }
     }
 }
