@@ -1,8 +1,9 @@
-//! `allocator_api2::alloc::Allocator` for host-accessible pools, so `Vec` and `Box` can live in
-//! pinned host, host NUMA or managed pool memory.
+//! `allocator_api2::alloc::Allocator` over any resource of host-accessible memory, so `Vec`,
+//! `Box` and `hashbrown` containers can live in pinned host, host NUMA or managed memory, also
+//! through a cache or a limit.
 
 use crate::error::Result;
-use crate::memory_kind::HostAccessible;
+use crate::memory_kind::{HostAccessible, MemoryKind};
 use crate::pool_resource::PoolResource;
 use crate::resource::{StreamOrderedResource, POOL_ALIGNMENT};
 use allocator_api2::alloc::{AllocError, Allocator};
@@ -11,60 +12,91 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-/// Allocates host-accessible pool memory for containers: `Vec::new_in(allocator.clone())`.
+/// Allocates host-accessible memory for containers from any [`StreamOrderedResource`] whose
+/// kind is [`HostAccessible`]: `Vec::new_in(allocator.clone())`.
 ///
 /// The allocator owns a stream. Pool memory is stream-ordered and a pool may hand back memory
 /// another stream freed moments ago, so each allocation waits for that stream
 /// (`cuStreamSynchronize`, a few microseconds) before the host may touch the memory; each free
-/// is queued on it without waiting. Clones share the stream and the pool.
+/// is queued on it without waiting. Clones share the stream and the resource.
 ///
 /// Alignments above the pools' guaranteed 256 bytes are refused (`AllocError`), never ignored.
-/// Device-only pools cannot be used: `K` must be [`HostAccessible`], checked at compile time,
-/// and the pool's route is checked against `K` when the allocator is made.
-pub struct PoolAllocator<K: HostAccessible> {
-    inner: Arc<Shared<K>>,
+/// Device-only memory cannot be used: the kind must be [`HostAccessible`], checked at compile
+/// time, and managed memory is refused where the host may not touch it while kernels run.
+pub struct ResourceAllocator<R: StreamOrderedResource>
+where
+    R::Kind: HostAccessible,
+{
+    inner: Arc<AllocatorState<R>>,
 }
 
-struct Shared<K: HostAccessible> {
-    resource: PoolResource<K>,
+/// A [`ResourceAllocator`] straight over one pool: `PoolAllocator::<HostMemory>::new(&pool, &context)`.
+pub type PoolAllocator<K> = ResourceAllocator<PoolResource<K>>;
+
+/// What the clones of one allocator share.
+struct AllocatorState<R> {
+    resource: R,
     stream: Stream,
 }
 
-impl<K: HostAccessible> Clone for PoolAllocator<K> {
+impl<R: StreamOrderedResource> Clone for ResourceAllocator<R>
+where
+    R::Kind: HostAccessible,
+{
     fn clone(&self) -> Self {
         Self { inner: self.inner.clone() }
     }
 }
 
-impl<K: HostAccessible> std::fmt::Debug for PoolAllocator<K> {
+impl<R: StreamOrderedResource> std::fmt::Debug for ResourceAllocator<R>
+where
+    R::Kind: HostAccessible,
+{
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolAllocator")
-            .field("pool", &self.inner.resource.pool().as_raw())
-            .field("kind", &K::NAME)
+        f.debug_struct("ResourceAllocator")
+            .field("kind", &<R::Kind as MemoryKind>::NAME)
+            .field("stream", &self.inner.stream.id())
             .finish()
     }
 }
 
-impl<K: HostAccessible> PoolAllocator<K> {
-    /// An allocator over `pool` with a new stream in `context`.
+impl<R: StreamOrderedResource> ResourceAllocator<R>
+where
+    R::Kind: HostAccessible,
+{
+    /// An allocator over `resource` with a new stream in `context`.
     ///
     /// # Errors
-    /// [`Error::KindMismatch`](crate::Error::KindMismatch) for a pool of another memory kind;
-    /// for managed memory, [`cumempool::Error::ManagedMemoryNotHostAccessible`] on machines
+    /// For managed memory, [`cumempool::Error::ManagedMemoryNotHostAccessible`] on machines
     /// whose devices lack concurrent managed access (the host may not touch managed memory
     /// there while kernels run); a stream the driver refuses.
-    pub fn new(pool: &Pool, context: &Context) -> Result<Self> {
-        let resource = PoolResource::new(pool)?;
-        if pool.allocation_type()? == cumempool::AllocationType::Managed {
+    pub fn with_resource(resource: R, context: &Context) -> Result<Self> {
+        if <R::Kind as MemoryKind>::MIGRATES {
             cumempool::require_concurrent_managed_access()?;
         }
         let stream = Stream::new(context)?;
-        Ok(Self { inner: Arc::new(Shared { resource, stream }) })
+        Ok(Self { inner: Arc::new(AllocatorState { resource, stream }) })
     }
 
     /// The allocator's stream.
     pub fn stream(&self) -> &Stream {
         &self.inner.stream
+    }
+
+    /// The resource below.
+    pub fn resource(&self) -> &R {
+        &self.inner.resource
+    }
+}
+
+impl<K: HostAccessible> ResourceAllocator<PoolResource<K>> {
+    /// An allocator straight over `pool`, with a new stream in `context`.
+    ///
+    /// # Errors
+    /// [`Error::KindMismatch`](crate::Error::KindMismatch) for a pool of another memory kind,
+    /// and the errors of [`ResourceAllocator::with_resource`].
+    pub fn new(pool: &Pool, context: &Context) -> Result<Self> {
+        Self::with_resource(PoolResource::new(pool)?, context)
     }
 
     /// The pool.
@@ -73,10 +105,15 @@ impl<K: HostAccessible> PoolAllocator<K> {
     }
 }
 
-// SAFETY: memory handed out stays valid until deallocated (the allocator keeps its pool and
-// stream alive), is host-accessible by `K`, is aligned as asked or refused, and clones share
-// one pool, so memory may be freed through any clone.
-unsafe impl<K: HostAccessible> Allocator for PoolAllocator<K> {
+// SAFETY: memory handed out comes from a resource, whose (unsafe) trait promises memory of the
+// asked size and alignment, of its kind, used by no one else until freed; the kind is
+// host-accessible, managed memory only where the host may touch it while kernels run, and the
+// allocator waits for its stream before handing memory to the host. The allocator (and its
+// clones) keep the resource and the stream alive, so memory may be freed through any clone.
+unsafe impl<R: StreamOrderedResource> Allocator for ResourceAllocator<R>
+where
+    R::Kind: HostAccessible,
+{
     fn allocate(&self, layout: Layout) -> std::result::Result<NonNull<[u8]>, AllocError> {
         if layout.size() == 0 {
             let dangling = NonNull::new(layout.align() as *mut u8).ok_or(AllocError)?;
@@ -86,26 +123,28 @@ unsafe impl<K: HostAccessible> Allocator for PoolAllocator<K> {
             tracing::debug!(align = layout.align(), "refusing an alignment above the pool guarantee");
             return Err(AllocError);
         }
-        let shared = &self.inner;
-        let ptr = shared.resource.allocate(layout.size(), layout.align(), &shared.stream).map_err(|_| AllocError)?;
-        if shared.stream.synchronize().is_err() {
-            // SAFETY: just allocated with this size on this stream, never handed out.
-            let _ = unsafe { shared.resource.deallocate(ptr, layout.size(), layout.align(), &shared.stream) };
+        let state = &self.inner;
+        let ptr = state.resource.allocate(layout.size(), layout.align(), &state.stream).map_err(|_| AllocError)?;
+        let Some(address) = NonNull::new(ptr as usize as *mut u8) else {
+            // A resource that answers a non-empty request with 0 broke its promise; nothing to free.
+            return Err(AllocError);
+        };
+        if state.stream.synchronize().is_err() {
+            // SAFETY: just allocated with this layout on this stream, never handed out.
+            let _ = unsafe { state.resource.deallocate(ptr, layout.size(), layout.align(), &state.stream) };
             return Err(AllocError);
         }
-        let ptr = NonNull::new(ptr as usize as *mut u8).ok_or(AllocError)?;
-        Ok(NonNull::slice_from_raw_parts(ptr, layout.size()))
+        Ok(NonNull::slice_from_raw_parts(address, layout.size()))
     }
 
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() == 0 {
             return;
         }
-        let shared = &self.inner;
+        let state = &self.inner;
         let address = ptr.as_ptr() as usize as cumempool::sys::CUdeviceptr;
         // SAFETY: the caller returns memory this allocator (or a clone) handed out with `layout`.
-        if let Err(error) =
-            unsafe { shared.resource.deallocate(address, layout.size(), layout.align(), &shared.stream) }
+        if let Err(error) = unsafe { state.resource.deallocate(address, layout.size(), layout.align(), &state.stream) }
         {
             tracing::warn!(%error, "freeing container memory failed");
         }

@@ -484,7 +484,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     }
 }
 
-impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
+// SAFETY: hands out blocks of the resource below, each to one user at a time: a cached block
+// is in no user's hands, and every class block has the class size and the pools' alignment,
+// which is at least what any request rounded into that class asked.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
     type Kind = R::Kind;
 
     #[inline]

@@ -13,7 +13,8 @@ use std::alloc::Layout;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostHeap;
 
-impl StreamOrderedResource for HostHeap {
+// SAFETY: memory from the global allocator with the asked layout, freed with the same.
+unsafe impl StreamOrderedResource for HostHeap {
     type Kind = HostMemory;
 
     fn allocate(&self, bytes: usize, align: usize, _stream: &Stream) -> Result<CUdeviceptr> {

@@ -37,16 +37,19 @@ mod adaptors;
 mod allocator;
 mod caching;
 mod error;
+#[cfg(any(test, feature = "testing"))]
 mod host_heap;
 mod memory_kind;
 mod pool_resource;
 mod resource;
 
 pub use adaptors::{Limit, Statistics, Traced, Usage};
-pub use allocator::PoolAllocator;
+pub use allocator::{PoolAllocator, ResourceAllocator};
 pub use caching::{CacheStats, CachingResource};
 pub use error::{Error, Result};
+#[cfg(any(test, feature = "testing"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub use host_heap::HostHeap;
-pub use memory_kind::{DeviceAccessible, DeviceMemory, HostAccessible, HostMemory, ManagedMemory, MemoryKind};
+pub use memory_kind::{DeviceMemory, HostAccessible, HostMemory, ManagedMemory, MemoryKind};
 pub use pool_resource::{CurrentPoolResource, PoolResource};
 pub use resource::{Allocation, StreamOrderedResource, POOL_ALIGNMENT};

@@ -2,23 +2,26 @@
 
 use cumempool::{AllocationType, Route};
 
-/// A kind of memory: which processors may touch it. Implemented by the marker types below.
-pub trait MemoryKind: Send + Sync + 'static {
-    /// Whether devices may read and write it.
-    const DEVICE_ACCESSIBLE: bool;
-    /// Whether the host may read and write it (after its stream has synchronised).
-    const HOST_ACCESSIBLE: bool;
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A kind of memory: which processors may touch it. Implemented by the three marker types
+/// below and sealed: safe code relies on a kind's word (a host-accessible kind's memory is
+/// given to containers as host memory), so no other type may claim one.
+pub trait MemoryKind: sealed::Sealed + Send + Sync + 'static {
     /// A name for messages.
     const NAME: &'static str;
+    /// Whether the memory migrates between host and devices (managed memory), which the host
+    /// may touch only where devices support concurrent managed access.
+    const MIGRATES: bool;
     /// Whether a pool of `route` holds this kind of memory.
     fn admits(route: Route) -> bool;
 }
 
-/// Memory the host may touch: [`HostMemory`] and [`ManagedMemory`].
+/// Memory the host may touch once its stream has finished: [`HostMemory`] and
+/// [`ManagedMemory`].
 pub trait HostAccessible: MemoryKind {}
-
-/// Memory devices may touch: all three kinds.
-pub trait DeviceAccessible: MemoryKind {}
 
 /// Pinned device memory: devices only.
 #[derive(Debug)]
@@ -32,36 +35,34 @@ pub enum HostMemory {}
 #[derive(Debug)]
 pub enum ManagedMemory {}
 
+impl sealed::Sealed for DeviceMemory {}
+impl sealed::Sealed for HostMemory {}
+impl sealed::Sealed for ManagedMemory {}
+
 impl MemoryKind for DeviceMemory {
-    const DEVICE_ACCESSIBLE: bool = true;
-    const HOST_ACCESSIBLE: bool = false;
     const NAME: &'static str = "device";
+    const MIGRATES: bool = false;
     fn admits(route: Route) -> bool {
         route.allocation_type == AllocationType::Pinned && route.location.device().is_some()
     }
 }
 
 impl MemoryKind for HostMemory {
-    const DEVICE_ACCESSIBLE: bool = true;
-    const HOST_ACCESSIBLE: bool = true;
     const NAME: &'static str = "pinned host";
+    const MIGRATES: bool = false;
     fn admits(route: Route) -> bool {
         route.allocation_type == AllocationType::Pinned && route.location.is_host()
     }
 }
 
 impl MemoryKind for ManagedMemory {
-    const DEVICE_ACCESSIBLE: bool = true;
-    const HOST_ACCESSIBLE: bool = true;
     const NAME: &'static str = "managed";
+    const MIGRATES: bool = true;
     fn admits(route: Route) -> bool {
         route.allocation_type == AllocationType::Managed
     }
 }
 
-impl DeviceAccessible for DeviceMemory {}
-impl DeviceAccessible for HostMemory {}
-impl DeviceAccessible for ManagedMemory {}
 impl HostAccessible for HostMemory {}
 impl HostAccessible for ManagedMemory {}
 
@@ -78,6 +79,6 @@ mod tests {
         assert!(
             ManagedMemory::admits(Route::managed(Location::Unspecified)) && !ManagedMemory::admits(Route::device(0))
         );
-        const { assert!(!DeviceMemory::HOST_ACCESSIBLE && HostMemory::HOST_ACCESSIBLE && ManagedMemory::HOST_ACCESSIBLE) };
+        const { assert!(ManagedMemory::MIGRATES && !HostMemory::MIGRATES && !DeviceMemory::MIGRATES) };
     }
 }

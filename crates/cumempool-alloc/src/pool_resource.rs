@@ -37,7 +37,9 @@ impl<K: MemoryKind> PoolResource<K> {
     }
 }
 
-impl<K: MemoryKind> StreamOrderedResource for PoolResource<K> {
+// SAFETY: memory from cuMemAllocFromPoolAsync of a pool whose route `new` checked against `K`;
+// pool allocations are 256-byte aligned and `check_alignment` refuses more.
+unsafe impl<K: MemoryKind> StreamOrderedResource for PoolResource<K> {
     type Kind = K;
 
     #[inline]
@@ -91,7 +93,9 @@ impl<K: MemoryKind> CurrentPoolResource<K> {
     }
 }
 
-impl<K: MemoryKind> StreamOrderedResource for CurrentPoolResource<K> {
+// SAFETY: memory from cuMemAllocFromPoolAsync of the route's current pool; the route was
+// checked against `K` and a route only takes pools of its own kind.
+unsafe impl<K: MemoryKind> StreamOrderedResource for CurrentPoolResource<K> {
     type Kind = K;
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {

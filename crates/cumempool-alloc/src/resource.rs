@@ -14,7 +14,14 @@ pub const POOL_ALIGNMENT: usize = 256;
 /// Memory from `allocate(bytes, align, s)` may be used by work queued on `s` after the call
 /// (and by the host once `s` has synchronised, for host-accessible kinds). `deallocate` queues
 /// the free on its stream: work queued earlier on that stream may still use the memory.
-pub trait StreamOrderedResource: Send + Sync {
+///
+/// # Safety
+/// Safe code trusts what a resource hands out (the container allocator gives it to `Vec` and
+/// `Box` as host memory), so implementing this trait is a promise, like `GlobalAlloc`: a
+/// successful `allocate(bytes, align, s)` returns memory of at least `bytes` bytes, aligned to
+/// `align`, of kind [`Self::Kind`], that nothing else uses until it is given to `deallocate`
+/// (0 only for `bytes == 0`).
+pub unsafe trait StreamOrderedResource: Send + Sync {
     /// Which processors may touch the memory.
     type Kind: MemoryKind;
 
@@ -38,7 +45,8 @@ pub trait StreamOrderedResource: Send + Sync {
     }
 }
 
-impl<R: StreamOrderedResource> StreamOrderedResource for &R {
+// SAFETY: forwards to a resource that keeps the promise.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for &R {
     type Kind = R::Kind;
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
@@ -51,7 +59,8 @@ impl<R: StreamOrderedResource> StreamOrderedResource for &R {
     }
 }
 
-impl<R: StreamOrderedResource> StreamOrderedResource for std::sync::Arc<R> {
+// SAFETY: forwards to a resource that keeps the promise.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for std::sync::Arc<R> {
     type Kind = R::Kind;
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {

@@ -195,7 +195,8 @@ fn every_no_memory_answer_says_so() {
 /// Allocates nothing (fake addresses) and refuses every free, as a failing driver would.
 struct FailingFrees;
 
-impl StreamOrderedResource for FailingFrees {
+// SAFETY: HostHeap's memory, forwarded.
+unsafe impl StreamOrderedResource for FailingFrees {
     type Kind = cumempool_alloc::HostMemory;
 
     fn allocate(&self, _bytes: usize, _align: usize, _stream: &Stream) -> cumempool_alloc::Result<u64> {

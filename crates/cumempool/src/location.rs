@@ -245,12 +245,6 @@ impl Route {
         self.allocation_type == AllocationType::Managed || self.location.is_host()
     }
 
-    /// Whether devices may touch this route's memory. Every route's memory is device-accessible
-    /// to its own device, and host and managed memory to all devices.
-    pub fn is_device_accessible(&self) -> bool {
-        true
-    }
-
     /// Refuses a route that cannot exist on any machine: `Unspecified` with pinned memory,
     /// `Invisible` as an input, and negative ids. [`Route::validate`] adds the check against
     /// this machine's devices.

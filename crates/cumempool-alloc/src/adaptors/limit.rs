@@ -37,7 +37,8 @@ impl<R> Limit<R> {
     }
 }
 
-impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
+// SAFETY: forwards the resource below's memory unchanged.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
     type Kind = R::Kind;
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {

@@ -74,7 +74,8 @@ impl<R> Statistics<R> {
     }
 }
 
-impl<R: StreamOrderedResource> StreamOrderedResource for Statistics<R> {
+// SAFETY: forwards the resource below's memory unchanged.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Statistics<R> {
     type Kind = R::Kind;
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {

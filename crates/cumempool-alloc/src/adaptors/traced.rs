@@ -25,7 +25,8 @@ impl<R> Traced<R> {
     }
 }
 
-impl<R: StreamOrderedResource> StreamOrderedResource for Traced<R> {
+// SAFETY: forwards the resource below's memory unchanged.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Traced<R> {
     type Kind = R::Kind;
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
