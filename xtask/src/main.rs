@@ -5,6 +5,7 @@
 
 mod bindgen;
 mod headers;
+mod libclang;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
