@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything for one session on a GPU host, after `cargo xtask gpu-pack` (copy .gpu along): the
 # suite (two GPUs required when present), the command's outputs, the bench, then the suite under
-# compute-sanitizer. Command outputs land in $OUT; every log in $OUT/logs.tgz.
+# compute-sanitizer. Command outputs land in $OUT (default .gpu/results); every log in
+# $OUT/logs.tgz.
 #   BENCH=0          skip the bench          SANITIZE_RUN=0     skip the sanitizer pass
 #   SANITIZE_LIMIT=S stop a sanitized test binary after S seconds (default 300)
 #   PACK=DIR         the pack, if not .gpu
 cd "$(dirname "$0")/.." || exit 2
 pack=${PACK:-.gpu}
 [ -x "$pack/run.sh" ] || { echo "no GPU pack at $pack: run \`cargo xtask gpu-pack\` first" >&2; exit 2; }
-OUT=${OUT:-/tmp/cumempool-gpu}
+OUT=${OUT:-$pack/results}
 logs=$(mktemp -d)
 mkdir -p "$OUT" "$logs/suite" "$logs/sanitizer"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader

@@ -167,8 +167,8 @@ mod tests {
 
     #[test]
     fn package_names_come_out_of_both_id_forms() {
-        assert_eq!(package_name("path+file:///work/x/tests#cumempool-tests@0.1.0"), "cumempool-tests");
-        assert_eq!(package_name("path+file:///work/x/crates/cumempool-cli#0.1.0"), "cumempool-cli");
-        assert_eq!(package_name("cumempool-tests 0.1.0 (path+file:///work/x/tests)"), "cumempool-tests");
+        assert_eq!(package_name("path+file:///src/cumempool/tests#cumempool-tests@0.1.0"), "cumempool-tests");
+        assert_eq!(package_name("path+file:///src/cumempool/crates/cumempool-cli#0.1.0"), "cumempool-cli");
+        assert_eq!(package_name("cumempool-tests 0.1.0 (path+file:///src/cumempool/tests)"), "cumempool-tests");
     }
 }
