@@ -1,5 +1,5 @@
 //! Location-keyed routing on the real driver: every route kind, the refusals of
-//! DRIVER-FACTS.md's table as typed errors, override and restore.
+//! docs/driver-behaviour.md's table as typed errors, override and restore.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{current_pool, default_pool, is_default, set_current_pool, Error, Location, MemPool, Route};

@@ -148,6 +148,9 @@ const GROWING_ENUMS: &[&str] =
     &["CUmemLocationType", "CUmemAllocationType", "CUmemPool_attribute", "CUmemAllocationHandleType"];
 
 pub fn run(options: &Options) -> Result<(), String> {
+    // Before any download: without libclang nothing can be generated.
+    let libclang = crate::libclang::load()?;
+    eprintln!("libclang: {}", libclang.display());
     let root = crate::workspace_root();
     let mut jobs: Vec<(Headers, u32)> = Vec::new();
     if let Some(header) = &options.header {

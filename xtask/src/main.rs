@@ -2,9 +2,13 @@
 //!
 //! - `cargo xtask bindgen [--cuda 13.0|13.2] [--header PATH] [--check]`: regenerate the committed
 //!   bindings of `cumempool-sys` from the pinned cuda.h headers, or prove they are fresh.
+//! - `cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]`: build the GPU suite to run on a GPU host
+//!   without Rust.
 
 mod bindgen;
+mod gpu_pack;
 mod headers;
+mod libclang;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,6 +17,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("bindgen") => bindgen::Options::parse(&args[1..]).and_then(|o| bindgen::run(&o)),
+        Some("gpu-pack") => gpu_pack::Options::parse(&args[1..]).and_then(|o| gpu_pack::run(&o)),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -29,10 +34,16 @@ fn main() -> ExitCode {
 }
 
 const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2] [--header PATH] [--check]
+       cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
 
+bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (needs libclang)
   --cuda V      only this CUDA version (default: every pinned version)
   --header P    use this cuda.h (cudaTypedefs.h is read from beside it) instead of the pinned wheel
-  --check       regenerate into memory and fail if the committed files differ";
+  --check       regenerate into memory and fail if the committed files differ
+
+gpu-pack: build every test binary and executable in release mode into DIR (default .gpu) with
+  run.sh, to copy to a GPU host without Rust and run there: `bash DIR/run.sh` (docs/gpu-suite.md).
+  CARGO_ARGS go to cargo, e.g. `-- --no-default-features --features cuda-13000`";
 
 /// The workspace root: xtask lives one level below it.
 fn workspace_root() -> PathBuf {

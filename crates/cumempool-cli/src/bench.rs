@@ -5,21 +5,21 @@
 mod stream_handover;
 
 use crate::counting_allocator;
+use crate::error::{Error, Result};
 use crate::table::{bytes, Table};
 use cumempool::{Context, Device, Location, MemPool, Pool, Route, Stream};
 use cumempool_alloc::{
     CachingResource, DeviceMemory, HostMemory, ManagedMemory, MemoryKind, PoolResource, StreamOrderedResource,
 };
 use serde::Serialize;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::sync::Barrier;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub struct Options {
     pub pairs: usize,
     pub rounds: usize,
     pub threads: Vec<usize>,
-    pub progress: bool,
 }
 
 #[derive(Serialize)]
@@ -67,17 +67,28 @@ pub struct Report {
     pub stream_handover: stream_handover::Report,
 }
 
+/// Which measurement is running and about how long the rest will take, redrawn in place; only
+/// on a terminal, so a log or a pipe gets no control codes.
 struct Progress {
     enabled: bool,
+    started: Instant,
     step: usize,
     total: usize,
 }
 
 impl Progress {
+    fn new(total: usize) -> Self {
+        Self { enabled: std::io::stderr().is_terminal(), started: Instant::now(), step: 0, total }
+    }
+
     fn tick(&mut self, what: &str) {
         self.step += 1;
         if self.enabled {
-            eprint!("\r\x1b[2K[{}/{}] {what}", self.step, self.total);
+            let left = match remaining(self.started.elapsed(), self.step - 1, self.total) {
+                Some(left) => format!(", about {}s left", left.as_secs()),
+                None => String::new(),
+            };
+            eprint!("\r\x1b[2K[{}/{}{left}] {what}", self.step, self.total);
             let _ = std::io::stderr().flush();
         }
     }
@@ -87,6 +98,13 @@ impl Progress {
             eprint!("\r\x1b[2K");
         }
     }
+}
+
+/// The time the steps not yet done will take at the pace of the `done` ones; none before the first.
+fn remaining(elapsed: Duration, done: usize, total: usize) -> Option<Duration> {
+    let done = u32::try_from(done).ok().filter(|d| *d > 0)?;
+    let left = u32::try_from(total).ok()?.checked_sub(done)?;
+    Some(elapsed / done * left)
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -99,7 +117,7 @@ fn min(values: &[f64]) -> f64 {
 }
 
 /// Nanoseconds per pair and heap allocations per pair over `pairs` calls of `pair`.
-fn time(pairs: usize, stream: &Stream, mut pair: impl FnMut() -> bool) -> cumempool::Result<(f64, f64)> {
+fn time(pairs: usize, stream: &Stream, mut pair: impl FnMut() -> bool) -> Result<(f64, f64)> {
     let heap_before = counting_allocator::allocations();
     let start = Instant::now();
     let mut ok = true;
@@ -110,15 +128,12 @@ fn time(pairs: usize, stream: &Stream, mut pair: impl FnMut() -> bool) -> cumemp
     let elapsed = start.elapsed().as_nanos() as f64;
     let heap = (counting_allocator::allocations() - heap_before) as f64;
     if !ok {
-        return Err(cumempool::Error::InvalidArgument {
-            what: "benchmark",
-            reason: "an allocation failed during the run".into(),
-        });
+        return Err(Error::BenchRunFailed { measurement: "allocation+free pairs" });
     }
     Ok((elapsed / pairs as f64, heap / pairs as f64))
 }
 
-fn raw_pair(pool: &Pool, stream: &Stream, size: usize) -> cumempool::Result<impl FnMut() -> bool> {
+fn raw_pair(pool: &Pool, stream: &Stream, size: usize) -> Result<impl FnMut() -> bool> {
     let driver = cumempool::sys::driver()?;
     let (alloc, free) = (driver.cuMemAllocFromPoolAsync()?, driver.cuMemFreeAsync()?);
     stream.bind()?;
@@ -140,11 +155,11 @@ fn measure_route<K: MemoryKind>(
     sizes: &[usize],
     options: &Options,
     progress: &mut Progress,
-) -> cumempool::Result<Vec<PairRow>> {
+) -> Result<Vec<PairRow>> {
     let pool = MemPool::new(route)?;
     pool.set_release_threshold(u64::MAX)?;
     let stream = Stream::new(context)?;
-    let cache = CachingResource::new(PoolResource::<K>::new(&pool).map_err(to_core)?);
+    let cache = CachingResource::new(PoolResource::<K>::new(&pool)?);
     let mut rows = Vec::new();
     for &size in sizes {
         progress.tick(&format!("{route} {}", bytes(size as u64)));
@@ -190,14 +205,7 @@ fn measure_route<K: MemoryKind>(
     Ok(rows)
 }
 
-fn to_core(error: cumempool_alloc::Error) -> cumempool::Error {
-    match error {
-        cumempool_alloc::Error::Pool(e) => e,
-        other => cumempool::Error::InvalidArgument { what: "benchmark", reason: other.to_string() },
-    }
-}
-
-fn sync_alloc_free(context: &Context) -> cumempool::Result<f64> {
+fn sync_alloc_free(context: &Context) -> Result<f64> {
     context.make_current()?;
     let driver = cumempool::sys::driver()?;
     let (alloc, free) = (driver.cuMemAlloc()?, driver.cuMemFree()?);
@@ -234,12 +242,7 @@ fn raw_pool_pair(pool: &Pool) -> cumempool::Result<impl Fn(&Stream, usize) -> bo
 }
 
 /// Pairs per second, in total, of `threads` threads each on its own stream.
-fn scale(
-    threads: usize,
-    pairs: usize,
-    context: &Context,
-    pair: &(dyn Fn(&Stream) -> bool + Sync),
-) -> cumempool::Result<f64> {
+fn scale(threads: usize, pairs: usize, context: &Context, pair: &(dyn Fn(&Stream) -> bool + Sync)) -> Result<f64> {
     let streams: Vec<Stream> = (0..threads).map(|_| Stream::new(context)).collect::<cumempool::Result<_>>()?;
     // Warm: binds the context, fills a cache.
     on_threads(&streams.iter().collect::<Vec<_>>(), pairs / 20 + 1, pairs, &|stream, _, _| pair(stream))
@@ -252,7 +255,7 @@ fn on_threads(
     warm: usize,
     pairs: usize,
     pair: &(dyn Fn(&Stream, usize, usize) -> bool + Sync),
-) -> cumempool::Result<f64> {
+) -> Result<f64> {
     let barrier = Barrier::new(streams.len() + 1);
     let elapsed = std::thread::scope(|scope| {
         let handles: Vec<_> = streams
@@ -279,15 +282,12 @@ fn on_threads(
         (start.elapsed(), ok)
     });
     if !elapsed.1 {
-        return Err(cumempool::Error::InvalidArgument {
-            what: "thread benchmark",
-            reason: "an allocation failed".into(),
-        });
+        return Err(Error::BenchRunFailed { measurement: "thread scaling" });
     }
     Ok((streams.len() * pairs) as f64 / elapsed.0.as_secs_f64())
 }
 
-pub fn run(options: &Options) -> cumempool::Result<Report> {
+pub fn run(options: &Options) -> Result<Report> {
     cumempool::init()?;
     let device = Device::get(0)?;
     let context = device.primary_context()?;
@@ -300,8 +300,7 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
         Route::managed(Location::Device(0)),
         Route::managed(Location::Unspecified),
     ];
-    let mut progress =
-        Progress { enabled: options.progress, step: 0, total: routes.len() * sizes.len() + options.threads.len() + 2 };
+    let mut progress = Progress::new(routes.len() * sizes.len() + options.threads.len() + 2);
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -319,7 +318,7 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
     let raw_sized = raw_pool_pair(&pool)?;
     let raw = move |stream: &Stream| raw_sized(stream, thread_size);
     let safe = |stream: &Stream| pool.alloc(thread_size, stream).is_ok();
-    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).map_err(to_core)?);
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool)?);
     let cached = |stream: &Stream| match cache.allocate(thread_size, 256, stream) {
         // SAFETY: just allocated with these arguments.
         Ok(ptr) => unsafe { cache.deallocate(ptr, thread_size, 256, stream) }.is_ok(),
@@ -336,7 +335,7 @@ pub fn run(options: &Options) -> cumempool::Result<Report> {
             r.push(scale(n, driver_pairs, &context, &raw)?);
             s.push(scale(n, driver_pairs, &context, &safe)?);
             c.push(scale(n, cache_pairs, &context, &cached)?);
-            cache.release().map_err(to_core)?;
+            cache.release()?;
         }
         let (raw_rate, safe_rate, cache_rate) = (median(r), median(s), median(c));
         threads.push(ThreadRow {
@@ -416,4 +415,16 @@ pub fn render(report: &Report) -> String {
     out.push('\n');
     out.push_str(&stream_handover::render(&report.stream_handover));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_left_follows_the_pace_so_far() {
+        assert_eq!(remaining(Duration::from_secs(10), 0, 4), None);
+        assert_eq!(remaining(Duration::from_secs(10), 2, 4), Some(Duration::from_secs(10)));
+        assert_eq!(remaining(Duration::from_secs(9), 3, 3), Some(Duration::ZERO));
+    }
 }

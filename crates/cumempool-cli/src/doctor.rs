@@ -32,6 +32,8 @@ pub struct Report {
     pub library_tried: String,
     pub library_loaded: Option<String>,
     pub driver: Option<String>,
+    /// In the document's shared `error` key (src/schema.rs), not twice.
+    #[serde(skip)]
     pub error: Option<String>,
     pub devices: Vec<DeviceReport>,
     pub features: Vec<Feature>,

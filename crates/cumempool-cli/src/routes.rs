@@ -5,19 +5,25 @@ use crate::table::{bytes, Table};
 use cumempool::sys;
 use cumempool::{current_pool, default_pool, AllocationType, Device, Location, Pool, PoolAttribute, Route};
 use serde::Serialize;
+use std::collections::BTreeMap;
 
+/// One route, as docs/cli.md describes it: each pool is a handle or null with its error beside.
 #[derive(Serialize)]
 pub struct RouteReport {
     pub route: String,
     pub location: String,
     pub allocation_type: String,
-    /// The default pool's handle, or the refusal.
-    pub default_pool: Result<String, String>,
-    pub current_pool: Result<String, String>,
+    /// The default pool's handle, or null when the driver refused the route.
+    pub default_pool: Option<String>,
+    pub default_pool_error: Option<String>,
+    pub current_pool: Option<String>,
+    pub current_pool_error: Option<String>,
     /// Whether the current pool differs from the default.
     pub changed: bool,
-    /// Attributes of the current pool: name -> value or the reason it cannot be read.
-    pub attributes: Vec<(String, Result<u64, String>)>,
+    /// Attributes of the current pool by name, null where it cannot be read.
+    pub attributes: BTreeMap<String, Option<u64>>,
+    /// Why each null attribute could not be read.
+    pub attribute_errors: BTreeMap<String, String>,
 }
 
 #[derive(Serialize)]
@@ -66,28 +72,50 @@ pub fn all_routes(devices: &[Device]) -> Vec<Route> {
     routes
 }
 
-fn attributes_of(pool: &Pool) -> Vec<(String, Result<u64, String>)> {
-    PoolAttribute::ALL
-        .iter()
-        .map(|a| {
-            (a.name().trim_start_matches("CU_MEMPOOL_ATTR_").to_owned(), pool.attribute(*a).map_err(|e| e.to_string()))
-        })
-        .collect()
+/// The current pool's attributes, and why each unreadable one could not be read.
+fn attributes_of(pool: &Pool) -> (BTreeMap<String, Option<u64>>, BTreeMap<String, String>) {
+    let (mut values, mut errors) = (BTreeMap::new(), BTreeMap::new());
+    for attribute in PoolAttribute::ALL {
+        let name = attribute.name().trim_start_matches("CU_MEMPOOL_ATTR_").to_owned();
+        match pool.attribute(*attribute) {
+            Ok(value) => values.insert(name, Some(value)),
+            Err(error) => {
+                errors.insert(name.clone(), error.to_string());
+                values.insert(name, None)
+            }
+        };
+    }
+    (values, errors)
+}
+
+/// A pool's handle, or null and the refusal.
+fn handle_or_error(
+    pool: std::result::Result<cumempool::sys::CUmemoryPool, &cumempool::Error>,
+) -> (Option<String>, Option<String>) {
+    match pool {
+        Ok(raw) => (Some(format!("{raw:?}")), None),
+        Err(error) => (None, Some(error.to_string())),
+    }
 }
 
 fn report_route(route: Route) -> RouteReport {
     let default = default_pool(route);
     let current = current_pool(route);
     let changed = matches!((&default, &current), (Ok(d), Ok(c)) if !d.same_as(c));
-    let attributes = current.as_ref().map(attributes_of).unwrap_or_default();
+    let (attributes, attribute_errors) = current.as_ref().map(attributes_of).unwrap_or_default();
+    let (default_pool, default_pool_error) = handle_or_error(default.as_ref().map(|p| p.as_raw()));
+    let (current_pool, current_pool_error) = handle_or_error(current.as_ref().map(Pool::as_raw));
     RouteReport {
         route: route.to_string(),
         location: route.location.to_string(),
         allocation_type: route.allocation_type.to_string(),
-        default_pool: default.map(|p| format!("{:?}", p.as_raw())).map_err(|e| e.to_string()),
-        current_pool: current.map(|p| format!("{:?}", p.as_raw())).map_err(|e| e.to_string()),
+        default_pool,
+        default_pool_error,
+        current_pool,
+        current_pool_error,
         changed,
         attributes,
+        attribute_errors,
     }
 }
 
@@ -151,7 +179,7 @@ fn cumempool_error_name(code: sys::CUresult) -> String {
     cumempool::error_name(code)
 }
 
-pub fn collect() -> cumempool::Result<Report> {
+pub fn collect() -> crate::error::Result<Report> {
     cumempool::init()?;
     let devices = Device::all()?;
     let routes = all_routes(&devices).into_iter().map(report_route).collect();
@@ -169,32 +197,32 @@ pub fn render(report: &Report) -> String {
         "13.2 attributes",
     ]);
     let attribute = |r: &RouteReport, name: &str| -> String {
-        match r.attributes.iter().find(|(n, _)| n == name) {
-            Some((_, Ok(v))) => bytes(*v),
-            Some((_, Err(_))) => "n/a".into(),
+        match r.attributes.get(name) {
+            Some(Some(v)) => bytes(*v),
+            Some(None) => "n/a".into(),
             None => String::new(),
         }
     };
     for r in &report.routes {
         let current = match &r.current_pool {
-            Ok(handle) if r.changed => format!("{handle} (changed)"),
-            Ok(handle) => handle.clone(),
-            Err(_) => "-".into(),
+            Some(handle) if r.changed => format!("{handle} (changed)"),
+            Some(handle) => handle.clone(),
+            None => "-".into(),
         };
         let newer = r.attributes.iter().filter(|(n, _)| is_13_2(n)).collect::<Vec<_>>();
         let newer = if newer.is_empty() {
             "not compiled (cuda-13000 build)".to_owned()
-        } else if newer.iter().all(|(_, v)| v.is_err()) {
+        } else if newer.iter().all(|(_, v)| v.is_none()) {
             "need driver 13.2".to_owned()
         } else {
             newer
                 .iter()
-                .map(|(n, v)| format!("{}={}", n.to_lowercase(), v.as_ref().map_or("?".into(), |v| v.to_string())))
+                .map(|(n, v)| format!("{}={}", n.to_lowercase(), v.map_or("?".into(), |v| v.to_string())))
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        match &r.default_pool {
-            Ok(handle) => table.row(vec![
+        match (&r.default_pool, &r.default_pool_error) {
+            (Some(handle), _) => table.row(vec![
                 r.route.clone(),
                 handle.clone(),
                 current,
@@ -203,7 +231,7 @@ pub fn render(report: &Report) -> String {
                 attribute(r, "USED_MEM_CURRENT"),
                 if r.attributes.is_empty() { String::new() } else { newer },
             ]),
-            Err(refusal) => {
+            (None, refusal) => {
                 let dash = || "-".to_owned();
                 table.row(vec![
                     r.route.clone(),
@@ -212,7 +240,7 @@ pub fn render(report: &Report) -> String {
                     dash(),
                     dash(),
                     dash(),
-                    format!("refused: {}", short_refusal(refusal)),
+                    format!("refused: {}", short_refusal(refusal.as_deref().unwrap_or("?"))),
                 ])
             }
         }

@@ -17,10 +17,12 @@ impl Table {
     }
 
     pub fn render(&self) -> String {
-        let columns = self.header.len();
-        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
-        for row in &self.rows {
-            for (i, cell) in row.iter().enumerate().take(columns) {
+        // A row may carry more cells than the header names (a refusal's note): its extra
+        // columns get widths of their own rather than an index past the header's.
+        let columns = self.rows.iter().map(Vec::len).chain([self.header.len()]).max().unwrap_or(0);
+        let mut widths = vec![0; columns];
+        for row in std::iter::once(&self.header).chain(&self.rows) {
+            for (i, cell) in row.iter().enumerate() {
                 widths[i] = widths[i].max(cell.chars().count());
             }
         }
@@ -31,7 +33,7 @@ impl Table {
         };
         let mut out = line(&self.header);
         out.push('\n');
-        out.push_str(&widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().join("  "));
+        out.push_str(&widths[..self.header.len()].iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().join("  "));
         out.push('\n');
         for row in &self.rows {
             out.push_str(&line(row));
@@ -71,6 +73,19 @@ mod tests {
         let lines: Vec<_> = text.lines().collect();
         assert_eq!(lines[0], "a          bb");
         assert_eq!(lines[2], "long cell  x");
+    }
+
+    #[test]
+    fn a_row_longer_than_the_header_keeps_its_extra_cells() {
+        let mut table = Table::new(&["a"]);
+        table.row(vec!["x".into(), "extra".into()]);
+        table.row(vec!["longer".into()]);
+        let text = table.render();
+        let lines: Vec<_> = text.lines().collect();
+        assert_eq!(lines[0], "a");
+        assert_eq!(lines[1], "------");
+        assert_eq!(lines[2], "x       extra");
+        assert_eq!(lines[3], "longer");
     }
 
     #[test]

@@ -192,8 +192,11 @@ impl Driver {
     pub fn open(path: &str) -> Result<Self, LoadError> {
         // SAFETY: opening libcuda runs its initialisers, which is what loading a driver means;
         // the library is kept open for as long as any pointer resolved from it is reachable.
-        let library = unsafe { libloading::Library::new(path) }
-            .map_err(|e| LoadError::LibraryNotFound { path: path.to_owned(), reason: e.to_string() })?;
+        // libloading 0.9 says only "dlopen failed" and keeps dlerror's text as the source.
+        let library = unsafe { libloading::Library::new(path) }.map_err(|e| LoadError::LibraryNotFound {
+            path: path.to_owned(),
+            reason: std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string),
+        })?;
         // SAFETY: these symbols have had these signatures since CUDA 2.0.
         let (get_version, init) = unsafe {
             (

@@ -146,7 +146,7 @@ pub const UNMAPPED_POOL_ATTRIBUTES: &[(u32, &str)] = &[];
 impl Pool {
     /// Reads any attribute as a 64-bit value (`int` attributes are widened).
     ///
-    /// A 13.2 attribute on an older driver is [`Error::DriverTooOld`], not the driver's bare
+    /// A 13.2 attribute on an older driver is [`Error::DriverTooOld`](crate::Error::DriverTooOld), not the driver's bare
     /// `CUDA_ERROR_INVALID_VALUE`.
     /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn attribute(&self, attribute: PoolAttribute) -> Result<u64> {

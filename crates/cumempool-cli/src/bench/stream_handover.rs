@@ -2,7 +2,8 @@
 //! then share one new stream. A cache that strands its budget on the dropped streams misses in
 //! the second phase and falls below the driver it is meant to beat.
 
-use super::{on_threads, raw_pool_pair, to_core};
+use super::{on_threads, raw_pool_pair};
+use crate::error::Result;
 use crate::table::Table;
 use cumempool::{Context, MemPool, Route, Stream};
 use cumempool_alloc::{CacheStats, CachingResource, DeviceMemory, PoolResource, StreamOrderedResource};
@@ -41,11 +42,7 @@ fn size(thread: usize, step: usize) -> usize {
 
 /// Pairs per second, in total, of `THREADS` threads spread over `streams`, each making its
 /// own sequence of mixed sizes.
-fn run_threads(
-    streams: &[Stream],
-    pairs: usize,
-    pair: &(dyn Fn(&Stream, usize) -> bool + Sync),
-) -> cumempool::Result<f64> {
+fn run_threads(streams: &[Stream], pairs: usize, pair: &(dyn Fn(&Stream, usize) -> bool + Sync)) -> Result<f64> {
     let spread: Vec<&Stream> = (0..THREADS).map(|thread| &streams[thread % streams.len()]).collect();
     on_threads(&spread, 0, pairs, &|stream, thread, step| pair(stream, size(thread, step)))
 }
@@ -57,11 +54,11 @@ fn hit_rate(before: CacheStats, after: CacheStats) -> f64 {
 
 /// Runs both phases through the raw driver, then through a cache, on one device pool.
 /// `pairs_per_thread` is 20,000 for the sequence.
-pub fn measure(context: &Context, pairs_per_thread: usize) -> cumempool::Result<Report> {
+pub fn measure(context: &Context, pairs_per_thread: usize) -> Result<Report> {
     let pool = MemPool::new(Route::device(0))?;
     pool.set_release_threshold(u64::MAX)?;
     let raw = raw_pool_pair(&pool)?;
-    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).map_err(to_core)?);
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool)?);
     let cached = |stream: &Stream, bytes: usize| match cache.allocate(bytes, 256, stream) {
         // SAFETY: just allocated with these arguments; nothing used it.
         Ok(ptr) => unsafe { cache.deallocate(ptr, bytes, 256, stream) }.is_ok(),
@@ -79,7 +76,7 @@ pub fn measure(context: &Context, pairs_per_thread: usize) -> cumempool::Result<
     let handed_over = cache.stats();
     let cache_shared = run_threads(&[Stream::new(context)?], pairs_per_thread, &cached)?;
     let end = cache.stats();
-    cache.release().map_err(to_core)?;
+    cache.release()?;
 
     let phase = |phase, raw: f64, cache: f64, hit_rate| Phase {
         phase,

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU suite as packed by `cargo xtask gpu-pack`: runs every test binary in bin/ beside this
+# script with the GPU tests included. Needs the NVIDIA driver (and compute-sanitizer for
+# SANITIZE=1); no Rust toolchain, no checkout.
+#
+#   bash run.sh [TEST_NAME_FILTER...]   arguments pass through to every test binary
+#   BIN=PREFIX     only the test binaries whose name (after test--) starts with PREFIX
+#   SANITIZE=1     each test binary under compute-sanitizer memcheck with the leak check
+#   LIMIT=SECONDS  stop any one test binary after this long (default: no limit)
+#   OUT=DIR        where each binary's log goes (default: a new temporary directory)
+# The last line is `gpu suite: N passed, M failed`; the exit status is 0 only if every binary passed.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here/bin" || exit 2
+# A GPU test that cannot reach the driver must fail here, not skip quietly.
+export CUMEMPOOL_REQUIRE_GPU=1 RUST_BACKTRACE=1
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+limit=()
+[ "${LIMIT:-0}" != 0 ] && limit=(timeout "$LIMIT")
+sanitizer=()
+if [ "${SANITIZE:-0}" = 1 ]; then
+  command -v compute-sanitizer >/dev/null \
+    || { echo "SANITIZE=1 needs compute-sanitizer (CUDA toolkit) on PATH" >&2; exit 2; }
+  # The negative tests provoke driver refusals on purpose, so API errors are not reported: memory
+  # errors and leaks are what must be zero. The IPC test's child is a process of its own.
+  sanitizer=(compute-sanitizer --tool memcheck --leak-check full --report-api-errors no
+             --target-processes all --error-exitcode 9)
+fi
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+status=0 passed=0 failed=0
+for b in test--*; do
+  [ -x "$b" ] || continue
+  name=${b#test--}
+  [ -n "${BIN:-}" ] && [[ "$name" != "$BIN"* ]] && continue
+  log="$out/$name.log"
+  if [ ${#sanitizer[@]} -gt 0 ]; then
+    "${limit[@]}" "${sanitizer[@]}" ./"$b" --include-ignored --test-threads=1 "$@" >"$log" 2>&1
+    rc=$?
+    # A binary whose tests never call CUDA is no sanitizer error.
+    if [ $rc -ne 0 ] && grep -q 'terminated before first instrumented API call' "$log" \
+       && grep -q '^test result: ok' "$log"; then rc=0; fi
+  else
+    "${limit[@]}" ./"$b" --include-ignored "$@" >"$log" 2>&1
+    rc=$?
+  fi
+  line=$(grep -E '^test result:' "$log" | tail -1)
+  p=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<"$line")
+  f=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<"$line")
+  passed=$((passed + ${p:-0}))
+  failed=$((failed + ${f:-0}))
+  echo "$name: rc=$rc ${line:-no test result line}"
+  [ ${#sanitizer[@]} -gt 0 ] && grep -hE 'ERROR SUMMARY|LEAK SUMMARY' "$log" | sed 's/^=* */    /'
+  if [ $rc -ne 0 ]; then
+    status=1
+    [ -z "$line" ] && failed=$((failed + 1))
+    grep -E 'panicked|^test .* FAILED|Invalid|rror' "$log" | head -12 | sed 's/^/    /'
+  fi
+done
+echo "logs: $out"
+echo "gpu suite: $passed passed, $failed failed"
+exit $status
