@@ -58,3 +58,42 @@ fn a_buffer_on_the_legacy_stream_is_freed_in_its_own_context_from_any_thread() {
     legacy.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
 }
+
+/// What the driver does with stream-ordered calls when the stream's context is not current:
+/// the reason ordinary streams need no context binding on the hot path (measured, not assumed).
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn stream_ordered_calls_run_in_the_streams_own_context() {
+    let context = gpu().expect("a GPU");
+    let stream = Stream::new(&context).unwrap();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let other = (cumempool::Device::count().unwrap() > 1)
+        .then(|| cumempool::Device::get(1).unwrap().primary_context().unwrap());
+    let driver = sys::driver().unwrap();
+    let (alloc, free) = (driver.cuMemAllocFromPoolAsync().unwrap(), driver.cuMemFreeAsync().unwrap());
+    let (sync, query) = (driver.cuStreamSynchronize().unwrap(), driver.cuStreamQuery().unwrap());
+    let memset = driver.cuMemsetD8Async().unwrap();
+    for (label, current) in [
+        ("no context", std::ptr::null_mut()),
+        ("another device's context", other.as_ref().map_or(std::ptr::null_mut(), |c| c.as_raw())),
+    ] {
+        raw_set_current(current);
+        let mut ptr = 0;
+        let codes = unsafe {
+            [
+                alloc(&mut ptr, 1 << 20, pool.as_raw(), stream.as_raw()),
+                memset(ptr, 7, 1 << 20, stream.as_raw()),
+                free(ptr, stream.as_raw()),
+                query(stream.as_raw()),
+                sync(stream.as_raw()),
+            ]
+        };
+        eprintln!("with {label} current: alloc, memset, free, query, synchronize -> {codes:?}");
+        let fine = |c: &sys::CUresult| *c == sys::CUresult::CUDA_SUCCESS || *c == sys::CUresult::CUDA_ERROR_NOT_READY;
+        assert!(codes.iter().all(fine), "{label}: {codes:?}");
+        assert_eq!(raw_current(), current, "the driver did not change the current context");
+    }
+    raw_set_current(context.as_raw());
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}

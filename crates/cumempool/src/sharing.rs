@@ -231,7 +231,10 @@ impl Pool {
                 reason: "allocations are imported into a pool imported from the exporting process (MemPool::import_fd), not into one of this process's own".into(),
             });
         }
-        stream.bind()?;
+        // The mapping is made in the current context (no stream is involved).
+        if let Some(context) = stream.context() {
+            context.ensure_current()?;
+        }
         let mut ptr: sys::CUdeviceptr = 0;
         let mut data = shared.data;
         // SAFETY: valid pointers; the driver validates the export data.

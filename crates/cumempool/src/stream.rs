@@ -133,16 +133,31 @@ impl Stream {
         self.0.context.as_ref()
     }
 
-    /// Makes the stream's context current on this thread (if it has one), ready to queue work.
+    /// Makes sure work queued on this stream from the calling thread lands in the stream's
+    /// context.
+    ///
+    /// The legacy stream's handle means "the legacy stream of the current context", so its
+    /// context is made current (when it is not already). An ordinary stream's handle carries its
+    /// context: the driver queues allocations, frees, copies, sets, queries and waits on it in
+    /// that context whatever is current on the thread (measured on driver 580 with no context
+    /// and with another device's context current), so nothing is done and the hot path makes
+    /// no context call.
     ///
     /// # Errors
-    /// The driver's refusal to make the context current.
+    /// The driver's refusal to make the legacy stream's context current.
     #[inline]
     pub fn bind(&self) -> Result<()> {
         match &self.0.context {
-            Some(context) => context.ensure_current(),
-            None => Ok(()),
+            Some(context) if self.is_legacy() => context.ensure_current(),
+            _ => Ok(()),
         }
+    }
+
+    /// Whether the handle means the legacy stream of the current context (`0` or
+    /// `CU_STREAM_LEGACY`).
+    #[inline]
+    fn is_legacy(&self) -> bool {
+        matches!(self.as_raw() as usize, 0 | LEGACY_HANDLE)
     }
 
     /// Whether this handle destroys the stream (false for [`Stream::legacy`] and
