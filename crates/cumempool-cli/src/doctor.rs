@@ -52,7 +52,7 @@ pub fn collect() -> Report {
         crate_version: env!("CARGO_PKG_VERSION").into(),
         compiled_features: compiled_features(),
         bindings_cuda: cumempool::bindings_version().to_string(),
-        library_tried: sys::library_path(),
+        library_tried: sys::library_to_open(),
         library_loaded: None,
         driver: None,
         error: None,

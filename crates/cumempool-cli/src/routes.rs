@@ -125,10 +125,7 @@ fn raw_probes(device_count: i32) -> Vec<RawProbe> {
     let probe = |type_: u32, id: i32, alloc: A| -> String {
         let Ok(driver) = sys::driver() else { return "no driver".into() };
         let Ok(f) = driver.cuMemGetDefaultMemPool() else { return "entry point missing".into() };
-        let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
-        location.type_ = sys::CUmemLocationType(type_);
-        // SAFETY: the id is the first (only) member of the location's union/field in both headers.
-        unsafe { std::ptr::write((&mut location as *mut sys::CUmemLocation).cast::<u8>().add(4).cast::<i32>(), id) };
+        let mut location = cumempool::raw_location(sys::CUmemLocationType(type_), id);
         let mut pool = std::ptr::null_mut();
         // SAFETY: valid pointers; the driver validates the rest.
         let code = unsafe { f(&mut pool, &mut location, alloc) };
@@ -209,7 +206,7 @@ pub fn render(report: &Report) -> String {
             Some(handle) => handle.clone(),
             None => "-".into(),
         };
-        let newer = r.attributes.iter().filter(|(n, _)| is_13_2(n)).collect::<Vec<_>>();
+        let newer = r.attributes.iter().filter(|(n, _)| is_newer_than_13_0(n)).collect::<Vec<_>>();
         let newer = if newer.is_empty() {
             "not compiled (cuda-13000 build)".to_owned()
         } else if newer.iter().all(|(_, v)| v.is_none()) {
@@ -255,9 +252,11 @@ pub fn render(report: &Report) -> String {
     out
 }
 
-fn is_13_2(name: &str) -> bool {
-    ["ALLOCATION_TYPE", "EXPORT_HANDLE_TYPES", "LOCATION_ID", "LOCATION_TYPE", "MAX_POOL_SIZE", "HW_DECOMPRESS_ENABLED"]
-        .contains(&name)
+/// Whether the attribute named `name` (without `CU_MEMPOOL_ATTR_`) came after CUDA 13.0.
+fn is_newer_than_13_0(name: &str) -> bool {
+    PoolAttribute::ALL.iter().any(|a| {
+        a.name().trim_start_matches("CU_MEMPOOL_ATTR_") == name && a.since() > cumempool::DriverVersion::CUDA_13_0
+    })
 }
 
 /// The driver's error name out of a refusal message, where it has one.

@@ -26,7 +26,7 @@ pub struct Failure {
 
 impl Failure {
     pub fn new() -> Self {
-        Self { library_tried: cumempool::sys::library_path() }
+        Self { library_tried: cumempool::sys::library_to_open() }
     }
 }
 

@@ -28,11 +28,13 @@
 compile_error!("cumempool-sys needs a CUDA version: enable the feature `cuda-13000` or `cuda-13020`");
 
 mod loader;
+mod version;
 
 pub use loader::{
-    driver, driver_version, library_path, version_label, Driver, EntryPoint, LoadError, BINDINGS_VERSION,
-    DEFAULT_LIBRARY, LIBCUDA_ENV,
+    driver, driver_version, library_to_open, Driver, EntryPoint, LoadError, BINDINGS_VERSION, DEFAULT_LIBRARY,
+    LIBCUDA_ENV,
 };
+pub use version::DriverVersion;
 
 #[doc(hidden)]
 pub use loader::missing;

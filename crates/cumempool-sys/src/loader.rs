@@ -8,7 +8,9 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+
+use crate::version::DriverVersion;
 
 use crate::bindings::{
     CUdriverProcAddressQueryResult, CUresult, EntryPoints, PFN_cuDriverGetVersion, PFN_cuGetProcAddress, PFN_cuInit,
@@ -25,19 +27,19 @@ pub const DEFAULT_LIBRARY: &str = "nvcuda.dll";
 #[cfg(not(windows))]
 pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
 
-/// The CUDA version the compiled-in declarations come from (`13000` or `13020`).
-pub const BINDINGS_VERSION: i32 = CUDA_VERSION as i32;
+/// The CUDA version the compiled-in declarations come from (13.0 or 13.2).
+pub const BINDINGS_VERSION: DriverVersion = DriverVersion(CUDA_VERSION as i32);
 
 /// Why the driver, or one of its entry points, is not available.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum LoadError {
     /// The driver library could not be opened.
     LibraryNotFound {
         /// The file that was tried.
         path: String,
-        /// What the system loader said.
-        reason: String,
+        /// What the system loader said (the error's [`source`](std::error::Error::source)).
+        source: Arc<libloading::Error>,
     },
     /// The library opened but lacks a symbol every CUDA driver exports: it is not libcuda.
     NotADriver {
@@ -55,17 +57,17 @@ pub enum LoadError {
     DriverTooOld {
         /// The function's base name.
         function: &'static str,
-        /// The CUDA version whose ABI the bindings declare (`13000` for 13.0).
-        needs: i32,
+        /// The CUDA version whose ABI the bindings declare.
+        needs: DriverVersion,
         /// The running driver's version.
-        driver: i32,
+        found: DriverVersion,
     },
     /// The driver is new enough but did not hand out the function.
     EntryPointNotFound {
         /// The function's base name.
         function: String,
         /// The running driver's version.
-        driver: i32,
+        driver: DriverVersion,
     },
     /// The driver has `function`, but not at the version asked for
     /// (`CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT`).
@@ -73,65 +75,64 @@ pub enum LoadError {
         /// The function's base name.
         function: String,
         /// The CUDA version asked for.
-        requested: i32,
+        requested: DriverVersion,
         /// The running driver's version.
-        driver: i32,
+        driver: DriverVersion,
     },
     /// `cuGetProcAddress` itself failed for `function` at `requested`.
     ResolveFailed {
         /// The function's base name.
         function: String,
         /// The CUDA version asked for.
-        requested: i32,
+        requested: DriverVersion,
         /// The running driver's version.
-        driver: i32,
+        driver: DriverVersion,
         /// The `CUresult`.
         code: u32,
     },
 }
 
-/// `13020` -> `13.2`.
-pub fn version_label(version: i32) -> String {
-    format!("{}.{}", version / 1000, (version % 1000) / 10)
-}
-
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::LibraryNotFound { path, reason } => write!(
-                f,
-                "no CUDA driver: could not open {path} ({reason}); install the NVIDIA driver, or set {LIBCUDA_ENV} to the path of libcuda"
-            ),
+            Self::LibraryNotFound { path, source } => {
+                // libloading 0.9 says only "dlopen failed" and keeps dlerror's text as its source.
+                let reason = std::error::Error::source(&**source).map_or_else(|| source.to_string(), ToString::to_string);
+                write!(
+                    f,
+                    "no CUDA driver: could not open {path} ({reason}); install the NVIDIA driver, or set {LIBCUDA_ENV} to the path of libcuda"
+                )
+            }
             Self::NotADriver { path, symbol } => {
                 write!(f, "{path} is not a CUDA driver library: it does not export {symbol}")
             }
             Self::VersionQueryFailed { code } => write!(f, "cuDriverGetVersion failed with CUresult {code}"),
-            Self::DriverTooOld { function, needs, driver } => write!(
-                f,
-                "{function} needs a CUDA {} driver or newer; the running driver is CUDA {}",
-                version_label(*needs),
-                version_label(*driver)
-            ),
+            Self::DriverTooOld { function, needs, found } => {
+                write!(f, "{function} needs a CUDA {needs} driver or newer; the running driver is CUDA {found}")
+            }
             Self::EntryPointNotFound { function, driver } => {
-                write!(f, "the CUDA {} driver does not provide {function}", version_label(*driver))
+                write!(f, "the CUDA {driver} driver does not provide {function}")
             }
             Self::VersionNotSufficient { function, requested, driver } => write!(
                 f,
-                "the CUDA {} driver does not offer {function} at CUDA {}: the function is newer than that version",
-                version_label(*driver),
-                version_label(*requested)
+                "the CUDA {driver} driver does not offer {function} at CUDA {requested}: the function is newer than that version"
             ),
             Self::ResolveFailed { function, requested, driver, code } => write!(
                 f,
-                "cuGetProcAddress refused {function} at CUDA {} (code {code}); the running driver is CUDA {}, ask for a version no higher than that",
-                version_label(*requested),
-                version_label(*driver)
+                "cuGetProcAddress refused {function} at CUDA {requested} (code {code}); the running driver is CUDA {driver}, ask for a version no higher than that"
             ),
         }
     }
 }
 
-impl std::error::Error for LoadError {}
+impl std::error::Error for LoadError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::LibraryNotFound { source, .. } => Some(&**source),
+            _ => None,
+        }
+    }
+}
 
 /// One entry point of the bindings: its base name and the driver version its ABI needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,7 +149,7 @@ pub struct EntryPoint {
 /// it is missing: `driver()?.cuMemAllocAsync()?`.
 pub struct Driver {
     path: String,
-    version: i32,
+    version: DriverVersion,
     get_proc_address: PFN_cuGetProcAddress,
     entry_points: EntryPoints,
     // Last: the function pointers above point into it, so it must outlive them.
@@ -165,38 +166,50 @@ static DRIVER: OnceLock<Result<Driver, LoadError>> = OnceLock::new();
 
 /// The process's driver, opened and resolved on first use.
 ///
-/// Opens [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`]. The outcome, success or failure, is
-/// kept for the life of the process. Does not call `cuInit`.
+/// Opens [`library_to_open`]: [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`]. The outcome,
+/// success or failure, is kept for the life of the process. Does not call `cuInit`.
+///
+/// Naming a library through [`LIBCUDA_ENV`] is the same promise as [`Driver::open`]'s: the
+/// environment of the process is trusted to name a CUDA driver (or a library of its ABI).
 pub fn driver() -> Result<&'static Driver, LoadError> {
     DRIVER.get_or_init(Driver::load).as_ref().map_err(Clone::clone)
 }
 
-/// The running driver's CUDA version (`13000` for 13.0): a cheap probe for whether a driver is there.
-pub fn driver_version() -> Result<i32, LoadError> {
+/// The running driver's CUDA version: a cheap probe for whether a driver is there.
+pub fn driver_version() -> Result<DriverVersion, LoadError> {
     driver().map(Driver::version)
 }
 
-/// The path [`driver`] opens: [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`].
-pub fn library_path() -> String {
+/// The path [`driver`] opens (or opened): [`LIBCUDA_ENV`] if set, else [`DEFAULT_LIBRARY`].
+/// [`Driver::library_path`] is the one that was opened.
+pub fn library_to_open() -> String {
     std::env::var(LIBCUDA_ENV).ok().filter(|p| !p.is_empty()).unwrap_or_else(|| DEFAULT_LIBRARY.to_owned())
 }
 
 impl Driver {
     fn load() -> Result<Self, LoadError> {
-        Self::open(&library_path())
+        // SAFETY: the process's environment names the driver (see `driver`), or the system's
+        // libcuda is opened.
+        unsafe { Self::open(&library_to_open()) }
     }
 
     /// Opens the driver library at `path` and resolves every entry point of the bindings.
     ///
     /// Most programs use [`driver`], which does this once for the process.
-    pub fn open(path: &str) -> Result<Self, LoadError> {
-        // SAFETY: opening libcuda runs its initialisers, which is what loading a driver means;
-        // the library is kept open for as long as any pointer resolved from it is reachable.
-        // libloading 0.9 says only "dlopen failed" and keeps dlerror's text as the source.
-        let library = unsafe { libloading::Library::new(path) }.map_err(|e| LoadError::LibraryNotFound {
-            path: path.to_owned(),
-            reason: std::error::Error::source(&e).map_or_else(|| e.to_string(), ToString::to_string),
-        })?;
+    ///
+    /// # Errors
+    /// A [`LoadError`] naming what is missing: the library, a symbol every driver exports, or a
+    /// driver new enough for the loader (CUDA 12.0).
+    ///
+    /// # Safety
+    /// Opening a library runs its initialisers, and every later call goes into it with the
+    /// signatures cuda.h declares: `path` must name a CUDA driver library, or a library that
+    /// implements the same ABI (such as a fault-injecting stand-in).
+    pub unsafe fn open(path: &str) -> Result<Self, LoadError> {
+        // SAFETY: the caller vouches that `path` is a driver; the library is kept open for as long
+        // as any pointer resolved from it is reachable.
+        let library = unsafe { libloading::Library::new(path) }
+            .map_err(|e| LoadError::LibraryNotFound { path: path.to_owned(), source: Arc::new(e) })?;
         // SAFETY: these symbols have had these signatures since CUDA 2.0.
         let (get_version, init) = unsafe {
             (
@@ -204,30 +217,35 @@ impl Driver {
                 bootstrap::<PFN_cuInit>(&library, path, "cuInit")?,
             )
         };
-        let mut version: c_int = 0;
+        let mut raw_version: c_int = 0;
         // SAFETY: a valid out-pointer.
-        let code = unsafe { get_version(&mut version) };
+        let code = unsafe { get_version(&mut raw_version) };
         if code != CUresult::CUDA_SUCCESS {
             return Err(LoadError::VersionQueryFailed { code: code.0 });
         }
+        let version = DriverVersion(raw_version);
         // SAFETY: `cuGetProcAddress_v2` has had this signature since CUDA 12.0.
         let get_proc_address = match unsafe { bootstrap::<PFN_cuGetProcAddress>(&library, path, "cuGetProcAddress_v2") }
         {
             Ok(function) => function,
             // A driver that knows its version is a driver, just an old one.
-            Err(_) if version < 12000 => {
-                return Err(LoadError::DriverTooOld { function: "cuGetProcAddress_v2", needs: 12000, driver: version })
+            Err(_) if version < DriverVersion::CUDA_12_0 => {
+                return Err(LoadError::DriverTooOld {
+                    function: "cuGetProcAddress_v2",
+                    needs: DriverVersion::CUDA_12_0,
+                    found: version,
+                })
             }
             Err(error) => return Err(error),
         };
-        let request = BINDINGS_VERSION.min(version);
+        let request = BINDINGS_VERSION.min(version).0;
         let lookup = |name: &CStr| -> Option<NonNull<c_void>> { resolve(get_proc_address, name, request).ok() };
         // Some drivers only hand out entry points after cuInit; initialising is harmless then.
         if lookup(c"cuDriverGetVersion").is_none() {
             // SAFETY: cuInit takes flags, which must be 0.
             let _ = unsafe { init(0) };
         }
-        let entry_points = EntryPoints::resolve(version, lookup);
+        let entry_points = EntryPoints::resolve(version.0, lookup);
         Ok(Self { path: path.to_owned(), version, get_proc_address, entry_points, _library: library })
     }
 
@@ -236,8 +254,8 @@ impl Driver {
         &self.path
     }
 
-    /// The running driver's CUDA version, from `cuDriverGetVersion` (`13000` for 13.0).
-    pub fn version(&self) -> i32 {
+    /// The running driver's CUDA version, from `cuDriverGetVersion`.
+    pub fn version(&self) -> DriverVersion {
         self.version
     }
 
@@ -250,8 +268,8 @@ impl Driver {
     ///
     /// For probing what a driver offers; the result is a raw pointer whose signature is that of
     /// the function at the version asked, which may differ from the bindings' declaration.
-    pub fn resolve_raw(&self, name: &CStr, cuda_version: i32) -> Result<NonNull<c_void>, LoadError> {
-        resolve(self.get_proc_address, name, cuda_version).map_err(|failure| {
+    pub fn resolve_raw(&self, name: &CStr, cuda_version: DriverVersion) -> Result<NonNull<c_void>, LoadError> {
+        resolve(self.get_proc_address, name, cuda_version.0).map_err(|failure| {
             let function = name.to_string_lossy().into_owned();
             let driver = self.version;
             match failure {
@@ -311,8 +329,9 @@ fn resolve(get_proc_address: PFN_cuGetProcAddress, name: &CStr, version: i32) ->
 
 #[doc(hidden)]
 pub fn missing(function: &'static str, needs: i32, driver: i32) -> LoadError {
+    let (needs, driver) = (DriverVersion(needs), DriverVersion(driver));
     if driver < needs {
-        LoadError::DriverTooOld { function, needs, driver }
+        LoadError::DriverTooOld { function, needs, found: driver }
     } else {
         LoadError::EntryPointNotFound { function: function.to_owned(), driver }
     }
@@ -376,7 +395,8 @@ mod tests {
 
     #[test]
     fn a_missing_library_is_a_typed_error_naming_the_path() {
-        let error = Driver::open("/nonexistent/libcuda.so.1").err();
+        // SAFETY: nothing is opened: the file does not exist.
+        let error = unsafe { Driver::open("/nonexistent/libcuda.so.1") }.err();
         match error {
             Some(LoadError::LibraryNotFound { path, .. }) => {
                 assert_eq!(path, "/nonexistent/libcuda.so.1")
@@ -388,7 +408,8 @@ mod tests {
     #[test]
     fn a_library_that_is_not_libcuda_is_refused_by_symbol() {
         // libc is present everywhere these tests run and exports no CUDA symbol.
-        match Driver::open("libc.so.6").err() {
+        // SAFETY: libc's initialisers already ran in this process; no CUDA symbol is called.
+        match unsafe { Driver::open("libc.so.6") }.err() {
             Some(LoadError::NotADriver { symbol, .. }) => assert_eq!(symbol, "cuDriverGetVersion"),
             other => panic!("expected NotADriver, got {other:?}"),
         }
@@ -407,7 +428,7 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), crate::ENTRY_POINTS.len());
-        assert!(crate::ENTRY_POINTS.iter().all(|e| (2000..=BINDINGS_VERSION).contains(&e.since)));
+        assert!(crate::ENTRY_POINTS.iter().all(|e| (2000..=BINDINGS_VERSION.0).contains(&e.since)));
         let since = |n| crate::ENTRY_POINTS.iter().find(|e| e.name == n).map(|e| e.since);
         assert_eq!(since("cuMemGetMemPool"), Some(13000));
         assert_eq!(since("cuMemAllocAsync"), Some(11020));

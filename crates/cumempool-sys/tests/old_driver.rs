@@ -2,7 +2,7 @@
 //! driver". A stand-in library is compiled from C where a C compiler is present (CI has one).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool_sys::{Driver, LoadError};
+use cumempool_sys::{Driver, DriverVersion, LoadError};
 
 const CUDA_11_8_DRIVER: &str = r#"
 int cuDriverGetVersion(int *version) { *version = 11080; return 0; }
@@ -26,10 +26,11 @@ fn a_cuda_11_driver_is_too_old_not_a_stranger() {
             return;
         }
     }
-    let result = Driver::open(library.to_str().unwrap());
+    // SAFETY: the stand-in implements the two functions the loader calls before it refuses.
+    let result = unsafe { Driver::open(library.to_str().unwrap()) };
     let _ = std::fs::remove_dir_all(&dir);
     match result {
-        Err(error @ LoadError::DriverTooOld { needs: 12000, driver: 11080, .. }) => {
+        Err(error @ LoadError::DriverTooOld { needs: DriverVersion(12000), found: DriverVersion(11080), .. }) => {
             let text = error.to_string();
             assert!(text.contains("12.0") && text.contains("11.8"), "{text}");
         }

@@ -10,8 +10,8 @@ use crate::export_handles::HandleTypes;
 #[cfg(feature = "cuda-13020")]
 use crate::location::{AllocationType, Location};
 use crate::pool::Pool;
-use crate::version::DriverVersion;
 use cumempool_sys as sys;
+use cumempool_sys::DriverVersion;
 use std::ffi::c_void;
 
 /// How an attribute's value is passed to the driver.
@@ -313,7 +313,7 @@ impl Pool {
         Err(Error::DriverTooOld {
             feature: "reading an imported pool's location (needs the cuda-13020 feature)",
             needs: DriverVersion::CUDA_13_2,
-            found: DriverVersion(sys::BINDINGS_VERSION),
+            found: sys::BINDINGS_VERSION,
         })
     }
 
@@ -322,7 +322,7 @@ impl Pool {
         Err(Error::DriverTooOld {
             feature: "reading an imported pool's allocation type (needs the cuda-13020 feature)",
             needs: DriverVersion::CUDA_13_2,
-            found: DriverVersion(sys::BINDINGS_VERSION),
+            found: sys::BINDINGS_VERSION,
         })
     }
 

@@ -19,7 +19,7 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::location::{raw_id, raw_location, AllocationType, Location, Route};
+use crate::location::{raw_location, raw_location_id, AllocationType, Location, Route};
 use crate::pool::{MemPool, Pool};
 use crate::sharing::SharedAllocation;
 use cumempool_sys as sys;
@@ -128,7 +128,7 @@ fn encode_route(route: Option<Route>) -> [u8; 12] {
             bytes[0] = 1;
             bytes[1] = route.allocation_type.to_raw().0 as u8;
             bytes[4..8].copy_from_slice(&raw.type_.0.to_le_bytes());
-            bytes[8..12].copy_from_slice(&raw_id(&raw).to_le_bytes());
+            bytes[8..12].copy_from_slice(&raw_location_id(&raw).to_le_bytes());
         }
     }
     bytes

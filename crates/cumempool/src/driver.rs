@@ -1,8 +1,8 @@
 //! The process's driver: loaded and initialised once, and its version.
 
 use crate::error::{DriverError, Error, Result};
-use crate::version::DriverVersion;
 use cumempool_sys as sys;
+use cumempool_sys::DriverVersion;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Once, OnceLock};
 
@@ -66,7 +66,7 @@ fn load_and_init() -> Result<&'static sys::Driver, InitFailure> {
     if code != sys::CUresult::CUDA_SUCCESS {
         return Err(InitFailure::Init(code));
     }
-    tracing::debug!(library = driver.library_path(), version = driver.version(), "CUDA driver initialised");
+    tracing::debug!(library = driver.library_path(), version = %driver.version(), "CUDA driver initialised");
     Ok(driver)
 }
 
@@ -134,22 +134,22 @@ pub fn init() -> Result<()> {
 ///
 /// See [cuDriverGetVersion](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VERSION.html).
 pub fn driver_version() -> Result<DriverVersion> {
-    Ok(DriverVersion(api()?.version()))
+    Ok(api()?.version())
 }
 
-/// The driver library that was opened.
+/// The driver library that was opened (`cumempool_sys::library_to_open` is the one that will be).
 pub fn library_path() -> Result<&'static str> {
     Ok(api()?.library_path())
 }
 
 /// The CUDA version the crate's declarations were built for (the `cuda-13020` feature: 13.2).
 pub fn bindings_version() -> DriverVersion {
-    DriverVersion(sys::BINDINGS_VERSION)
+    sys::BINDINGS_VERSION
 }
 
 /// Fails with [`Error::DriverTooOld`] unless the driver is at least `needs`.
 pub(crate) fn require(feature: &'static str, needs: DriverVersion) -> Result<()> {
-    let found = DriverVersion(api()?.version());
+    let found = api()?.version();
     if found < needs {
         return Err(Error::DriverTooOld { feature, needs, found });
     }

@@ -3,8 +3,8 @@
 use crate::access::Access;
 use crate::location::{InvalidLocation, InvalidRoute, Route};
 use crate::unknown_value::UnknownValue;
-use crate::version::DriverVersion;
 use cumempool_sys as sys;
+use cumempool_sys::DriverVersion;
 use std::ffi::CStr;
 
 /// `Result` with this crate's [`enum@Error`].

@@ -45,25 +45,25 @@ mod routing;
 mod sharing;
 mod stream;
 mod unknown_value;
-mod version;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
 pub use buffer::{free_async, Buffer};
 pub use context::Context;
+pub use cumempool_sys::DriverVersion;
 pub use device::{require_concurrent_managed_access, Device};
 pub use driver::{bindings_version, driver_version, init, library_path};
 pub use error::{error_name, DriverError, Error, Result};
 pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use location::{
-    AllocationType, InvalidLocation, InvalidRoute, Location, Route, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
+    raw_location, raw_location_id, AllocationType, InvalidLocation, InvalidRoute, Location, Route,
+    UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
 };
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
 pub use routing::{current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard};
 pub use sharing::SharedAllocation;
 pub use stream::{Event, Stream, StreamId};
 pub use unknown_value::UnknownValue;
-pub use version::DriverVersion;
 
 /// The raw layer, for what this crate does not wrap.
 pub use cumempool_sys as sys;

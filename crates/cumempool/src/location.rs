@@ -101,9 +101,9 @@ impl TryFrom<sys::CUmemLocation> for Location {
     fn try_from(raw: sys::CUmemLocation) -> Result<Self, UnknownValue> {
         use sys::CUmemLocationType as T;
         Ok(match raw.type_ {
-            T::CU_MEM_LOCATION_TYPE_DEVICE => Self::Device(raw_id(&raw)),
+            T::CU_MEM_LOCATION_TYPE_DEVICE => Self::Device(raw_location_id(&raw)),
             T::CU_MEM_LOCATION_TYPE_HOST => Self::Host,
-            T::CU_MEM_LOCATION_TYPE_HOST_NUMA => Self::HostNuma(raw_id(&raw)),
+            T::CU_MEM_LOCATION_TYPE_HOST_NUMA => Self::HostNuma(raw_location_id(&raw)),
             T::CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => Self::HostNumaCurrent,
             T::CU_MEM_LOCATION_TYPE_NONE => Self::Unspecified,
             #[cfg(feature = "cuda-13020")]
@@ -137,29 +137,31 @@ pub const UNMAPPED_ALLOCATION_TYPES: &[(u32, &str)] = &[
     (0x7FFF_FFFF, "CU_MEM_ALLOCATION_TYPE_MAX only forces the C enum to 32 bits"),
 ];
 
-/// A `CUmemLocation` from its parts. CUDA 13.2's header moved `id` into a one-member anonymous
-/// union (same layout); 13.0's has it as a plain field.
+/// The driver's `CUmemLocation` from its parts, whatever they are: for handing the driver inputs
+/// [`Location`] refuses (probes of what the driver itself answers). CUDA 13.2's header moved
+/// `id` into a one-member anonymous union (same layout); 13.0's has it as a plain field.
 #[cfg(feature = "cuda-13020")]
-pub(crate) fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+pub fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_, __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id } }
 }
 
-/// The id of a `CUmemLocation`.
+/// The id of a driver `CUmemLocation`, under either header's layout.
 #[cfg(feature = "cuda-13020")]
-pub(crate) fn raw_id(raw: &sys::CUmemLocation) -> i32 {
+pub fn raw_location_id(raw: &sys::CUmemLocation) -> i32 {
     // SAFETY: the union's only member is `id`, so whatever initialised it initialised `id`.
     unsafe { raw.__bindgen_anon_1.id }
 }
 
-/// A `CUmemLocation` from its parts.
+/// The driver's `CUmemLocation` from its parts, whatever they are: for handing the driver inputs
+/// [`Location`] refuses (probes of what the driver itself answers).
 #[cfg(not(feature = "cuda-13020"))]
-pub(crate) fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+pub fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
     sys::CUmemLocation { type_, id }
 }
 
-/// The id of a `CUmemLocation`.
+/// The id of a driver `CUmemLocation`, under either header's layout.
 #[cfg(not(feature = "cuda-13020"))]
-pub(crate) fn raw_id(raw: &sys::CUmemLocation) -> i32 {
+pub fn raw_location_id(raw: &sys::CUmemLocation) -> i32 {
     raw.id
 }
 

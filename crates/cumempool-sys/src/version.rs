@@ -7,6 +7,8 @@ use std::fmt;
 pub struct DriverVersion(pub i32);
 
 impl DriverVersion {
+    /// CUDA 12.0: `cuGetProcAddress_v2`, which the loader needs.
+    pub const CUDA_12_0: Self = Self(12000);
     /// CUDA 11.2: stream-ordered allocation and memory pools.
     pub const CUDA_11_2: Self = Self(11020);
     /// CUDA 13.0: location-keyed routing.
