@@ -148,6 +148,11 @@ impl Pool {
     ///
     /// A 13.2 attribute on an older driver is [`Error::DriverTooOld`](crate::Error::DriverTooOld), not the driver's bare
     /// `CUDA_ERROR_INVALID_VALUE`.
+    ///
+    /// # Errors
+    /// [`Error::DriverTooOld`](crate::Error::DriverTooOld) for an attribute newer than the
+    /// driver; the driver's answer.
+    ///
     /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn attribute(&self, attribute: PoolAttribute) -> Result<u64> {
         require(attribute.name(), attribute.since())?;

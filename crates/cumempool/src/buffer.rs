@@ -93,6 +93,9 @@ impl<'s> Buffer<'s> {
     }
 
     /// Copies `src` into the start of the buffer and waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::DoesNotFit`] when `src` is longer than the buffer; the driver's answer.
     pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
         self.check_len("copying from the host", src.len())?;
         if src.is_empty() {
@@ -104,6 +107,9 @@ impl<'s> Buffer<'s> {
     }
 
     /// Copies the start of the buffer into `dst` and waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; the driver's answer.
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
         self.check_len("copying to the host", dst.len())?;
         if dst.is_empty() {
@@ -115,6 +121,9 @@ impl<'s> Buffer<'s> {
 
     /// Copies the start of `src` into the start of this buffer, ordered after the work queued
     /// on both streams, and waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; the driver's answer.
     pub fn copy_from(&mut self, src: &Buffer<'_>) -> Result<()> {
         self.check_len("copying between buffers", src.len)?;
         if src.is_empty() {
@@ -153,6 +162,10 @@ impl<'s> Buffer<'s> {
     ///
     /// Device and managed memory are set by the device without waiting. Pinned host memory,
     /// which the driver's memset refuses, is set by the host after the stream has finished.
+    ///
+    /// # Errors
+    /// Host access refusals for pinned host memory (see [`Buffer::host_slice_mut`]); the
+    /// driver's answer.
     pub fn fill(&mut self, value: u8) -> Result<()> {
         if self.is_empty() {
             return Ok(());
@@ -167,6 +180,9 @@ impl<'s> Buffer<'s> {
     }
 
     /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
+    ///
+    /// # Errors
+    /// An invalid location; the driver's answer (for memory that is not managed, say).
     pub fn prefetch_to(&self, location: Location) -> Result<()> {
         if self.is_empty() {
             return Ok(());

@@ -40,6 +40,9 @@ impl Context {
 
     /// Makes this context current on the calling thread.
     ///
+    /// # Errors
+    /// The driver's answer.
+    ///
     /// See [cuCtxSetCurrent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
     pub fn make_current(&self) -> Result<()> {
         // SAFETY: a retained context.
@@ -63,6 +66,9 @@ impl Context {
     }
 
     /// Waits for all work in this context.
+    ///
+    /// # Errors
+    /// The driver's answer, which includes errors of earlier asynchronous work.
     pub fn synchronize(&self) -> Result<()> {
         self.ensure_current()?;
         // SAFETY: a retained context (cuCtxSynchronize_v2 takes it explicitly).
@@ -70,6 +76,9 @@ impl Context {
     }
 
     /// Free and total memory of this context's device, in bytes.
+    ///
+    /// # Errors
+    /// The driver's answer.
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.ensure_current()?;
         let (mut free, mut total) = (0, 0);

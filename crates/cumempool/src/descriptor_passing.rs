@@ -146,6 +146,9 @@ fn decode_route(bytes: &[u8]) -> Option<Route> {
 
 /// Exports `pool` as a file descriptor and sends it, with the pool's route as the exporter sees
 /// it, over `socket`.
+///
+/// # Errors
+/// As [`Pool::export_fd`] and [`send_fd`].
 pub fn send_pool(socket: &UnixStream, pool: &Pool) -> Result<()> {
     let fd = pool.export_fd()?;
     let mut message = [0u8; POOL_MESSAGE_LEN];
@@ -166,6 +169,10 @@ pub struct ReceivedPool {
 }
 
 /// Receives a pool sent with [`send_pool`] and imports it.
+///
+/// # Errors
+/// As [`receive_fd`]; [`Error::MalformedMessage`] for a message [`send_pool`] did not write;
+/// as [`MemPool::import_fd`].
 pub fn receive_pool(socket: &UnixStream) -> Result<ReceivedPool> {
     let mut message = [0u8; POOL_MESSAGE_LEN];
     let (fd, len) = receive_fd(socket, &mut message)?;
@@ -180,11 +187,18 @@ pub fn receive_pool(socket: &UnixStream) -> Result<ReceivedPool> {
 }
 
 /// Writes an allocation's export data to `socket`.
+///
+/// # Errors
+/// [`Error::Io`] when the socket fails.
 pub fn send_allocation(socket: &mut UnixStream, shared: &SharedAllocation) -> Result<()> {
     socket.write_all(&shared.to_bytes()).map_err(|e| io_error("sending an allocation", e))
 }
 
 /// Reads an allocation's export data written by [`send_allocation`].
+///
+/// # Errors
+/// [`Error::Io`] when the socket fails; [`Error::MalformedMessage`] for data that is not an
+/// allocation's.
 pub fn receive_allocation(socket: &mut UnixStream) -> Result<SharedAllocation> {
     let mut bytes = [0u8; SharedAllocation::ENCODED_LEN];
     socket.read_exact(&mut bytes).map_err(|e| io_error("receiving an allocation", e))?;

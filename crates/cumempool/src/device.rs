@@ -58,6 +58,9 @@ fn first_without_concurrent_access(answers: impl Iterator<Item = Result<(i32, bo
 impl Device {
     /// How many devices the driver sees (asked once; it cannot change within a process).
     ///
+    /// # Errors
+    /// A driver that cannot be loaded or initialised.
+    ///
     /// See [cuDeviceGetCount](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
     pub fn count() -> Result<i32> {
         if let Some(count) = COUNT.get() {
@@ -70,6 +73,9 @@ impl Device {
     }
 
     /// The device with this ordinal, or [`Error::InvalidDevice`] naming the valid range.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDevice`] naming the valid range; a driver that cannot be loaded.
     ///
     /// See [cuDeviceGet](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
     pub fn get(ordinal: i32) -> Result<Self> {

@@ -125,6 +125,11 @@ pub(crate) use {driver_answer, driver_call};
 /// Loads and initialises the driver (`cuInit`), once per process.
 ///
 /// Every other call does this on first use; call it to learn early whether a driver is there.
+///
+/// # Errors
+/// [`Error::Load`] naming the library tried and what is missing; the driver's refusal of
+/// `cuInit`; [`Error::ForkedChild`] in a child forked after the parent used CUDA.
+///
 /// See [cuInit](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__INITIALIZE.html).
 pub fn init() -> Result<()> {
     api().map(|_| ())

@@ -128,6 +128,9 @@ impl Pool {
 
     /// Releases memory the pool holds beyond `keep_bytes` back to the system.
     ///
+    /// # Errors
+    /// The driver's answer.
+    ///
     /// See [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         // SAFETY: a live pool.
@@ -150,6 +153,9 @@ impl Pool {
     }
 
     /// Sets the access of several devices at once.
+    ///
+    /// # Errors
+    /// As [`Pool::set_access`].
     pub fn set_access_many(&self, grants: &[(Device, Access)]) -> Result<()> {
         let owner = self.route.and_then(|r| r.location.device());
         if let Some((device, access)) =
@@ -193,6 +199,9 @@ impl Pool {
     }
 
     /// The access a location (a device, or the host) has to this pool's memory.
+    ///
+    /// # Errors
+    /// An invalid location, or the driver's answer.
     pub fn access_from(&self, location: Location) -> Result<Access> {
         let mut raw_location = location.to_raw()?;
         let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
@@ -206,6 +215,12 @@ impl Pool {
     ///
     /// A zero-byte request returns an empty buffer without calling the driver. Running out of
     /// the pool's maximum size, or of device memory, is [`Error::OutOfMemory`].
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] when the pool (or the device) cannot supply `bytes`;
+    /// [`Error::ImportedPoolAllocation`] for a pool imported from another process; else the
+    /// driver's answer.
+    ///
     /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[inline]
     pub fn alloc<'s>(&self, bytes: usize, stream: &'s Stream) -> Result<Buffer<'s>> {
@@ -222,6 +237,9 @@ impl Pool {
     ///
     /// Unlike [`Pool::alloc`] this does not keep the pool alive: the driver defers destroying a
     /// pool until its outstanding allocations are freed.
+    ///
+    /// # Errors
+    /// As [`Pool::alloc`].
     #[inline]
     pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
         if self.is_imported() {
@@ -256,6 +274,9 @@ impl MemPool {
     }
 
     /// A pool with default properties serving `route`.
+    ///
+    /// # Errors
+    /// As [`PoolBuilder::build`].
     pub fn new(route: Route) -> Result<Self> {
         Self::builder(route).build()
     }
@@ -413,6 +434,11 @@ impl PoolBuilder {
     /// The driver's refusals come back as [`Error::PoolCreation`] with the reason where it is
     /// known (managed pools take no maximum size and no export handles; host pools cannot
     /// export file descriptors; host NUMA nodes must exist).
+    ///
+    /// # Errors
+    /// An invalid route before the driver; [`Error::PoolCreation`] with the likeliest reason and
+    /// the driver's answer when it refuses the properties.
+    ///
     /// See [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn build(self) -> Result<MemPool> {
         let props = self.to_props()?;

@@ -74,6 +74,11 @@ impl RouteStack {
 ///
 /// Looking it up changes nothing: unlike some other libraries, no attribute (such as the
 /// release threshold) is raised behind the caller's back.
+///
+/// # Errors
+/// [`Error::InvalidRoute`] or [`Error::InvalidDevice`] before the driver; the driver's refusal
+/// (a route it has no pool for) as [`Error::RouteRefused`].
+///
 /// See [cuMemGetDefaultMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn default_pool(route: Route) -> Result<PoolRef> {
     let (mut location, allocation_type) = route.to_raw()?;

@@ -92,6 +92,11 @@ impl Buffer<'_> {
     ///
     /// The pool must have been created with an export handle type and already shared
     /// ([`Pool::export_fd`]): the driver exports allocations of shared pools only.
+    ///
+    /// # Errors
+    /// [`Error::NotShareable`] for an empty buffer; [`Error::SharingRefused`] when the driver
+    /// refuses (a pool without an export handle type, or not shared yet).
+    ///
     /// See [cuMemPoolExportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn export(&self) -> Result<SharedAllocation> {
         if self.is_empty() {
@@ -150,6 +155,10 @@ impl Pool {
 
     /// Exports the pool as a POSIX file descriptor, for another process to import.
     ///
+    /// # Errors
+    /// [`Error::NotShareable`] for a pool created without `POSIX_FILE_DESCRIPTOR` or imported;
+    /// [`Error::SharingRefused`] with the driver's answer.
+    ///
     /// See [cuMemPoolExportToShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[cfg(unix)]
     pub fn export_fd(&self) -> Result<OwnedFd> {
@@ -183,6 +192,10 @@ impl Pool {
     /// refused before the driver is called, because driver 580 refuses the export and then
     /// crashes when the pool is destroyed. If the driver refuses anyway, the pool is never
     /// destroyed (it is leaked, with a warning) for the same reason.
+    ///
+    /// # Errors
+    /// [`Error::NotShareable`] without fabric support or an IMEX channel;
+    /// [`Error::SharingRefused`] when the driver refuses.
     pub fn export_fabric(&self) -> Result<[u8; 64]> {
         self.require_export(HandleTypes::FABRIC, "exporting a pool as a fabric handle")?;
         if let Some(ordinal) = self.route().and_then(|r| r.location.device()) {
@@ -223,6 +236,12 @@ impl Pool {
     /// The returned buffer unmaps the memory when dropped, in the order of `stream`; it must be
     /// dropped (and the stream synchronised) before the exporter frees the allocation. The
     /// memory must not be used before the exporter's allocation has completed.
+    ///
+    /// # Errors
+    /// [`Error::NotShareable`] for a pool of this process; [`Error::SharingRefused`] for export
+    /// data the driver does not accept; [`Error::SharedLengthMismatch`] when the peer claims more
+    /// bytes than the driver mapped.
+    ///
     /// See [cuMemPoolImportPointer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn import_pointer<'s>(&self, shared: &SharedAllocation, stream: &'s Stream) -> Result<Buffer<'s>> {
         if !self.is_imported() {
@@ -292,6 +311,11 @@ impl MemPool {
     /// `CUDA_ERROR_UNKNOWN`). Its location is known on a 13.2 driver ([`Pool::location`]); on
     /// older drivers the importer learns it from the exporter. Allocating from it is refused:
     /// map the exporter's allocations with [`Pool::import_pointer`].
+    ///
+    /// # Errors
+    /// [`Error::NotShareable`] for a descriptor that is not open; [`Error::SharingRefused`] when
+    /// the driver refuses it.
+    ///
     /// See [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[cfg(unix)]
     pub fn import_fd(fd: impl AsFd) -> Result<Self> {
