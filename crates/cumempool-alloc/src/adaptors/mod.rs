@@ -1,5 +1,5 @@
 //! Adaptors: each wraps any resource and is one itself, so they compose
-//! (`Traced::new(Limit::new(Statistics::new(pool), cap))`).
+//! (`Traced::new(Limit::new(Statistics::new(pool), cap), "pool")`).
 
 mod limit;
 mod statistics;
