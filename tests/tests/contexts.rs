@@ -97,3 +97,35 @@ fn stream_ordered_calls_run_in_the_streams_own_context() {
     stream.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
 }
+
+/// Found by review: after `bind` stopped setting the context for ordinary streams, a host copy
+/// from a thread with no current context crashed inside libcuda (driver 580), and one with
+/// another device's context current was refused. Copies make the stream's context current.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn copies_work_from_a_thread_without_the_streams_context() {
+    let context = gpu().expect("a GPU");
+    let stream = Stream::new(&context).unwrap();
+    for route in [Route::host(), Route::device(0)] {
+        let pool = MemPool::new(route).unwrap();
+        let mut buffer = pool.alloc(4096, &stream).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                assert!(raw_current().is_null(), "a fresh thread has no current context");
+                buffer.copy_from_host(&[7; 4096]).unwrap();
+                let mut back = [0u8; 4096];
+                buffer.copy_to_host(&mut back).unwrap();
+                assert!(back.iter().all(|b| *b == 7), "{route}");
+            });
+        });
+        let other = cumempool::Device::count().unwrap() > 1;
+        if other {
+            let context1 = cumempool::Device::get(1).unwrap().primary_context().unwrap();
+            raw_set_current(context1.as_raw());
+            buffer.copy_from_host(&[9; 4096]).unwrap();
+            let mut back = [0u8; 4096];
+            buffer.copy_to_host(&mut back).unwrap();
+            assert!(back.iter().all(|b| *b == 9), "{route}, with device 1's context current");
+        }
+    }
+}

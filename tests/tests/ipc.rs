@@ -59,7 +59,7 @@ fn a_child_process_imports_the_pool_reads_the_pattern_and_writes_back() {
     assert!(status.success(), "child failed: {report}");
     assert!(report.contains("pattern from the exporter: ok"), "{report}");
     assert!(!report.contains("WRONG"), "{report}");
-    assert_eq!(report.matches(": refused (").count(), 7, "{report}");
+    assert_eq!(report.matches(": refused (").count(), 9, "{report}");
     assert!(
         report.contains("length beyond the allocation: refused (the shared allocation claims 1073741824 bytes"),
         "{report}"

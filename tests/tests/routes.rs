@@ -131,7 +131,7 @@ fn a_pool_of_another_route_is_refused_before_the_driver() {
 
 /// The driver's current pool of `route`, read without this crate's bookkeeping.
 fn raw_current(route: Route) -> cumempool::sys::CUmemoryPool {
-    cumempool::current_pool(route).unwrap().as_raw()
+    cumempool::current_pool_handle(route).unwrap()
 }
 
 #[test]
@@ -252,9 +252,17 @@ fn a_change_made_outside_the_library_is_not_overwritten() {
     let guard = set_current_pool(route, &ours).unwrap();
     let foreign = foreign_pool(route);
     raw_set(route, foreign);
+    // Before the review's fix, dropping the guard dropped our pool here: code that had saved it
+    // to restore later would have restored a destroyed pool.
     drop(guard);
     assert_eq!(raw_current(route), foreign, "the outside change stays");
-    ours.destroy().expect("the route no longer holds our pool");
+    match current_pool(route) {
+        Err(Error::ForeignCurrentPool { handle, .. }) => assert_eq!(handle, foreign as usize as u64),
+        other => panic!("a pool routed by other code gets no safe handle, got {other:?}"),
+    }
+    let destroyed = ours.destroy();
+    assert!(matches!(destroyed, Err(Error::PoolInUse { .. })), "kept alive until reset_current_pool: {destroyed:?}");
+    raw_set(route, default_pool(route).unwrap().as_raw()); // the other code restores the default
     cumempool::reset_current_pool(route).unwrap();
     raw_destroy(foreign);
 }

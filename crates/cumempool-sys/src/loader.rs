@@ -145,6 +145,10 @@ pub struct EntryPoint {
 
 /// The opened driver library and its resolved entry points.
 ///
+/// The function pointers it hands out point into the library, which stays open for as long as
+/// the `Driver` lives: a pointer copied out must not be called after its `Driver` is dropped.
+/// The process-wide [`driver`] is never dropped.
+///
 /// Dereferences to [`EntryPoints`], whose methods hand out each function pointer or the reason
 /// it is missing: `driver()?.cuMemAllocAsync()?`.
 pub struct Driver {

@@ -30,12 +30,12 @@ pub struct Buffer<'s> {
     stream: &'s Stream,
     /// `None` for memory imported from a pool whose route this process does not know.
     route: Option<Route>,
-    _pool: Option<Arc<Owner>>,
+    pool: Option<Arc<Owner>>,
 }
 
 impl<'s> Buffer<'s> {
     pub(crate) fn empty(stream: &'s Stream, route: Option<Route>) -> Self {
-        Self { ptr: 0, len: 0, stream, route, _pool: None }
+        Self { ptr: 0, len: 0, stream, route, pool: None }
     }
 
     /// # Safety
@@ -48,7 +48,7 @@ impl<'s> Buffer<'s> {
         route: Option<Route>,
         pool: Option<Arc<Owner>>,
     ) -> Self {
-        Self { ptr, len, stream, route, _pool: pool }
+        Self { ptr, len, stream, route, pool }
     }
 
     /// Size in bytes.
@@ -152,7 +152,9 @@ impl<'s> Buffer<'s> {
     /// # Safety
     /// Both ranges must be valid for `len` bytes until the copy has finished.
     unsafe fn copy_unified(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Result<()> {
-        self.stream.bind()?;
+        // Unlike allocation and free, a copy that involves host memory needs the stream's
+        // context current (driver 580 crashes without one), whatever the stream's handle.
+        self.stream.bind_context()?;
         // SAFETY: the caller vouches for both ranges.
         unsafe { driver_call!(cuMemcpyAsync(dst, src, len, self.stream.as_raw())) }?;
         self.stream.synchronize()
@@ -193,6 +195,11 @@ impl<'s> Buffer<'s> {
     }
 
     fn host_ptr(&self) -> Result<*mut u8> {
+        if self.pool.as_ref().is_some_and(|owner| owner.imported) {
+            // Another process maps the same memory and may write it at any time: a Rust slice
+            // over it would be a data race. Copies are fine.
+            return Err(Error::ImportedMemoryNotSliceable);
+        }
         if !self.is_host_accessible() {
             return Err(Error::NotHostAccessible { route: self.route });
         }
@@ -241,6 +248,17 @@ impl Drop for Buffer<'_> {
         // SAFETY: the buffer owns the allocation and frees it once, on its own stream.
         if let Err(error) = unsafe { free_async(self.ptr, self.stream) } {
             tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
+            return; // an import whose unmapping failed stays marked as mapped, never mapped again
+        }
+        if self.pool.as_ref().is_some_and(|owner| owner.imported) {
+            // The unmapping is stream-ordered: only once it has run may the same allocation be
+            // imported again (the driver would hand back the same address).
+            match self.stream.synchronize() {
+                Ok(()) => crate::owner::forget_mapping(self.ptr),
+                Err(error) => {
+                    tracing::warn!(%error, ptr = self.ptr, "waiting for an unmapping failed; the allocation stays unimportable")
+                }
+            }
         }
     }
 }

@@ -102,6 +102,16 @@ pub enum Error {
         found: DriverVersion,
     },
 
+    /// A route whose current pool was made current by other code, which this crate cannot keep
+    /// alive.
+    #[error("the current pool of {route} ({handle:#x}) was made current by other code, which keeps it alive (or not); cumempool hands out no safe handle to it: use current_pool_handle, or reset_current_pool")]
+    ForeignCurrentPool {
+        /// The route.
+        route: Route,
+        /// The pool's raw handle, as a number.
+        handle: u64,
+    },
+
     /// A pool given for a route it cannot serve.
     #[error("a pool of {pool} cannot be the current pool of {route}: a route takes only pools of its own location and allocation type")]
     PoolRouteMismatch {
@@ -168,6 +178,9 @@ pub enum Error {
         access: Access,
         /// Why, and what would work.
         reason: &'static str,
+        /// The driver's answer, when it was the driver that refused.
+        #[source]
+        cause: Option<DriverError>,
     },
 
     /// A raw stream handle that cannot be borrowed safely.
@@ -210,6 +223,18 @@ pub enum Error {
         /// What was wrong with it.
         reason: String,
     },
+
+    /// An allocation this process has already mapped from its exporter, and not unmapped yet.
+    #[error("the allocation at {address:#x} is already imported by a live buffer; the driver maps it once, so use that buffer (or drop it first)")]
+    AlreadyImported {
+        /// The mapped address.
+        address: u64,
+    },
+
+    /// Memory mapped from another process, which may write it at any time: it is copied, never
+    /// borrowed as a slice.
+    #[error("memory imported from another process cannot be borrowed as a slice (the other process may write it at any time); copy it with Buffer::copy_to_host / copy_from_host")]
+    ImportedMemoryNotSliceable,
 
     /// Export data whose length (sent by the peer) is more than the driver mapped.
     #[error("the shared allocation claims {claimed} bytes but the driver mapped {mapped}: the export data's length is wrong (or not from Buffer::export); the mapping was undone")]
@@ -262,7 +287,8 @@ impl Error {
             Self::Driver(cause)
             | Self::RouteRefused { cause, .. }
             | Self::PoolCreation { cause, .. }
-            | Self::SharingRefused { cause, .. } => Some(cause.code),
+            | Self::SharingRefused { cause, .. }
+            | Self::AccessNotGrantable { cause: Some(cause), .. } => Some(cause.code),
             Self::OutOfMemory { .. } => Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0),
             _ => None,
         }

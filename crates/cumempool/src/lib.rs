@@ -60,7 +60,9 @@ pub use location::{
     UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
 };
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
-pub use routing::{current_pool, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard};
+pub use routing::{
+    current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
+};
 pub use sharing::SharedAllocation;
 pub use stream::{Event, Stream, StreamId};
 pub use unknown_value::UnknownValue;

@@ -5,7 +5,24 @@ use crate::driver::driver_call;
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use cumempool_sys as sys;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Mutex, PoisonError};
+
+/// Addresses of allocations imported from other processes and mapped now, in any imported pool.
+/// The driver maps an allocation imported twice at the same address, and one unmapping ends
+/// both: so each may be mapped by one buffer at a time.
+static MAPPED_IMPORTS: Mutex<BTreeSet<sys::CUdeviceptr>> = Mutex::new(BTreeSet::new());
+
+/// Records `ptr` as mapped by one buffer; false if a buffer already maps it.
+pub(crate) fn claim_mapping(ptr: sys::CUdeviceptr) -> bool {
+    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner).insert(ptr)
+}
+
+/// Forgets `ptr` once its unmapping has run.
+pub(crate) fn forget_mapping(ptr: sys::CUdeviceptr) {
+    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner).remove(&ptr);
+}
 
 /// Destroys the pool when the last holder (pool handle, buffer, route) lets go.
 #[derive(Debug)]

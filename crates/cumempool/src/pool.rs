@@ -165,6 +165,7 @@ impl Pool {
                 device: device.ordinal(),
                 access: *access,
                 reason: "the device owns the pool and always has read-write access",
+                cause: None,
             });
         }
         let descriptors: Vec<sys::CUmemAccessDesc> = grants
@@ -187,6 +188,7 @@ impl Pool {
                     device: device.ordinal(),
                     access: *access,
                     reason: "the driver does not support read-only access to pool memory (CUDA_ERROR_NOT_SUPPORTED); grant Access::ReadWrite or Access::None",
+                    cause: Some(answer.cause()),
                 });
             }
         }

@@ -42,6 +42,9 @@ struct RouteStack {
     /// Pools made current through this crate; the route shows the last. Held here, so a pool is
     /// alive for as long as it is current.
     entries: Vec<Entry>,
+    /// Pools of changes forgotten after a change outside this crate: other code may have saved
+    /// one to restore it later, so they stay alive until [`reset_current_pool`].
+    retired: Vec<Pool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +64,24 @@ struct Entry {
 const KEPT: u64 = 0;
 
 impl RouteStack {
+    fn new(base: Base) -> Self {
+        Self { base, entries: Vec::new(), retired: Vec::new() }
+    }
+
+    /// After a change outside this crate: this crate's changes are forgotten (their guards do
+    /// nothing any more), their pools kept alive, and `current` is the new base.
+    fn detach(&mut self, current: Base) {
+        let retired = std::mem::take(&mut self.entries).into_iter().map(|entry| entry.pool);
+        self.retired.extend(retired);
+        self.base = current;
+    }
+
+    /// A pool this crate holds for the route (current or retired) with this handle.
+    fn holding(&self, raw: sys::CUmemoryPool) -> Option<&Pool> {
+        let entries = self.entries.iter().rev().map(|entry| &entry.pool);
+        entries.chain(self.retired.iter()).find(|pool| pool.as_raw() == raw)
+    }
+
     /// What the driver should show for this route if nothing outside this crate changed it.
     fn expected(&self) -> sys::CUmemoryPool {
         match (self.entries.last(), self.base) {
@@ -105,23 +126,37 @@ fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
 /// The current pool of `route`: the last one set for it, else its default pool.
 ///
 /// A pool that this crate made current comes back owning, keeping it alive ([`Pool::is_owned`]);
-/// the default pool and a pool routed by other code through the raw API come back not owning
-/// (the driver keeps a default pool alive; the other code must keep its own).
+/// the default pool comes back not owning (the driver never destroys it). A pool that other
+/// code made current through the raw API is refused: this crate cannot keep it alive, and a
+/// safe handle to it would outlive its destruction; [`current_pool_handle`] gives its raw
+/// handle.
 ///
 /// # Errors
-/// [`Error::InvalidRoute`] / [`Error::InvalidDevice`] before the driver, or the driver's refusal
-/// as [`Error::RouteRefused`].
+/// [`Error::InvalidRoute`] / [`Error::InvalidDevice`] before the driver, the driver's refusal
+/// as [`Error::RouteRefused`], and [`Error::ForeignCurrentPool`] for a pool routed by other code.
 ///
 /// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn current_pool(route: Route) -> Result<Pool> {
     let map = routed();
     let raw = current_raw(route)?;
-    let ours = map.get(&route).and_then(|stack| stack.entries.iter().rev().find(|e| e.pool.as_raw() == raw));
-    let pool = match ours {
-        Some(entry) => entry.pool.clone(),
-        None => Pool::borrowed(raw, Some(route)),
-    };
-    Ok(pool)
+    if let Some(pool) = map.get(&route).and_then(|stack| stack.holding(raw)) {
+        return Ok(pool.clone());
+    }
+    drop(map);
+    if raw == default_raw(route)? {
+        return Ok(Pool::borrowed(raw, Some(route)));
+    }
+    Err(Error::ForeignCurrentPool { route, handle: raw as usize as u64 })
+}
+
+/// The raw handle of `route`'s current pool, whoever made it current: for inspection, or for
+/// `unsafe` [`PoolRef::from_raw`](crate::PoolRef::from_raw) by code that knows the pool's owner
+/// keeps it alive.
+///
+/// # Errors
+/// As [`current_pool`], except that a foreign pool is answered.
+pub fn current_pool_handle(route: Route) -> Result<sys::CUmemoryPool> {
+    current_raw(route)
 }
 
 /// Whether `route`'s current pool is its default pool.
@@ -148,7 +183,8 @@ static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
 ///   [`reset_current_pool`];
 /// - a change made outside this crate (through the raw API) is never silently overwritten:
 ///   when a guard finds the route showing a pool it did not expect, it leaves the route as it
-///   is and forgets this crate's changes to it (with a `tracing` warning);
+///   is and forgets this crate's changes to it (with a `tracing` warning), keeping their pools
+///   alive until [`reset_current_pool`] (other code may have saved one to restore later);
 /// - a pool that another library had made current before the first change is restored only
 ///   if it is the route's default pool; otherwise the default pool is restored (with a
 ///   warning), because this crate cannot know whether that library has destroyed it since.
@@ -170,36 +206,24 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     }
     let mut map = routed();
     let current = current_raw(route)?;
-    // Changes made outside this crate since it last looked end its stack for this route.
-    let detached = match map.get(&route) {
-        Some(stack) if stack.expected() != current => {
-            tracing::warn!(%route, expected = ?stack.expected(), found = ?current, "the current pool was changed outside cumempool; its earlier changes to this route are forgotten");
-            map.remove(&route)
-        }
-        _ => None,
-    };
+    // Everything that can fail is asked before the route changes, so a refusal changes nothing.
+    let base = base_of(route, current)?;
     set_raw(route, pool.as_raw())?;
-    let stack = match map.entry(route) {
-        std::collections::btree_map::Entry::Occupied(stack) => stack.into_mut(),
-        std::collections::btree_map::Entry::Vacant(vacant) => {
-            let base = if current == default_raw(route)? {
-                Base::Default(DriverHandle(current))
-            } else {
-                Base::Foreign(DriverHandle(current))
-            };
-            vacant.insert(RouteStack { base, entries: Vec::new() })
-        }
-    };
+    let stack = map.entry(route).or_insert_with(|| RouteStack::new(base));
+    if stack.expected() != current {
+        // Changes made outside this crate since it last looked end this crate's changes.
+        tracing::warn!(%route, expected = ?stack.expected(), found = ?current, "the current pool was changed outside cumempool; its earlier changes to this route are forgotten");
+        stack.detach(base);
+    }
     let guard = NEXT_GUARD.fetch_add(1, Relaxed);
     stack.entries.push(Entry { guard, pool: pool.clone().with_route(Some(route)) });
     drop(map);
-    drop(detached);
     tracing::info!(%route, pool = ?pool.as_raw(), previous = ?current, "current pool changed (process-wide)");
     Ok(RouteGuard { route, id: guard })
 }
 
 /// Makes `route`'s default pool current again, for the whole process, and forgets every change
-/// made through this crate to it (their guards do nothing any more).
+/// made through this crate to it (their guards do nothing any more), releasing the pools it held.
 ///
 /// # Errors
 /// An invalid route, or the driver's refusal; the route is unchanged then.
@@ -217,6 +241,15 @@ pub fn reset_current_pool(route: Route) -> Result<()> {
 
 fn default_raw(route: Route) -> Result<sys::CUmemoryPool> {
     Ok(default_pool(route)?.as_raw())
+}
+
+/// What `current`, the pool a route shows, is as the base of this crate's changes.
+fn base_of(route: Route, current: sys::CUmemoryPool) -> Result<Base> {
+    Ok(if current == default_raw(route)? {
+        Base::Default(DriverHandle(current))
+    } else {
+        Base::Foreign(DriverHandle(current))
+    })
 }
 
 /// Removes one change from its route's stack (see [`set_current_pool`]) when dropped.
@@ -268,9 +301,8 @@ impl RouteGuard {
         let current = current_raw(self.route)?;
         if current != stack.expected() {
             tracing::warn!(route = %self.route, found = ?current, "the current pool was changed outside cumempool; leaving it as it is");
-            let detached = map.remove(&self.route);
-            drop(map);
-            drop(detached);
+            let base = base_of(self.route, current)?;
+            stack.detach(base);
             return Ok(());
         }
         // What the route shows once this change is gone: the newest other change, else the base.
@@ -291,7 +323,7 @@ impl RouteGuard {
                 return Err(error);
             }
         }
-        if stack.entries.is_empty() {
+        if stack.entries.is_empty() && stack.retired.is_empty() {
             map.remove(&self.route);
         }
         drop(map);

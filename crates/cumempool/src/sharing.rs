@@ -259,6 +259,11 @@ impl Pool {
         // SAFETY: valid pointers; the driver validates the export data.
         let answer = unsafe { driver_answer!(cuMemPoolImportPointer(&mut ptr, self.as_raw(), &mut data)) }?;
         refused_unless_success(answer, "importing an allocation", "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter")?;
+        // The driver maps an allocation imported twice at the same address, and the first
+        // unmapping would pull the memory from under the second buffer: one buffer per mapping.
+        if !crate::owner::claim_mapping(ptr) {
+            return Err(Error::AlreadyImported { address: ptr });
+        }
         // The length came over the wire: a buffer must never reach past what the driver mapped.
         let checked = mapped_bytes_from(ptr).and_then(|mapped| {
             if shared.len <= mapped {
@@ -268,9 +273,12 @@ impl Pool {
             }
         });
         if let Err(error) = checked {
-            // SAFETY: the fresh mapping is not handed out; freeing it unmaps it.
-            if let Err(unmap) = unsafe { crate::buffer::free_async(ptr, stream) } {
-                tracing::warn!(%unmap, ptr, "unmapping a refused import failed");
+            // SAFETY: the fresh mapping is not handed out (it was claimed above, so no other
+            // buffer maps it); freeing it unmaps it.
+            let unmapped = unsafe { crate::buffer::free_async(ptr, stream) }.and_then(|()| stream.synchronize());
+            match unmapped {
+                Ok(()) => crate::owner::forget_mapping(ptr),
+                Err(unmap) => tracing::warn!(%unmap, ptr, "unmapping a refused import failed"),
             }
             return Err(error);
         }
@@ -301,7 +309,11 @@ fn mapped_bytes_from(ptr: sys::CUdeviceptr) -> Result<u64> {
             ptr
         ))
     }?;
-    Ok((start + size as u64).saturating_sub(ptr))
+    let end = start.checked_add(size as u64).ok_or_else(|| Error::InvalidArgument {
+        what: "reading an imported allocation's range",
+        reason: format!("the driver reported {size} bytes from {start:#x}, past the end of the address space"),
+    })?;
+    Ok(end.saturating_sub(ptr))
 }
 
 impl MemPool {

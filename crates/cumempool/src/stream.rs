@@ -153,6 +153,22 @@ impl Stream {
         }
     }
 
+    /// Makes the stream's context current, whatever the handle: for the calls that need a
+    /// current context even on an ordinary stream. `cuMemcpyAsync` involving host memory is one
+    /// (driver 580 crashes with no context current, and refuses with another device's context).
+    ///
+    /// # Errors
+    /// [`Error::StreamNotBorrowable`] for a stream borrowed without its context; the driver's
+    /// refusal to make the context current.
+    pub(crate) fn bind_context(&self) -> Result<()> {
+        match &self.0.context {
+            Some(context) => context.ensure_current(),
+            None => Err(Error::StreamNotBorrowable {
+                reason: "copies need the stream's context current, and this stream was borrowed without it; borrow it with Stream::borrow_raw(raw, Some(&context))",
+            }),
+        }
+    }
+
     /// Whether the handle means the legacy stream of the current context (`0` or
     /// `CU_STREAM_LEGACY`).
     #[inline]

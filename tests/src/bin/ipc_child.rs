@@ -24,6 +24,18 @@ fn run(socket: &mut UnixStream) -> Result<Vec<String>, Error> {
     ));
 
     let mut mapping = pool.import_pointer(&shared, &stream)?;
+    // Found by review: a second import of the same allocation got the same mapping, which the
+    // first buffer's drop then unmapped under the second. One buffer per mapping now.
+    report.push(match pool.import_pointer(&shared, &stream) {
+        Err(Error::AlreadyImported { .. }) => "importing the same allocation twice: refused (already imported)".into(),
+        Err(other) => format!("importing the same allocation twice: WRONG error ({other})"),
+        Ok(_) => "importing the same allocation twice: WRONGLY ACCEPTED".into(),
+    });
+    // Another process may write it at any time: no slice over it.
+    report.push(match mapping.host_slice() {
+        Err(Error::ImportedMemoryNotSliceable) => "a slice over imported memory: refused (copy only)".into(),
+        other => format!("a slice over imported memory: WRONG ({:?})", other.map(<[u8]>::len)),
+    });
     let mut bytes = vec![0u8; mapping.len()];
     mapping.copy_to_host(&mut bytes)?;
     report

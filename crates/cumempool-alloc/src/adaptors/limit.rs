@@ -53,9 +53,11 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
-        // The bytes come back even if the free below fails: the caller may not free them again.
-        self.in_use.fetch_sub(bytes, Relaxed);
         // SAFETY: forwarded under the caller's promise.
-        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }
+        let freed = unsafe { self.inner.deallocate(ptr, bytes, align, stream) };
+        // After the free, so the limit is never exceeded while it runs; and even if it failed,
+        // since the caller may not free the bytes again.
+        self.in_use.fetch_sub(bytes, Relaxed);
+        freed
     }
 }

@@ -86,10 +86,11 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Statistics<R> {
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
-        // Counted as freed even if the free below fails: the caller may not free it again.
+        // SAFETY: forwarded under the caller's promise.
+        let freed = unsafe { self.inner.deallocate(ptr, bytes, align, stream) };
+        // Counted as freed even if the free below failed: the caller may not free it again.
         self.bytes.sub(bytes);
         self.count.sub(1);
-        // SAFETY: forwarded under the caller's promise.
-        unsafe { self.inner.deallocate(ptr, bytes, align, stream) }
+        freed
     }
 }
