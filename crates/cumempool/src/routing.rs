@@ -173,18 +173,17 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
         }
         _ => None,
     };
-    set_raw(route, pool.as_raw())?;
-    let stack = match map.entry(route) {
-        std::collections::btree_map::Entry::Occupied(stack) => stack.into_mut(),
-        std::collections::btree_map::Entry::Vacant(vacant) => {
-            let base = if current == default_raw(route)? {
-                Base::Default(DriverHandle(current))
-            } else {
-                Base::Foreign(DriverHandle(current))
-            };
-            vacant.insert(RouteStack { base, entries: Vec::new() })
-        }
+    // A new stack's base is learnt before the driver switches the route: a lookup failing after
+    // the switch would leave the route showing a pool that nothing keeps alive.
+    let base = match map.get(&route) {
+        Some(_) => None,
+        None if current == default_raw(route)? => Some(Base::Default(DriverHandle(current))),
+        None => Some(Base::Foreign(DriverHandle(current))),
     };
+    set_raw(route, pool.as_raw())?;
+    // `base` is known whenever the route has no stack: the lock is held throughout.
+    let base = base.unwrap_or(Base::Default(DriverHandle(current)));
+    let stack = map.entry(route).or_insert_with(|| RouteStack { base, entries: Vec::new() });
     let guard = NEXT_GUARD.fetch_add(1, Relaxed);
     stack.entries.push(Entry { guard, pool: pool.clone().with_route(Some(route)) });
     drop(map);
