@@ -734,3 +734,96 @@ fn container_memory_whose_free_fails_says_so_once() {
     unsafe { cumempool::free_async(ptr, allocator.stream()) }.expect("the driver accepts the only real free");
     nothing_used(&pool, allocator.stream());
 }
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn containers_survive_faults_drawn_at_random() {
+    let Some((_lock, suite)) = suite() else { return };
+    let (pool, allocator) = host_containers(suite);
+    let mut numbers = PoolVec::new_in(allocator.clone());
+    let mut map = hashbrown::HashMap::with_hasher_in(std::hash::RandomState::new(), allocator.clone());
+    suite.faults.reset_counts();
+    let plan = "cuMemAllocFromPoolAsync:p=0.3:seed=11:code=2;cuStreamSynchronize:p=0.2:seed=5";
+    suite.faults.set_plan(plan).unwrap();
+    let mut refused = 0;
+    for i in 0..2000u64 {
+        match numbers.try_reserve(1) {
+            Ok(()) => numbers.push(i),
+            Err(_) => refused += 1,
+        }
+        match map.try_reserve(1) {
+            Ok(()) => drop(map.insert(i, i)),
+            Err(_) => refused += 1,
+        }
+    }
+    suite.faults.clear();
+    let injected = suite.faults.injected("cuMemAllocFromPoolAsync") + suite.faults.injected("cuStreamSynchronize");
+    assert!(refused > 0 && injected >= refused, "{refused} refusals, {injected} faults");
+    assert_eq!(numbers.len() + map.len() + refused as usize, 4000, "every element kept or refused");
+    assert!(numbers.windows(2).all(|w| w[0] < w[1]) && map.iter().all(|(k, v)| k == v), "nothing corrupted");
+    assert!(logged().is_empty(), "only allocations failed: nothing to warn about");
+    drop((numbers, map));
+    nothing_used(&pool, allocator.stream());
+}
+
+/// The figure in docs/reliability.md counts the driver-call sites from the one driver-call path;
+/// this keeps its table in step with the source, so a new site cannot go unlisted. Runs from a
+/// checkout (CI); a packed binary without one has nothing to compare.
+#[test]
+fn the_site_table_lists_every_driver_call_site() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let Ok(entries) = std::fs::read_dir(root.join("crates/cumempool/src")) else {
+        eprintln!("skipped: no checkout of the sources here");
+        return;
+    };
+    let mut in_source = Vec::new();
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_string_lossy().into_owned();
+        if file == "driver.rs" || !file.ends_with(".rs") {
+            continue; // driver.rs defines the macros
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for macro_call in ["driver_call!(", "driver_answer!("] {
+            for (at, _) in text.match_indices(macro_call) {
+                let rest = &text[at + macro_call.len()..];
+                let function: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                in_source.push((file.clone(), function));
+            }
+        }
+    }
+    let doc = std::fs::read_to_string(root.join("docs/reliability.md")).unwrap();
+    let suite = std::fs::read_to_string(root.join("tests/tests/faults.rs")).unwrap();
+    let child = std::fs::read_to_string(root.join("tests/src/bin/fault_ipc_child.rs")).unwrap();
+    let spans = |cell: &str| -> Vec<String> { cell.split('`').skip(1).step_by(2).map(str::to_owned).collect() };
+    let (mut in_table, mut covered) = (Vec::new(), 0);
+    for row in doc.lines().filter(|l| l.starts_with("| `") && l.contains(".rs` ")) {
+        let cells: Vec<&str> = row.split(" | ").collect();
+        assert_eq!(cells.len(), 3, "{row}");
+        let (file, function) = (spans(cells[0])[0].clone(), spans(cells[1])[0].clone());
+        in_table.push((file, function));
+        if cells[2].starts_with("unreachable") {
+            continue;
+        }
+        covered += 1;
+        // The cases named outside parentheses (inside them: the methods and notes).
+        let mut depth = 0;
+        let outside: String = cells[2]
+            .chars()
+            .filter(|c| {
+                depth += i32::from(*c == '(') - i32::from(*c == ')');
+                depth == 0 && *c != ')'
+            })
+            .collect();
+        for case in spans(&outside).iter().filter(|s| s.contains('_')) {
+            assert!(suite.contains(&format!("fn {case}(")), "{row}: no case {case}");
+        }
+        assert!(suite.contains(&spans(cells[1])[0]) || child.contains(&spans(cells[1])[0]), "{row}: never failed");
+    }
+    in_source.sort();
+    in_table.sort();
+    assert_eq!(in_table, in_source, "docs/reliability.md lists the sites of crates/cumempool/src");
+    let figure = format!("**The suite makes {covered} of {} sites fail.**", in_source.len());
+    assert!(doc.contains(&figure), "the figure reads {figure}");
+    assert!(doc.contains(&format!("**{}** in `crates/cumempool/src`", in_source.len())));
+}
