@@ -8,7 +8,7 @@
 //! declare, a wrapper that fails the calls the plan names and passes the others through.
 //!
 //! The plan comes from `CUMEMPOOL_FAULT_PLAN` at start (a plan that does not parse fails
-//! `cuDriverGetVersion`, after saying why on stderr) and from [`control`]'s C functions at run
+//! `cuDriverGetVersion`, after saying why on stderr) and from the C functions of `control.rs` at run
 //! time. `cuGetErrorName`, `cuGetErrorString` and `cuGetProcAddress` are never failed: the
 //! error path and the resolution of every other function go through them.
 
