@@ -3,6 +3,8 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+pub mod fault_library;
+
 /// The device-0 primary context, or `None` (with a note) where no driver is present.
 ///
 /// With `CUMEMPOOL_REQUIRE_GPU=1` a missing driver fails the test instead: the GPU suite must

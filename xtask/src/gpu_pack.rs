@@ -1,6 +1,7 @@
 //! `cargo xtask gpu-pack [DIR]`: the GPU suite, built here and laid out to run on a GPU host that
 //! has the NVIDIA driver but no Rust: every release test binary, the executables (the `cumempool`
-//! command, the IPC test's child) and `run.sh`, which runs them all with the GPU tests included.
+//! command, the IPC tests' children), the fault-injecting driver library the fault suite loads,
+//! and `run.sh`, which runs them all with the GPU tests included.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -41,7 +42,7 @@ pub fn run(options: &Options) -> Result<(), String> {
     eprintln!("building the test binaries (release)...");
     let tests = artifacts(&root, &["test", "--no-run"], &options.cargo_args, true)?;
     eprintln!("building the executables (release)...");
-    let executables = artifacts(&root, &["build", "--bins", "--examples"], &options.cargo_args, false)?;
+    let executables = artifacts(&root, &["build", "--lib", "--bins", "--examples"], &options.cargo_args, false)?;
     let mut names = std::collections::BTreeSet::new();
     for artifact in tests.iter().chain(&executables) {
         if !names.insert(artifact.packed_name.clone()) {
@@ -57,7 +58,7 @@ pub fn run(options: &Options) -> Result<(), String> {
         .map(|m| m.len())
         .sum();
     eprintln!(
-        "packed {} test binaries and {} executables into {} ({:.1} MiB)",
+        "packed {} test binaries and {} executables and libraries into {} ({:.1} MiB)",
         tests.len(),
         executables.len(),
         dir.display(),
@@ -89,12 +90,14 @@ fn clear(dir: &Path) -> Result<(), String> {
 struct Artifact {
     path: PathBuf,
     /// `test--<package>--<target>` for a test binary, `bin--<name>` for an executable: the tests
-    /// find `bin--cumempool` and `bin--ipc_child` beside themselves by these names.
+    /// find `bin--cumempool` and `bin--ipc_child` beside themselves by these names. A C library
+    /// (`cdylib`, the fault suite's driver) keeps its file name, `libcumempool_fault.so`.
     packed_name: String,
 }
 
 /// Runs `cargo <command> --release` over the workspace (xtask aside) with the binaries stripped, and returns the executables cargo reports that are test harnesses (`tests`)
-/// or that are not (`cargo test` builds the executables too, for the tests that run them).
+/// or that are not (`cargo test` builds the executables too, for the tests that run them), the
+/// latter with the C libraries (`cdylib`) built.
 fn artifacts(root: &Path, command: &[&str], extra: &[String], tests: bool) -> Result<Vec<Artifact>, String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let output = Command::new(cargo)
@@ -119,6 +122,9 @@ fn artifacts(root: &Path, command: &[&str], extra: &[String], tests: bool) -> Re
         if message["reason"] != "compiler-artifact" {
             continue;
         }
+        if !tests {
+            found.extend(c_libraries(&message));
+        }
         let Some(path) = message["executable"].as_str() else {
             continue;
         };
@@ -136,6 +142,25 @@ fn artifacts(root: &Path, command: &[&str], extra: &[String], tests: bool) -> Re
         found.push(Artifact { path: path.into(), packed_name });
     }
     Ok(found)
+}
+
+/// The C libraries (`cdylib`) a compiler-artifact message reports, packed under their file names.
+fn c_libraries(message: &serde_json::Value) -> Vec<Artifact> {
+    let is_cdylib = message["target"]["crate_types"].as_array().is_some_and(|t| t.iter().any(|t| t == "cdylib"));
+    if !is_cdylib {
+        return Vec::new();
+    }
+    let files = message["filenames"].as_array().map(Vec::as_slice).unwrap_or_default();
+    files
+        .iter()
+        .filter_map(|f| f.as_str())
+        .filter(|f| f.ends_with(std::env::consts::DLL_SUFFIX))
+        .filter_map(|f| {
+            let path = PathBuf::from(f);
+            let packed_name = path.file_name()?.to_str()?.to_owned();
+            Some(Artifact { path, packed_name })
+        })
+        .collect()
 }
 
 /// The package's name out of cargo's package id: `path+file:///…/tests#cumempool-tests@0.1.0`,
@@ -164,6 +189,19 @@ fn make_executable(_: &Path) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn c_libraries_are_packed_under_their_file_names() {
+        let message = serde_json::json!({
+            "target": {"crate_types": ["cdylib", "rlib"]},
+            "filenames": ["/t/release/deps/libcumempool_fault.so", "/t/release/deps/libcumempool_fault.rlib"],
+        });
+        let found = c_libraries(&message);
+        assert_eq!(found.iter().map(|a| a.packed_name.as_str()).collect::<Vec<_>>(), ["libcumempool_fault.so"]);
+        assert!(
+            c_libraries(&serde_json::json!({"target": {"crate_types": ["lib"]}, "filenames": ["/t/x.so"]})).is_empty()
+        );
+    }
 
     #[test]
     fn package_names_come_out_of_both_id_forms() {

@@ -129,9 +129,14 @@ where
             // A resource that answers a non-empty request with 0 broke its promise; nothing to free.
             return Err(AllocError);
         };
-        if state.stream.synchronize().is_err() {
+        if let Err(error) = state.stream.synchronize() {
+            tracing::debug!(%error, "waiting for new container memory failed; giving it back");
             // SAFETY: just allocated with this layout on this stream, never handed out.
-            let _ = unsafe { state.resource.deallocate(ptr, layout.size(), layout.align(), &state.stream) };
+            if let Err(error) = unsafe { state.resource.deallocate(ptr, layout.size(), layout.align(), &state.stream) }
+            {
+                // Said, not swallowed: the memory is lost to the pool until the process ends.
+                tracing::warn!(%error, ptr, "giving back container memory the host never got failed");
+            }
             return Err(AllocError);
         }
         Ok(NonNull::slice_from_raw_parts(address, layout.size()))

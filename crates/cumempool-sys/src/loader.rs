@@ -389,6 +389,17 @@ macro_rules! entry_points {
 
         /// Every entry point of the bindings with the driver version its declared ABI needs.
         pub const ENTRY_POINTS: &[$crate::EntryPoint] = &[$($crate::EntryPoint { name: stringify!($name), since: $since },)*];
+
+        /// Calls `$callback! { name: $crate::PFN_name = since, ... }` with every entry point of
+        /// the bindings, so other crates (the fault-injecting driver) cover each function without
+        /// listing it by hand. Not part of the public API.
+        #[doc(hidden)]
+        #[macro_export]
+        macro_rules! for_each_entry_point {
+            ($callback:ident) => {
+                $callback! { $($name: $crate::$pfn = $since,)* }
+            };
+        }
     };
 }
 pub(crate) use entry_points;
