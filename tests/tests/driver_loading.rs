@@ -29,7 +29,19 @@ fn the_real_driver_loads_and_resolves_every_entry_point_it_is_new_enough_for() {
     );
     assert!(driver.cuMemAllocFromPoolAsync().is_ok() && driver.cuCtxGetDevice().is_ok());
     eprintln!("resolved {resolved} of {} entry points", sys::ENTRY_POINTS.len());
-    assert_eq!(resolved, sys::ENTRY_POINTS.len(), "the bindings need nothing newer than 13.0");
+    // Only 13.4's cuMemGetLocationInfo is newer than 13.0; on an older driver it is refused by name.
+    let newer: Vec<_> = sys::ENTRY_POINTS.iter().filter(|e| e.since > version.0).map(|e| e.name).collect();
+    assert!(newer.iter().all(|name| *name == "cuMemGetLocationInfo"), "newer than driver {version}: {newer:?}");
+    assert_eq!(resolved + newer.len(), sys::ENTRY_POINTS.len());
+    #[cfg(feature = "cuda-13040")]
+    match driver.cuMemGetLocationInfo() {
+        Ok(_) => assert!(version >= sys::DriverVersion::CUDA_13_4, "resolved on driver {version}"),
+        Err(error @ sys::LoadError::DriverTooOld { function: "cuMemGetLocationInfo", needs, found }) => {
+            assert_eq!((needs, found), (sys::DriverVersion::CUDA_13_4, version));
+            eprintln!("{error}");
+        }
+        Err(other) => panic!("cuMemGetLocationInfo on driver {version}: {other:?}"),
+    }
 }
 
 #[test]

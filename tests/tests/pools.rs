@@ -3,8 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{
-    default_pool, Access, Device, DriverVersion, Error, HandleTypes, Location, MemPool, Pool, PoolAttribute, Route,
-    Stream,
+    default_pool, Access, Device, Error, HandleTypes, Location, MemPool, Pool, PoolAttribute, Route, Stream,
 };
 use cumempool_tests::{gpu, gpu_stream};
 
@@ -76,7 +75,7 @@ fn the_maximum_size_turns_into_a_typed_out_of_memory() {
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
-fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
+fn every_attribute_reads_and_the_newer_ones_fail_cleanly_on_older_drivers() {
     let stream = gpu_stream().expect("a GPU");
     let version = cumempool::driver_version().unwrap();
     let pool = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();
@@ -89,9 +88,9 @@ fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
         } else {
             match value {
                 Err(e @ Error::DriverTooOld { needs, found, .. }) => {
-                    assert_eq!((needs, found), (DriverVersion::CUDA_13_2, version));
+                    assert_eq!((needs, found), (attribute.since(), version));
                     let text = e.to_string();
-                    assert!(text.contains(attribute.name()) && text.contains("13.2"), "{text}");
+                    assert!(text.contains(attribute.name()) && text.contains(&needs.to_string()), "{text}");
                     eprintln!("{text}");
                 }
                 other => panic!("{} on driver {version}: expected DriverTooOld, got {other:?}", attribute.name()),
@@ -123,7 +122,7 @@ fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
     pool.set_release_threshold(u64::MAX).unwrap();
     assert_eq!(pool.release_threshold().unwrap(), u64::MAX);
     #[cfg(feature = "cuda-13020")]
-    if version >= DriverVersion::CUDA_13_2 {
+    if version >= cumempool::DriverVersion::CUDA_13_2 {
         assert_eq!(pool.max_pool_size().unwrap(), 1 << 30);
         assert_eq!(pool.location_attribute().unwrap(), Location::Device(0));
         assert_eq!(pool.allocation_type_attribute().unwrap(), cumempool::AllocationType::Pinned);
@@ -135,7 +134,12 @@ fn every_attribute_reads_and_the_13_2_ones_fail_cleanly_on_older_drivers() {
     // location() and allocation_type() work on any driver for pools this process created.
     assert_eq!(pool.location().unwrap(), Location::Device(0));
     assert_eq!(pool.allocation_type().unwrap(), cumempool::AllocationType::Pinned);
-    assert_eq!(PoolAttribute::ALL.len(), if cfg!(feature = "cuda-13020") { 14 } else { 8 });
+    let expected = match () {
+        () if cfg!(feature = "cuda-13040") => 15,
+        () if cfg!(feature = "cuda-13020") => 14,
+        () => 8,
+    };
+    assert_eq!(PoolAttribute::ALL.len(), expected);
 }
 
 #[test]

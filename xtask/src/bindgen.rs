@@ -27,7 +27,9 @@ impl Options {
         while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--check" => options.check = true,
-                "--cuda" => options.cuda = Some(args.next().ok_or("--cuda needs a version: 13.0 or 13.2")?.clone()),
+                "--cuda" => {
+                    options.cuda = Some(args.next().ok_or("--cuda needs a pinned version, such as 13.4")?.clone())
+                }
                 "--header" => options.header = Some(args.next().ok_or("--header needs a path to cuda.h")?.into()),
                 other => return Err(format!("unknown argument `{other}` (see `cargo xtask help`)")),
             }
@@ -117,6 +119,13 @@ const FUNCTIONS: &[&str] = &[
     "cuMemSetMemPool",
 ];
 
+/// Functions younger than the oldest pinned header, each with the CUDA release whose cuda.h first
+/// declares it: required from that release on, absent (so not generated) before it.
+const FUNCTIONS_SINCE: &[(&str, u32)] = &[
+    // where the pages of a managed or pageable range reside, per region
+    ("cuMemGetLocationInfo", 13040),
+];
+
 /// Types a safe layer needs beyond those the functions pull in.
 const TYPES: &[&str] = &[
     "CUdevice_attribute",
@@ -165,7 +174,7 @@ pub fn run(options: &Options) -> Result<(), String> {
     }
     let mut stale = Vec::new();
     for (headers, version) in &jobs {
-        let generated = generate(&root, headers)?;
+        let generated = generate(&root, headers, *version)?;
         let relative = format!("crates/cumempool-sys/src/generated/cuda_{version}.rs");
         let path = root.join(&relative);
         if options.check {
@@ -205,11 +214,12 @@ fn anchored(names: &[&str], suffix: &str) -> String {
     format!("^({}){suffix}$", names.join("|"))
 }
 
-fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
+fn generate(root: &Path, headers: &Headers, cuda_version: u32) -> Result<String, String> {
+    let functions: Vec<&str> = FUNCTIONS.iter().copied().chain(FUNCTIONS_SINCE.iter().map(|(name, _)| *name)).collect();
     let bindings = bindgen::Builder::default()
         .header(headers.cuda_h.to_string_lossy())
         // The header maps base names to versioned symbols (`cuMemAlloc` -> `cuMemAlloc_v2`).
-        .allowlist_function(anchored(FUNCTIONS, "(_v[0-9]+)?"))
+        .allowlist_function(anchored(&functions, "(_v[0-9]+)?"))
         .allowlist_type(anchored(TYPES, "(_enum|_st)?"))
         .allowlist_var(anchored(VARS, ""))
         // A newer driver may write back enum values these headers do not know: newtypes, not enums.
@@ -270,7 +280,11 @@ fn generate(root: &Path, headers: &Headers) -> Result<String, String> {
         });
         entry_points.insert(base.clone(), since);
     }
-    let missing: Vec<_> = FUNCTIONS.iter().filter(|f| !entry_points.contains_key(**f)).collect();
+    let required = FUNCTIONS
+        .iter()
+        .copied()
+        .chain(FUNCTIONS_SINCE.iter().filter(|(_, since)| *since <= cuda_version).map(|(name, _)| *name));
+    let missing: Vec<_> = required.filter(|f| !entry_points.contains_key(*f)).collect();
     if !missing.is_empty() {
         return Err(format!("cuda.h {} does not declare {missing:?}", headers.cuda_h.display()));
     }

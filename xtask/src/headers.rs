@@ -31,6 +31,20 @@ pub const PINNED: &[PinnedCuda] = &[
         wheel_sha256: "3498247680dfddce31bad102af7e3e26fc795342a3cac64722bb0fa95e7f60f0",
         cuda_h_sha256: "673873a292718591d75ea3c2e65330b1f8f8278eac3c96b32245418fb0817851",
     },
+    PinnedCuda {
+        label: "13.4",
+        cuda_version: 13040,
+        wheel_requirement: "nvidia-cuda-runtime==13.4.92",
+        wheel_sha256: "9641f797da20ce1dd8e779b6e96d08cf9ba564cec8e8225458811ee26423f3a5",
+        cuda_h_sha256: "7a79d67ca888061b1dfbe4739b51ad64f85a2f3ad874947ce09b2c635b4c7072",
+    },
+    PinnedCuda {
+        label: "13.5",
+        cuda_version: 13050,
+        wheel_requirement: "nvidia-cuda-runtime==13.5.37",
+        wheel_sha256: "df2b79a8852f10d1fef8c848489c49eebb5754051bf870202a862831412b179d",
+        cuda_h_sha256: "f4250132eae986e244c693f562f81bdaa919c378665228bece23182da33a39b0",
+    },
 ];
 
 /// cuda.h and cudaTypedefs.h of one release, ready for bindgen.

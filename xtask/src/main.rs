@@ -1,6 +1,6 @@
 //! Project automation, run as `cargo xtask <command>`.
 //!
-//! - `cargo xtask bindgen [--cuda 13.0|13.2] [--header PATH] [--check]`: regenerate the committed
+//! - `cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]`: regenerate the committed
 //!   bindings of `cumempool-sys` from the pinned cuda.h headers, or prove they are fresh.
 //! - `cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]`: build the GPU suite to run on a GPU host
 //!   without Rust.
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     }
 }
 
-const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2] [--header PATH] [--check]
+const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]
        cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
 
 bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (needs libclang)

@@ -105,6 +105,30 @@ impl<K: HostAccessible> ResourceAllocator<PoolResource<K>> {
     }
 }
 
+#[cfg(feature = "cuda-13040")]
+impl<R: StreamOrderedResource<Kind = crate::memory_kind::ManagedMemory>> ResourceAllocator<R> {
+    /// Where the pages of managed memory this allocator handed out reside (driver 13.4): one
+    /// [`Location`](cumempool::Location) per region of `summary_granularity` bytes of `memory`
+    /// (a container's slice, such as `vec.as_slice()`), each the location most samples (every
+    /// `sampling_granularity` bytes; 0 lets the system choose) found. See
+    /// [`cumempool::location_info`].
+    ///
+    /// # Errors
+    /// [`cumempool::Error::InvalidGranularity`] before the driver when the summary granularity
+    /// is 0 or larger than `memory`, or the sampling granularity is larger than the summary
+    /// granularity; [`cumempool::Error::DriverTooOld`] on a driver older than 13.4.
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn location_info<T>(
+        &self,
+        memory: &[T],
+        summary_granularity: usize,
+        sampling_granularity: usize,
+    ) -> Result<Vec<cumempool::Location>> {
+        let address = memory.as_ptr() as usize as cumempool::sys::CUdeviceptr;
+        Ok(cumempool::location_info(address, std::mem::size_of_val(memory), summary_granularity, sampling_granularity)?)
+    }
+}
+
 // SAFETY: memory handed out comes from a resource, whose (unsafe) trait promises memory of the
 // asked size and alignment, of its kind, used by no one else until freed; the kind is
 // host-accessible, managed memory only where the host may touch it while kernels run, and the

@@ -15,6 +15,10 @@ pub struct DeviceReport {
     pub concurrent_managed_access: bool,
     pub host_numa_id: Option<i32>,
     pub supported_handle_types: String,
+    /// `LOCALITY_DOMAIN_COUNT` (driver 13.4, `cuda-13040` builds); null where unknown.
+    pub locality_domains: Option<u32>,
+    /// `LOCALITY_DOMAIN_MULTIPROCESSOR_COUNT`: multiprocessors per domain; null where unknown.
+    pub multiprocessors_per_locality_domain: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -40,11 +44,41 @@ pub struct Report {
 }
 
 fn compiled_features() -> Vec<String> {
-    let mut features = vec!["cuda-13000".to_owned()];
-    if cfg!(feature = "cuda-13020") {
-        features.push("cuda-13020".into());
+    let compiled = [
+        ("cuda-13020", cfg!(feature = "cuda-13020")),
+        ("cuda-13040", cfg!(feature = "cuda-13040")),
+        ("cuda-13050", cfg!(feature = "cuda-13050")),
+    ];
+    let newer = compiled.iter().filter(|(_, on)| *on).map(|(name, _)| (*name).to_owned());
+    std::iter::once("cuda-13000".to_owned()).chain(newer).collect()
+}
+
+/// Whether a feature of a newer CUDA works here, and why (not): compiled in, and the driver.
+fn newer_feature(
+    compiled: bool,
+    cargo_feature: &str,
+    needs: DriverVersion,
+    found: DriverVersion,
+    absent: &str,
+) -> (bool, String) {
+    if !compiled {
+        (false, format!("not compiled: build with the {cargo_feature} feature"))
+    } else if found < needs {
+        (false, format!("needs driver {needs}, found {found}: {absent}"))
+    } else {
+        (true, format!("driver {found}"))
     }
-    features
+}
+
+/// The device's locality domains and multiprocessors per domain (driver 13.4), where known.
+#[cfg(feature = "cuda-13040")]
+fn locality_domains(device: Device) -> (Option<u32>, Option<u32>) {
+    (device.locality_domain_count().ok(), device.locality_domain_multiprocessor_count().ok())
+}
+
+#[cfg(not(feature = "cuda-13040"))]
+fn locality_domains(_: Device) -> (Option<u32>, Option<u32>) {
+    (None, None)
 }
 
 pub fn collect() -> Report {
@@ -70,6 +104,7 @@ pub fn collect() -> Report {
     report.driver = Some(version.to_string());
     let devices = Device::all().unwrap_or_default();
     for device in &devices {
+        let (locality_domains, multiprocessors_per_locality_domain) = locality_domains(*device);
         report.devices.push(DeviceReport {
             ordinal: device.ordinal(),
             name: device.name().unwrap_or_else(|e| format!("? ({e})")),
@@ -79,6 +114,8 @@ pub fn collect() -> Report {
             concurrent_managed_access: device.concurrent_managed_access().unwrap_or(false),
             host_numa_id: device.host_numa_id().ok().flatten(),
             supported_handle_types: device.supported_handle_types().map_or_else(|e| e.to_string(), |t| t.to_string()),
+            locality_domains,
+            multiprocessors_per_locality_domain,
         });
     }
     let any = |f: fn(&DeviceReport) -> bool| report.devices.iter().any(f);
@@ -119,15 +156,40 @@ pub fn collect() -> Report {
         peers,
         if devices.len() > 1 { "device 0 and 1 peer capability".into() } else { "one device only".into() },
     );
-    let newer = cfg!(feature = "cuda-13020") && version >= DriverVersion::CUDA_13_2;
-    let why = if !cfg!(feature = "cuda-13020") {
-        "not compiled: build with the cuda-13020 feature".to_owned()
-    } else if version < DriverVersion::CUDA_13_2 {
-        format!("needs driver 13.2, found {version}: the six attributes return a typed DriverTooOld error")
-    } else {
-        format!("driver {version}")
-    };
-    feature("CUDA 13.2 pool attributes (ALLOCATION_TYPE, EXPORT_HANDLE_TYPES, LOCATION_ID/TYPE, MAX_POOL_SIZE, HW_DECOMPRESS_ENABLED)", newer, why);
+    let newer = [
+        (
+            "CUDA 13.2 pool attributes (ALLOCATION_TYPE, EXPORT_HANDLE_TYPES, LOCATION_ID/TYPE, MAX_POOL_SIZE, HW_DECOMPRESS_ENABLED)",
+            cfg!(feature = "cuda-13020"),
+            "cuda-13020",
+            DriverVersion::CUDA_13_2,
+            "the six attributes return a typed DriverTooOld error",
+        ),
+        (
+            "CUDA 13.4 locality domains (DEVICE_LOCALITY_DOMAIN routes and pools, LOCALITY_DOMAIN_ID, domain counts, a buffer's domain)",
+            cfg!(feature = "cuda-13040"),
+            "cuda-13040",
+            DriverVersion::CUDA_13_4,
+            "domain routes, attributes and counts return a typed DriverTooOld error",
+        ),
+        (
+            "CUDA 13.4 cuMemGetLocationInfo (where managed pages reside: Buffer::location_info)",
+            cfg!(feature = "cuda-13040"),
+            "cuda-13040",
+            DriverVersion::CUDA_13_4,
+            "the entry point is missing; the call returns a typed DriverTooOld error",
+        ),
+        (
+            "CUDA 13.5 declarations (nothing new for pools: cuMemGetLocationInfo is 13.4's)",
+            cfg!(feature = "cuda-13050"),
+            "cuda-13050",
+            DriverVersion::CUDA_13_5,
+            "nothing a pool needs is missing",
+        ),
+    ];
+    for (name, compiled, cargo_feature, needs, absent) in newer {
+        let (works, why) = newer_feature(compiled, cargo_feature, needs, version, absent);
+        feature(name, works, why);
+    }
     report
 }
 
@@ -157,6 +219,7 @@ pub fn render(report: &Report) -> String {
         "managed concurrent",
         "NUMA id",
         "handle types",
+        "locality domains",
     ]);
     let yes = |b: bool| if b { "yes" } else { "no" }.to_owned();
     for d in &report.devices {
@@ -169,6 +232,11 @@ pub fn render(report: &Report) -> String {
             yes(d.concurrent_managed_access),
             d.host_numa_id.map_or("-".into(), |n| n.to_string()),
             d.supported_handle_types.clone(),
+            match (d.locality_domains, d.multiprocessors_per_locality_domain) {
+                (Some(count), Some(sms)) => format!("{count} ({sms} SMs each)"),
+                (Some(count), None) => count.to_string(),
+                _ => "-".into(),
+            },
         ]);
     }
     out.push_str(&devices.render());

@@ -56,12 +56,32 @@ fn numa_nodes(devices: &[Device]) -> Vec<i32> {
     nodes
 }
 
-/// Every route kind: per device (pinned, managed), the host, each host NUMA node, the calling
-/// thread's NUMA node, and managed memory at the host and at no location.
+/// The pinned route of each locality domain, on a device with more than one (driver 13.4); on
+/// a device with one, domain 0 is the device's own route.
+#[cfg(feature = "cuda-13040")]
+fn locality_domain_routes(device: Device) -> Vec<Route> {
+    match device.locality_domain_count() {
+        Ok(count) if count > 1 => (0..count)
+            .filter_map(|domain| u8::try_from(domain).ok())
+            .map(|domain| Route::locality_domain(device.ordinal(), domain))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(not(feature = "cuda-13040"))]
+fn locality_domain_routes(_: Device) -> Vec<Route> {
+    Vec::new()
+}
+
+/// Every route kind: per device (pinned, each locality domain where it has several, managed),
+/// the host, each host NUMA node, the calling thread's NUMA node, and managed memory at the
+/// host and at no location.
 pub fn all_routes(devices: &[Device]) -> Vec<Route> {
     let mut routes = Vec::new();
     for device in devices {
         routes.push(Route::device(device.ordinal()));
+        routes.extend(locality_domain_routes(*device));
         routes.push(Route::managed(Location::Device(device.ordinal())));
     }
     routes.push(Route::host());

@@ -16,16 +16,27 @@
 //! ```
 //!
 //! ## Crate features
-//! - `cuda-13020` (default): the declarations of CUDA 13.2, including the six pool attributes
-//!   it adds and `CU_MEM_LOCATION_TYPE_INVISIBLE`. Implies `cuda-13000`. A program built with it
-//!   still runs on a 13.0 driver for everything 13.0 offers.
-//! - `cuda-13000`: the declarations of CUDA 13.0 only: none of the 13.2 items exist, so code
+//! - `cuda-13050` (default): the declarations of CUDA 13.5. For pools it adds nothing over 13.4.
+//!   Implies `cuda-13040`.
+//! - `cuda-13040`: the declarations of CUDA 13.4: `CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN`
+//!   (with `CUmemLocation`'s `id` now a union with `localized { deviceId, localityDomainId }`),
+//!   `CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID`, the locality-domain device and pointer attributes, and
+//!   `cuMemGetLocationInfo`. Implies `cuda-13020`.
+//! - `cuda-13020`: the declarations of CUDA 13.2, including the six pool attributes it adds and
+//!   `CU_MEM_LOCATION_TYPE_INVISIBLE`. Implies `cuda-13000`.
+//! - `cuda-13000`: the declarations of CUDA 13.0 only: none of the newer items exist, so code
 //!   built with it is guaranteed at compile time not to use them.
+//!
+//! A program built with a newer feature still runs on an older driver (13.0 or newer) for
+//! everything that driver offers; an entry point newer than the driver is
+//! [`LoadError::DriverTooOld`].
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(not(feature = "cuda-13000"))]
-compile_error!("cumempool-sys needs a CUDA version: enable the feature `cuda-13000` or `cuda-13020`");
+compile_error!(
+    "cumempool-sys needs a CUDA version: enable one of the features `cuda-13000`, `cuda-13020`, `cuda-13040`, `cuda-13050`"
+);
 
 mod loader;
 mod version;
@@ -39,7 +50,17 @@ pub use version::DriverVersion;
 #[doc(hidden)]
 pub use loader::missing;
 
-#[cfg(feature = "cuda-13020")]
+#[cfg(feature = "cuda-13050")]
+#[path = "generated/cuda_13050.rs"]
+#[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, missing_docs, clippy::all, clippy::pedantic)]
+mod bindings;
+
+#[cfg(all(feature = "cuda-13040", not(feature = "cuda-13050")))]
+#[path = "generated/cuda_13040.rs"]
+#[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, missing_docs, clippy::all, clippy::pedantic)]
+mod bindings;
+
+#[cfg(all(feature = "cuda-13020", not(feature = "cuda-13040")))]
 #[path = "generated/cuda_13020.rs"]
 #[allow(non_camel_case_types, non_snake_case, non_upper_case_globals, missing_docs, clippy::all, clippy::pedantic)]
 mod bindings;

@@ -27,7 +27,8 @@ pub const DEFAULT_LIBRARY: &str = "nvcuda.dll";
 #[cfg(not(windows))]
 pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
 
-/// The CUDA version the compiled-in declarations come from (13.0 or 13.2).
+/// The CUDA version the compiled-in declarations come from (13.0, 13.2, 13.4 or 13.5: the
+/// newest `cuda-130x0` feature enabled).
 pub const BINDINGS_VERSION: DriverVersion = DriverVersion(CUDA_VERSION as i32);
 
 /// Why the driver, or one of its entry points, is not available.

@@ -15,6 +15,10 @@ impl DriverVersion {
     pub const CUDA_13_0: Self = Self(13000);
     /// CUDA 13.2: the six new pool attributes.
     pub const CUDA_13_2: Self = Self(13020);
+    /// CUDA 13.4: locality domains and `cuMemGetLocationInfo`.
+    pub const CUDA_13_4: Self = Self(13040);
+    /// CUDA 13.5.
+    pub const CUDA_13_5: Self = Self(13050);
 
     /// The major version (13 for 13.2).
     pub fn major(self) -> i32 {

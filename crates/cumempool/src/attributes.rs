@@ -1,4 +1,5 @@
-//! Every pool attribute, typed: the eight of CUDA 11.2 and, with `cuda-13020`, the six of 13.2.
+//! Every pool attribute, typed: the eight of CUDA 11.2, with `cuda-13020` the six of 13.2, and
+//! with `cuda-13040` the locality domain of 13.4.
 
 use crate::driver::driver_call;
 use crate::driver::require;
@@ -130,6 +131,9 @@ pool_attributes! {
     #[cfg(feature = "cuda-13020")]
     HwDecompressEnabled = CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED, since CUDA_13_2, Bool, ReadOnly,
         "Whether the pool's memory is usable by the hardware decompression engine.";
+    #[cfg(feature = "cuda-13040")]
+    LocalityDomainId = CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID, since CUDA_13_4, Int, ReadOnly,
+        "The locality domain the pool is placed in (-1: none, also for domain 0 of a device with one domain).";
 }
 
 impl PoolAttribute {
@@ -290,13 +294,35 @@ impl Pool {
         Ok(HandleTypes::from_bits(self.attribute(PoolAttribute::ExportHandleTypes)? as u32))
     }
 
-    /// The pool's location, as the driver reports it: `LOCATION_TYPE` with `LOCATION_ID` (driver 13.2).
+    /// The pool's location, as the driver reports it: `LOCATION_TYPE` with `LOCATION_ID` (driver
+    /// 13.2), and for a pool in a locality domain `LOCALITY_DOMAIN_ID` (driver 13.4). A type this
+    /// crate does not know is [`Location::Unknown`].
     #[cfg(feature = "cuda-13020")]
     #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
     pub fn location_attribute(&self) -> Result<Location> {
-        let type_ = self.attribute(PoolAttribute::LocationType)? as u32;
+        let type_ = sys::CUmemLocationType(self.attribute(PoolAttribute::LocationType)? as u32);
         let id = self.attribute(PoolAttribute::LocationId)? as u32 as i32;
-        Ok(Location::try_from(crate::location::raw_location(sys::CUmemLocationType(type_), id))?)
+        #[cfg(feature = "cuda-13040")]
+        if type_ == sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN {
+            // cuda.h does not say whether LOCATION_ID of a localized pool is the device ordinal or
+            // the packed `localized` pair; its low byte is the device either way (CUDA hosts are
+            // little-endian), and the domain has its own attribute.
+            if let Some(domain) = self.locality_domain_id()? {
+                return Ok(Location::DeviceLocalityDomain { device: id & 0xFF, domain });
+            }
+        }
+        Ok(Location::from_raw_parts(type_, id))
+    }
+
+    /// The locality domain the pool is placed in, as the driver reports it (driver 13.4).
+    ///
+    /// `None` for a pool in no domain, and also for one created in domain 0 of a device with a
+    /// single domain: the driver treats that as the whole device.
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn locality_domain_id(&self) -> Result<Option<u8>> {
+        let raw = self.attribute(PoolAttribute::LocalityDomainId)? as u32 as i32;
+        crate::device::domain_from_driver("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID", raw)
     }
 
     /// The pool's maximum size in bytes, as the driver reports it (driver 13.2).

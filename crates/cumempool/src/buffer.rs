@@ -183,15 +183,80 @@ impl<'s> Buffer<'s> {
 
     /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
     ///
+    /// A locality domain is refused before the driver: cuda.h does not support prefetching to one.
+    ///
     /// # Errors
     /// An invalid location; the driver's answer (for memory that is not managed, say).
     pub fn prefetch_to(&self, location: Location) -> Result<()> {
+        #[cfg(feature = "cuda-13040")]
+        if let Location::DeviceLocalityDomain { .. } = location {
+            return Err(crate::location::InvalidLocation {
+                location,
+                reason: "cuda.h does not support prefetching to a locality domain; prefetch to its device",
+            }
+            .into());
+        }
         if self.is_empty() {
             return Ok(());
         }
         self.stream.bind()?;
         // SAFETY: a live managed allocation of `len` bytes.
         unsafe { driver_call!(cuMemPrefetchAsync(self.ptr, self.len, location.to_raw()?, 0, self.stream.as_raw())) }
+    }
+
+    /// The locality domain the buffer's memory is placed in (driver 13.4): the pointer attribute
+    /// `CU_POINTER_ATTRIBUTE_LOCALITY_DOMAIN_ORDINAL`. `None` for memory in no domain (and for
+    /// an empty buffer, which has no memory).
+    ///
+    /// See [cuPointerGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html).
+    ///
+    /// # Errors
+    /// `Error::DriverTooOld` on a driver older than 13.4; the driver's refusal.
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn locality_domain(&self) -> Result<Option<u8>> {
+        const NAME: &str = "CU_POINTER_ATTRIBUTE_LOCALITY_DOMAIN_ORDINAL";
+        crate::driver::require(NAME, sys::DriverVersion::CUDA_13_4)?;
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: the attribute's value type is int; a live allocation.
+        unsafe {
+            driver_call!(cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast::<std::ffi::c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_LOCALITY_DOMAIN_ORDINAL,
+                self.ptr
+            ))
+        }?;
+        crate::device::domain_from_driver(NAME, ordinal)
+    }
+
+    /// Where the pages of this managed buffer reside (driver 13.4): one [`Location`] per region
+    /// of `summary_granularity` bytes, each the location most samples (every
+    /// `sampling_granularity` bytes; 0 lets the system choose) found; see
+    /// [`location_info`](crate::location_info). Waits for the buffer's stream first, so queued
+    /// work such as prefetches is reflected.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a buffer of pinned memory, which has no residency to
+    /// report; [`Error::InvalidGranularity`] for granularities cuda.h refuses (the summary
+    /// granularity must be more than 0 and at most the length, the sampling granularity at most
+    /// the summary granularity), both before the driver; `Error::DriverTooOld` before 13.4.
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn location_info(&self, summary_granularity: usize, sampling_granularity: usize) -> Result<Vec<Location>> {
+        if let Some(route) = self.route.filter(|r| r.allocation_type != AllocationType::Managed) {
+            return Err(Error::InvalidArgument {
+                what: "asking where a buffer's pages reside (cuMemGetLocationInfo)",
+                reason: format!("the buffer is pinned memory of {route}, which never migrates; only managed memory has a residency to report"),
+            });
+        }
+        crate::location_info::region_count(self.len, summary_granularity, sampling_granularity)?;
+        if !self.is_empty() {
+            self.stream.synchronize()?;
+        }
+        crate::location_info(self.ptr, self.len, summary_granularity, sampling_granularity)
     }
 
     fn host_ptr(&self) -> Result<*mut u8> {

@@ -19,7 +19,7 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::location::{raw_location, raw_location_id, AllocationType, Location, Route};
+use crate::location::{AllocationType, Location, Route};
 use crate::pool::{MemPool, Pool};
 use crate::sharing::SharedAllocation;
 use cumempool_sys as sys;
@@ -124,11 +124,11 @@ pub fn receive_fd(socket: &UnixStream, payload: &mut [u8]) -> Result<(OwnedFd, u
 fn encode_route(route: Option<Route>) -> [u8; 12] {
     let mut bytes = [0u8; 12];
     if let Some(route) = route {
-        if let Ok(raw) = route.location.to_raw() {
+        if let Ok((type_, id)) = route.location.to_raw_parts() {
             bytes[0] = 1;
             bytes[1] = route.allocation_type.to_raw().0 as u8;
-            bytes[4..8].copy_from_slice(&raw.type_.0.to_le_bytes());
-            bytes[8..12].copy_from_slice(&raw_location_id(&raw).to_le_bytes());
+            bytes[4..8].copy_from_slice(&type_.0.to_le_bytes());
+            bytes[8..12].copy_from_slice(&id.to_le_bytes());
         }
     }
     bytes
@@ -139,7 +139,10 @@ fn decode_route(bytes: &[u8]) -> Option<Route> {
         return None;
     }
     let word = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-    let location = Location::try_from(raw_location(sys::CUmemLocationType(word(4)), word(8) as i32)).ok()?;
+    let location = match Location::from_raw_parts(sys::CUmemLocationType(word(4)), word(8) as i32) {
+        Location::Unknown { .. } => return None,
+        known => known,
+    };
     let allocation_type = AllocationType::try_from(sys::CUmemAllocationType(u32::from(bytes[1]))).ok()?;
     Some(Route::new(location, allocation_type))
 }

@@ -1,10 +1,14 @@
 //! CUDA devices: enumeration and the attributes that matter to pools.
 
 use crate::driver::driver_call;
+#[cfg(feature = "cuda-13040")]
+use crate::driver::require;
 use crate::error::{Error, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::{Location, Route};
 use cumempool_sys as sys;
+#[cfg(feature = "cuda-13040")]
+use cumempool_sys::DriverVersion;
 use std::ffi::c_char;
 use std::sync::OnceLock;
 
@@ -171,6 +175,56 @@ impl Device {
         Ok(HandleTypes::from_bits(bits as u32))
     }
 
+    /// How many locality domains the device has (driver 13.4): 1 where its memory is one domain.
+    ///
+    /// On an older driver, [`Error::DriverTooOld`] naming the attribute.
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn locality_domain_count(self) -> Result<u32> {
+        self.locality_domain_attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_LOCALITY_DOMAIN_COUNT,
+            "CU_DEVICE_ATTRIBUTE_LOCALITY_DOMAIN_COUNT",
+        )
+    }
+
+    /// How many multiprocessors each locality domain has (driver 13.4).
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn locality_domain_multiprocessor_count(self) -> Result<u32> {
+        self.locality_domain_attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_LOCALITY_DOMAIN_MULTIPROCESSOR_COUNT,
+            "CU_DEVICE_ATTRIBUTE_LOCALITY_DOMAIN_MULTIPROCESSOR_COUNT",
+        )
+    }
+
+    /// A 13.4 device attribute: refused by name on an older driver, whose bare answer would be
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    #[cfg(feature = "cuda-13040")]
+    fn locality_domain_attribute(self, attribute: sys::CUdevice_attribute, name: &'static str) -> Result<u32> {
+        require(name, DriverVersion::CUDA_13_4)?;
+        let value = self.attribute(attribute)?;
+        u32::try_from(value).map_err(|_| crate::UnknownValue { type_name: name, value: value.into() }.into())
+    }
+
+    /// The location of one of the device's locality domains (driver 13.4), checked: a domain
+    /// the device does not have is [`Error::InvalidLocalityDomain`] before any pool call.
+    ///
+    /// # Errors
+    /// [`Error::InvalidLocalityDomain`]; [`Error::InvalidLocation`] for an ordinal above 255,
+    /// which cuda.h's `localized.deviceId` cannot hold; [`Error::DriverTooOld`] before 13.4.
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn locality_domain(self, domain: u8) -> Result<Location> {
+        let location = Location::DeviceLocalityDomain { device: self.ordinal, domain };
+        location.to_raw_parts()?;
+        require("CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN", DriverVersion::CUDA_13_4)?;
+        let count = self.locality_domain_count()?;
+        if u32::from(domain) >= count {
+            return Err(Error::InvalidLocalityDomain { device: self.ordinal, domain, count });
+        }
+        Ok(location)
+    }
+
     /// Whether this device can access memory of `peer` directly.
     ///
     /// See [cuDeviceCanAccessPeer](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html).
@@ -185,15 +239,24 @@ impl Device {
 /// Routes are checked against this machine's devices here, where the device count is known.
 impl Route {
     /// Refuses, before any driver call, a route that cannot exist: `Unspecified` with pinned
-    /// memory, `Invisible` as an input, negative ids ([`Route::check_shape`]), and device
-    /// ordinals this machine lacks.
+    /// memory, `Invisible` or `Unknown` as an input, negative ids ([`Route::check_shape`]),
+    /// device ordinals this machine lacks, and locality domains the device lacks.
     ///
     /// # Errors
-    /// [`Error::InvalidRoute`] or [`Error::InvalidDevice`], saying what would work.
+    /// [`Error::InvalidRoute`], [`Error::InvalidDevice`] or `Error::InvalidLocalityDomain`,
+    /// saying what would work; `Error::DriverTooOld` for a locality domain on a driver older
+    /// than 13.4.
     pub fn validate(&self) -> Result<()> {
         self.check_shape()?;
-        if let Location::Device(ordinal) = self.location {
-            Device::get(ordinal)?;
+        match self.location {
+            Location::Device(ordinal) => {
+                Device::get(ordinal)?;
+            }
+            #[cfg(feature = "cuda-13040")]
+            Location::DeviceLocalityDomain { device, domain } => {
+                Device::get(device)?.locality_domain(domain)?;
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -202,6 +265,15 @@ impl Route {
     pub(crate) fn to_raw(self) -> Result<(sys::CUmemLocation, sys::CUmemAllocationType)> {
         self.validate()?;
         Ok((self.location.to_raw()?, self.allocation_type.to_raw()))
+    }
+}
+
+/// A locality domain as the driver reports it (an `int`, -1 for none) for `what`.
+#[cfg(feature = "cuda-13040")]
+pub(crate) fn domain_from_driver(what: &'static str, raw: i32) -> Result<Option<u8>> {
+    match raw {
+        -1 => Ok(None),
+        _ => u8::try_from(raw).map(Some).map_err(|_| crate::UnknownValue { type_name: what, value: raw.into() }.into()),
     }
 }
 
@@ -216,5 +288,15 @@ mod tests {
         assert_eq!(first_without_concurrent_access(answers(&[(0, true), (1, false)]).into_iter()).unwrap(), Some(1));
         let text = Error::ManagedMemoryNotHostAccessible { device: 1 }.to_string();
         assert!(text.contains("device 1") && text.contains("copy_to_host"), "{text}");
+    }
+
+    #[cfg(feature = "cuda-13040")]
+    #[test]
+    fn domains_read_back_as_none_a_domain_or_an_unknown_value() {
+        assert_eq!(domain_from_driver("ordinal", -1).unwrap(), None);
+        assert_eq!(domain_from_driver("ordinal", 3).unwrap(), Some(3));
+        assert!(matches!(domain_from_driver("ordinal", 256), Err(Error::UnknownValue(_))));
+        let text = Error::InvalidLocalityDomain { device: 0, domain: 2, count: 2 }.to_string();
+        assert!(text.contains("2 locality domain(s)") && text.contains("no domain 2"), "{text}");
     }
 }

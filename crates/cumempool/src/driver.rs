@@ -70,6 +70,18 @@ fn load_and_init() -> Result<&'static sys::Driver, InitFailure> {
     Ok(driver)
 }
 
+/// Why an entry point is missing, as this crate's error: one newer than the running driver is
+/// [`Error::DriverTooOld`] naming the function and both versions, like a newer attribute.
+#[cold]
+pub(crate) fn entry_point_error(error: sys::LoadError) -> Error {
+    match error {
+        sys::LoadError::DriverTooOld { function, needs, found } => {
+            Error::DriverTooOld { feature: function, needs, found }
+        }
+        other => Error::Load(other),
+    }
+}
+
 /// What a driver entry point answered, with the function's name, so an error names the call.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Answer {
@@ -106,7 +118,7 @@ impl Answer {
 /// call's `// SAFETY:` reasoning.
 macro_rules! driver_answer {
     ($name:ident($($arg:expr),* $(,)?)) => {
-        match $crate::driver::api().and_then(|driver| driver.$name().map_err($crate::Error::Load)) {
+        match $crate::driver::api().and_then(|driver| driver.$name().map_err($crate::driver::entry_point_error)) {
             Ok(function) => Ok($crate::driver::Answer { code: function($($arg),*), function: stringify!($name) }),
             Err(error) => Err(error),
         }
@@ -147,7 +159,8 @@ pub fn library_path() -> Result<&'static str> {
     Ok(api()?.library_path())
 }
 
-/// The CUDA version the crate's declarations were built for (the `cuda-13020` feature: 13.2).
+/// The CUDA version the crate's declarations were built for (the newest `cuda-130x0` feature:
+/// `cuda-13050` is 13.5).
 pub fn bindings_version() -> DriverVersion {
     sys::BINDINGS_VERSION
 }

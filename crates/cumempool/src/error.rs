@@ -73,6 +73,30 @@ pub enum Error {
         count: i32,
     },
 
+    /// A locality domain the device does not have (checked before the driver).
+    #[error("device {device} has {count} locality domain(s), numbered 0..{count}: there is no domain {domain}")]
+    InvalidLocalityDomain {
+        /// The device ordinal.
+        device: i32,
+        /// The domain asked for.
+        domain: u8,
+        /// How many domains the device has (`CU_DEVICE_ATTRIBUTE_LOCALITY_DOMAIN_COUNT`).
+        count: u32,
+    },
+
+    /// Granularities `cuMemGetLocationInfo` refuses, by cuda.h's rules (checked before the driver).
+    #[error("location info of {size} bytes with summary granularity {summary} and sampling granularity {sampling}: {reason}")]
+    InvalidGranularity {
+        /// The bytes asked about.
+        size: usize,
+        /// The summary granularity asked for.
+        summary: usize,
+        /// The sampling granularity asked for (0: the system's).
+        sampling: usize,
+        /// The rule it breaks, and what would be right.
+        reason: &'static str,
+    },
+
     /// A (location, allocation type) pair that cannot name a pool.
     #[error(transparent)]
     InvalidRoute(#[from] InvalidRoute),

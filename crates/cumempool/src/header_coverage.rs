@@ -1,7 +1,6 @@
 //! Fails when a header adds a member to an enum that grows (location types, allocation types,
 //! pool attributes, handle types) that the safe layer neither maps nor lists as unmapped.
 
-use crate::location::raw_location;
 use crate::{AllocationType, HandleTypes, Location, PoolAttribute};
 use crate::{UNMAPPED_ALLOCATION_TYPES, UNMAPPED_HANDLE_TYPES, UNMAPPED_LOCATION_TYPES, UNMAPPED_POOL_ATTRIBUTES};
 use cumempool_sys as sys;
@@ -19,7 +18,7 @@ fn assert_covered(members: &[(&str, u32)], mapped: impl Fn(u32) -> bool, unmappe
 #[test]
 fn every_location_type_is_mapped_or_listed() {
     let members: Vec<_> = sys::CUmemLocationType_MEMBERS.iter().map(|(n, v)| (*n, v.0)).collect();
-    let mapped = |v| Location::try_from(raw_location(sys::CUmemLocationType(v), 0)).is_ok();
+    let mapped = |v| !matches!(Location::from_raw_parts(sys::CUmemLocationType(v), 0), Location::Unknown { .. });
     assert_covered(&members, mapped, UNMAPPED_LOCATION_TYPES, "UNMAPPED_LOCATION_TYPES");
 }
 
@@ -35,7 +34,13 @@ fn every_pool_attribute_is_mapped_or_listed() {
     let members: Vec<_> = sys::CUmemPool_attribute_MEMBERS.iter().map(|(n, v)| (*n, v.0)).collect();
     let mapped = |v| PoolAttribute::from_raw(sys::CUmemPool_attribute(v)).is_some();
     assert_covered(&members, mapped, UNMAPPED_POOL_ATTRIBUTES, "UNMAPPED_POOL_ATTRIBUTES");
-    let expected = if cfg!(feature = "cuda-13020") { 14 } else { 8 };
+    let expected = if cfg!(feature = "cuda-13040") {
+        15
+    } else if cfg!(feature = "cuda-13020") {
+        14
+    } else {
+        8
+    };
     assert_eq!(PoolAttribute::ALL.len(), expected);
 }
 
@@ -50,7 +55,7 @@ fn every_handle_type_is_mapped_or_listed() {
 fn the_check_itself_catches_a_new_member() {
     let result = std::panic::catch_unwind(|| {
         assert_covered(
-            &[("CU_MEM_LOCATION_TYPE_FUTURE", 6)],
+            &[("CU_MEM_LOCATION_TYPE_FUTURE", 0x77)],
             |_| false,
             UNMAPPED_LOCATION_TYPES,
             "UNMAPPED_LOCATION_TYPES",

@@ -5,8 +5,9 @@
 //! driver-owned [default pool](default_pool) and a [current pool](current_pool), which
 //! [`set_current_pool`] changes for the whole process. This crate wraps all of it: RAII pools
 //! ([`MemPool`]) and handles that never own ([`PoolRef`]), every pool attribute typed (CUDA 13.2's
-//! six new ones with the `cuda-13020` feature, failing cleanly on older drivers), buffers freed
-//! in stream order, and errors that say what was wrong and what would be right.
+//! six new ones with the `cuda-13020` feature, 13.4's locality domain with `cuda-13040`, failing
+//! cleanly on older drivers), buffers freed in stream order, and errors that say what was wrong
+//! and what would be right.
 //!
 //! ```no_run
 //! use cumempool::{Device, MemPool, Route, Stream};
@@ -20,8 +21,15 @@
 //! ```
 //!
 //! ## Crate features
-//! - `cuda-13020` (default): CUDA 13.2's pool attributes and [`Location::Invisible`].
+//! - `cuda-13050` (default): CUDA 13.5's declarations; for pools, the same as `cuda-13040`.
+//! - `cuda-13040`: CUDA 13.4's locality domains (`Location::DeviceLocalityDomain`,
+//!   `Route::locality_domain`, `Device::locality_domain_count`, the pool's and the buffer's
+//!   domain) and `Buffer::location_info` (`cuMemGetLocationInfo`).
+//! - `cuda-13020`: CUDA 13.2's pool attributes and `Location::Invisible`.
 //! - `cuda-13000`: CUDA 13.0 only.
+//!
+//! Each implies the older ones, and a build with a newer one runs on a 13.0 driver: the newer
+//! items then answer [`Error::DriverTooOld`] naming what they need.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -39,6 +47,8 @@ mod export_handles;
 #[cfg(test)]
 mod header_coverage;
 mod location;
+#[cfg(feature = "cuda-13040")]
+mod location_info;
 mod owner;
 mod pool;
 mod routing;
@@ -56,9 +66,12 @@ pub use driver::{bindings_version, driver_version, init, library_path};
 pub use error::{error_name, DriverError, Error, Result};
 pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use location::{
-    raw_location, raw_location_id, AllocationType, InvalidLocation, InvalidRoute, Location, Route,
-    UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
+    raw_location, AllocationType, InvalidLocation, InvalidRoute, Location, Route, UNMAPPED_ALLOCATION_TYPES,
+    UNMAPPED_LOCATION_TYPES,
 };
+#[cfg(feature = "cuda-13040")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+pub use location_info::location_info;
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
 pub use routing::{
     current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
