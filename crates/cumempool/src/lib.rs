@@ -48,7 +48,7 @@ mod unknown_value;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
-pub use buffer::{free_async, Buffer};
+pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer};
 pub use context::Context;
 pub use cumempool_sys::DriverVersion;
 pub use device::{require_concurrent_managed_access, Device};
