@@ -2,6 +2,8 @@
 //! `cumempool-sys` calls, the safe layer and the caching resource on the same pool in one run,
 //! and how each scales with threads.
 
+#[cfg(feature = "cudarc")]
+mod cudarc_pairs;
 mod stream_handover;
 
 use crate::counting_allocator;
@@ -69,6 +71,9 @@ pub struct Report {
     pub thread_size: usize,
     pub threads: Vec<ThreadRow>,
     pub stream_handover: stream_handover::Report,
+    /// cudarc's alloc+free against the safe layer's; only in a command built with `cudarc`.
+    #[cfg(feature = "cudarc")]
+    pub cudarc: cudarc_pairs::Report,
 }
 
 /// Which measurement is running and about how long the rest will take, redrawn in place; only
@@ -311,7 +316,8 @@ pub fn run(options: &Options) -> Result<Report> {
         Route::managed(Location::Device(0)),
         Route::managed(Location::Unspecified),
     ];
-    let mut progress = Progress::new(routes.len() * sizes.len() + options.threads.len() + 2);
+    let mut progress =
+        Progress::new(routes.len() * sizes.len() + options.threads.len() + 2 + usize::from(cfg!(feature = "cudarc")));
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -360,6 +366,11 @@ pub fn run(options: &Options) -> Result<Report> {
     progress.tick("stream handover: a stream per thread, then one shared stream");
     // 20,000 pairs per thread at the default --pairs 2000, as in issue 9; --quick shrinks it.
     let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
+    #[cfg(feature = "cudarc")]
+    let cudarc = {
+        progress.tick("cudarc's alloc+free against Pool::alloc on its stream");
+        cudarc_pairs::measure(&context, options.pairs, options.rounds)?
+    };
     progress.done();
     Ok(Report {
         device: device.name()?,
@@ -373,6 +384,8 @@ pub fn run(options: &Options) -> Result<Report> {
         thread_size,
         threads,
         stream_handover,
+        #[cfg(feature = "cudarc")]
+        cudarc,
     })
 }
 
@@ -429,6 +442,11 @@ pub fn render(report: &Report) -> String {
     out.push_str(&threads.render());
     out.push('\n');
     out.push_str(&stream_handover::render(&report.stream_handover));
+    #[cfg(feature = "cudarc")]
+    {
+        out.push('\n');
+        out.push_str(&cudarc_pairs::render(&report.cudarc));
+    }
     out
 }
 

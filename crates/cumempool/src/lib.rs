@@ -22,6 +22,10 @@
 //! ## Crate features
 //! - `cuda-13020` (default): CUDA 13.2's pool attributes and [`Location::Invisible`].
 //! - `cuda-13000`: CUDA 13.0 only.
+//! - `cudarc`: interop with [cudarc](https://docs.rs/cudarc) 0.19: `Stream::from_cudarc`,
+//!   `Context::from_cudarc`/`to_cudarc` and `unsafe Stream::to_cudarc` (which directions are
+//!   sound, and why, is in docs/decisions.md). A pool made current for a device route already
+//!   serves cudarc's `CudaStream::alloc`, which draws from the device's current pool.
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -29,6 +33,9 @@ mod access;
 mod attributes;
 mod buffer;
 mod context;
+#[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
+mod cudarc_interop;
 #[cfg(unix)]
 pub mod descriptor_passing;
 mod device;
@@ -64,6 +71,11 @@ pub use routing::{current_pool, default_pool, is_default, reset_current_pool, se
 pub use sharing::SharedAllocation;
 pub use stream::{Event, Stream, StreamId};
 pub use unknown_value::UnknownValue;
+
+/// The cudarc this crate's interop is built against (feature `cudarc`).
+#[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
+pub use cudarc;
 
 /// The raw layer, for what this crate does not wrap.
 pub use cumempool_sys as sys;
