@@ -263,8 +263,11 @@ fn tracking_lists_what_is_still_out_with_size_stream_and_backtrace() {
     assert!(report.starts_with("2 allocation(s), 5096 bytes, outstanding:"), "{report}");
     assert!(report.contains(&format!("{leaked:#x}: 4096 bytes on stream {}", b.id().get())), "{report}");
     if !cfg!(miri) {
-        // Where the leak was made: this test, by name (Miri's backtraces are unsupported).
-        assert!(report.contains("tracking_lists_what_is_still_out"), "{report}");
+        // Captured whatever RUST_BACKTRACE says (Miri's are unsupported). Frames are named only
+        // where the binary has symbols (the GPU pack strips them), so no name is asserted.
+        let backtrace = leak.backtrace.as_ref().unwrap();
+        assert_eq!(backtrace.status(), std::backtrace::BacktraceStatus::Captured);
+        assert!(report.lines().count() > 3, "the backtraces follow their allocations: {report}");
     }
     unsafe { tracker.deallocate(kept, 1000, 256, &a) }.unwrap();
     unsafe { tracker.deallocate(leaked, 4096, 256, &b) }.unwrap();
