@@ -32,6 +32,7 @@
 //! # Ok(()) }
 //! ```
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adaptors;
 mod allocator;
