@@ -26,6 +26,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cumempool_sys as sys;
 use std::sync::Arc;
 
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 impl Stream {
     /// cudarc's stream as a cumempool stream: allocate on it, cache on it, free on it.
     ///
@@ -74,6 +75,7 @@ impl Stream {
     }
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 impl Context {
     /// cudarc's context as a cumempool context: the same primary context, retained once more,
     /// so either may be dropped first.

@@ -34,7 +34,6 @@ mod attributes;
 mod buffer;
 mod context;
 #[cfg(feature = "cudarc")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 mod cudarc_interop;
 #[cfg(unix)]
 pub mod descriptor_passing;

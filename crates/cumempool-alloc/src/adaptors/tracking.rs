@@ -46,7 +46,7 @@ impl<R> Tracking<R> {
         self
     }
 
-    /// The allocations not yet freed, oldest address first.
+    /// The allocations not yet freed, lowest address first.
     pub fn outstanding(&self) -> Vec<Outstanding> {
         let mut all: Vec<Outstanding> = self.lock().values().cloned().collect();
         all.sort_by_key(|o| o.ptr);
