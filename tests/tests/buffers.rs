@@ -59,3 +59,51 @@ fn zero_bytes_is_an_empty_buffer_without_a_driver_call() {
     assert_eq!(pool.used_mem_current().unwrap(), 0);
     assert!(matches!(buffer.copy_from_host(&[1]), Err(Error::DoesNotFit { requested: 1, capacity: 0, .. })));
 }
+
+/// What a `Buffer<'_>` cannot be: a struct holding a stream and memory ordered on it.
+struct Staging {
+    stream: cumempool::Stream,
+    buffer: cumempool::OwnedBuffer,
+}
+
+/// Makes the stream and the buffer here and returns both: a borrowed buffer could not leave.
+fn staging(pool: &MemPool, data: &[u8]) -> Staging {
+    let stream = cumempool::Stream::new(&cumempool_tests::gpu().unwrap()).unwrap();
+    let mut buffer = pool.alloc_owned(data.len(), &stream).unwrap();
+    buffer.copy_from_host(data).unwrap();
+    Staging { stream, buffer }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn an_owned_buffer_is_stored_beside_its_stream_returned_and_sent_to_another_thread() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let data = pattern(1 << 20, 5);
+    let Staging { stream: own_stream, buffer } = staging(&pool, &data);
+    assert!(buffer.stream().same_as(&own_stream));
+    assert_eq!(own_stream.handle_count(), 2, "the buffer holds a clone of its stream");
+    drop(own_stream);
+    // Its stream now lives only in the buffer, and the buffer crosses a thread.
+    let buffer = std::thread::spawn(move || {
+        let mut back = vec![0; 1 << 20];
+        buffer.copy_to_host(&mut back).unwrap();
+        assert_eq!(back, pattern(1 << 20, 5));
+        buffer
+    })
+    .join()
+    .unwrap();
+    // Borrowed and owned buffers copy into each other.
+    let mut borrowed = pool.alloc(data.len(), &stream).unwrap();
+    borrowed.copy_from(&buffer).unwrap();
+    let mut owned = pool.alloc_owned(data.len(), &stream).unwrap();
+    owned.fill(0).unwrap();
+    owned.copy_from(&borrowed).unwrap();
+    let mut back = vec![0; data.len()];
+    owned.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, data);
+    drop((buffer, borrowed, owned));
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "every owned buffer was freed on its stream");
+    assert!(pool.alloc_owned(0, &stream).unwrap().is_empty());
+}

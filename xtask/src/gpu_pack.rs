@@ -1,7 +1,8 @@
 //! `cargo xtask gpu-pack [DIR]`: the GPU suite, built here and laid out to run on a GPU host that
 //! has the NVIDIA driver but no Rust: every release test binary, the executables (the `cumempool`
-//! command, the IPC tests' children), the fault-injecting driver library the fault suite loads,
-//! and `run.sh`, which runs them all with the GPU tests included.
+//! command, the IPC tests' children, the examples), the fault-injecting driver library the
+//! fault suite loads, and `run.sh`, which runs them all with the GPU tests included, then every
+//! example.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -58,7 +59,7 @@ pub fn run(options: &Options) -> Result<(), String> {
         .map(|m| m.len())
         .sum();
     eprintln!(
-        "packed {} test binaries and {} executables and libraries into {} ({:.1} MiB)",
+        "packed {} test binaries and {} executables, examples and libraries into {} ({:.1} MiB)",
         tests.len(),
         executables.len(),
         dir.display(),
@@ -89,8 +90,9 @@ fn clear(dir: &Path) -> Result<(), String> {
 
 struct Artifact {
     path: PathBuf,
-    /// `test--<package>--<target>` for a test binary, `bin--<name>` for an executable: the tests
-    /// find `bin--cumempool` and `bin--ipc_child` beside themselves by these names. A C library
+    /// `test--<package>--<target>` for a test binary, `example--<name>` for an example (run.sh
+    /// runs each after the tests), `bin--<name>` for another executable: the tests find
+    /// `bin--cumempool` and `bin--ipc_child` beside themselves by these names. A C library
     /// (`cdylib`, the fault suite's driver) keeps its file name, `libcumempool_fault.so`.
     packed_name: String,
 }
@@ -133,9 +135,12 @@ fn artifacts(root: &Path, command: &[&str], extra: &[String], tests: bool) -> Re
             continue;
         }
         let target = message["target"]["name"].as_str().unwrap_or("unknown").replace('-', "_");
+        let is_example = message["target"]["kind"].as_array().is_some_and(|kinds| kinds.iter().any(|k| k == "example"));
         let packed_name = if is_test {
             let package = package_name(message["package_id"].as_str().unwrap_or("unknown"));
             format!("test--{}--{target}", package.replace('-', "_"))
+        } else if is_example {
+            format!("example--{target}")
         } else {
             format!("bin--{target}")
         };

@@ -32,6 +32,7 @@
 //! # Ok(()) }
 //! ```
 #![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adaptors;
 mod allocator;
@@ -43,7 +44,7 @@ mod memory_kind;
 mod pool_resource;
 mod resource;
 
-pub use adaptors::{Limit, Statistics, Traced, Usage};
+pub use adaptors::{Limit, OnOutOfMemory, Outstanding, Statistics, Traced, Tracking, Usage};
 pub use allocator::{PoolAllocator, ResourceAllocator};
 pub use caching::{CacheStats, CachingResource};
 pub use error::{Error, Result};

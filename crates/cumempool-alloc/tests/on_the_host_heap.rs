@@ -3,8 +3,11 @@
 
 use cumempool::Stream;
 use cumempool_alloc::{
-    CachingResource, Error, HostHeap, Limit, Statistics, StreamOrderedResource, Traced, POOL_ALIGNMENT,
+    CachingResource, Error, HostHeap, Limit, OnOutOfMemory, Statistics, StreamOrderedResource, Traced, Tracking,
+    POOL_ALIGNMENT,
 };
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::Mutex;
 
 /// A stream handle the host heap never hands to a driver. Offset past the handles that mean
 /// "a stream of the current context" (0, 1, 2), which `borrow_raw` refuses without a context.
@@ -225,6 +228,105 @@ fn a_failed_free_below_still_gives_the_bytes_back_to_limit_and_statistics() {
     assert_eq!(stack.inner().usage().current_count, 0);
     let again = stack.allocate(4096, 256, &stream).expect("the limit has room again");
     let _ = unsafe { stack.deallocate(again, 4096, 256, &stream) };
+}
+
+#[test]
+fn statistics_peaks_restart_from_what_is_in_use() {
+    let stats = Statistics::new(HostHeap);
+    let stream = fake_stream(0);
+    let big = stats.alloc(4096, &stream).unwrap();
+    let small = stats.alloc(256, &stream).unwrap();
+    drop(big);
+    assert_eq!(stats.usage().peak_bytes, 4352);
+    stats.reset_peaks();
+    let usage = stats.usage();
+    assert_eq!((usage.peak_bytes, usage.peak_count, usage.total_bytes), (256, 1, 4352), "totals keep counting");
+    drop(small);
+}
+
+#[test]
+fn tracking_lists_what_is_still_out_with_size_stream_and_backtrace() {
+    // Miri cannot capture backtraces (it refuses the getcwd their symbols need).
+    let tracker = Tracking::new(Statistics::new(HostHeap)).with_backtraces(!cfg!(miri));
+    let (a, b) = (fake_stream(30), fake_stream(31));
+    let kept = tracker.allocate(1000, 256, &a).unwrap();
+    let freed = tracker.alloc(24, &b).unwrap();
+    let leaked = tracker.allocate(4096, 256, &b).unwrap();
+    write_and_check(leaked, 4096, 3);
+    drop(freed);
+    let out = tracker.outstanding();
+    assert_eq!(out.len(), 2, "the freed one is gone");
+    assert_eq!(tracker.outstanding_bytes(), 5096);
+    let leak = out.iter().find(|o| o.ptr == leaked).unwrap();
+    assert_eq!((leak.bytes, leak.stream), (4096, b.id()));
+    assert_eq!(out.iter().find(|o| o.ptr == kept).unwrap().stream, a.id());
+    let report = tracker.report();
+    assert!(report.starts_with("2 allocation(s), 5096 bytes, outstanding:"), "{report}");
+    assert!(report.contains(&format!("{leaked:#x}: 4096 bytes on stream {}", b.id().get())), "{report}");
+    if !cfg!(miri) {
+        // Captured whatever RUST_BACKTRACE says. Frames are named only
+        // where the binary has symbols (the GPU pack strips them), so no name is asserted.
+        let backtrace = leak.backtrace.as_ref().unwrap();
+        assert_eq!(backtrace.status(), std::backtrace::BacktraceStatus::Captured);
+        assert!(report.lines().count() > 3, "the backtraces follow their allocations: {report}");
+    }
+    unsafe { tracker.deallocate(kept, 1000, 256, &a) }.unwrap();
+    unsafe { tracker.deallocate(leaked, 4096, 256, &b) }.unwrap();
+    assert!(tracker.outstanding().is_empty() && tracker.report().is_empty());
+    assert_eq!(tracker.inner().usage().current_bytes, 0);
+    let quiet = Tracking::new(HostHeap);
+    let block = quiet.alloc(64, &a).unwrap();
+    assert!(quiet.outstanding()[0].backtrace.is_none(), "no backtrace unless asked");
+    drop(block);
+}
+
+#[test]
+fn tracking_forgets_an_allocation_whose_free_failed() {
+    let stream = fake_stream(0);
+    let tracker = Tracking::new(FailingFrees);
+    let ptr = tracker.allocate(4096, 256, &stream).unwrap();
+    assert!(unsafe { tracker.deallocate(ptr, 4096, 256, &stream) }.is_err());
+    assert!(tracker.outstanding().is_empty(), "the caller cannot free it again");
+}
+
+#[test]
+fn on_out_of_memory_frees_and_retries_as_often_as_the_callback_says() {
+    let stream = fake_stream(0);
+    let limited = Limit::new(HostHeap, 4096);
+    let hoard =
+        Mutex::new(vec![limited.allocate(2048, 256, &stream).unwrap(), limited.allocate(2048, 256, &stream).unwrap()]);
+    let calls = AtomicU32::new(0);
+    let retrying = OnOutOfMemory::new(&limited, |requested, attempt| {
+        assert_eq!(requested, 4096);
+        calls.fetch_add(1, Relaxed);
+        // Each attempt frees one hoarded block; after two the allocation fits.
+        match hoard.lock().unwrap().pop() {
+            Some(ptr) => unsafe { limited.deallocate(ptr, 2048, 256, &stream) }.is_ok() && attempt <= 2,
+            None => false,
+        }
+    });
+    let ptr = retrying.allocate(4096, 256, &stream).unwrap();
+    assert_eq!(calls.load(Relaxed), 2, "called once per failed attempt");
+    unsafe { retrying.deallocate(ptr, 4096, 256, &stream) }.unwrap();
+    assert_eq!(limited.in_use(), 0);
+}
+
+#[test]
+fn on_out_of_memory_gives_up_when_the_callback_says_so_and_ignores_other_errors() {
+    let stream = fake_stream(0);
+    let attempts = Mutex::new(Vec::new());
+    let retrying = OnOutOfMemory::new(Limit::new(HostHeap, 100), |_, attempt| {
+        attempts.lock().unwrap().push(attempt);
+        attempt < 3
+    });
+    let refused = retrying.allocate(200, 256, &stream).unwrap_err();
+    assert!(matches!(refused, Error::LimitExceeded { requested: 200, .. }), "the last out-of-memory comes back");
+    assert_eq!(*attempts.lock().unwrap(), [1, 2, 3], "retried while it said so, attempts from 1");
+    attempts.lock().unwrap().clear();
+    assert!(matches!(retrying.allocate(64, 3, &stream), Err(Error::Alignment { .. })));
+    assert!(attempts.lock().unwrap().is_empty(), "not called for errors other than out-of-memory");
+    let fits = retrying.alloc(64, &stream).unwrap();
+    write_and_check(fits.as_raw(), 64, 9);
 }
 
 /// Mixed sizes from 256 B up to `max`, deterministic per thread and step.
@@ -465,6 +567,8 @@ fn resources_and_allocators_are_send_and_sync() {
     send_sync::<Statistics<HostHeap>>();
     send_sync::<Limit<HostHeap>>();
     send_sync::<Traced<HostHeap>>();
+    send_sync::<Tracking<HostHeap>>();
+    send_sync::<OnOutOfMemory<HostHeap, fn(usize, u32) -> bool>>();
     send_sync::<cumempool_alloc::PoolResource<cumempool_alloc::DeviceMemory>>();
     send_sync::<cumempool_alloc::CurrentPoolResource<cumempool_alloc::ManagedMemory>>();
     send_sync::<cumempool_alloc::PoolAllocator<cumempool_alloc::HostMemory>>();

@@ -2,6 +2,8 @@
 //! `cumempool-sys` calls, the safe layer and the caching resource on the same pool in one run,
 //! and how each scales with threads.
 
+#[cfg(feature = "cudarc")]
+mod cudarc_pairs;
 mod stream_handover;
 
 use crate::counting_allocator;
@@ -29,6 +31,8 @@ pub struct PairRow {
     /// Medians over the rounds.
     pub raw_ns: f64,
     pub safe_ns: f64,
+    /// The same through an `OwnedBuffer` (`Pool::alloc_owned`), which holds a stream clone.
+    pub owned_ns: f64,
     pub cache_ns: f64,
     /// Minima over the rounds (the cost with the least interference).
     pub raw_min_ns: f64,
@@ -38,6 +42,8 @@ pub struct PairRow {
     pub safe_over_raw: f64,
     /// The same, of the minima.
     pub safe_over_raw_min: f64,
+    /// Owned-buffer cost over raw cost, per-round ratios like `safe_over_raw` (target: <= 1.05).
+    pub owned_over_raw: f64,
     /// Raw cost over cache cost.
     pub cache_speedup: f64,
     pub safe_heap_allocs_per_pair: f64,
@@ -65,6 +71,9 @@ pub struct Report {
     pub thread_size: usize,
     pub threads: Vec<ThreadRow>,
     pub stream_handover: stream_handover::Report,
+    /// cudarc's alloc+free against the safe layer's; only in a command built with `cudarc`.
+    #[cfg(feature = "cudarc")]
+    pub cudarc: cudarc_pairs::Report,
 }
 
 /// Which measurement is running and about how long the rest will take, redrawn in place; only
@@ -165,6 +174,7 @@ fn measure_route<K: MemoryKind>(
         progress.tick(&format!("{route} {}", bytes(size as u64)));
         let mut raw = raw_pair(&pool, &stream, size)?;
         let mut safe = || pool.alloc(size, &stream).is_ok();
+        let mut owned = || pool.alloc_owned(size, &stream).is_ok();
         let mut cached = || match cache.allocate(size, 256, &stream) {
             // SAFETY: just allocated with these arguments; nothing used it.
             Ok(ptr) => unsafe { cache.deallocate(ptr, size, 256, &stream) }.is_ok(),
@@ -173,30 +183,36 @@ fn measure_route<K: MemoryKind>(
         // Warm up every path (the pool grows, the cache fills, the stream's context binds).
         time(options.pairs / 10 + 1, &stream, &mut raw)?;
         time(options.pairs / 10 + 1, &stream, &mut safe)?;
+        time(options.pairs / 10 + 1, &stream, &mut owned)?;
         time(options.pairs / 10 + 1, &stream, &mut cached)?;
-        let (mut r, mut s, mut c, mut s_heap, mut c_heap) = (Vec::new(), Vec::new(), Vec::new(), 0.0f64, 0.0f64);
+        let (mut r, mut s, mut o, mut c) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut s_heap, mut c_heap) = (0.0f64, 0.0f64);
         for _ in 0..options.rounds {
             r.push(time(options.pairs, &stream, &mut raw)?.0);
             let (ns, heap) = time(options.pairs, &stream, &mut safe)?;
             s.push(ns);
             s_heap = s_heap.max(heap);
+            o.push(time(options.pairs, &stream, &mut owned)?.0);
             let (ns, heap) = time(options.pairs, &stream, &mut cached)?;
             c.push(ns);
             c_heap = c_heap.max(heap);
         }
         let (raw_min_ns, safe_min_ns) = (min(&r), min(&s));
         let paired = median(r.iter().zip(&s).map(|(raw, safe)| safe / raw).collect());
-        let (raw_ns, safe_ns, cache_ns) = (median(r), median(s), median(c));
+        let owned_over_raw = median(r.iter().zip(&o).map(|(raw, owned)| owned / raw).collect());
+        let (raw_ns, safe_ns, owned_ns, cache_ns) = (median(r), median(s), median(o), median(c));
         rows.push(PairRow {
             route: route.to_string(),
             size,
             raw_ns,
             safe_ns,
+            owned_ns,
             cache_ns,
             raw_min_ns,
             safe_min_ns,
             safe_over_raw: paired,
             safe_over_raw_min: safe_min_ns / raw_min_ns,
+            owned_over_raw,
             cache_speedup: raw_ns / cache_ns,
             safe_heap_allocs_per_pair: s_heap,
             cache_heap_allocs_per_pair: c_heap,
@@ -300,7 +316,8 @@ pub fn run(options: &Options) -> Result<Report> {
         Route::managed(Location::Device(0)),
         Route::managed(Location::Unspecified),
     ];
-    let mut progress = Progress::new(routes.len() * sizes.len() + options.threads.len() + 2);
+    let mut progress =
+        Progress::new(routes.len() * sizes.len() + options.threads.len() + 2 + usize::from(cfg!(feature = "cudarc")));
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -349,6 +366,11 @@ pub fn run(options: &Options) -> Result<Report> {
     progress.tick("stream handover: a stream per thread, then one shared stream");
     // 20,000 pairs per thread at the default --pairs 2000, as in issue 9; --quick shrinks it.
     let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
+    #[cfg(feature = "cudarc")]
+    let cudarc = {
+        progress.tick("cudarc's alloc+free against Pool::alloc on its stream");
+        cudarc_pairs::measure(&context, options.pairs, options.rounds)?
+    };
     progress.done();
     Ok(Report {
         device: device.name()?,
@@ -362,6 +384,8 @@ pub fn run(options: &Options) -> Result<Report> {
         thread_size,
         threads,
         stream_handover,
+        #[cfg(feature = "cudarc")]
+        cudarc,
     })
 }
 
@@ -376,6 +400,8 @@ pub fn render(report: &Report) -> String {
         "raw sys ns",
         "safe ns",
         "safe/raw (median, min)",
+        "owned ns",
+        "owned/raw",
         "cache ns",
         "cache speedup",
         "heap allocs/pair (safe, cache)",
@@ -387,6 +413,8 @@ pub fn render(report: &Report) -> String {
             format!("{:.0}", r.raw_ns),
             format!("{:.0}", r.safe_ns),
             format!("{:.3}, {:.3}", r.safe_over_raw, r.safe_over_raw_min),
+            format!("{:.0}", r.owned_ns),
+            format!("{:.3}", r.owned_over_raw),
             format!("{:.1}", r.cache_ns),
             format!("{:.1}x", r.cache_speedup),
             format!("{:.2}, {:.2}", r.safe_heap_allocs_per_pair, r.cache_heap_allocs_per_pair),
@@ -414,6 +442,11 @@ pub fn render(report: &Report) -> String {
     out.push_str(&threads.render());
     out.push('\n');
     out.push_str(&stream_handover::render(&report.stream_handover));
+    #[cfg(feature = "cudarc")]
+    {
+        out.push('\n');
+        out.push_str(&cudarc_pairs::render(&report.cudarc));
+    }
     out
 }
 

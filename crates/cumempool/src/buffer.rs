@@ -1,4 +1,9 @@
 //! Stream-ordered allocations: freed on their stream when dropped.
+//!
+//! One buffer type, generic over how it holds its stream: [`Buffer`] borrows it (the compiler
+//! keeps the stream alive, at no run-time cost), [`OwnedBuffer`] holds a clone of it (storable
+//! in a struct beside its stream, returnable from the function that made the stream). Both
+//! share every method below.
 
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
@@ -6,12 +11,27 @@ use crate::location::{AllocationType, Location, Route};
 use crate::owner::Owner;
 use crate::stream::{Event, Stream};
 use cumempool_sys as sys;
+use std::borrow::Borrow;
 use std::sync::Arc;
 
-/// Memory from a pool, freed with `cuMemFreeAsync` on its stream when dropped.
+/// Memory from a pool, freed with `cuMemFreeAsync` on its stream when dropped; `S` is how the
+/// buffer holds that stream: `&Stream` ([`Buffer`]) or `Stream` ([`OwnedBuffer`]).
 ///
-/// Borrows its stream, so the compiler keeps the stream alive at no run-time cost, and holds
-/// its pool (for owned pools), so the pool's handle is never used after it is destroyed.
+/// Holds its pool (for owned pools), so the pool's handle is never used after it is destroyed.
+/// Only this crate makes buffers, so the stream a buffer frees on is always the one it was
+/// allocated on.
+#[derive(Debug)]
+#[must_use = "a buffer that is not kept is freed at once"]
+pub struct BufferOn<S: Borrow<Stream>> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: S,
+    /// `None` for memory imported from a pool whose route this process does not know.
+    route: Option<Route>,
+    pool: Option<Arc<Owner>>,
+}
+
+/// A buffer that borrows its stream, so the compiler keeps the stream alive for it.
 ///
 /// A buffer that is not kept is freed at once, so the compiler warns about it:
 ///
@@ -22,19 +42,28 @@ use std::sync::Arc;
 ///     Ok(())
 /// }
 /// ```
-#[derive(Debug)]
-#[must_use = "a buffer that is not kept is freed at once"]
-pub struct Buffer<'s> {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-    stream: &'s Stream,
-    /// `None` for memory imported from a pool whose route this process does not know.
-    route: Option<Route>,
-    pool: Option<Arc<Owner>>,
-}
+pub type Buffer<'s> = BufferOn<&'s Stream>;
 
-impl<'s> Buffer<'s> {
-    pub(crate) fn empty(stream: &'s Stream, route: Option<Route>) -> Self {
+/// A buffer that holds a clone of its stream: `'static`, `Send`, storable beside its stream
+/// and returnable from the function that made the stream
+/// ([`Pool::alloc_owned`](crate::Pool::alloc_owned)).
+///
+/// ```no_run
+/// use cumempool::{Device, MemPool, OwnedBuffer, Route, Stream};
+/// struct Staging {
+///     stream: Stream,
+///     buffer: OwnedBuffer, // a `Buffer<'_>` could not sit beside the stream it borrows
+/// }
+/// fn staging(pool: &MemPool) -> cumempool::Result<Staging> {
+///     let stream = Stream::new(&Device::get(0)?.primary_context()?)?;
+///     let buffer = pool.alloc_owned(1 << 20, &stream)?;
+///     Ok(Staging { stream, buffer })
+/// }
+/// ```
+pub type OwnedBuffer = BufferOn<Stream>;
+
+impl<S: Borrow<Stream>> BufferOn<S> {
+    pub(crate) fn empty(stream: S, route: Option<Route>) -> Self {
         Self { ptr: 0, len: 0, stream, route, pool: None }
     }
 
@@ -44,11 +73,17 @@ impl<'s> Buffer<'s> {
     pub(crate) unsafe fn from_pool(
         ptr: sys::CUdeviceptr,
         len: usize,
-        stream: &'s Stream,
+        stream: S,
         route: Option<Route>,
         pool: Option<Arc<Owner>>,
     ) -> Self {
         Self { ptr, len, stream, route, pool }
+    }
+
+    /// The stream the buffer is ordered on and freed on.
+    #[inline]
+    fn on(&self) -> &Stream {
+        self.stream.borrow()
     }
 
     /// Size in bytes.
@@ -67,11 +102,6 @@ impl<'s> Buffer<'s> {
     #[inline]
     pub fn as_raw(&self) -> sys::CUdeviceptr {
         self.ptr
-    }
-
-    /// The stream the buffer is ordered on and freed on.
-    pub fn stream(&self) -> &'s Stream {
-        self.stream
     }
 
     /// The route of the pool it came from (`None` for memory imported from a pool whose route
@@ -124,20 +154,20 @@ impl<'s> Buffer<'s> {
     ///
     /// # Errors
     /// [`Error::DoesNotFit`] when `src` is longer than this buffer; the driver's answer.
-    pub fn copy_from(&mut self, src: &Buffer<'_>) -> Result<()> {
+    pub fn copy_from<T: Borrow<Stream>>(&mut self, src: &BufferOn<T>) -> Result<()> {
         self.check_len("copying between buffers", src.len)?;
         if src.is_empty() {
             return Ok(());
         }
-        self.stream.bind()?;
-        if !self.stream.same_as(src.stream) {
-            match src.stream.context() {
+        self.on().bind()?;
+        if !self.on().same_as(src.on()) {
+            match src.on().context() {
                 Some(context) => {
                     let ready = Event::new(context)?;
-                    ready.record(src.stream)?;
-                    self.stream.wait(&ready)?;
+                    ready.record(src.on())?;
+                    self.on().wait(&ready)?;
                 }
-                None => src.stream.synchronize()?,
+                None => src.on().synchronize()?,
             }
         }
         // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
@@ -154,10 +184,10 @@ impl<'s> Buffer<'s> {
     unsafe fn copy_unified(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Result<()> {
         // Unlike allocation and free, a copy that involves host memory needs the stream's
         // context current (driver 580 crashes without one), whatever the stream's handle.
-        self.stream.bind_context()?;
+        self.on().bind_context()?;
         // SAFETY: the caller vouches for both ranges.
-        unsafe { driver_call!(cuMemcpyAsync(dst, src, len, self.stream.as_raw())) }?;
-        self.stream.synchronize()
+        unsafe { driver_call!(cuMemcpyAsync(dst, src, len, self.on().as_raw())) }?;
+        self.on().synchronize()
     }
 
     /// Sets every byte to `value`, ordered on the buffer's stream.
@@ -176,9 +206,9 @@ impl<'s> Buffer<'s> {
             self.host_slice_mut()?.fill(value);
             return Ok(());
         }
-        self.stream.bind()?;
+        self.on().bind()?;
         // SAFETY: a live allocation of `len` bytes.
-        unsafe { driver_call!(cuMemsetD8Async(self.ptr, value, self.len, self.stream.as_raw())) }
+        unsafe { driver_call!(cuMemsetD8Async(self.ptr, value, self.len, self.on().as_raw())) }
     }
 
     /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
@@ -199,9 +229,9 @@ impl<'s> Buffer<'s> {
         if self.is_empty() {
             return Ok(());
         }
-        self.stream.bind()?;
+        self.on().bind()?;
         // SAFETY: a live managed allocation of `len` bytes.
-        unsafe { driver_call!(cuMemPrefetchAsync(self.ptr, self.len, location.to_raw()?, 0, self.stream.as_raw())) }
+        unsafe { driver_call!(cuMemPrefetchAsync(self.ptr, self.len, location.to_raw()?, 0, self.on().as_raw())) }
     }
 
     /// The locality domain the buffer's memory is placed in (driver 13.4): the pointer attribute
@@ -254,7 +284,7 @@ impl<'s> Buffer<'s> {
         }
         crate::location_info::region_count(self.len, summary_granularity, sampling_granularity)?;
         if !self.is_empty() {
-            self.stream.synchronize()?;
+            self.on().synchronize()?;
         }
         crate::location_info(self.ptr, self.len, summary_granularity, sampling_granularity)
     }
@@ -271,7 +301,7 @@ impl<'s> Buffer<'s> {
         if self.route.is_some_and(|r| r.allocation_type == AllocationType::Managed) {
             crate::device::require_concurrent_managed_access()?;
         }
-        self.stream.synchronize()?;
+        self.on().synchronize()?;
         Ok(self.ptr as usize as *mut u8)
     }
 
@@ -305,20 +335,34 @@ impl<'s> Buffer<'s> {
     }
 }
 
-impl Drop for Buffer<'_> {
+impl<'s> Buffer<'s> {
+    /// The stream the buffer is ordered on and freed on.
+    pub fn stream(&self) -> &'s Stream {
+        self.stream
+    }
+}
+
+impl OwnedBuffer {
+    /// The stream the buffer is ordered on and freed on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+}
+
+impl<S: Borrow<Stream>> Drop for BufferOn<S> {
     fn drop(&mut self) {
         if self.len == 0 {
             return;
         }
         // SAFETY: the buffer owns the allocation and frees it once, on its own stream.
-        if let Err(error) = unsafe { free_async(self.ptr, self.stream) } {
+        if let Err(error) = unsafe { free_async(self.ptr, self.on()) } {
             tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
             return; // an import whose unmapping failed stays marked as mapped, never mapped again
         }
         if self.pool.as_ref().is_some_and(|owner| owner.imported) {
             // The unmapping is stream-ordered: only once it has run may the same allocation be
             // imported again (the driver would hand back the same address).
-            match self.stream.synchronize() {
+            match self.on().synchronize() {
                 Ok(()) => crate::owner::forget_mapping(self.ptr),
                 Err(error) => {
                     tracing::warn!(%error, ptr = self.ptr, "waiting for an unmapping failed; the allocation stays unimportable")

@@ -27,6 +27,10 @@
 //!   domain) and `Buffer::location_info` (`cuMemGetLocationInfo`).
 //! - `cuda-13020`: CUDA 13.2's pool attributes and `Location::Invisible`.
 //! - `cuda-13000`: CUDA 13.0 only.
+//! - `cudarc`: interop with [cudarc](https://docs.rs/cudarc) 0.19: `Stream::from_cudarc`,
+//!   `Context::from_cudarc`/`to_cudarc` and `unsafe Stream::to_cudarc` (which directions are
+//!   sound, and why, is in docs/decisions.md). A pool made current for a device route already
+//!   serves cudarc's `CudaStream::alloc`, which draws from the device's current pool.
 //!
 //! Each implies the older ones, and a build with a newer one runs on a 13.0 driver: the newer
 //! items then answer [`Error::DriverTooOld`] naming what they need.
@@ -37,6 +41,8 @@ mod access;
 mod attributes;
 mod buffer;
 mod context;
+#[cfg(feature = "cudarc")]
+mod cudarc_interop;
 #[cfg(unix)]
 pub mod descriptor_passing;
 mod device;
@@ -58,7 +64,7 @@ mod unknown_value;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
-pub use buffer::{free_async, Buffer};
+pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer};
 pub use context::Context;
 pub use cumempool_sys::DriverVersion;
 pub use device::{require_concurrent_managed_access, Device};
@@ -79,6 +85,11 @@ pub use routing::{
 pub use sharing::SharedAllocation;
 pub use stream::{Event, Stream, StreamId};
 pub use unknown_value::UnknownValue;
+
+/// The cudarc this crate's interop is built against (feature `cudarc`).
+#[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
+pub use cudarc;
 
 /// The raw layer, for what this crate does not wrap.
 pub use cumempool_sys as sys;

@@ -11,13 +11,14 @@
 //!
 //! The driver forbids allocating from an imported pool; this crate refuses it with that reason.
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, BufferOn};
 use crate::driver::{driver_answer, driver_call, Answer};
 use crate::error::{Error, Result};
 use crate::export_handles::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
 use cumempool_sys as sys;
+use std::borrow::Borrow;
 use std::ffi::c_void;
 #[cfg(unix)]
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -87,7 +88,7 @@ impl SharedAllocation {
     }
 }
 
-impl Buffer<'_> {
+impl<S: Borrow<Stream>> BufferOn<S> {
     /// The data another process needs to map this allocation from its imported pool.
     ///
     /// The pool must have been created with an export handle type and already shared

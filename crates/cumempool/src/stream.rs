@@ -30,6 +30,18 @@ struct StreamInner {
     context: Option<Context>,
     owned: bool,
     id: StreamId,
+    /// What keeps a borrowed stream alive: the other library's own handle (a cudarc
+    /// `Arc<CudaStream>`), dropped after the last clone of this `Stream`.
+    _keep_alive: KeepAlive,
+}
+
+/// Another library's handle, held only so that its stream outlives this one.
+struct KeepAlive(Option<Arc<dyn std::any::Any + Send + Sync>>);
+
+impl std::fmt::Debug for KeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Some(..)" } else { "None" })
+    }
 }
 
 /// A stream's identity in this process: unique per [`Stream`] (shared by its clones), never
@@ -56,7 +68,35 @@ const PER_THREAD_HANDLE: usize = 0x2;
 
 impl Stream {
     fn from_parts(raw: sys::CUstream, context: Option<Context>, owned: bool) -> Self {
-        Self(Arc::new(StreamInner { raw: DriverHandle(raw), context, owned, id: StreamId::next() }))
+        Self::with_keep_alive(raw, context, owned, KeepAlive(None))
+    }
+
+    fn with_keep_alive(raw: sys::CUstream, context: Option<Context>, owned: bool, keep_alive: KeepAlive) -> Self {
+        Self(Arc::new(StreamInner {
+            raw: DriverHandle(raw),
+            context,
+            owned,
+            id: StreamId::next(),
+            _keep_alive: keep_alive,
+        }))
+    }
+
+    /// Borrows `raw` like [`Stream::borrow_raw`] and holds `keep_alive` until the last clone of
+    /// the result drops, so a stream another library owns outlives every use made here.
+    ///
+    /// # Errors
+    /// As [`Stream::borrow_raw`].
+    ///
+    /// # Safety
+    /// `raw` must be a valid stream (of `context`, if given) for as long as `keep_alive` lives.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) unsafe fn borrow_raw_keeping(
+        raw: sys::CUstream,
+        context: Option<&Context>,
+        keep_alive: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Self> {
+        check_borrowable(raw, context)?;
+        Ok(Self::with_keep_alive(raw, context.cloned(), false, KeepAlive(Some(keep_alive))))
     }
 
     /// A new non-blocking stream in `context` (it does not synchronise with the legacy stream).
@@ -97,15 +137,8 @@ impl Stream {
     /// result and every buffer allocated on it. Caches (such as `cumempool-alloc`'s) may hold a
     /// clone until they are released.
     pub unsafe fn borrow_raw(raw: sys::CUstream, context: Option<&Context>) -> Result<Self> {
-        match (raw as usize, context) {
-            (PER_THREAD_HANDLE, _) => Err(Error::StreamNotBorrowable {
-                reason: "CU_STREAM_PER_THREAD names a different stream on every thread, and a Stream may move between threads; borrow a stream you created, or use Stream::legacy(&context)",
-            }),
-            (0 | LEGACY_HANDLE, None) => Err(Error::StreamNotBorrowable {
-                reason: "the legacy stream handle names the legacy stream of whichever context is current; give its context (or use Stream::legacy(&context))",
-            }),
-            _ => Ok(Self::from_parts(raw, context.cloned(), false)),
-        }
+        check_borrowable(raw, context)?;
+        Ok(Self::from_parts(raw, context.cloned(), false))
     }
 
     /// The driver's handle.
@@ -223,6 +256,20 @@ impl Stream {
         self.id() == other.id()
             || (self.as_raw() == other.as_raw()
                 && self.context().map(Context::as_raw) == other.context().map(Context::as_raw))
+    }
+}
+
+/// Refuses the handles that mean "a stream of the current context" where they would be
+/// ambiguous (see [`Stream::borrow_raw`]).
+fn check_borrowable(raw: sys::CUstream, context: Option<&Context>) -> Result<()> {
+    match (raw as usize, context) {
+        (PER_THREAD_HANDLE, _) => Err(Error::StreamNotBorrowable {
+            reason: "CU_STREAM_PER_THREAD names a different stream on every thread, and a Stream may move between threads; borrow a stream you created, or use Stream::legacy(&context)",
+        }),
+        (0 | LEGACY_HANDLE, None) => Err(Error::StreamNotBorrowable {
+            reason: "the legacy stream handle names the legacy stream of whichever context is current; give its context (or use Stream::legacy(&context))",
+        }),
+        _ => Ok(()),
     }
 }
 

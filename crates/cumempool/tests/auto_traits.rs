@@ -9,6 +9,7 @@ fn public_handles_are_send_and_sync() {
     send_sync::<cumempool::PoolRef>();
     send_sync::<cumempool::Pool>();
     send_sync::<cumempool::Buffer<'static>>();
+    send_sync::<cumempool::OwnedBuffer>();
     send_sync::<cumempool::Stream>();
     send_sync::<cumempool::Event>();
     send_sync::<cumempool::Context>();

@@ -8,6 +8,8 @@
 #   SANITIZE=1     each test binary under compute-sanitizer memcheck with the leak check
 #   LIMIT=SECONDS  stop any one test binary after this long (default: no limit)
 #   OUT=DIR        where each binary's log goes (default: a new temporary directory)
+#   EXAMPLES=0     skip the examples (example--*), which otherwise run after the tests, each with
+#                  its output shown; any that fails counts as a failed binary
 # The last line is `gpu suite: N passed, M failed`; the exit status is 0 only if every binary passed.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -57,6 +59,18 @@ for b in test--*; do
     grep -E 'panicked|^test .* FAILED|Invalid|rror' "$log" | head -12 | sed 's/^/    /'
   fi
 done
+if [ "${EXAMPLES:-1}" != 0 ] && [ -z "${BIN:-}" ] && [ ${#sanitizer[@]} -eq 0 ]; then
+  for e in example--*; do
+    [ -x "$e" ] || continue
+    name=${e#example--}
+    log="$out/example-$name.log"
+    "${limit[@]}" ./"$e" >"$log" 2>&1
+    rc=$?
+    echo "example $name: rc=$rc"
+    sed 's/^/    /' "$log" | head -40
+    if [ $rc -ne 0 ]; then status=1; failed=$((failed + 1)); fi
+  done
+fi
 echo "logs: $out"
 echo "gpu suite: $passed passed, $failed failed"
 exit $status

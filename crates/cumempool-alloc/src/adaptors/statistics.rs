@@ -31,6 +31,10 @@ impl Counter {
     fn sub(&self, n: usize) {
         self.current.fetch_sub(n, Relaxed);
     }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.current.load(Relaxed), Relaxed);
+    }
 }
 
 /// A snapshot of [`Statistics`].
@@ -66,6 +70,13 @@ impl<R> Statistics<R> {
             peak_count: self.count.peak.load(Relaxed),
             total_count: self.count.total.load(Relaxed),
         }
+    }
+
+    /// Starts the peaks again from what is in use now (as `Pool::reset_used_mem_high` does for
+    /// a pool), to measure the peak of one phase of a program. Totals keep counting.
+    pub fn reset_peaks(&self) {
+        self.bytes.reset_peak();
+        self.count.reset_peak();
     }
 
     /// The wrapped resource.
