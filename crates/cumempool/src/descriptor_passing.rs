@@ -220,8 +220,14 @@ mod tests {
         LOCK.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// This process's open descriptors of /dev/null, which only these tests open (under the
+    /// lock): other tests may open and close other files meanwhile.
     fn open_descriptors() -> usize {
-        std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
+        std::fs::read_dir("/proc/self/fd")
+            .expect("/proc/self/fd")
+            .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+            .filter(|target| target == std::path::Path::new("/dev/null"))
+            .count()
     }
 
     /// Sends `count` descriptors of /dev/null in one message, as a misbehaving peer would.
