@@ -2,8 +2,11 @@
 //!
 //! CUDA's pools serialise inside the driver: one pool gives about 1.5 M allocation+free pairs
 //! per second on one thread and less in total on many. This cache answers repeated pairs on a
-//! stream without the driver. Each stream has its own slot and lock, found without taking any
-//! shared lock, so threads on different streams never wait for each other.
+//! stream without the driver. Each stream has its own slot, found without taking any shared
+//! lock, and each slot a lane per thread: a few blocks per size class behind a lock that only
+//! that thread takes on the hot path, so threads never wait for each other, whether they use
+//! streams of their own or share one. A lane's overflow and misses go to the slot's shared
+//! lists, under the slot's lock.
 //!
 //! The rules that keep it sound and its budget useful:
 //!
@@ -11,7 +14,9 @@
 //!   values can name different streams (the legacy stream of another context, a destroyed
 //!   borrowed stream's successor). A cached block is only handed out again on the stream it was
 //!   freed on (work on one stream runs in order), or given back below with a free on that same
-//!   stream, whose clone the slot keeps alive while it holds blocks.
+//!   stream, whose clone the slot keeps alive while it holds blocks. A lane belongs to its
+//!   slot: its blocks were freed on the slot's stream, and a thread checks the slot's key under
+//!   the lane's lock, which a slot given up changes before it empties its lanes.
 //! - **One alignment below.** Size-class blocks are always allocated from the resource below
 //!   with [`POOL_ALIGNMENT`] and always given back with exactly (class bytes, `POOL_ALIGNMENT`),
 //!   on every path: a hit, a free that does not fit, eviction, release. Every alignment a request
@@ -23,22 +28,26 @@
 //!   only the cache still holds ([`Stream::handle_count`] is 1) give their blocks back below on
 //!   that stream and drop it; if that is not enough, the least recently used other streams'
 //!   slots are evicted the same way before a block is refused. This happens on slow paths only,
-//!   under a lock the hot path never takes. After a scan found no slot to free (more than 256
+//!   under a lock the hot path never takes; before any of it, every slot's and lane's unfilled
+//!   budget is taken back (that gives up no block). After a scan found no slot to free (more than 256
 //!   live streams), streams without a slot free straight below for a while without scanning.
 //! - **Every no-memory answer retries.** When the resource below answers with any error for
 //!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
 //!   [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what it holds and retries
 //!   once.
 
+mod lanes;
+
 use crate::error::Result;
 use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
+use lanes::{this_threads_lane, Lane, LANES};
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
 };
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Streams a cache serves at once; allocations on further streams go straight to the resource below.
@@ -89,6 +98,11 @@ struct Slot {
     /// `EMPTY`, `RELEASED`, or the [`Stream::id`] of its stream. Written only under the
     /// registry lock and the slot's own lock; read without either on the hot path.
     key: AtomicU64,
+    /// The LRU clock when the slot was last used; written only when the clock has moved.
+    last_used: AtomicU64,
+    /// A lane per thread, made when the slot first takes a stream and kept for the cache's
+    /// life; what they hold belongs to the slot's stream like `state`'s blocks.
+    lanes: OnceLock<Box<[Lane]>>,
     state: Mutex<SlotState>,
 }
 
@@ -102,8 +116,6 @@ struct SlotState {
     cached_bytes: usize,
     /// Budget this slot has claimed from the global bound and not yet filled with blocks.
     budget: usize,
-    /// The LRU clock when the slot was last used.
-    last_used: u64,
     hits: u64,
     misses: u64,
 }
@@ -153,9 +165,12 @@ impl CacheStats {
 /// - Requests are rounded up to a size class (at most 25% above 256 B) and allocated below with
 ///   [`POOL_ALIGNMENT`], so a cached block satisfies any alignment; requests over 1 TiB bypass
 ///   the cache, and so do streams beyond the first 256 with blocks cached at once.
-/// - Each stream has its own slot and lock; the bound counts cached bytes exactly and is claimed
-///   in chunks, so the hot path (a hit, or a free on a stream with a slot and budget) touches no
-///   shared lock or counter. Once warm, a cached pair allocates no heap memory.
+/// - Each stream has its own slot, and each slot a lane per thread (up to 64 threads per stream
+///   without sharing a lock); the bound counts cached bytes exactly and is claimed in chunks, so
+///   the hot path (a hit, or a free with room and budget in the thread's lane) takes only the
+///   thread's own lane lock and writes no shared counter. Once warm, a cached pair allocates no
+///   heap memory. A thread that exits leaves its lanes to the next thread that starts; release,
+///   eviction, the no-memory retry and drop take every lane's blocks, from any thread.
 /// - When the bound is reached or the slots run out, the blocks of streams nobody else holds any
 ///   more are given back, then those of the least recently used streams.
 /// - If the resource below answers with a no-memory error, the cache gives back what it holds
@@ -189,7 +204,7 @@ impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
 
 /// Locks ignoring poison: a panic while holding a slot cannot leave it inconsistent, every
 /// update is local.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -204,8 +219,14 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// A cache over `inner` holding at most `max_cached` bytes of free blocks.
     pub fn with_max_cached(inner: R, max_cached: usize) -> Self {
-        let slots =
-            (0..SLOTS).map(|_| Slot { key: AtomicU64::new(EMPTY), state: Mutex::new(SlotState::default()) }).collect();
+        let slots = (0..SLOTS)
+            .map(|_| Slot {
+                key: AtomicU64::new(EMPTY),
+                last_used: AtomicU64::new(0),
+                lanes: OnceLock::new(),
+                state: Mutex::new(SlotState::default()),
+            })
+            .collect();
         // Small enough that every slot can hold some budget at once; large enough that a
         // stream's steady allocate/free pairs never touch the shared counter.
         let chunk = (max_cached / (4 * SLOTS)).max(64 << 10).min(max_cached);
@@ -257,6 +278,16 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             .find(|&index| matches!(self.slots[index].key.load(Acquire), EMPTY | RELEASED))
     }
 
+    /// Marks the slot used now for LRU eviction; writes only when the clock has moved, so
+    /// threads sharing a stream do not bounce its cache line.
+    #[inline]
+    fn touch(&self, slot: &Slot) {
+        let now = self.clock.load(Relaxed);
+        if slot.last_used.load(Relaxed) != now {
+            slot.last_used.store(now, Relaxed);
+        }
+    }
+
     /// Takes `bytes` of the bound no slot has claimed; false when there are not that many.
     fn take_unclaimed(&self, bytes: usize) -> bool {
         self.unclaimed.fetch_update(Relaxed, Relaxed, |left| left.checked_sub(bytes)).is_ok()
@@ -290,18 +321,29 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             return None;
         }
         let stream = state.stream.take()?;
-        let blocks = std::mem::take(&mut state.blocks);
-        let bytes = std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes);
-        self.unclaimed.fetch_add(bytes, Relaxed);
-        // Under the slot's lock, so a thread that found the old key sees the change.
+        // Under the slot's lock and before the lanes are emptied, so a thread that found the
+        // old key and locks the slot or a lane after this sees the change.
         slot.key.store(RELEASED, Release);
+        let mut blocks = std::mem::take(&mut state.blocks);
+        blocks.resize_with(CLASSES, Vec::new);
+        let mut bytes = std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes);
+        for lane in slot.lanes.get().into_iter().flat_map(|lanes| lanes.iter()) {
+            bytes += lane.lock().drain_into(&mut blocks);
+        }
+        self.unclaimed.fetch_add(bytes, Relaxed);
         Some(Taken { stream, blocks })
+    }
+
+    /// The slots that have a stream. Keys change only under the registry lock, so under it this
+    /// is exact: a slot without a stream holds no block and no budget.
+    fn slots_with_streams(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..SLOTS).filter(|&index| !matches!(self.slots[index].key.load(Acquire), EMPTY | RELEASED))
     }
 
     /// Takes the slots whose stream only the cache still holds (nobody can queue work on it
     /// any more), except the slot `keep`. Only under the registry lock.
     fn reclaim_unused(&self, keep: Option<usize>, taken: &mut Vec<Taken>) {
-        for index in (0..SLOTS).filter(|&index| Some(index) != keep) {
+        for index in self.slots_with_streams().filter(|&index| Some(index) != keep) {
             let unused = |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1);
             taken.extend(self.take_slot(index, unused));
         }
@@ -316,19 +358,38 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if self.take_unclaimed(bytes) {
             return true;
         }
+        // Unfilled budget first: taking it back gives up no block.
+        self.return_unfilled_budgets();
+        if self.take_unclaimed(bytes) {
+            return true;
+        }
         self.reclaim_unused(keep, taken);
         while !self.take_unclaimed(bytes) {
-            let oldest = (0..SLOTS)
+            let oldest = self
+                .slots_with_streams()
                 .filter(|&index| Some(index) != keep)
                 .filter_map(|index| {
                     let state = lock(&self.slots[index].state);
-                    state.stream.is_some().then_some((state.last_used, index))
+                    state.stream.is_some().then(|| (self.slots[index].last_used.load(Relaxed), index))
                 })
                 .min();
             let Some((_, victim)) = oldest else { return false };
             taken.extend(self.take_slot(victim, |_| true));
         }
         true
+    }
+
+    /// Returns the budget every slot and lane has claimed and not filled to the bound, so
+    /// that a thread short of budget need not evict blocks while others hold unused budget.
+    fn return_unfilled_budgets(&self) {
+        for slot in self.slots_with_streams().map(|index| &self.slots[index]) {
+            let mut state = lock(&slot.state);
+            let mut bytes = std::mem::take(&mut state.budget);
+            for lane in slot.lanes.get().into_iter().flat_map(|lanes| lanes.iter()) {
+                bytes += std::mem::take(&mut lane.lock().budget);
+            }
+            self.unclaimed.fetch_add(bytes, Relaxed);
+        }
     }
 
     /// Gives taken blocks back below, each on the stream it was freed on, then lets go of the
@@ -361,6 +422,12 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             stats.cached_bytes += state.cached_bytes;
             stats.cached_blocks += state.blocks.iter().map(Vec::len).sum::<usize>();
             stats.streams += usize::from(state.stream.is_some());
+            for lane in slot.lanes.get().into_iter().flat_map(|lanes| lanes.iter()) {
+                let lane = lane.lock();
+                stats.hits += lane.hits;
+                stats.cached_bytes += lane.cached_bytes;
+                stats.cached_blocks += lane.blocks();
+            }
         }
         stats
     }
@@ -461,15 +528,17 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if !self.make_room(class, Some(slot), taken) {
             return false;
         }
-        let mut state = lock(&self.slots[slot].state);
+        let slot = &self.slots[slot];
+        slot.lanes.get_or_init(|| (0..LANES).map(|_| Lane::new()).collect());
+        let mut state = lock(&slot.state);
         if state.stream.is_none() {
             state.stream = Some(stream.clone());
-            self.slots[slot].key.store(key, Release);
+            slot.key.store(key, Release);
         }
         if state.blocks.is_empty() {
             state.blocks = vec![Vec::new(); CLASSES];
         }
-        state.last_used = now;
+        slot.last_used.store(now, Relaxed);
         match state.blocks.get_mut(index) {
             Some(list) => {
                 list.push(ptr);
@@ -503,9 +572,24 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         let found = self.find(key).map(|index| &self.slots[index]);
         match found {
             Some(slot) => {
+                if let Some(lanes) = slot.lanes.get() {
+                    let mut lane = lanes[this_threads_lane()].lock();
+                    // Under the lane's lock: a slot given up stores its new key before it
+                    // empties the lanes, so a block found here was freed on this stream.
+                    if slot.key.load(Relaxed) == key {
+                        if let Some(ptr) = lane.pop(index) {
+                            lane.cached_bytes -= class;
+                            lane.budget += class;
+                            lane.hits += 1;
+                            drop(lane);
+                            self.touch(slot);
+                            return Ok(ptr);
+                        }
+                    }
+                }
                 let mut state = lock(&slot.state);
                 if slot.key.load(Relaxed) == key {
-                    state.last_used = self.clock.load(Relaxed);
+                    self.touch(slot);
                     if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
                         state.cached_bytes -= class;
                         state.budget += class;
@@ -536,6 +620,18 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         };
         let key = stream.id().get();
         if let Some(slot) = self.find(key).map(|index| &self.slots[index]) {
+            if let Some(lanes) = slot.lanes.get() {
+                let mut guard = lanes[this_threads_lane()].lock();
+                let lane = &mut *guard;
+                // As in `allocate`: the key, checked under the lane's lock, says whose lane it is.
+                if slot.key.load(Relaxed) == key && lane.has_room(index) && self.claim(&mut lane.budget, class) {
+                    lane.push(index, ptr, CLASSES);
+                    lane.cached_bytes += class;
+                    drop(guard);
+                    self.touch(slot);
+                    return Ok(());
+                }
+            }
             let mut guard = lock(&slot.state);
             let state = &mut *guard;
             if slot.key.load(Relaxed) == key {
@@ -543,7 +639,7 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
                     if self.claim(&mut state.budget, class) {
                         list.push(ptr);
                         state.cached_bytes += class;
-                        state.last_used = self.clock.load(Relaxed);
+                        self.touch(slot);
                         return Ok(());
                     }
                 }

@@ -575,3 +575,115 @@ fn resources_and_allocators_are_send_and_sync() {
     fn error<E: std::error::Error + Send + Sync + 'static>() {}
     error::<Error>();
 }
+
+/// Caches `blocks` blocks of `bytes` on `stream` from the calling thread: the stream's first
+/// free takes its slot, later ones land in this thread's lane.
+fn cache_blocks(cache: &CachingResource<&Statistics<HostHeap>>, stream: &Stream, blocks: usize, bytes: usize) {
+    let held: Vec<_> = (0..blocks).map(|_| cache.allocate(bytes, 256, stream).unwrap()).collect();
+    for ptr in held {
+        unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
+    }
+}
+
+#[test]
+fn release_from_another_thread_takes_what_a_living_threads_lane_holds() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let stream = fake_stream(60);
+    let (cached, released) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            cache_blocks(&cache, &stream, 4, 4096);
+            cached.wait();
+            released.wait();
+            // The lane was emptied under this thread: it misses, then caches again.
+            let misses = cache.stats().misses;
+            cache_blocks(&cache, &stream, 1, 4096);
+            assert_eq!(cache.stats().misses, misses + 1);
+        });
+        cached.wait();
+        assert_eq!(cache.stats().cached_blocks, 4);
+        cache.release().unwrap();
+        let stats = cache.stats();
+        assert_eq!((stats.cached_blocks, stats.cached_bytes, stats.streams), (0, 0, 0), "{stats:?}");
+        assert_eq!(below.usage().current_bytes, 0, "the lane's blocks went back below");
+        released.wait();
+    });
+    drop(cache);
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}
+
+#[test]
+fn many_threads_on_one_stream_stay_within_the_bound() {
+    let (threads, pairs, max) = if cfg!(miri) { (3, 60, 8 << 10) } else { (8, 5000, 64 << 10) };
+    let bound = 4 * max;
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::with_max_cached(&below, bound);
+    let shared = fake_stream(61);
+    std::thread::scope(|scope| {
+        for thread in 0..threads {
+            let (cache, shared) = (&cache, &shared);
+            scope.spawn(move || {
+                // Two blocks out at a time, freed in turn.
+                let mut out = Vec::new();
+                for step in 0..pairs {
+                    let bytes = mixed_size(thread, step, max);
+                    out.push((cache.allocate(bytes, 256, shared).unwrap(), bytes));
+                    if out.len() == 2 {
+                        let (ptr, bytes) = out.remove(0);
+                        unsafe { cache.deallocate(ptr, bytes, 256, shared) }.unwrap();
+                    }
+                }
+                for (ptr, bytes) in out {
+                    unsafe { cache.deallocate(ptr, bytes, 256, shared) }.unwrap();
+                }
+            });
+        }
+    });
+    // Below, at any moment: what the cache held (at most the bound) and what threads had out
+    // (two blocks each, at most `max` rounded up by 25%).
+    let peak = below.usage().peak_bytes;
+    assert!(peak <= bound + threads * 2 * (max + max / 4), "peak {peak} over the bound {bound} and what was out");
+    let stats = cache.stats();
+    assert!(stats.cached_bytes <= bound, "{stats:?}");
+    assert_eq!(below.usage().current_bytes, stats.cached_bytes, "all that is below is counted");
+    drop(cache);
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}
+
+#[test]
+fn dropping_the_cache_while_threads_hold_lanes_leaks_nothing_and_they_outlive_it() {
+    let below = Statistics::new(HostHeap);
+    let cache = std::sync::Arc::new(CachingResource::new(&below));
+    let stream = fake_stream(62);
+    let threads = if cfg!(miri) { 2 } else { 4 };
+    let (cached, dropped) = (std::sync::Barrier::new(threads + 1), std::sync::Barrier::new(threads + 1));
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let (mine, stream, cached, dropped, below) = (cache.clone(), &stream, &cached, &dropped, &below);
+            scope.spawn(move || {
+                cache_blocks(&mine, stream, 3, 1 << 16);
+                drop(mine);
+                cached.wait();
+                dropped.wait();
+                // This thread outlives the cache; a new cache on the same stream starts empty.
+                let next = CachingResource::new(below);
+                cache_blocks(&next, stream, 2, 1 << 16);
+                assert_eq!(next.stats().hits, 0);
+            });
+        }
+        cached.wait();
+        // Checked after the threads are let go, so that a failure cannot leave them waiting.
+        let cache = std::sync::Arc::into_inner(cache);
+        let before = cache.as_ref().map(|cache| (cache.stats().cached_blocks, below.usage().current_bytes));
+        drop(cache);
+        let after = below.usage().current_bytes;
+        dropped.wait();
+        // Threads may take each other's blocks from the stream's shared lists: at least one
+        // thread's three are cached, and everything below is.
+        let (blocks, bytes) = before.expect("the threads let go of the cache");
+        assert!(blocks >= 3 && bytes == blocks << 16, "{blocks} blocks cached, {bytes} bytes below");
+        assert_eq!(after, 0, "drop took every lane's blocks back");
+    });
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}

@@ -2,6 +2,7 @@
 //! `cumempool-sys` calls, the safe layer and the caching resource on the same pool in one run,
 //! and how each scales with threads.
 
+mod cache_targets;
 #[cfg(feature = "cudarc")]
 mod cudarc_pairs;
 mod stream_handover;
@@ -71,6 +72,7 @@ pub struct Report {
     pub thread_size: usize,
     pub threads: Vec<ThreadRow>,
     pub stream_handover: stream_handover::Report,
+    pub cache_targets: cache_targets::Report,
     /// cudarc's alloc+free against the safe layer's; only in a command built with `cudarc`.
     #[cfg(feature = "cudarc")]
     pub cudarc: cudarc_pairs::Report,
@@ -317,7 +319,7 @@ pub fn run(options: &Options) -> Result<Report> {
         Route::managed(Location::Unspecified),
     ];
     let mut progress =
-        Progress::new(routes.len() * sizes.len() + options.threads.len() + 2 + usize::from(cfg!(feature = "cudarc")));
+        Progress::new(routes.len() * sizes.len() + options.threads.len() + 3 + usize::from(cfg!(feature = "cudarc")));
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -366,6 +368,8 @@ pub fn run(options: &Options) -> Result<Report> {
     progress.tick("stream handover: a stream per thread, then one shared stream");
     // 20,000 pairs per thread at the default --pairs 2000, as in issue 9; --quick shrinks it.
     let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
+    progress.tick("cache targets: one thread, 16 threads on their own streams, then on one stream");
+    let cache_targets = cache_targets::measure(&context, options)?;
     #[cfg(feature = "cudarc")]
     let cudarc = {
         progress.tick("cudarc's alloc+free against Pool::alloc on its stream");
@@ -384,6 +388,7 @@ pub fn run(options: &Options) -> Result<Report> {
         thread_size,
         threads,
         stream_handover,
+        cache_targets,
         #[cfg(feature = "cudarc")]
         cudarc,
     })
@@ -442,6 +447,8 @@ pub fn render(report: &Report) -> String {
     out.push_str(&threads.render());
     out.push('\n');
     out.push_str(&stream_handover::render(&report.stream_handover));
+    out.push('\n');
+    out.push_str(&cache_targets::render(&report.cache_targets));
     #[cfg(feature = "cudarc")]
     {
         out.push('\n');

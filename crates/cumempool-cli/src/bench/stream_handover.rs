@@ -11,8 +11,8 @@ use serde::Serialize;
 
 /// Threads in both phases, as in the issue.
 const THREADS: usize = 16;
-const MIN_SIZE: usize = 256;
-const MAX_SIZE: usize = 4 << 20;
+pub(super) const MIN_SIZE: usize = 256;
+pub(super) const MAX_SIZE: usize = 4 << 20;
 
 #[derive(Serialize)]
 pub struct Report {
@@ -34,7 +34,7 @@ pub struct Phase {
 }
 
 /// The size of pair `step` of `thread`: spread evenly over 256 B to 4 MiB, the same in every run.
-fn size(thread: usize, step: usize) -> usize {
+pub(super) fn size(thread: usize, step: usize) -> usize {
     let x = (thread as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (step as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
     let x = (x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     MIN_SIZE + (x >> 11) as usize % (MAX_SIZE - MIN_SIZE + 1)
@@ -47,7 +47,8 @@ fn run_threads(streams: &[Stream], pairs: usize, pair: &(dyn Fn(&Stream, usize) 
     on_threads(&spread, 0, pairs, &|stream, thread, step| pair(stream, size(thread, step)))
 }
 
-fn hit_rate(before: CacheStats, after: CacheStats) -> f64 {
+/// Hits over allocations between two snapshots of a cache's counters.
+pub(super) fn hit_rate(before: CacheStats, after: CacheStats) -> f64 {
     let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
     hits as f64 / (hits + misses).max(1) as f64
 }

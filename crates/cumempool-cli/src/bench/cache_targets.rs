@@ -1,0 +1,183 @@
+//! The cache's targets of issue 15, measured in one run beside the raw driver: one thread's
+//! cost per pair, 16 threads each on its own stream, and 16 threads sharing one stream, each
+//! with 1 MiB pairs and with mixed sizes (256 B to 4 MiB).
+
+use super::stream_handover::{self, hit_rate};
+use super::{median, on_threads, raw_pool_pair, time, Options};
+use crate::error::Result;
+use crate::table::Table;
+use cumempool::{Context, MemPool, Route, Stream};
+use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, StreamOrderedResource};
+use serde::Serialize;
+
+/// Threads of the multi-threaded rows, as in the issue.
+const THREADS: usize = 16;
+/// Sizes each thread cycles through, drawn before timing so that drawing them costs nothing.
+const SEQUENCE: usize = 4096;
+
+#[derive(Serialize)]
+pub struct Report {
+    pub threads: usize,
+    pub min_size: usize,
+    pub max_size: usize,
+    pub cache_pairs_per_thread: usize,
+    pub raw_pairs_per_thread: usize,
+    pub rows: Vec<Row>,
+}
+
+#[derive(Serialize)]
+pub struct Row {
+    pub case: &'static str,
+    /// "1 MiB" or "256 B..4 MiB".
+    pub sizes: &'static str,
+    pub threads: usize,
+    pub raw_pairs_per_s: f64,
+    pub cache_pairs_per_s: f64,
+    /// Nanoseconds of one thread per pair (one-thread rows), or total time over pairs.
+    pub cache_ns_per_pair: f64,
+    /// Cache rate over the one-thread cache rate of the same sizes.
+    pub cache_over_one_thread: f64,
+    pub cache_over_raw: f64,
+    /// Hits over allocations of the row, warm-up included.
+    pub cache_hit_rate: f64,
+    /// One-thread rows only (other rows spawn threads, which allocate).
+    pub cache_heap_allocs_per_pair: Option<f64>,
+}
+
+/// The sizes thread `thread` cycles through: all 1 MiB, or the handover's even spread.
+fn sequence(thread: usize, mixed: bool) -> Vec<usize> {
+    (0..SEQUENCE).map(|step| if mixed { stream_handover::size(thread, step) } else { 1 << 20 }).collect()
+}
+
+pub fn measure(context: &Context, options: &Options) -> Result<Report> {
+    let pool = MemPool::new(Route::device(0))?;
+    pool.set_release_threshold(u64::MAX)?;
+    let raw_sized = raw_pool_pair(&pool)?;
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool)?);
+    let cache_pairs = options.pairs * 100;
+    let raw_pairs = (options.pairs * 2 / THREADS).max(4000);
+    let sequences: Vec<[Vec<usize>; 2]> = (0..THREADS).map(|t| [sequence(t, false), sequence(t, true)]).collect();
+    let size = |thread: usize, step: usize, mixed: bool| sequences[thread][usize::from(mixed)][step % SEQUENCE];
+    let cached = |stream: &Stream, bytes: usize| match cache.allocate(bytes, 256, stream) {
+        // SAFETY: just allocated with these arguments; nothing used it.
+        Ok(ptr) => unsafe { cache.deallocate(ptr, bytes, 256, stream) }.is_ok(),
+        Err(_) => false,
+    };
+    let rounds = options.rounds.clamp(1, 3);
+    let mut rows = Vec::new();
+    for (mixed, sizes) in [(false, "1 MiB"), (true, "256 B..4 MiB")] {
+        // One thread, on this thread, so heap allocations per pair can be counted.
+        let stream = Stream::new(context)?;
+        let mut step = 0;
+        let mut one_cached = || {
+            step += 1;
+            cached(&stream, size(0, step, mixed))
+        };
+        time(cache_pairs / 10, &stream, &mut one_cached)?;
+        let before = cache.stats();
+        let (mut raw, mut ns, mut heap) = (Vec::new(), Vec::new(), 0.0f64);
+        for _ in 0..rounds {
+            let mut raw_step = 0;
+            raw.push(
+                time(raw_pairs, &stream, || {
+                    raw_step += 1;
+                    raw_sized(&stream, size(0, raw_step, mixed))
+                })?
+                .0,
+            );
+            let (n, h) = time(cache_pairs, &stream, &mut one_cached)?;
+            ns.push(n);
+            heap = heap.max(h);
+        }
+        let one = 1e9 / median(ns);
+        let raw_one = 1e9 / median(raw);
+        rows.push(Row {
+            case: "one thread",
+            sizes,
+            threads: 1,
+            raw_pairs_per_s: raw_one,
+            cache_pairs_per_s: one,
+            cache_ns_per_pair: 1e9 / one,
+            cache_over_one_thread: 1.0,
+            cache_over_raw: one / raw_one,
+            cache_hit_rate: hit_rate(before, cache.stats()),
+            cache_heap_allocs_per_pair: Some(heap),
+        });
+        drop(stream);
+
+        // Then THREADS threads on their own streams, then the same threads on one new stream
+        // (the streams of the rows before are gone: only the cache still holds them).
+        for (case, shared) in [("own streams", false), ("one shared stream", true)] {
+            let streams: Vec<Stream> = (0..if shared { 1 } else { THREADS })
+                .map(|_| Stream::new(context))
+                .collect::<cumempool::Result<_>>()?;
+            let spread: Vec<&Stream> = (0..THREADS).map(|t| &streams[t % streams.len()]).collect();
+            let before = cache.stats();
+            let (mut r, mut c) = (Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                r.push(on_threads(&spread, 0, raw_pairs, &|s, t, step| raw_sized(s, size(t, step, mixed)))?);
+                c.push(on_threads(&spread, cache_pairs / 20, cache_pairs, &|s, t, step| {
+                    cached(s, size(t, step, mixed))
+                })?);
+            }
+            let (raw_rate, cache_rate) = (median(r), median(c));
+            rows.push(Row {
+                case,
+                sizes,
+                threads: THREADS,
+                raw_pairs_per_s: raw_rate,
+                cache_pairs_per_s: cache_rate,
+                cache_ns_per_pair: 1e9 / cache_rate,
+                cache_over_one_thread: cache_rate / one,
+                cache_over_raw: cache_rate / raw_rate,
+                cache_hit_rate: hit_rate(before, cache.stats()),
+                cache_heap_allocs_per_pair: None,
+            });
+        }
+    }
+    cache.release()?;
+    Ok(Report {
+        threads: THREADS,
+        min_size: stream_handover::MIN_SIZE,
+        max_size: stream_handover::MAX_SIZE,
+        cache_pairs_per_thread: cache_pairs,
+        raw_pairs_per_thread: raw_pairs,
+        rows,
+    })
+}
+
+pub fn render(report: &Report) -> String {
+    let mut out = format!(
+        "cache targets (issue 15): one device pool; {} cache pairs and {} raw pairs per thread; \
+         each case follows the one above on the same cache\n",
+        report.cache_pairs_per_thread, report.raw_pairs_per_thread
+    );
+    let mut table = Table::new(&[
+        "case",
+        "sizes",
+        "threads",
+        "raw sys",
+        "cache",
+        "cache ns/pair",
+        "x one thread",
+        "cache/raw",
+        "hit rate",
+        "heap allocs/pair",
+    ]);
+    for r in &report.rows {
+        table.row(vec![
+            r.case.to_owned(),
+            r.sizes.to_owned(),
+            r.threads.to_string(),
+            format!("{:.2} M/s", r.raw_pairs_per_s / 1e6),
+            format!("{:.2} M/s", r.cache_pairs_per_s / 1e6),
+            format!("{:.1}", r.cache_ns_per_pair),
+            format!("{:.1}x", r.cache_over_one_thread),
+            format!("{:.0}x", r.cache_over_raw),
+            format!("{:.1}%", r.cache_hit_rate * 100.0),
+            r.cache_heap_allocs_per_pair.map_or_else(|| "-".to_owned(), |h| format!("{h:.2}")),
+        ]);
+    }
+    out.push_str(&table.render());
+    out
+}
