@@ -130,6 +130,18 @@ fn home_of(key: u64) -> usize {
     (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
 }
 
+/// A block of size class `index` from whichever lane of a stream holds one and is not busy;
+/// the lane keeps the budget the block filled, unfilled, for the slow path to take back.
+fn take_from_any_lane(lanes: &[lanes::Lane], index: usize, class: usize) -> Option<CUdeviceptr> {
+    lanes.iter().find_map(|lane| {
+        let mut lane = lane.try_lock()?;
+        let ptr = lane.pop(index)?;
+        lane.cached_bytes -= class;
+        lane.budget += class;
+        Some(ptr)
+    })
+}
+
 /// Counters of a [`CachingResource`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -595,6 +607,16 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
                         state.budget += class;
                         state.hits += 1;
                         return Ok(ptr);
+                    }
+                    // The bound is spent: blocks other threads left in their lanes of this stream
+                    // (threads that exited, or work that moved) serve this thread before the
+                    // driver is asked. Same stream, so their reuse is ordered; under the slot's
+                    // lock its lanes cannot be drained for another stream meanwhile.
+                    if self.unclaimed.load(Relaxed) < class {
+                        if let Some(ptr) = slot.lanes.get().and_then(|lanes| take_from_any_lane(lanes, index, class)) {
+                            state.hits += 1;
+                            return Ok(ptr);
+                        }
                     }
                     state.misses += 1;
                 } else {

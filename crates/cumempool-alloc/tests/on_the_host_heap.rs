@@ -687,3 +687,46 @@ fn dropping_the_cache_while_threads_hold_lanes_leaks_nothing_and_they_outlive_it
     });
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
 }
+
+/// Found by review of the lanes: blocks other threads left in their lanes of a stream could not
+/// serve a thread that needed them once the bound was spent, so every pair of that thread went
+/// to the resource below (measured: 700 allocations below in 1,600 before the fix, 0 before
+/// the lanes). Once the bound is spent, a miss takes a block from another lane of the stream.
+#[test]
+fn blocks_left_in_other_threads_lanes_serve_a_thread_when_the_bound_is_spent() {
+    // Blocks larger than the budget chunks, as in the measured case (1 MiB, 320 MiB bound).
+    let (threads, per_thread, rounds, block) = if cfg!(miri) { (6, 2, 3, 1 << 16) } else { (40, 8, 100, 1 << 20) };
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::with_max_cached(&below, threads * per_thread * block);
+    let stream = fake_stream(70);
+    let barrier = std::sync::Barrier::new(threads);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            let (cache, stream, barrier) = (&cache, stream.clone(), &barrier);
+            scope.spawn(move || {
+                barrier.wait();
+                let held: Vec<_> = (0..per_thread).map(|_| cache.allocate(block, 256, &stream).unwrap()).collect();
+                barrier.wait();
+                for ptr in held {
+                    unsafe { cache.deallocate(ptr, block, 256, &stream) }.unwrap();
+                }
+                barrier.wait(); // all alive until every block is back, as a pool of workers
+            });
+        }
+    });
+    let asked_before = below.usage().total_count;
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..rounds {
+                let held: Vec<_> = (0..2 * per_thread).map(|_| cache.allocate(block, 256, &stream).unwrap()).collect();
+                for ptr in held {
+                    unsafe { cache.deallocate(ptr, block, 256, &stream) }.unwrap();
+                }
+            }
+        });
+    });
+    let asked = below.usage().total_count - asked_before;
+    assert!(asked <= 2 * per_thread, "the resource below was asked {asked} times: the cached blocks were stranded");
+    drop(cache);
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}

@@ -63,6 +63,12 @@ impl Lane {
     }
 
     #[cold]
+    /// Locks the lane if no one holds it: for slow paths that may pass a busy lane by.
+    #[inline]
+    pub(super) fn try_lock(&self) -> Option<LaneGuard<'_>> {
+        self.locked.compare_exchange(false, true, Acquire, Relaxed).is_ok().then_some(LaneGuard { lane: self })
+    }
+
     fn lock_contended(&self) {
         let mut spins = 0u32;
         loop {
