@@ -425,6 +425,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     }
 
     /// Counters, summed over all streams.
+    ///
+    /// The sum is taken one slot and lane at a time while other threads keep working, so it is
+    /// a snapshot of no single moment: a block counted in one lane may be handed out and freed
+    /// into a lane counted later, and `cached_bytes` can then read slightly above the bound. The
+    /// bound itself always holds.
     pub fn stats(&self) -> CacheStats {
         let mut stats = CacheStats { misses: self.overflow_misses.load(Relaxed), ..CacheStats::default() };
         for slot in self.slots.iter() {

@@ -152,6 +152,10 @@ impl LaneState {
             }
             *count = 0;
         }
+        // A slow path: give the lists' host memory back too (64 lanes of 256 streams would
+        // otherwise keep about 140 MiB); the lane's next free makes them again.
+        self.blocks = Vec::new();
+        self.counts = Vec::new();
         std::mem::take(&mut self.cached_bytes) + std::mem::take(&mut self.budget)
     }
 
