@@ -730,3 +730,68 @@ fn blocks_left_in_other_threads_lanes_serve_a_thread_when_the_bound_is_spent() {
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
 }
+
+/// Threads enter their lanes with no lock while other threads' slow paths (release, stats,
+/// release of one stream, gathering from lanes once the bound is spent) claim those lanes:
+/// every block is in one user's hands at a time (each holder stamps its blocks and finds its
+/// stamp intact at the free), the bound holds in every snapshot, and nothing leaks.
+#[test]
+fn owners_and_slow_paths_never_share_a_lane() {
+    let (threads, pairs, max) = if cfg!(miri) { (3, 40, 4 << 10) } else { (12, 20_000, 64 << 10) };
+    let bound = 6 * max;
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::with_max_cached(&below, bound);
+    let streams = [fake_stream(80), fake_stream(81)];
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|thread| {
+                let (cache, stream) = (&cache, &streams[thread % 2]);
+                scope.spawn(move || {
+                    let stamp = |ptr: u64, step: usize| (ptr as usize as *mut u64, (thread << 32 | step) as u64);
+                    let mut out: Vec<(u64, usize, usize)> = Vec::new();
+                    for step in 0..pairs {
+                        let bytes = mixed_size(thread, step, max).max(8);
+                        let ptr = cache.allocate(bytes, 256, stream).unwrap();
+                        let (at, value) = stamp(ptr, step);
+                        // SAFETY: host heap memory of at least 8 bytes, 256-byte aligned.
+                        unsafe { at.write(value) };
+                        out.push((ptr, bytes, step));
+                        if out.len() == 2 {
+                            let (ptr, bytes, step) = out.remove(0);
+                            let (at, value) = stamp(ptr, step);
+                            // SAFETY: as above; still this thread's.
+                            assert_eq!(unsafe { at.read() }, value, "a block was in two hands");
+                            unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
+                        }
+                    }
+                    for (ptr, bytes, _) in out {
+                        unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
+                    }
+                })
+            })
+            .collect();
+        scope.spawn(|| {
+            let mut round = 0usize;
+            while !done.load(Relaxed) {
+                let stats = cache.stats();
+                assert!(stats.cached_bytes <= bound, "{stats:?}");
+                match round % 3 {
+                    0 => cache.release().unwrap(),
+                    1 => cache.release_stream(&streams[round % 2]).unwrap(),
+                    _ => std::thread::yield_now(),
+                }
+                round += 1;
+            }
+        });
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        done.store(true, Relaxed);
+    });
+    let stats = cache.stats();
+    assert!(stats.cached_bytes <= bound, "{stats:?}");
+    assert_eq!(below.usage().current_bytes, stats.cached_bytes, "all that is below is counted");
+    drop(cache);
+    assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}

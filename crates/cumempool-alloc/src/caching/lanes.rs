@@ -1,18 +1,30 @@
-//! A stream's lanes: a few free blocks per size class for each thread using the stream, behind
-//! a lock that only that thread takes on the hot path.
+//! A stream's lanes: a few free blocks per size class for each thread using the stream, which
+//! that thread enters without any read-modify-write instruction.
 //!
-//! Threads sharing one stream would otherwise serialise on the stream's one lock. Each thread
-//! gets a lane number for its life (reused by a later thread once it exits, so that thread takes
-//! over the blocks it left); thread `t` uses lane `t % LANES` of every stream. The cache's slow
-//! paths (release, reclaim, eviction, the no-memory retry, drop) lock every lane and take what
-//! it holds, so no block is out of their reach.
+//! Threads sharing one stream would otherwise serialise on the stream's one lock, and even a
+//! lock nobody else takes costs a locked instruction to take (about 10 ns on the H200 node's
+//! Xeon, twice per pair). So each thread gets a lane number for its life, and lane `n` of every
+//! stream belongs to the thread holding number `n`: its *owner*. A number is given back when its
+//! thread exits, and the next thread to start takes it, with the blocks the lane holds. Threads
+//! beyond the first [`LANES`] have no lane and use the stream's shared lists.
+//!
+//! The owner enters its lane by storing `busy` and reading `claimed`; a slow path of any thread
+//! (release, reclaim, eviction, the no-memory retry, stats, drop, a miss once the bound is
+//! spent) claims a lane by storing `claimed` and reading `busy`, waiting for the owner to leave.
+//! That is Dekker's mutual exclusion, which needs a full fence between each side's store and
+//! load. The owner's side runs on every hot path, so it gets the free half of an asymmetric
+//! fence (a compiler fence), and the slow path the expensive half: a `membarrier` system call
+//! that makes every running thread of the process execute a full fence (Linux 4.14 and later).
+//! Where that call cannot be registered (other systems, a kernel or sandbox without it, Miri),
+//! both sides use an ordinary sequentially consistent fence, which costs the owner about what a
+//! lock would.
 
+use super::CLASSES;
 use cumempool::sys::CUdeviceptr;
-use std::cell::UnsafeCell;
-use std::ops::{Deref, DerefMut};
+use std::cell::{Cell, UnsafeCell};
 use std::sync::atomic::{
-    AtomicBool, AtomicUsize,
-    Ordering::{Acquire, Relaxed, Release},
+    compiler_fence, fence, AtomicBool, AtomicU8, AtomicUsize,
+    Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
 };
 use std::sync::Mutex;
 
@@ -21,25 +33,28 @@ pub(super) const LANES: usize = 64;
 /// Blocks a lane holds per size class; further frees go to the stream's shared lists.
 const DEPTH: usize = 8;
 
-/// One thread's free blocks on one stream. The lock is a flag rather than a `Mutex`: its
-/// unlock is a plain release store, where a `Mutex` unlock is a read-modify-write, and the hot
-/// path takes it twice per pair.
+/// One thread's free blocks on one stream.
 #[repr(align(128))]
 pub(super) struct Lane {
-    locked: AtomicBool,
+    /// Set by the owner while it works in the lane; written by no other thread.
+    busy: AtomicBool,
+    /// Set by a slow path that has taken the lane from its owner, or is waiting to.
+    claimed: AtomicBool,
+    /// Bytes held, as of the last time someone left the lane: lets slow paths pass empty lanes
+    /// by without claiming them.
+    held: AtomicUsize,
     state: UnsafeCell<LaneState>,
 }
 
-// SAFETY: `state` is only reached through a `LaneGuard`, which holds `locked`: one thread at a
-// time, with acquire/release ordering between holders. `LaneState` itself is `Send`.
+// SAFETY: `state` is only reached through an `OwnedLane` or `ClaimedLanes`, which exclude each
+// other through `busy` and `claimed` (see the module's documentation), with acquire/release
+// ordering from one holder to the next. `LaneState` itself is `Send`.
 unsafe impl Sync for Lane {}
 
 #[derive(Default)]
 pub(super) struct LaneState {
-    /// `DEPTH` entries per size class; empty until the lane first caches a block.
-    blocks: Vec<CUdeviceptr>,
-    /// Blocks held per size class; empty with `blocks`.
-    counts: Vec<u8>,
+    /// Made when the lane first caches a block.
+    lists: Option<Box<Lists>>,
     /// Bytes in `blocks`.
     pub cached_bytes: usize,
     /// Budget this lane has claimed from the bound and not yet filled with blocks.
@@ -47,67 +62,139 @@ pub(super) struct LaneState {
     pub hits: u64,
 }
 
+/// A lane's blocks: fixed-size arrays, so that the hot path checks one index.
+struct Lists {
+    /// Blocks held per size class.
+    counts: [u8; CLASSES],
+    /// `DEPTH` entries per size class, the first `counts[class]` of them held.
+    blocks: [[CUdeviceptr; DEPTH]; CLASSES],
+}
+
 impl Lane {
     pub(super) fn new() -> Self {
-        Self { locked: AtomicBool::new(false), state: UnsafeCell::new(LaneState::default()) }
-    }
-
-    /// Locks the lane: at once on the hot path (only its thread takes it there); a slow path
-    /// holding it keeps it for a few instructions, so waiting spins, then yields.
-    #[inline]
-    pub(super) fn lock(&self) -> LaneGuard<'_> {
-        if self.locked.compare_exchange(false, true, Acquire, Relaxed).is_err() {
-            self.lock_contended();
+        Self {
+            busy: AtomicBool::new(false),
+            claimed: AtomicBool::new(false),
+            held: AtomicUsize::new(0),
+            state: UnsafeCell::new(LaneState::default()),
         }
-        LaneGuard { lane: self }
     }
 
-    #[cold]
-    /// Locks the lane if no one holds it: for slow paths that may pass a busy lane by.
-    #[inline]
-    pub(super) fn try_lock(&self) -> Option<LaneGuard<'_>> {
-        self.locked.compare_exchange(false, true, Acquire, Relaxed).is_ok().then_some(LaneGuard { lane: self })
-    }
-
-    fn lock_contended(&self) {
-        let mut spins = 0u32;
-        loop {
-            if !self.locked.load(Relaxed) && self.locked.compare_exchange(false, true, Acquire, Relaxed).is_ok() {
-                return;
-            }
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+    /// Whether the lane held blocks when it was last left.
+    pub(super) fn may_hold_blocks(&self) -> bool {
+        self.held.load(Relaxed) > 0
     }
 }
 
-pub(super) struct LaneGuard<'a> {
+/// The calling thread in its own lane of one stream.
+pub(super) struct OwnedLane<'a> {
     lane: &'a Lane,
 }
 
-impl Deref for LaneGuard<'_> {
+/// The calling thread's own lane among a stream's `lanes`, unless it has none (a thread beyond
+/// the first [`LANES`], or one whose thread-locals are being destroyed), a slow path holds it,
+/// or the thread is in it already (a re-entrant call from inside the cache).
+#[inline]
+pub(super) fn own_lane(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
+    let lane = lanes.get(lane_number())?;
+    // Only the owner stores `true` here, so reading it set means this thread is inside.
+    if lane.busy.load(Relaxed) {
+        return None;
+    }
+    lane.busy.store(true, Relaxed);
+    light_fence();
+    if lane.claimed.load(Acquire) {
+        lane.busy.store(false, Release);
+        return None;
+    }
+    Some(OwnedLane { lane })
+}
+
+impl std::ops::Deref for OwnedLane<'_> {
     type Target = LaneState;
+    #[inline]
     fn deref(&self) -> &LaneState {
-        // SAFETY: the guard holds the lane's lock.
+        // SAFETY: the owner is in the lane and no slow path has claimed it.
         unsafe { &*self.lane.state.get() }
     }
 }
 
-impl DerefMut for LaneGuard<'_> {
+impl std::ops::DerefMut for OwnedLane<'_> {
+    #[inline]
     fn deref_mut(&mut self) -> &mut LaneState {
-        // SAFETY: the guard holds the lane's lock.
+        // SAFETY: as in `deref`; `&mut self` keeps this the only reference.
         unsafe { &mut *self.lane.state.get() }
     }
 }
 
-impl Drop for LaneGuard<'_> {
+impl Drop for OwnedLane<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.lane.locked.store(false, Release);
+        // SAFETY: as in `deref`.
+        let held = unsafe { (*self.lane.state.get()).cached_bytes };
+        self.lane.held.store(held, Relaxed);
+        self.lane.busy.store(false, Release);
+    }
+}
+
+/// Lanes a slow path has taken from their owners, in groups (a stream's lanes each); they go
+/// back when this is dropped.
+pub(super) struct ClaimedLanes<'a> {
+    groups: Vec<&'a [Lane]>,
+}
+
+/// Claims every lane of `groups` (one fence for all of them), waiting for owners inside to
+/// leave. Callers claim a stream's lanes only while they hold its slot's lock, and take no slot
+/// lock while they hold claims, so no two slow paths ever wait for the same lane.
+pub(super) fn claim(groups: Vec<&[Lane]>) -> ClaimedLanes<'_> {
+    let lanes = || groups.iter().flat_map(|group| group.iter());
+    for lane in lanes() {
+        let mut spins = 0u32;
+        while lane.claimed.compare_exchange(false, true, Acquire, Relaxed).is_err() {
+            back_off(&mut spins);
+        }
+    }
+    if !groups.iter().all(|group| group.is_empty()) {
+        heavy_fence();
+    }
+    for lane in lanes() {
+        let mut spins = 0u32;
+        while lane.busy.load(Acquire) {
+            back_off(&mut spins);
+        }
+    }
+    ClaimedLanes { groups }
+}
+
+impl ClaimedLanes<'_> {
+    /// The states of the lanes of group `group`.
+    pub(super) fn group(&mut self, group: usize) -> impl Iterator<Item = &mut LaneState> + '_ {
+        let lanes = self.groups.get(group).copied().unwrap_or_default();
+        // SAFETY: every lane here is claimed and its owner outside; `&mut self` keeps these the
+        // only references while they live, and each lane appears once.
+        lanes.iter().map(|lane| unsafe { &mut *lane.state.get() })
+    }
+}
+
+impl Drop for ClaimedLanes<'_> {
+    fn drop(&mut self) {
+        for lane in self.groups.iter().flat_map(|group| group.iter()) {
+            // SAFETY: claimed, as in `group`; no reference from `group` outlives `&mut self`.
+            let held = unsafe { (*lane.state.get()).cached_bytes };
+            lane.held.store(held, Relaxed);
+            lane.claimed.store(false, Release);
+        }
+    }
+}
+
+/// Spins briefly, then yields: whoever holds a lane leaves it within a few instructions unless
+/// it was descheduled.
+fn back_off(spins: &mut u32) {
+    *spins += 1;
+    if *spins < 64 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
     }
 }
 
@@ -115,75 +202,261 @@ impl LaneState {
     /// A block of size class `index`, if the lane holds one.
     #[inline]
     pub(super) fn pop(&mut self, index: usize) -> Option<CUdeviceptr> {
-        let count = self.counts.get_mut(index)?;
+        let lists = self.lists.as_deref_mut()?;
+        let (count, blocks) = (lists.counts.get_mut(index)?, lists.blocks.get(index)?);
         *count = count.checked_sub(1)?;
-        self.blocks.get(index * DEPTH + usize::from(*count)).copied()
+        blocks.get(usize::from(*count)).copied()
     }
 
     /// Whether a block of size class `index` fits.
     #[inline]
     pub(super) fn has_room(&self, index: usize) -> bool {
-        self.counts.get(index).is_none_or(|&count| usize::from(count) < DEPTH)
+        self.lists.as_ref().is_none_or(|lists| lists.counts.get(index).is_some_and(|&count| usize::from(count) < DEPTH))
     }
 
-    /// Keeps a block of size class `index` (`classes` in all); the first one allocates the
-    /// lane's lists, once. The caller checked `has_room`.
+    /// Keeps a block of size class `index`; the first one makes the lane's lists, once. The
+    /// caller checked `has_room`.
     #[inline]
-    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr, classes: usize) {
-        if self.counts.is_empty() {
-            self.counts = vec![0; classes];
-            self.blocks = vec![0; classes * DEPTH];
-        }
-        if let Some(count) = self.counts.get_mut(index) {
-            if let Some(entry) = self.blocks.get_mut(index * DEPTH + usize::from(*count)) {
+    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr) {
+        let lists =
+            self.lists.get_or_insert_with(|| Box::new(Lists { counts: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] }));
+        if let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) {
+            if let Some(entry) = blocks.get_mut(usize::from(*count)) {
                 *entry = ptr;
                 *count += 1;
             }
         }
     }
 
+    /// The blocks of each size class: (class, blocks).
+    fn held(&self) -> impl Iterator<Item = (usize, &[CUdeviceptr])> {
+        self.lists.iter().flat_map(|lists| {
+            lists
+                .counts
+                .iter()
+                .zip(&lists.blocks)
+                .enumerate()
+                .map(|(index, (&count, blocks))| (index, blocks.get(..usize::from(count)).unwrap_or_default()))
+        })
+    }
+
+    /// Moves the blocks of size class `index` into `list`; answers how many.
+    pub(super) fn take_class(&mut self, index: usize, list: &mut Vec<CUdeviceptr>) -> usize {
+        let Some(lists) = self.lists.as_deref_mut() else { return 0 };
+        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get(index)) else { return 0 };
+        let n = usize::from(std::mem::take(count));
+        list.extend_from_slice(blocks.get(..n).unwrap_or_default());
+        n
+    }
+
     /// Moves every block into `lists` (by size class) and empties the lane; answers the bytes
     /// it held, blocks and budget, for the bound.
     pub(super) fn drain_into(&mut self, lists: &mut [Vec<CUdeviceptr>]) -> usize {
-        for (index, count) in self.counts.iter_mut().enumerate() {
-            let held = self.blocks.get(index * DEPTH..index * DEPTH + usize::from(*count)).unwrap_or_default();
+        for (index, held) in self.held() {
             if let Some(list) = lists.get_mut(index) {
                 list.extend_from_slice(held);
             }
-            *count = 0;
         }
         // A slow path: give the lists' host memory back too (64 lanes of 256 streams would
         // otherwise keep about 140 MiB); the lane's next free makes them again.
-        self.blocks = Vec::new();
-        self.counts = Vec::new();
+        self.lists = None;
         std::mem::take(&mut self.cached_bytes) + std::mem::take(&mut self.budget)
     }
 
     /// Blocks held.
     pub(super) fn blocks(&self) -> usize {
-        self.counts.iter().map(|&count| usize::from(count)).sum()
+        self.held().map(|(_, held)| held.len()).sum()
     }
+}
+
+/// Which fences pair up: decided once, before any cache exists, and never changed after.
+static FENCES: AtomicU8 = AtomicU8::new(UNDECIDED);
+const UNDECIDED: u8 = 0;
+/// The owner uses a compiler fence; slow paths `membarrier`.
+const ASYMMETRIC: u8 = 1;
+/// Both sides use a full fence.
+const SYMMETRIC: u8 = 2;
+
+/// Decides how lanes fence, registering this process for `membarrier` if it can. Called by
+/// every cache's constructor: owners read the decision only through a cache, made after it.
+pub(super) fn prepare_fences() {
+    if FENCES.load(Acquire) == UNDECIDED {
+        let mode = if register_membarrier() { ASYMMETRIC } else { SYMMETRIC };
+        // A race between two first caches decides once; both computed the same answer.
+        let _ = FENCES.compare_exchange(UNDECIDED, mode, AcqRel, Acquire);
+    }
+}
+
+/// The owner's half of the fence between storing `busy` and reading `claimed`.
+#[inline]
+fn light_fence() {
+    if FENCES.load(Relaxed) == ASYMMETRIC {
+        compiler_fence(SeqCst);
+    } else {
+        fence(SeqCst);
+    }
+}
+
+/// A slow path's half of the fence between storing `claimed` and reading `busy`.
+fn heavy_fence() {
+    if FENCES.load(Relaxed) == ASYMMETRIC {
+        expedited_membarrier();
+    } else {
+        fence(SeqCst);
+    }
+}
+
+#[cfg(all(target_os = "linux", not(miri)))]
+fn register_membarrier() -> bool {
+    use rustix::thread::{membarrier, MembarrierCommand};
+    membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
+        && membarrier(MembarrierCommand::PrivateExpedited).is_ok()
+}
+
+#[cfg(not(all(target_os = "linux", not(miri))))]
+fn register_membarrier() -> bool {
+    false
+}
+
+/// Makes every running thread of the process execute a full memory barrier. Owners already
+/// chose the compiler fence, so there is no going back: a process that forked is registered
+/// again (a child starts unregistered), and a call that still fails is retried rather than
+/// passed over, since passing over would let a slow path and an owner into one lane.
+#[cfg(all(target_os = "linux", not(miri)))]
+fn expedited_membarrier() {
+    use rustix::thread::{membarrier, MembarrierCommand};
+    let mut attempts = 0u32;
+    while membarrier(MembarrierCommand::PrivateExpedited).is_err() {
+        let _ = membarrier(MembarrierCommand::RegisterPrivateExpedited);
+        attempts += 1;
+        if attempts == 3 {
+            tracing::error!("membarrier(PRIVATE_EXPEDITED) keeps failing after registration; retrying");
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[cfg(not(all(target_os = "linux", not(miri))))]
+fn expedited_membarrier() {
+    // Never chosen here: `register_membarrier` answers false.
+    fence(SeqCst);
 }
 
 /// Lane numbers of exited threads, for the next threads to take (with what they left).
 static FREE_LANES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 static NEXT_LANE: AtomicUsize = AtomicUsize::new(0);
 
-/// A thread's lane number, given back when the thread exits.
-struct LaneNumber(usize);
+/// `LANE_NUMBER` before the thread's first use of a cache.
+const UNASSIGNED: usize = usize::MAX;
+/// `LANE_NUMBER` once the thread has given its number back (its thread-locals are being
+/// destroyed): no lane any more, the shared lists serve it.
+const GIVEN_BACK: usize = usize::MAX - 1;
 
-impl Drop for LaneNumber {
+thread_local! {
+    /// The thread's lane number: read on every hot path, so a plain `Cell` with a constant
+    /// initial value (no lazy state, nothing to destroy), readable even while the thread's
+    /// other locals are destroyed. Unique among live threads: lane `n` of every stream has one
+    /// owner at a time.
+    static LANE_NUMBER: Cell<usize> = const { Cell::new(UNASSIGNED) };
+    /// Gives the number back when the thread exits; made with the number.
+    static LANE_RETURN: LaneReturn = const { LaneReturn };
+}
+
+struct LaneReturn;
+
+impl Drop for LaneReturn {
     fn drop(&mut self) {
-        super::lock(&FREE_LANES).push(self.0);
+        let number = LANE_NUMBER.with(|cell| cell.replace(GIVEN_BACK));
+        if number < GIVEN_BACK {
+            super::lock(&FREE_LANES).push(number);
+        }
     }
 }
 
-thread_local! {
-    static LANE: LaneNumber = LaneNumber(super::lock(&FREE_LANES).pop().unwrap_or_else(|| NEXT_LANE.fetch_add(1, Relaxed)));
+/// The calling thread's lane number, taking one on first use.
+#[inline]
+fn lane_number() -> usize {
+    let number = LANE_NUMBER.with(Cell::get);
+    if number == UNASSIGNED {
+        return take_lane_number();
+    }
+    number
 }
 
-/// The calling thread's lane (lane 0 while the thread's locals are being destroyed).
-#[inline]
-pub(super) fn this_threads_lane() -> usize {
-    LANE.try_with(|lane| lane.0 % LANES).unwrap_or(0)
+/// Takes the lowest free number, so that numbers stay below [`LANES`] while few threads live,
+/// and arranges for it to be given back. A thread whose locals are being destroyed gets none.
+#[cold]
+fn take_lane_number() -> usize {
+    // Registering the destructor first: if that is refused (the thread is exiting), no number
+    // is taken, so none can leak.
+    if LANE_RETURN.try_with(|_| ()).is_err() {
+        LANE_NUMBER.with(|cell| cell.set(GIVEN_BACK));
+        return GIVEN_BACK;
+    }
+    let number = {
+        let mut free = super::lock(&FREE_LANES);
+        match free.iter().enumerate().min_by_key(|&(_, &number)| number) {
+            Some((at, _)) => free.swap_remove(at),
+            None => NEXT_LANE.fetch_add(1, Relaxed).min(GIVEN_BACK - 1),
+        }
+    };
+    LANE_NUMBER.with(|cell| cell.set(number));
+    number
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lanes() -> Vec<Lane> {
+        prepare_fences();
+        (0..LANES).map(|_| Lane::new()).collect()
+    }
+
+    #[test]
+    fn a_thread_inside_its_lane_cannot_enter_it_again() {
+        let lanes = lanes();
+        let inside = own_lane(&lanes);
+        assert!(inside.is_some());
+        assert!(own_lane(&lanes).is_none(), "a re-entrant call would alias the lane's state");
+        drop(inside);
+        assert!(own_lane(&lanes).is_some());
+    }
+
+    #[test]
+    fn a_claimed_lane_turns_its_owner_away_until_given_back() {
+        let lanes = lanes();
+        let mut claimed = claim(vec![&lanes[..]]);
+        assert!(own_lane(&lanes).is_none());
+        claimed.group(0).for_each(|lane| lane.budget += 1);
+        drop(claimed);
+        let lane = own_lane(&lanes).expect("given back");
+        assert_eq!(lane.budget, 1, "the owner sees what the claim wrote");
+    }
+
+    #[test]
+    fn no_two_living_threads_own_one_lane_and_threads_beyond_the_lanes_own_none() {
+        let lanes = lanes();
+        let threads = LANES + 6;
+        let barrier = std::sync::Barrier::new(threads);
+        let owned: Vec<Option<usize>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    let (lanes, barrier) = (&lanes, &barrier);
+                    scope.spawn(move || {
+                        let lane = own_lane(lanes);
+                        let at = lane.as_ref().map(|lane| std::ptr::from_ref(lane.lane) as usize);
+                        barrier.wait(); // every thread holds its lane at once
+                        at
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|handle| handle.join().unwrap_or(None)).collect()
+        });
+        let mut at: Vec<usize> = owned.iter().flatten().copied().collect();
+        assert!(at.len() <= LANES);
+        at.sort_unstable();
+        at.dedup();
+        assert_eq!(at.len(), owned.iter().flatten().count(), "two threads in one lane");
+    }
 }

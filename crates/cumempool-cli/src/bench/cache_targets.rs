@@ -1,6 +1,8 @@
 //! The cache's targets of issue 15, measured in one run beside the raw driver: one thread's
 //! cost per pair, 16 threads each on its own stream, and 16 threads sharing one stream, each
-//! with 1 MiB pairs and with mixed sizes (256 B to 4 MiB).
+//! with 1 MiB pairs and with mixed sizes (256 B to 4 MiB). Beside them, a plain thread-local
+//! free list timed the same way on one and on 16 threads: what the node itself allows, the
+//! reference the issue names ("a pair from a thread-local free list costs a few nanoseconds").
 
 use super::stream_handover::{self, hit_rate};
 use super::{median, on_threads, raw_pool_pair, time, Options};
@@ -9,11 +11,13 @@ use crate::table::Table;
 use cumempool::{Context, MemPool, Route, Stream};
 use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, StreamOrderedResource};
 use serde::Serialize;
+use std::cell::RefCell;
 
 /// Threads of the multi-threaded rows, as in the issue.
 const THREADS: usize = 16;
 /// Sizes each thread cycles through, drawn before timing so that drawing them costs nothing.
 const SEQUENCE: usize = 4096;
+const _: () = assert!(SEQUENCE.is_power_of_two());
 
 #[derive(Serialize)]
 pub struct Report {
@@ -23,6 +27,18 @@ pub struct Report {
     pub cache_pairs_per_thread: usize,
     pub raw_pairs_per_thread: usize,
     pub rows: Vec<Row>,
+    /// The thread-local free list's rows.
+    pub reference: Vec<ReferenceRow>,
+}
+
+#[derive(Serialize)]
+pub struct ReferenceRow {
+    pub sizes: &'static str,
+    pub threads: usize,
+    pub pairs_per_s: f64,
+    pub ns_per_pair: f64,
+    /// Rate over the one-thread rate of the same sizes.
+    pub over_one_thread: f64,
 }
 
 #[derive(Serialize)]
@@ -49,6 +65,25 @@ fn sequence(thread: usize, mixed: bool) -> Vec<usize> {
     (0..SEQUENCE).map(|step| if mixed { stream_handover::size(thread, step) } else { 1 << 20 }).collect()
 }
 
+thread_local! {
+    /// The reference's free lists: one per power of two, each thread its own, no lock.
+    static FREE_LISTS: RefCell<Vec<Vec<u64>>> = RefCell::new((0..64).map(|_| Vec::with_capacity(64)).collect());
+}
+
+/// One allocation+free pair from this thread's plain free lists: pop a block of the size's
+/// class (or make one up), push it back. Blocks are numbers, never memory: only the lists'
+/// own work is timed.
+fn free_list_pair(bytes: usize) -> bool {
+    FREE_LISTS.with(|lists| {
+        let mut lists = lists.borrow_mut();
+        let class = bytes.next_power_of_two().trailing_zeros() as usize;
+        let Some(list) = lists.get_mut(class) else { return false };
+        let block = list.pop().unwrap_or(bytes as u64);
+        list.push(std::hint::black_box(block));
+        true
+    })
+}
+
 pub fn measure(context: &Context, options: &Options) -> Result<Report> {
     let pool = MemPool::new(Route::device(0))?;
     pool.set_release_threshold(u64::MAX)?;
@@ -57,15 +92,51 @@ pub fn measure(context: &Context, options: &Options) -> Result<Report> {
     let cache_pairs = options.pairs * 100;
     let raw_pairs = (options.pairs * 2 / THREADS).max(4000);
     let sequences: Vec<[Vec<usize>; 2]> = (0..THREADS).map(|t| [sequence(t, false), sequence(t, true)]).collect();
-    let size = |thread: usize, step: usize, mixed: bool| sequences[thread][usize::from(mixed)][step % SEQUENCE];
+    // A mask, not a modulo, and one bounds check: the harness's own cost stays small beside a
+    // cache hit (the reference rows show what is left of it).
+    let size = |thread: usize, step: usize, mixed: bool| {
+        sequences.get(thread).map_or(1 << 20, |both| both[usize::from(mixed)][step & (SEQUENCE - 1)])
+    };
     let cached = |stream: &Stream, bytes: usize| match cache.allocate(bytes, 256, stream) {
         // SAFETY: just allocated with these arguments; nothing used it.
         Ok(ptr) => unsafe { cache.deallocate(ptr, bytes, 256, stream) }.is_ok(),
         Err(_) => false,
     };
-    let rounds = options.rounds.clamp(1, 3);
+    // Rounds of a few milliseconds each: enough of them that one slow round (a clock change, a
+    // descheduled thread) does not move the median.
+    let rounds = options.rounds.clamp(1, 7);
     let mut rows = Vec::new();
+    let mut reference = Vec::new();
     for (mixed, sizes) in [(false, "1 MiB"), (true, "256 B..4 MiB")] {
+        // The reference first, on the same threads' machinery as the cache's rows.
+        let stream = Stream::new(context)?;
+        let mut one_rate = 0.0;
+        for threads in [1, THREADS] {
+            let spread: Vec<&Stream> = vec![&stream; threads];
+            let rate = median(
+                (0..rounds)
+                    // Four times the cache's pairs: a run this fast would otherwise be short
+                    // next to starting and joining the threads.
+                    .map(|_| {
+                        on_threads(&spread, cache_pairs / 20, 4 * cache_pairs, &|_, t, step| {
+                            free_list_pair(size(t, step, mixed))
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+            );
+            if threads == 1 {
+                one_rate = rate;
+            }
+            reference.push(ReferenceRow {
+                sizes,
+                threads,
+                pairs_per_s: rate,
+                ns_per_pair: 1e9 / rate * threads as f64,
+                over_one_thread: rate / one_rate,
+            });
+        }
+        drop(stream);
+
         // One thread, on this thread, so heap allocations per pair can be counted.
         let stream = Stream::new(context)?;
         let mut step = 0;
@@ -143,6 +214,7 @@ pub fn measure(context: &Context, options: &Options) -> Result<Report> {
         cache_pairs_per_thread: cache_pairs,
         raw_pairs_per_thread: raw_pairs,
         rows,
+        reference,
     })
 }
 
@@ -176,6 +248,21 @@ pub fn render(report: &Report) -> String {
             format!("{:.0}x", r.cache_over_raw),
             format!("{:.1}%", r.cache_hit_rate * 100.0),
             r.cache_heap_allocs_per_pair.map_or_else(|| "-".to_owned(), |h| format!("{h:.2}")),
+        ]);
+    }
+    out.push_str(&table.render());
+    out.push_str(
+        "reference: a plain thread-local free list (a Vec per power of two, no lock), same sizes and \
+         threads; ns/pair is per thread\n",
+    );
+    let mut table = Table::new(&["sizes", "threads", "pairs", "ns/pair", "x one thread"]);
+    for r in &report.reference {
+        table.row(vec![
+            r.sizes.to_owned(),
+            r.threads.to_string(),
+            format!("{:.2} M/s", r.pairs_per_s / 1e6),
+            format!("{:.1}", r.ns_per_pair),
+            format!("{:.1}x", r.over_one_thread),
         ]);
     }
     out.push_str(&table.render());
