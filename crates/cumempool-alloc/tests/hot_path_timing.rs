@@ -81,10 +81,31 @@ fn time_the_locks(rounds: u32) {
     println!("uncontended lock+unlock: flag (compare-exchange, store) {flag_ns:.1} ns, std Mutex {mutex_ns:.1} ns");
 }
 
+/// The reference of `cumempool bench`'s cache targets, in this process: a pair from a plain
+/// thread-local free list (a `Vec` per power of two).
+fn time_a_plain_free_list(pairs: usize) {
+    thread_local! {
+        static LISTS: std::cell::RefCell<Vec<Vec<u64>>> = std::cell::RefCell::new((0..64).map(|_| Vec::with_capacity(64)).collect());
+    }
+    let start = Instant::now();
+    for step in 0..pairs {
+        let bytes = std::hint::black_box(1usize << 20) + (step & 1);
+        LISTS.with(|lists| {
+            let mut lists = lists.borrow_mut();
+            let list = &mut lists[bytes.next_power_of_two().trailing_zeros() as usize];
+            let block = list.pop().unwrap_or(bytes as u64);
+            list.push(std::hint::black_box(block));
+        });
+    }
+    let ns = start.elapsed().as_nanos() as f64 / pairs as f64;
+    println!("plain thread-local free list: {ns:.1} ns per pair");
+}
+
 #[test]
 #[ignore = "a timing, not a check: run it with --release --ignored --nocapture"]
 fn time_the_hot_path() {
     time_the_locks(10_000_000);
+    time_a_plain_free_list(20_000_000);
     let per_thread = 2_000_000;
     for mixed in [false, true] {
         let sizes = if mixed { "256 B..4 MiB" } else { "1 MiB" };

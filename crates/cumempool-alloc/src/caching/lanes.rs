@@ -19,7 +19,7 @@
 //! both sides use an ordinary sequentially consistent fence, which costs the owner about what a
 //! lock would.
 
-use super::CLASSES;
+use super::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
 use std::cell::{Cell, UnsafeCell};
 use std::sync::atomic::{
@@ -40,9 +40,6 @@ pub(super) struct Lane {
     busy: AtomicBool,
     /// Set by a slow path that has taken the lane from its owner, or is waiting to.
     claimed: AtomicBool,
-    /// Bytes held, as of the last time someone left the lane: lets slow paths pass empty lanes
-    /// by without claiming them.
-    held: AtomicUsize,
     state: UnsafeCell<LaneState>,
 }
 
@@ -55,8 +52,6 @@ unsafe impl Sync for Lane {}
 pub(super) struct LaneState {
     /// Made when the lane first caches a block.
     lists: Option<Box<Lists>>,
-    /// Bytes in `blocks`.
-    pub cached_bytes: usize,
     /// Budget this lane has claimed from the bound and not yet filled with blocks.
     pub budget: usize,
     pub hits: u64,
@@ -75,14 +70,8 @@ impl Lane {
         Self {
             busy: AtomicBool::new(false),
             claimed: AtomicBool::new(false),
-            held: AtomicUsize::new(0),
             state: UnsafeCell::new(LaneState::default()),
         }
-    }
-
-    /// Whether the lane held blocks when it was last left.
-    pub(super) fn may_hold_blocks(&self) -> bool {
-        self.held.load(Relaxed) > 0
     }
 }
 
@@ -95,14 +84,14 @@ pub(super) struct OwnedLane<'a> {
 /// the first [`LANES`], or one whose thread-locals are being destroyed), a slow path holds it,
 /// or the thread is in it already (a re-entrant call from inside the cache).
 #[inline]
-pub(super) fn own_lane(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
+pub(super) fn own_lane(lanes: &[Lane], fences: Fences) -> Option<OwnedLane<'_>> {
     let lane = lanes.get(lane_number())?;
     // Only the owner stores `true` here, so reading it set means this thread is inside.
     if lane.busy.load(Relaxed) {
         return None;
     }
     lane.busy.store(true, Relaxed);
-    light_fence();
+    fences.light();
     if lane.claimed.load(Acquire) {
         lane.busy.store(false, Release);
         return None;
@@ -130,9 +119,6 @@ impl std::ops::DerefMut for OwnedLane<'_> {
 impl Drop for OwnedLane<'_> {
     #[inline]
     fn drop(&mut self) {
-        // SAFETY: as in `deref`.
-        let held = unsafe { (*self.lane.state.get()).cached_bytes };
-        self.lane.held.store(held, Relaxed);
         self.lane.busy.store(false, Release);
     }
 }
@@ -179,9 +165,6 @@ impl ClaimedLanes<'_> {
 impl Drop for ClaimedLanes<'_> {
     fn drop(&mut self) {
         for lane in self.groups.iter().flat_map(|group| group.iter()) {
-            // SAFETY: claimed, as in `group`; no reference from `group` outlives `&mut self`.
-            let held = unsafe { (*lane.state.get()).cached_bytes };
-            lane.held.store(held, Relaxed);
             lane.claimed.store(false, Release);
         }
     }
@@ -252,6 +235,7 @@ impl LaneState {
     /// Moves every block into `lists` (by size class) and empties the lane; answers the bytes
     /// it held, blocks and budget, for the bound.
     pub(super) fn drain_into(&mut self, lists: &mut [Vec<CUdeviceptr>]) -> usize {
+        let bytes = self.cached_bytes();
         for (index, held) in self.held() {
             if let Some(list) = lists.get_mut(index) {
                 list.extend_from_slice(held);
@@ -260,7 +244,12 @@ impl LaneState {
         // A slow path: give the lists' host memory back too (64 lanes of 256 streams would
         // otherwise keep about 140 MiB); the lane's next free makes them again.
         self.lists = None;
-        std::mem::take(&mut self.cached_bytes) + std::mem::take(&mut self.budget)
+        bytes + std::mem::take(&mut self.budget)
+    }
+
+    /// Bytes held: counted on slow paths, so that the hot path updates only the budget.
+    pub(super) fn cached_bytes(&self) -> usize {
+        self.held().map(|(index, held)| held.len() * class_bytes(index)).sum()
     }
 
     /// Blocks held.
@@ -272,28 +261,42 @@ impl LaneState {
 /// Which fences pair up: decided once, before any cache exists, and never changed after.
 static FENCES: AtomicU8 = AtomicU8::new(UNDECIDED);
 const UNDECIDED: u8 = 0;
-/// The owner uses a compiler fence; slow paths `membarrier`.
 const ASYMMETRIC: u8 = 1;
-/// Both sides use a full fence.
 const SYMMETRIC: u8 = 2;
 
+/// How lanes fence, as decided for the process; each cache keeps a copy, so that the hot path
+/// reads it next to the cache's other fields rather than from a static.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fences {
+    /// The owner uses a compiler fence; slow paths `membarrier`.
+    Asymmetric,
+    /// Both sides use a full fence.
+    Symmetric,
+}
+
 /// Decides how lanes fence, registering this process for `membarrier` if it can. Called by
-/// every cache's constructor: owners read the decision only through a cache, made after it.
-pub(super) fn prepare_fences() {
+/// every cache's constructor: owners use the decision only through a cache, made after it.
+pub(super) fn prepare_fences() -> Fences {
     if FENCES.load(Acquire) == UNDECIDED {
         let mode = if register_membarrier() { ASYMMETRIC } else { SYMMETRIC };
         // A race between two first caches decides once; both computed the same answer.
         let _ = FENCES.compare_exchange(UNDECIDED, mode, AcqRel, Acquire);
     }
+    if FENCES.load(Acquire) == ASYMMETRIC {
+        Fences::Asymmetric
+    } else {
+        Fences::Symmetric
+    }
 }
 
-/// The owner's half of the fence between storing `busy` and reading `claimed`.
-#[inline]
-fn light_fence() {
-    if FENCES.load(Relaxed) == ASYMMETRIC {
-        compiler_fence(SeqCst);
-    } else {
-        fence(SeqCst);
+impl Fences {
+    /// The owner's half of the fence between storing `busy` and reading `claimed`.
+    #[inline]
+    fn light(self) {
+        match self {
+            Fences::Asymmetric => compiler_fence(SeqCst),
+            Fences::Symmetric => fence(SeqCst),
+        }
     }
 }
 
@@ -404,38 +407,43 @@ fn take_lane_number() -> usize {
     number
 }
 
+/// Held by unit tests that need a lane number below [`LANES`] or that take more than [`LANES`]
+/// numbers at once: lane numbers are process-wide, shared by the test threads.
+#[cfg(test)]
+pub(super) static TEST_LANE_NUMBERS: Mutex<()> = Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn lanes() -> Vec<Lane> {
-        prepare_fences();
         (0..LANES).map(|_| Lane::new()).collect()
     }
 
     #[test]
     fn a_thread_inside_its_lane_cannot_enter_it_again() {
         let lanes = lanes();
-        let inside = own_lane(&lanes);
+        let inside = own_lane(&lanes, prepare_fences());
         assert!(inside.is_some());
-        assert!(own_lane(&lanes).is_none(), "a re-entrant call would alias the lane's state");
+        assert!(own_lane(&lanes, prepare_fences()).is_none(), "a re-entrant call would alias the lane's state");
         drop(inside);
-        assert!(own_lane(&lanes).is_some());
+        assert!(own_lane(&lanes, prepare_fences()).is_some());
     }
 
     #[test]
     fn a_claimed_lane_turns_its_owner_away_until_given_back() {
         let lanes = lanes();
         let mut claimed = claim(vec![&lanes[..]]);
-        assert!(own_lane(&lanes).is_none());
+        assert!(own_lane(&lanes, prepare_fences()).is_none());
         claimed.group(0).for_each(|lane| lane.budget += 1);
         drop(claimed);
-        let lane = own_lane(&lanes).expect("given back");
+        let lane = own_lane(&lanes, prepare_fences()).expect("given back");
         assert_eq!(lane.budget, 1, "the owner sees what the claim wrote");
     }
 
     #[test]
     fn no_two_living_threads_own_one_lane_and_threads_beyond_the_lanes_own_none() {
+        let _numbers = super::super::lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let threads = LANES + 6;
         let barrier = std::sync::Barrier::new(threads);
@@ -444,7 +452,7 @@ mod tests {
                 .map(|_| {
                     let (lanes, barrier) = (&lanes, &barrier);
                     scope.spawn(move || {
-                        let lane = own_lane(lanes);
+                        let lane = own_lane(lanes, prepare_fences());
                         let at = lane.as_ref().map(|lane| std::ptr::from_ref(lane.lane) as usize);
                         barrier.wait(); // every thread holds its lane at once
                         at
