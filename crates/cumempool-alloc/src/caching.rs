@@ -3,10 +3,11 @@
 //! CUDA's pools serialise inside the driver: one pool gives about 1.5 M allocation+free pairs
 //! per second on one thread and less in total on many. This cache answers repeated pairs on a
 //! stream without the driver. Each stream has its own slot, found without taking any shared
-//! lock, and each slot a lane per thread: a few blocks per size class behind a lock that only
-//! that thread takes on the hot path, so threads never wait for each other, whether they use
-//! streams of their own or share one. A lane's overflow and misses go to the slot's shared
-//! lists, under the slot's lock.
+//! lock, and each slot a lane per thread: a few blocks per size class that only that thread
+//! enters on the hot path, with plain loads and stores and no read-modify-write (see
+//! [`lanes`]), so threads never wait for each other, whether they use streams of their own or
+//! share one. A lane's overflow and misses go to the slot's shared lists, under the slot's
+//! lock; slow paths take lanes from their owners with one `membarrier` for all they need.
 //!
 //! The rules that keep it sound and its budget useful:
 //!
@@ -15,8 +16,8 @@
 //!   borrowed stream's successor). A cached block is only handed out again on the stream it was
 //!   freed on (work on one stream runs in order), or given back below with a free on that same
 //!   stream, whose clone the slot keeps alive while it holds blocks. A lane belongs to its
-//!   slot: its blocks were freed on the slot's stream, and a thread checks the slot's key under
-//!   the lane's lock, which a slot given up changes before it empties its lanes.
+//!   slot: its blocks were freed on the slot's stream, and a thread checks the slot's key inside
+//!   the lane, which a slot given up changes before it claims its lanes to empty them.
 //! - **One alignment below.** Size-class blocks are always allocated from the resource below
 //!   with [`POOL_ALIGNMENT`] and always given back with exactly (class bytes, `POOL_ALIGNMENT`),
 //!   on every path: a hit, a free that does not fit, eviction, release. Every alignment a request
@@ -28,8 +29,8 @@
 //!   only the cache still holds ([`Stream::handle_count`] is 1) give their blocks back below on
 //!   that stream and drop it; if that is not enough, the least recently used other streams'
 //!   slots are evicted the same way before a block is refused. This happens on slow paths only,
-//!   under a lock the hot path never takes; before any of it, every slot's and lane's unfilled
-//!   budget is taken back (that gives up no block). After a scan found no slot to free (more than 256
+//!   under a lock the hot path never takes; before any of it, every slot's unfilled budget, and
+//!   at most once a millisecond every lane's, is taken back (that gives up no block). After a scan found no slot to free (more than 256
 //!   live streams), streams without a slot free straight below for a while without scanning.
 //! - **Every no-memory answer retries.** When the resource below answers with any error for
 //!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
@@ -209,10 +210,11 @@ impl CacheStats {
 /// - Requests are rounded up to a size class (at most 25% above 256 B) and allocated below with
 ///   [`POOL_ALIGNMENT`], so a cached block satisfies any alignment; requests over 1 TiB bypass
 ///   the cache, and so do streams beyond the first 256 with blocks cached at once.
-/// - Each stream has its own slot, and each slot a lane per thread (up to 64 threads per stream
-///   without sharing a lock); the bound counts cached bytes exactly and is claimed in chunks, so
-///   the hot path (a hit, or a free with room and budget in the thread's lane) takes only the
-///   thread's own lane lock and writes no shared counter. Once warm, a cached pair allocates no
+/// - Each stream has its own slot, and each slot a lane per thread (the first 64 threads alive
+///   at once; later ones use the slot's shared lists); the bound counts cached bytes exactly and
+///   is claimed in chunks, so the hot path (a hit, or a free with room and budget in the thread's
+///   lane) enters only the thread's own lane, with no read-modify-write, and writes no shared
+///   counter. Once warm, a cached pair allocates no
 ///   heap memory. A thread that exits leaves its lanes to the next thread that starts; release,
 ///   eviction, the no-memory retry and drop take every lane's blocks, from any thread.
 /// - When the bound is reached or the slots run out, the blocks of streams nobody else holds any
