@@ -317,6 +317,14 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         self.probe(home, key)
     }
 
+    /// The slot of the stream with `key` if it is the stream's home slot, where most streams
+    /// sit: the hot path's lookup.
+    #[inline]
+    fn home_slot(&self, key: u64) -> Option<&Slot> {
+        let slot = &self.slots[home_of(key)];
+        (slot.key.load(Acquire) == key).then_some(slot)
+    }
+
     /// `find` past the home slot.
     #[cold]
     fn probe(&self, home: usize, key: u64) -> Option<usize> {
@@ -664,6 +672,67 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         check_alignment(align)?;
+        match self.pop_from_lane(bytes, stream) {
+            Some(ptr) => Ok(ptr),
+            None => self.allocate_beyond_lane(bytes, align, stream),
+        }
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
+        if self.push_to_lane(ptr, bytes, stream) {
+            return Ok(());
+        }
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.deallocate_beyond_lane(ptr, bytes, align, stream) }
+    }
+}
+
+/// The hot paths, small enough to be inlined wherever the cache is called, and the rest, kept
+/// out of line so that they do not stop that.
+impl<R: StreamOrderedResource> CachingResource<R> {
+    /// A hit in the calling thread's lane of a stream in its home slot; `None` for anything else
+    /// (any other case is retried by `allocate_beyond_lane`).
+    #[inline]
+    fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
+        let (index, class) = size_class(bytes)?;
+        let key = stream.id().get();
+        let slot = self.home_slot(key)?;
+        let mut lane = own_lane(&slot.lanes.get()?[..], self.fences)?;
+        // Inside the lane: a slot given up stores its new key before it claims the lanes to
+        // empty them, so a block found here was freed on this stream.
+        if slot.key.load(Relaxed) != key {
+            return None;
+        }
+        let ptr = lane.pop(index)?;
+        lane.budget += class;
+        lane.hits += 1;
+        drop(lane);
+        self.touch(slot);
+        Some(ptr)
+    }
+
+    /// Caches a block in the calling thread's lane of a stream in its home slot, if it has room
+    /// and budget; false for anything else (`deallocate_beyond_lane` takes it then).
+    #[inline]
+    fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
+        let Some((index, class)) = size_class(bytes) else { return false };
+        let key = stream.id().get();
+        let Some(slot) = self.home_slot(key) else { return false };
+        let Some(mut lane) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) else {
+            return false;
+        };
+        // As in `pop_from_lane`: the key, checked inside the lane, says whose blocks it holds.
+        if slot.key.load(Relaxed) != key || !lane.has_room(index) || !self.claim(&mut lane.budget, class) {
+            return false;
+        }
+        lane.push(index, ptr);
+        // Not touched: the allocation this block served was.
+        true
+    }
+
+    #[inline(never)]
+    fn allocate_beyond_lane(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         if bytes == 0 {
             return Ok(0);
         }
@@ -722,8 +791,16 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         self.allocate_below(class, POOL_ALIGNMENT, stream)
     }
 
-    #[inline]
-    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
+    /// # Safety
+    /// As [`StreamOrderedResource::deallocate`].
+    #[inline(never)]
+    unsafe fn deallocate_beyond_lane(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &Stream,
+    ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
