@@ -80,7 +80,7 @@ const CLASSES: usize = 1 + ((MAX_SHIFT - MIN_SHIFT) * STEPS) as usize;
 ///
 /// On every hot path, so without branches but one: requests up to 256 B are raised to 255 + 1,
 /// which the same arithmetic as the rest puts in class 0.
-#[inline]
+#[inline(always)]
 pub(crate) fn size_class(bytes: usize) -> Option<(usize, usize)> {
     let below = (bytes as u64).wrapping_sub(1).max((1 << MIN_SHIFT) - 1);
     let log = 63 - below.leading_zeros(); // at least MIN_SHIFT - 1
@@ -137,6 +137,7 @@ struct Taken {
     blocks: Vec<Vec<CUdeviceptr>>,
 }
 
+#[inline(always)]
 fn home_of(key: u64) -> usize {
     (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SLOTS
 }
@@ -319,7 +320,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// The slot of the stream with `key` if it is the stream's home slot, where most streams
     /// sit: the hot path's lookup.
-    #[inline]
+    #[inline(always)]
     fn home_slot(&self, key: u64) -> Option<&Slot> {
         let slot = &self.slots[home_of(key)];
         (slot.key.load(Acquire) == key).then_some(slot)
@@ -350,7 +351,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// Marks the slot used now for LRU eviction; writes only when the clock has moved, so
     /// threads sharing a stream do not bounce its cache line.
-    #[inline]
+    #[inline(always)]
     fn touch(&self, slot: &Slot) {
         let now = self.clock.load(Relaxed);
         if slot.last_used.load(Relaxed) != now {
@@ -365,20 +366,27 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// Takes `bytes` of budget for a slot, claiming a chunk of the bound when its own is short;
     /// false when the bound is reached.
-    #[inline]
+    #[inline(always)]
     fn claim(&self, budget: &mut usize, bytes: usize) -> bool {
-        if *budget < bytes {
-            let need = bytes - *budget;
-            let chunk = need.max(self.chunk);
-            if self.take_unclaimed(chunk) {
-                *budget += chunk;
-            } else if self.take_unclaimed(need) {
-                *budget += need;
-            } else {
-                return false;
-            }
+        if *budget < bytes && !self.claim_chunk(budget, bytes) {
+            return false;
         }
         *budget -= bytes;
+        true
+    }
+
+    /// Adds a chunk of the bound (or what is short, if no chunk is left) to `budget`.
+    #[cold]
+    fn claim_chunk(&self, budget: &mut usize, bytes: usize) -> bool {
+        let need = bytes - *budget;
+        let chunk = need.max(self.chunk);
+        if self.take_unclaimed(chunk) {
+            *budget += chunk;
+        } else if self.take_unclaimed(need) {
+            *budget += need;
+        } else {
+            return false;
+        }
         true
     }
 
@@ -669,7 +677,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<R> {
     type Kind = R::Kind;
 
-    #[inline]
+    // Always inlined, like the hot paths below: a call per allocation and free, and the
+    // out-of-memory-sized `Result` returned through memory, cost as much as the hit itself
+    // (measured: 13.9 ns against 9.2 ns per pair where the compiler chose not to inline).
+    #[inline(always)]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         check_alignment(align)?;
         match self.pop_from_lane(bytes, stream) {
@@ -678,7 +689,7 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         }
     }
 
-    #[inline]
+    #[inline(always)]
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
         if self.push_to_lane(ptr, bytes, stream) {
             return Ok(());
@@ -693,7 +704,7 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
 impl<R: StreamOrderedResource> CachingResource<R> {
     /// A hit in the calling thread's lane of a stream in its home slot; `None` for anything else
     /// (any other case is retried by `allocate_beyond_lane`).
-    #[inline]
+    #[inline(always)]
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
         let (index, class) = size_class(bytes)?;
         let key = stream.id().get();
@@ -714,7 +725,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// Caches a block in the calling thread's lane of a stream in its home slot, if it has room
     /// and budget; false for anything else (`deallocate_beyond_lane` takes it then).
-    #[inline]
+    #[inline(always)]
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
         let Some((index, class)) = size_class(bytes) else { return false };
         let key = stream.id().get();

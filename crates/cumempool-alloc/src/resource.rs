@@ -119,7 +119,7 @@ impl<R: StreamOrderedResource> Drop for Allocation<'_, R> {
 }
 
 /// Refuses alignments a pool does not guarantee (never silently ignored).
-#[inline]
+#[inline(always)]
 pub(crate) fn check_alignment(align: usize) -> Result<()> {
     if align.is_power_of_two() && align <= POOL_ALIGNMENT {
         return Ok(());
