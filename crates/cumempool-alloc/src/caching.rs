@@ -43,7 +43,9 @@ use crate::error::Result;
 use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
-use lanes::{claim, own_lane, prepare_fences, ClaimedLanes, Fences, Lane, LANES};
+use lanes::{
+    claim, give_lists, own_lane, own_lane_lacks_lists, prepare_fences, ClaimedLanes, Fences, Lane, Unreachable, LANES,
+};
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
@@ -143,12 +145,12 @@ fn home_of(key: u64) -> usize {
 }
 
 /// Moves every block a stream's lanes hold into the slot's shared lists, with their bytes; the
-/// lanes keep their budget. If no lane held anything when last left, nothing is claimed.
-fn gather_from_lanes(lanes: &[Lane], state: &mut SlotState) {
+/// lanes keep their budget. Nothing moves if the lanes cannot be claimed.
+fn gather_from_lanes(lanes: &[Lane], made_in: u32, state: &mut SlotState) {
     if state.blocks.len() != CLASSES {
         return;
     }
-    let mut claimed = claim(vec![lanes]);
+    let Ok(mut claimed) = claim(vec![lanes], made_in) else { return };
     let mut moved = 0;
     for lane in claimed.group(0) {
         for (index, list) in state.blocks.iter_mut().enumerate() {
@@ -222,6 +224,8 @@ impl CacheStats {
 ///   more are given back, then those of the least recently used streams.
 /// - If the resource below answers with a no-memory error, the cache gives back what it holds
 ///   and retries once.
+/// - The resource below, and a global allocator, must not call back into the same cache: a
+///   slow path holds a stream's lock while it allocates host memory.
 pub struct CachingResource<R: StreamOrderedResource> {
     inner: R,
     /// A fixed-size array, so that indexing it with a probe index needs no bounds check.
@@ -246,11 +250,18 @@ pub struct CachingResource<R: StreamOrderedResource> {
     chunk: usize,
     /// How lanes fence (the process's decision).
     fences: Fences,
+    /// The process that made the cache: a forked child cannot claim lanes.
+    made_in: u32,
 }
 
 impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CachingResource").field("max_cached", &self.max_cached).field("stats", &self.stats()).finish()
+        // Not `stats()`: that claims every lane, which costs every running thread an interrupt.
+        f.debug_struct("CachingResource")
+            .field("max_cached", &self.max_cached)
+            .field("unclaimed", &self.unclaimed.load(Relaxed))
+            .field("fences", &self.fences)
+            .finish_non_exhaustive()
     }
 }
 
@@ -294,6 +305,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             max_cached,
             chunk,
             fences,
+            made_in: std::process::id(),
         }
     }
 
@@ -391,9 +403,14 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     }
 
     /// Empties the slots of `indices` (ascending) that have a stream and `which` picks: their
-    /// bytes return to the bound, their keys are released. One fence claims all their lanes.
-    /// Only under the registry lock.
-    fn take_slots(&self, indices: impl Iterator<Item = usize>, which: impl Fn(&SlotState) -> bool) -> Vec<Taken> {
+    /// bytes return to the bound, their keys are released. One fence claims all their lanes; if
+    /// the lanes cannot be claimed, only picked slots without lanes are emptied, and the reason
+    /// comes back beside what was taken. Only under the registry lock.
+    fn take_slots(
+        &self,
+        indices: impl Iterator<Item = usize>,
+        which: impl Fn(&SlotState) -> bool,
+    ) -> (Vec<Taken>, Option<Unreachable>) {
         let mut picked: Vec<(&Slot, MutexGuard<'_, SlotState>)> = indices
             .map(|index| &self.slots[index])
             .filter_map(|slot| {
@@ -401,25 +418,31 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                 (state.stream.is_some() && which(&state)).then_some((slot, state))
             })
             .collect();
-        for (slot, _) in &picked {
-            // Under the slot's lock and before the lanes are emptied, so a thread that found the
-            // old key and enters a lane or locks the slot after this sees the change.
-            slot.key.store(RELEASED, Release);
-        }
-        let mut lanes = claim(picked.iter().map(|(slot, _)| lanes_of(slot)).collect());
+        let (mut lanes, unreachable) =
+            match claim(picked.iter().map(|(slot, _)| lanes_of(slot)).collect(), self.made_in) {
+                Ok(lanes) => (Some(lanes), None),
+                Err(why) => {
+                    picked.retain(|(slot, _)| lanes_of(slot).is_empty());
+                    (None, Some(why))
+                }
+            };
         let mut taken = Vec::with_capacity(picked.len());
-        for (group, (_, state)) in picked.iter_mut().enumerate() {
+        for (group, (slot, state)) in picked.iter_mut().enumerate() {
             let Some(stream) = state.stream.take() else { continue };
+            // Under the slot's lock and its lanes' claims, before the lanes are emptied: a thread
+            // inside a lane now was there before the claim and is done; one that enters a lane
+            // or locks the slot after sees the change.
+            slot.key.store(RELEASED, Release);
             let mut blocks = std::mem::take(&mut state.blocks);
             blocks.resize_with(CLASSES, Vec::new);
             let mut bytes = std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes);
-            for lane in lanes.group(group) {
+            for lane in lanes.iter_mut().flat_map(|lanes| lanes.group(group)) {
                 bytes += lane.drain_into(&mut blocks);
             }
             self.unclaimed.fetch_add(bytes, Relaxed);
             taken.push(Taken { stream, blocks });
         }
-        taken
+        (taken, unreachable)
     }
 
     /// The slots that have a stream. Keys change only under the registry lock, so under it this
@@ -433,7 +456,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn reclaim_unused(&self, keep: Option<usize>, taken: &mut Vec<Taken>) {
         let unused = |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1);
         let candidates: Vec<usize> = self.slots_with_streams().filter(|&index| Some(index) != keep).collect();
-        taken.extend(self.take_slots(candidates.into_iter(), unused));
+        taken.extend(self.take_slots(candidates.into_iter(), unused).0);
     }
 
     /// Makes `bytes` of the bound unclaimed and takes them: reclaims unused streams' slots,
@@ -445,12 +468,21 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if self.take_unclaimed(bytes) {
             return true;
         }
-        // Unfilled budget first: taking it back gives up no block.
-        self.return_unfilled_budgets();
+        // Unfilled budget first: taking it back gives up no block. The lanes' only when a sweep
+        // is due, at first.
+        let swept = self.return_unfilled_budgets(false);
         if self.take_unclaimed(bytes) {
             return true;
         }
         self.reclaim_unused(keep, taken);
+        if self.take_unclaimed(bytes) {
+            return true;
+        }
+        // Before a block is given up, every lane's budget, whatever the sweep limit (found by
+        // review: a stream's block was evicted while a lane held budget for it).
+        if !swept {
+            self.return_unfilled_budgets(true);
+        }
         while !self.take_unclaimed(bytes) {
             let oldest = self
                 .slots_with_streams()
@@ -461,24 +493,28 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                 })
                 .min();
             let Some((_, victim)) = oldest else { return false };
-            taken.extend(self.take_slots(std::iter::once(victim), |_| true));
+            let (victims, unreachable) = self.take_slots(std::iter::once(victim), |_| true);
+            taken.extend(victims);
+            if unreachable.is_some() {
+                return false;
+            }
         }
         true
     }
 
     /// Returns the budget every slot and lane has claimed and not filled to the bound, so
     /// that a thread short of budget need not evict blocks while others hold unused budget.
-    /// The lanes' budget only when a lane sweep is due ([`LANE_SWEEP_INTERVAL`]).
-    fn return_unfilled_budgets(&self) {
+    /// The lanes' budget when `force`d or a lane sweep is due ([`LANE_SWEEP_INTERVAL`]), and
+    /// their lanes can be claimed; answers whether the lanes' budget was taken.
+    fn return_unfilled_budgets(&self, force: bool) -> bool {
         let indices: Vec<usize> = self.slots_with_streams().collect();
-        if !self.lane_sweep_due() {
-            for index in indices {
-                let mut state = lock(&self.slots[index].state);
+        let (mut states, lanes) = self.lock_with_lanes(&indices, force || self.lane_sweep_due());
+        let Some(mut lanes) = lanes else {
+            for state in &mut states {
                 self.unclaimed.fetch_add(std::mem::take(&mut state.budget), Relaxed);
             }
-            return;
-        }
-        let (mut states, mut lanes) = self.lock_with_lanes(&indices);
+            return false;
+        };
         for (group, state) in states.iter_mut().enumerate() {
             let mut bytes = std::mem::take(&mut state.budget);
             for lane in lanes.group(group) {
@@ -486,13 +522,23 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             }
             self.unclaimed.fetch_add(bytes, Relaxed);
         }
+        true
     }
 
-    /// Locks the slots of `indices` (ascending: the one order any path takes several in) and
-    /// claims all their lanes with one fence.
-    fn lock_with_lanes(&self, indices: &[usize]) -> (Vec<MutexGuard<'_, SlotState>>, ClaimedLanes<'_>) {
+    /// Locks the slots of `indices` (ascending: the one order any path takes several in) and,
+    /// if `with_lanes`, claims all their lanes with one fence (`None` when that was not asked
+    /// for or cannot be had).
+    fn lock_with_lanes(
+        &self,
+        indices: &[usize],
+        with_lanes: bool,
+    ) -> (Vec<MutexGuard<'_, SlotState>>, Option<ClaimedLanes<'_>>) {
         let states = indices.iter().map(|&index| lock(&self.slots[index].state)).collect();
-        let lanes = claim(indices.iter().map(|&index| lanes_of(&self.slots[index])).collect());
+        let lanes = with_lanes
+            .then(|| claim(indices.iter().map(|&index| lanes_of(&self.slots[index])).collect(), self.made_in))
+            .and_then(|claimed| {
+                claimed.inspect_err(|why| tracing::warn!(reason = why.reason(), "lanes out of reach")).ok()
+            });
         (states, lanes)
     }
 
@@ -521,18 +567,20 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     /// Every slot and lane is held at once while the sum is taken, so it is one moment's:
     /// `cached_bytes` is at most the bound. That moment costs every thread working in the cache
     /// a short wait, and on Linux a `membarrier` system call (tens of microseconds with many
-    /// threads busy): read it to report, not on a hot path.
+    /// threads busy): read it to report, not on a hot path. Where lanes cannot be claimed (see
+    /// [`Error::LanesUnreachable`](crate::Error::LanesUnreachable)), what they hold is not
+    /// counted.
     pub fn stats(&self) -> CacheStats {
         let mut stats = CacheStats { misses: self.overflow_misses.load(Relaxed), ..CacheStats::default() };
         let indices: Vec<usize> = (0..SLOTS).collect();
-        let (states, mut lanes) = self.lock_with_lanes(&indices);
+        let (states, mut lanes) = self.lock_with_lanes(&indices, true);
         for (group, state) in states.iter().enumerate() {
             stats.hits += state.hits;
             stats.misses += state.misses;
             stats.cached_bytes += state.cached_bytes;
             stats.cached_blocks += state.blocks.iter().map(Vec::len).sum::<usize>();
             stats.streams += usize::from(state.stream.is_some());
-            for lane in lanes.group(group) {
+            for lane in lanes.iter_mut().flat_map(|lanes| lanes.group(group)) {
                 stats.hits += lane.hits;
                 stats.cached_bytes += lane.cached_bytes();
                 stats.cached_blocks += lane.blocks();
@@ -543,23 +591,33 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// Frees every cached block to the resource below (each on the stream it was freed on) and
     /// lets go of every stream.
+    ///
+    /// # Errors
+    /// The first error of the resource below;
+    /// [`Error::LanesUnreachable`](crate::Error::LanesUnreachable) if threads' lanes could not be
+    /// claimed (then the streams that have lanes keep their blocks, which `Drop` gives back).
     pub fn release(&self) -> Result<()> {
-        let taken = {
+        let (taken, unreachable) = {
             let _registry = lock(&self.registry);
             self.take_slots(0..SLOTS, |_| true)
         };
-        self.give_back(taken)
+        self.give_back(taken)?;
+        unreachable.map_or(Ok(()), |why| Err(crate::Error::LanesUnreachable { reason: why.reason() }))
     }
 
     /// Frees the blocks cached for `stream` (this very stream: its clones, not other streams
     /// with the same handle value) to the resource below, and lets go of the stream.
+    ///
+    /// # Errors
+    /// As [`release`](Self::release).
     pub fn release_stream(&self, stream: &Stream) -> Result<()> {
-        let taken = {
+        let (taken, unreachable) = {
             let _registry = lock(&self.registry);
             self.find(stream.id().get())
-                .map_or_else(Vec::new, |index| self.take_slots(std::iter::once(index), |_| true))
+                .map_or_else(|| (Vec::new(), None), |index| self.take_slots(std::iter::once(index), |_| true))
         };
-        self.give_back(taken)
+        self.give_back(taken)?;
+        unreachable.map_or(Ok(()), |why| Err(crate::Error::LanesUnreachable { reason: why.reason() }))
     }
 
     /// Allocates below; on a no-memory answer gives back every cached block and retries once.
@@ -781,7 +839,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                     // driver is asked. Same stream, so their reuse is ordered; under the slot's
                     // lock its lanes cannot be drained for another stream meanwhile.
                     if self.unclaimed.load(Relaxed) < class && self.lane_sweep_due() {
-                        gather_from_lanes(lanes_of(slot), &mut state);
+                        gather_from_lanes(lanes_of(slot), self.made_in, &mut state);
                         if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
                             state.cached_bytes -= class;
                             state.hits += 1;
@@ -814,6 +872,16 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
+        }
+        // A lane's first free (or first since it was emptied): its lists are made here, outside
+        // the lane, then the hot path is tried again.
+        if let Some(lanes) = self.home_slot(stream.id().get()).and_then(|slot| slot.lanes.get()) {
+            if own_lane_lacks_lists(&lanes[..], self.fences) {
+                give_lists(&lanes[..], self.fences);
+                if self.push_to_lane(ptr, bytes, stream) {
+                    return Ok(());
+                }
+            }
         }
         let Some((index, class)) = size_class(bytes) else {
             // SAFETY: a bypassing block came from `inner` with these arguments.
@@ -852,8 +920,24 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 }
 
 impl<R: StreamOrderedResource> Drop for CachingResource<R> {
+    /// Takes every block straight from the slots and lanes: `&mut self` means no thread is in
+    /// any lane (their last use happened before this), so no claim or fence is needed, and
+    /// none can fail.
     fn drop(&mut self) {
-        if let Err(error) = self.release() {
+        let mut taken = Vec::new();
+        for slot in self.slots.iter_mut() {
+            let state = slot.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+            let Some(stream) = state.stream.take() else { continue };
+            let mut blocks = std::mem::take(&mut state.blocks);
+            blocks.resize_with(CLASSES, Vec::new);
+            for lane in slot.lanes.get_mut().into_iter().flat_map(|lanes| lanes.iter_mut()) {
+                if let Some(lane) = lane.state_if_idle() {
+                    lane.drain_into(&mut blocks);
+                }
+            }
+            taken.push(Taken { stream, blocks });
+        }
+        if let Err(error) = self.give_back(taken) {
             tracing::warn!(%error, "giving cached blocks back failed");
         }
     }
@@ -868,7 +952,7 @@ mod tests {
     fn where_blocks_are(cache: &CachingResource<HostHeap>, stream: &Stream) -> (usize, usize) {
         let slot = &cache.slots[cache.find(stream.id().get()).expect("the stream has a slot")];
         let state = lock(&slot.state);
-        let mut lanes = claim(vec![lanes_of(slot)]);
+        let mut lanes = claim(vec![lanes_of(slot)], cache.made_in).expect("claimed");
         (state.cached_bytes, lanes.group(0).map(|lane| lane.cached_bytes()).sum())
     }
 
@@ -896,8 +980,8 @@ mod tests {
         {
             let slot = &cache.slots[cache.find(stream.id().get()).expect("a slot")];
             let mut state = lock(&slot.state);
-            gather_from_lanes(lanes_of(slot), &mut state);
-            let mut lanes = claim(vec![lanes_of(slot)]);
+            gather_from_lanes(lanes_of(slot), cache.made_in, &mut state);
+            let mut lanes = claim(vec![lanes_of(slot)], cache.made_in).expect("claimed");
             let budgets: usize = lanes.group(0).map(|lane| std::mem::take(&mut lane.budget)).sum();
             cache.unclaimed.fetch_add(budgets + std::mem::take(&mut state.budget), Relaxed);
             assert_eq!(state.cached_bytes, 4 * block);

@@ -44,6 +44,16 @@ pub enum Error {
         kind: &'static str,
     },
 
+    /// A cache could not take the blocks that threads keep in their lanes: the `membarrier`
+    /// system call it needs started failing, or the process is a forked child of the one that
+    /// made the cache. What else it held was given back; the lanes' blocks stay cached until
+    /// the cache is dropped.
+    #[error("cached blocks in threads' lanes are out of reach: {reason}")]
+    LanesUnreachable {
+        /// What failed, and what would work.
+        reason: &'static str,
+    },
+
     /// A host allocation failed (the test heap).
     #[error("the host heap could not allocate {requested} bytes")]
     HostOutOfMemory {
@@ -60,7 +70,7 @@ impl Error {
         match self {
             Self::Pool(error) => error.is_out_of_memory(),
             Self::LimitExceeded { .. } | Self::HostOutOfMemory { .. } => true,
-            Self::Alignment { .. } | Self::KindMismatch { .. } => false,
+            Self::Alignment { .. } | Self::KindMismatch { .. } | Self::LanesUnreachable { .. } => false,
         }
     }
 }

@@ -17,7 +17,11 @@
 //! that makes every running thread of the process execute a full fence (Linux 4.14 and later).
 //! Where that call cannot be registered (other systems, a kernel or sandbox without it, Miri),
 //! both sides use an ordinary sequentially consistent fence, which costs the owner about what a
-//! lock would.
+//! lock would. Should the call fail later (a seccomp filter installed after the first cache),
+//! or in a child forked after the cache was made (a lane the parent's other threads were in
+//! stays busy there), claims are refused, never made without the fence: the owners' hot path
+//! goes on, and what their lanes hold stays cached until the cache is dropped, which needs no
+//! claim.
 
 use super::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
@@ -45,7 +49,12 @@ pub(super) struct Lane {
 
 // SAFETY: `state` is only reached through an `OwnedLane` or `ClaimedLanes`, which exclude each
 // other through `busy` and `claimed` (see the module's documentation), with acquire/release
-// ordering from one holder to the next. `LaneState` itself is `Send`.
+// ordering from one holder to the next. `LaneState` itself is `Send`. In the asymmetric mode
+// the exclusion rests on the kernel's guarantee for `membarrier(PRIVATE_EXPEDITED)` (every
+// running thread of the process executes a full barrier before it returns) paired with the
+// owner's compiler fence, a pairing the Rust memory model does not describe; it is the
+// technique of Linux's userspace RCU and folly's asymmetric barriers. Miri checks the same
+// protocol with ordinary fences on both sides, and native stress tests run the asymmetric one.
 unsafe impl Sync for Lane {}
 
 /// In this order (`repr(C)`): with `budget` and `hits` side by side, the compiler updates both
@@ -70,16 +79,38 @@ struct Lists {
     blocks: [[CUdeviceptr; DEPTH]; CLASSES],
 }
 
-impl Lists {
-    /// Out of line: made once per lane, and 8 KiB of initialiser that the inlined hot path need
-    /// not carry.
-    #[cold]
-    fn new() -> Box<Self> {
-        Box::new(Lists { counts: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] })
-    }
+/// Gives the calling thread's lane among `lanes` its lists if it has none. They are made
+/// before the thread enters the lane: an allocation inside a lane could reach a global
+/// allocator that calls back into the cache, and a slow path there could wait for this very
+/// lane.
+#[cold]
+pub(super) fn give_lists(lanes: &[Lane], fences: Fences) {
+    let lists = Box::new(Lists { counts: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] });
+    let spare = match own_lane(lanes, fences) {
+        Some(mut lane) if lane.lists.is_none() => {
+            lane.lists = Some(lists);
+            None
+        }
+        _ => Some(lists),
+    };
+    // Freed, if unused, outside the lane for the same reason.
+    drop(spare);
+}
+
+/// Whether the calling thread has a lane among `lanes` without lists.
+#[inline]
+pub(super) fn own_lane_lacks_lists(lanes: &[Lane], fences: Fences) -> bool {
+    own_lane(lanes, fences).is_some_and(|lane| lane.lists.is_none())
 }
 
 impl Lane {
+    /// The lane's state through exclusive access (the cache is being dropped, so no thread is
+    /// in any of its lanes); `None` for a lane left busy, which only a fork can do (a thread of
+    /// the parent was inside it): its state may be half updated, so it is left alone.
+    pub(super) fn state_if_idle(&mut self) -> Option<&mut LaneState> {
+        (!*self.busy.get_mut()).then(|| self.state.get_mut())
+    }
+
     pub(super) fn new() -> Self {
         Self {
             busy: AtomicBool::new(false),
@@ -143,27 +174,73 @@ pub(super) struct ClaimedLanes<'a> {
     groups: Vec<&'a [Lane]>,
 }
 
+/// Why a slow path could not take lanes from their owners.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Unreachable {
+    /// `membarrier` failed after the process had chosen it (a seccomp filter installed after
+    /// the first cache was made, say): without it an owner's entry cannot be excluded.
+    Membarrier,
+    /// This process is a child forked after the cache was made: lanes the parent's other
+    /// threads were inside at the fork stay marked busy for ever.
+    ForkedChild,
+}
+
+impl Unreachable {
+    pub(super) fn reason(self) -> &'static str {
+        match self {
+            Unreachable::Membarrier => {
+                "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed after it was registered (a seccomp filter \
+                 installed after the first cache was made?); allow it, or make caches only after the filter"
+            }
+            Unreachable::ForkedChild => {
+                "this process is a child forked after the cache was made; make a new cache in the child"
+            }
+        }
+    }
+}
+
 /// Claims every lane of `groups` (one fence for all of them), waiting for owners inside to
 /// leave. Callers claim a stream's lanes only while they hold its slot's lock, and take no slot
-/// lock while they hold claims, so no two slow paths ever wait for the same lane.
-pub(super) fn claim(groups: Vec<&[Lane]>) -> ClaimedLanes<'_> {
+/// lock while they hold claims, so no two slow paths ever wait for the same lane. `made_in` is
+/// the id of the process that made the cache.
+///
+/// # Errors
+/// When the fence cannot be had, or in a forked child (see [`Unreachable`]): then no lane is
+/// claimed, and their blocks stay where they are.
+pub(super) fn claim(groups: Vec<&[Lane]>, made_in: u32) -> Result<ClaimedLanes<'_>, Unreachable> {
     let lanes = || groups.iter().flat_map(|group| group.iter());
+    debug_assert!(
+        {
+            let mut at: Vec<*const Lane> = lanes().map(std::ptr::from_ref).collect();
+            at.sort_unstable();
+            at.windows(2).all(|pair| pair[0] != pair[1])
+        },
+        "a lane claimed twice would wait for itself"
+    );
+    if groups.iter().all(|group| group.is_empty()) {
+        return Ok(ClaimedLanes { groups });
+    }
+    if std::process::id() != made_in {
+        return Err(Unreachable::ForkedChild);
+    }
     for lane in lanes() {
         let mut spins = 0u32;
         while lane.claimed.compare_exchange(false, true, Acquire, Relaxed).is_err() {
             back_off(&mut spins);
         }
     }
-    if !groups.iter().all(|group| group.is_empty()) {
-        heavy_fence();
+    // Dropping the claims gives them back, whatever happens next.
+    let claimed = ClaimedLanes { groups };
+    if !heavy_fence() {
+        return Err(Unreachable::Membarrier);
     }
-    for lane in lanes() {
+    for lane in claimed.groups.iter().flat_map(|group| group.iter()) {
         let mut spins = 0u32;
         while lane.busy.load(Acquire) {
             back_off(&mut spins);
         }
     }
-    ClaimedLanes { groups }
+    Ok(claimed)
 }
 
 impl ClaimedLanes<'_> {
@@ -205,17 +282,19 @@ impl LaneState {
         blocks.get(usize::from(*count)).copied()
     }
 
-    /// Whether a block of size class `index` fits.
+    /// Whether a block of size class `index` fits: the lane has its lists (see
+    /// [`give_lists`]) and room in that class.
     #[inline(always)]
     pub(super) fn has_room(&self, index: usize) -> bool {
-        self.lists.as_ref().is_none_or(|lists| lists.counts.get(index).is_some_and(|&count| usize::from(count) < DEPTH))
+        self.lists
+            .as_ref()
+            .is_some_and(|lists| lists.counts.get(index).is_some_and(|&count| usize::from(count) < DEPTH))
     }
 
-    /// Keeps a block of size class `index`; the first one makes the lane's lists, once. The
-    /// caller checked `has_room`.
+    /// Keeps a block of size class `index`. The caller checked `has_room`.
     #[inline(always)]
     pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr) {
-        let lists = self.lists.get_or_insert_with(Lists::new);
+        let Some(lists) = self.lists.as_deref_mut() else { return };
         if let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) {
             if let Some(entry) = blocks.get_mut(usize::from(*count)) {
                 *entry = ptr;
@@ -313,12 +392,14 @@ impl Fences {
     }
 }
 
-/// A slow path's half of the fence between storing `claimed` and reading `busy`.
-fn heavy_fence() {
+/// A slow path's half of the fence between storing `claimed` and reading `busy`; false when it
+/// cannot be had.
+fn heavy_fence() -> bool {
     if FENCES.load(Relaxed) == ASYMMETRIC {
-        expedited_membarrier();
+        expedited_membarrier()
     } else {
         fence(SeqCst);
+        true
     }
 }
 
@@ -335,32 +416,58 @@ fn register_membarrier() -> bool {
 }
 
 /// Makes every running thread of the process execute a full memory barrier. Owners already
-/// chose the compiler fence, so there is no going back: a process that forked is registered
-/// again (a child starts unregistered), and a call that still fails is retried rather than
-/// passed over, since passing over would let a slow path and an owner into one lane.
+/// chose the compiler fence, so nothing else will do: a call that fails is tried once more
+/// after registering again, and if that fails too the claim is refused rather than made
+/// without the fence.
 #[cfg(all(target_os = "linux", not(miri)))]
-fn expedited_membarrier() {
+fn expedited_membarrier() -> bool {
     use rustix::thread::{membarrier, MembarrierCommand};
-    let mut attempts = 0u32;
-    while membarrier(MembarrierCommand::PrivateExpedited).is_err() {
-        let _ = membarrier(MembarrierCommand::RegisterPrivateExpedited);
-        attempts += 1;
-        if attempts == 3 {
-            tracing::error!("membarrier(PRIVATE_EXPEDITED) keeps failing after registration; retrying");
-        }
-        std::thread::yield_now();
+    if membarrier(MembarrierCommand::PrivateExpedited).is_ok() {
+        return true;
     }
+    let again = membarrier(MembarrierCommand::RegisterPrivateExpedited)
+        .and_then(|()| membarrier(MembarrierCommand::PrivateExpedited));
+    if let Err(error) = again {
+        static TOLD: std::sync::Once = std::sync::Once::new();
+        TOLD.call_once(|| {
+            tracing::error!(%error, "membarrier(PRIVATE_EXPEDITED) fails: cached blocks in threads' lanes are out of reach");
+        });
+        return false;
+    }
+    true
 }
 
 #[cfg(not(all(target_os = "linux", not(miri))))]
-fn expedited_membarrier() {
+fn expedited_membarrier() -> bool {
     // Never chosen here: `register_membarrier` answers false.
     fence(SeqCst);
+    true
 }
 
 /// Lane numbers of exited threads, for the next threads to take (with what they left).
 static FREE_LANES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 static NEXT_LANE: AtomicUsize = AtomicUsize::new(0);
+/// How many numbers below [`LANES`] `FREE_LANES` holds: a thread with a higher number trades it
+/// for one of them (read without the lock on such a thread's every call).
+static LOW_FREE: AtomicUsize = AtomicUsize::new(0);
+
+/// Gives a number back to `FREE_LANES`.
+fn give_back_number(free: &mut Vec<usize>, number: usize) {
+    free.push(number);
+    if number < LANES {
+        LOW_FREE.fetch_add(1, Relaxed);
+    }
+}
+
+/// Takes the lowest free number, if any.
+fn take_lowest(free: &mut Vec<usize>) -> Option<usize> {
+    let (at, _) = free.iter().enumerate().min_by_key(|&(_, &number)| number)?;
+    let number = free.swap_remove(at);
+    if number < LANES {
+        LOW_FREE.fetch_sub(1, Relaxed);
+    }
+    Some(number)
+}
 
 /// `LANE_NUMBER` before the thread's first use of a cache.
 const UNASSIGNED: usize = usize::MAX;
@@ -384,7 +491,7 @@ impl Drop for LaneReturn {
     fn drop(&mut self) {
         let number = LANE_NUMBER.with(|cell| cell.replace(GIVEN_BACK));
         if number < GIVEN_BACK {
-            super::lock(&FREE_LANES).push(number);
+            give_back_number(&mut super::lock(&FREE_LANES), number);
         }
     }
 }
@@ -393,10 +500,37 @@ impl Drop for LaneReturn {
 #[inline(always)]
 fn lane_number() -> usize {
     let number = LANE_NUMBER.with(Cell::get);
-    if number == UNASSIGNED {
-        return take_lane_number();
+    if number >= LANES {
+        return lane_number_beyond(number);
     }
     number
+}
+
+/// A thread without a lane: takes its first number, or trades a number beyond [`LANES`] for a
+/// lower one that an exited thread gave back (found by review: a thread that started while 64
+/// others held numbers kept number 64, and no lane, for life). The thread is in no lane here.
+#[cold]
+fn lane_number_beyond(number: usize) -> usize {
+    match number {
+        UNASSIGNED => take_lane_number(),
+        GIVEN_BACK => GIVEN_BACK,
+        _ if LOW_FREE.load(Relaxed) == 0 => number,
+        _ => {
+            let mut free = super::lock(&FREE_LANES);
+            match take_lowest(&mut free) {
+                Some(low) if low < number => {
+                    give_back_number(&mut free, number);
+                    LANE_NUMBER.with(|cell| cell.set(low));
+                    low
+                }
+                Some(other) => {
+                    give_back_number(&mut free, other);
+                    number
+                }
+                None => number,
+            }
+        }
+    }
 }
 
 /// Takes the lowest free number, so that numbers stay below [`LANES`] while few threads live,
@@ -409,13 +543,8 @@ fn take_lane_number() -> usize {
         LANE_NUMBER.with(|cell| cell.set(GIVEN_BACK));
         return GIVEN_BACK;
     }
-    let number = {
-        let mut free = super::lock(&FREE_LANES);
-        match free.iter().enumerate().min_by_key(|&(_, &number)| number) {
-            Some((at, _)) => free.swap_remove(at),
-            None => NEXT_LANE.fetch_add(1, Relaxed).min(GIVEN_BACK - 1),
-        }
-    };
+    let number = take_lowest(&mut super::lock(&FREE_LANES))
+        .unwrap_or_else(|| NEXT_LANE.fetch_add(1, Relaxed).min(GIVEN_BACK - 1));
     LANE_NUMBER.with(|cell| cell.set(number));
     number
 }
@@ -446,7 +575,7 @@ mod tests {
     #[test]
     fn a_claimed_lane_turns_its_owner_away_until_given_back() {
         let lanes = lanes();
-        let mut claimed = claim(vec![&lanes[..]]);
+        let mut claimed = claim(vec![&lanes[..]], std::process::id()).expect("claimed");
         assert!(own_lane(&lanes, prepare_fences()).is_none());
         claimed.group(0).for_each(|lane| lane.budget += 1);
         drop(claimed);

@@ -1,14 +1,14 @@
-//! Review of the lanes (review-lanes): once the first cache chose the asymmetric fences, a
+//! Found by review of the lanes: once the first cache chose the asymmetric fences, a
 //! `membarrier` that starts failing (a seccomp filter installed after start-up, as sandboxes
-//! and some service managers do) makes every claim of a lane spin forever in
-//! `expedited_membarrier`: `release`, `release_stream`, `stats`, eviction and `Drop` hang.
-//! The probe runs in a child process (this binary, re-run) so that a hang fails the test
-//! instead of hanging it.
+//! and some service managers do) made every claim of a lane spin for ever: `release`,
+//! `release_stream`, `stats`, eviction and `Drop` hung. Now claims give up with a typed error,
+//! and `Drop` needs none. The probe runs in a child process (this binary, re-run) so that a
+//! hang fails the test instead of hanging it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
 use cumempool::Stream;
-use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
+use cumempool_alloc::{CachingResource, Error, HostHeap, Statistics, StreamOrderedResource};
 use std::time::{Duration, Instant};
 
 const CHILD: &str = "CUMEMPOOL_REVIEW_MEMBARRIER_CHILD";
@@ -32,7 +32,8 @@ fn forbid_membarrier() {
 #[test]
 fn release_returns_when_membarrier_is_forbidden_after_the_first_cache() {
     if std::env::var_os(CHILD).is_some() {
-        let cache = CachingResource::new(HostHeap);
+        let below = Statistics::new(HostHeap);
+        let cache = CachingResource::new(&below);
         // SAFETY: HostHeap ignores streams, so the handle is never used.
         let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.unwrap();
         // Three cached frees: slot, lanes, this thread's lane.
@@ -42,8 +43,16 @@ fn release_returns_when_membarrier_is_forbidden_after_the_first_cache() {
         }
         forbid_membarrier();
         eprintln!("child: releasing");
-        cache.release().unwrap();
-        eprintln!("child: released");
+        let error = cache.release().unwrap_err();
+        assert!(matches!(error, Error::LanesUnreachable { .. }), "{error}");
+        eprintln!("child: {error}");
+        assert_eq!(cache.stats().streams, 1, "stats still answers");
+        // The hot path goes on: the lane's block is still there for this thread.
+        let ptr = cache.allocate(4096, 256, &stream).unwrap();
+        unsafe { cache.deallocate(ptr, 4096, 256, &stream) }.unwrap();
+        drop(cache);
+        assert_eq!(below.usage().current_bytes, 0, "drop gave every block back, the lane's too");
+        eprintln!("child: dropped");
         return;
     }
     let exe = std::env::current_exe().unwrap();

@@ -1,4 +1,4 @@
-//! Review of the lanes (review-lanes): a thread that took its lane number while 64 other
+//! Found by review of the lanes: a thread that took its lane number while 64 other
 //! threads held theirs keeps a number >= LANES for its whole life, so it never gets a lane,
 //! even after every other thread has exited. Alone in its binary: lane numbers are process-wide.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -23,9 +23,9 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
     for ptr in warm {
         unsafe { cache.deallocate(ptr, small, 256, &stream) }.unwrap();
     }
-    let (holding, late_has_number, pool_exited, late_freed) =
-        (Barrier::new(65), Barrier::new(65), Barrier::new(2), Barrier::new(2));
-    let mut late_block = 0;
+    let (holding, late_has_number, pool_exited, late_freed, checked) =
+        (Barrier::new(65), Barrier::new(65), Barrier::new(2), Barrier::new(2), Barrier::new(2));
+    let (mut late_block, mut found) = (0, 0);
     std::thread::scope(|scope| {
         // A pool of 64 long-lived workers, each with a lane number (0..64).
         let pool: Vec<_> = (0..64)
@@ -40,8 +40,8 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
             })
             .collect();
         let late = {
-            let (cache, stream, holding, late_has_number, pool_exited, late_freed) =
-                (&cache, &stream, &holding, &late_has_number, &pool_exited, &late_freed);
+            let (cache, stream, holding, late_has_number, pool_exited, late_freed, checked) =
+                (&cache, &stream, &holding, &late_has_number, &pool_exited, &late_freed, &checked);
             scope.spawn(move || {
                 holding.wait();
                 // Takes number 64: no lane.
@@ -54,6 +54,9 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
                 let ptr = cache.allocate(large, 256, stream).unwrap();
                 unsafe { cache.deallocate(ptr, large, 256, stream) }.unwrap();
                 late_freed.wait();
+                // Alive (holding its number) while the other thread looks: an exited thread's
+                // lane goes to the next thread to take its number.
+                checked.wait();
                 ptr
             })
         };
@@ -62,12 +65,15 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
         }
         pool_exited.wait();
         late_freed.wait();
+        // This thread takes a free number, with a lane, and asks for the same size: if the late
+        // thread's block is in the late thread's own lane, this misses; if it went to the shared
+        // lists (the late thread had no lane), this hits.
+        found = cache.allocate(large, 256, &stream).unwrap();
+        unsafe { cache.deallocate(found, large, 256, &stream) }.unwrap();
+        checked.wait();
         late_block = late.join().unwrap();
     });
-    // This thread (number 0 now, with a lane) asks for the same size: if the late thread's
-    // block were in its own lane, this would miss; it is in the shared lists, so it hits.
-    let ptr = cache.allocate(large, 256, &stream).unwrap();
-    unsafe { cache.deallocate(ptr, large, 256, &stream) }.unwrap();
+    let ptr = found;
     assert_ne!(
         ptr, late_block,
         "the late thread had no lane although 64 numbers were free: it keeps number 64 for life"

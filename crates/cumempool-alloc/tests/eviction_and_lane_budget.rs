@@ -1,4 +1,4 @@
-//! Review of the lanes (review-lanes): the module documentation promises that "before any of
+//! Found by review of the lanes: the module documentation promises that "before any of
 //! it [reclaim, eviction], every slot's and lane's unfilled budget is taken back (that gives up
 //! no block)". With the 1 ms rate limit on lane sweeps, `make_room` evicts another stream's
 //! cached blocks while a lane sits on enough unfilled budget for the block.
