@@ -418,15 +418,24 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                 (state.stream.is_some() && which(&state)).then_some((slot, state))
             })
             .collect();
+        let mut taken = Vec::with_capacity(picked.len());
         let (mut lanes, unreachable) =
             match claim(picked.iter().map(|(slot, _)| lanes_of(slot)).collect(), self.made_in) {
                 Ok(lanes) => (Some(lanes), None),
                 Err(why) => {
+                    // The slots with lanes keep their stream, key and lanes; what is under their
+                    // lock (shared lists, budget) goes (found by the second review: they kept it all).
+                    for (_, state) in picked.iter_mut().filter(|(slot, _)| !lanes_of(slot).is_empty()) {
+                        let Some(stream) = state.stream.clone() else { continue };
+                        let blocks = std::mem::replace(&mut state.blocks, vec![Vec::new(); CLASSES]);
+                        let bytes = std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes);
+                        self.unclaimed.fetch_add(bytes, Relaxed);
+                        taken.push(Taken { stream, blocks });
+                    }
                     picked.retain(|(slot, _)| lanes_of(slot).is_empty());
                     (None, Some(why))
                 }
             };
-        let mut taken = Vec::with_capacity(picked.len());
         for (group, (slot, state)) in picked.iter_mut().enumerate() {
             let Some(stream) = state.stream.take() else { continue };
             // Under the slot's lock and its lanes' claims, before the lanes are emptied: a thread
@@ -478,11 +487,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if self.take_unclaimed(bytes) {
             return true;
         }
-        // Before a block is given up, every lane's budget, whatever the sweep limit (found by
-        // review: a stream's block was evicted while a lane held budget for it).
-        if !swept {
-            self.return_unfilled_budgets(true);
-        }
+        let mut swept = swept;
         while !self.take_unclaimed(bytes) {
             let oldest = self
                 .slots_with_streams()
@@ -492,7 +497,18 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                     state.stream.is_some().then(|| (self.slots[index].last_used.load(Relaxed), index))
                 })
                 .min();
+            // No victim, no sweep: a stream alone at the bound would otherwise pay a
+            // `membarrier` on every free that does not fit (found by the second review).
             let Some((_, victim)) = oldest else { return false };
+            // Before a block is given up, every lane's budget, whatever the sweep limit (found by
+            // review: a stream's block was evicted while a lane held budget for it).
+            if !swept {
+                swept = true;
+                self.return_unfilled_budgets(true);
+                if self.take_unclaimed(bytes) {
+                    return true;
+                }
+            }
             let (victims, unreachable) = self.take_slots(std::iter::once(victim), |_| true);
             taken.extend(victims);
             if unreachable.is_some() {
@@ -534,11 +550,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         with_lanes: bool,
     ) -> (Vec<MutexGuard<'_, SlotState>>, Option<ClaimedLanes<'_>>) {
         let states = indices.iter().map(|&index| lock(&self.slots[index].state)).collect();
+        // A refusal is not logged here: it would be on every sweep; `membarrier`'s failure is
+        // logged once where it happens, and a forked child's is documented.
         let lanes = with_lanes
             .then(|| claim(indices.iter().map(|&index| lanes_of(&self.slots[index])).collect(), self.made_in))
-            .and_then(|claimed| {
-                claimed.inspect_err(|why| tracing::warn!(reason = why.reason(), "lanes out of reach")).ok()
-            });
+            .and_then(Result::ok);
         (states, lanes)
     }
 
@@ -768,8 +784,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         let key = stream.id().get();
         let slot = self.home_slot(key)?;
         let mut lane = own_lane(&slot.lanes.get()?[..], self.fences)?;
-        // Inside the lane: a slot given up stores its new key before it claims the lanes to
-        // empty them, so a block found here was freed on this stream.
+        // Inside the lane: a slot given up changes its key while it holds the lanes' claims,
+        // before it empties them, so a thread that sees its stream's key here entered before the
+        // claim (and the lane still holds only that stream's blocks) or after a claim of the same
+        // stream: a block found here was freed on this stream.
         if slot.key.load(Relaxed) != key {
             return None;
         }
@@ -813,8 +831,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         match found {
             Some(slot) => {
                 if let Some(mut lane) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) {
-                    // Inside the lane: a slot given up stores its new key before it claims the
-                    // lanes to empty them, so a block found here was freed on this stream.
+                    // Inside the lane: as in `pop_from_lane`, a block found here was freed on this
+                    // stream.
                     if slot.key.load(Relaxed) == key {
                         if let Some(ptr) = lane.pop(index) {
                             lane.budget += class;
@@ -874,13 +892,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             return Ok(());
         }
         // A lane's first free (or first since it was emptied): its lists are made here, outside
-        // the lane, then the hot path is tried again.
-        if let Some(lanes) = self.home_slot(stream.id().get()).and_then(|slot| slot.lanes.get()) {
+        // the lane, for a stream in any slot (found by the second review: only home slots got
+        // them), then the lane is tried below.
+        if let Some(lanes) = self.find(stream.id().get()).and_then(|index| self.slots[index].lanes.get()) {
             if own_lane_lacks_lists(&lanes[..], self.fences) {
                 give_lists(&lanes[..], self.fences);
-                if self.push_to_lane(ptr, bytes, stream) {
-                    return Ok(());
-                }
             }
         }
         let Some((index, class)) = size_class(bytes) else {

@@ -21,7 +21,8 @@
 //! or in a child forked after the cache was made (a lane the parent's other threads were in
 //! stays busy there), claims are refused, never made without the fence: the owners' hot path
 //! goes on, and what their lanes hold stays cached until the cache is dropped, which needs no
-//! claim.
+//! claim. A child forked while other threads were inside the cache must not use it at all (as
+//! with any lock: a slot lock or lane another thread held at the fork is held for ever there).
 
 use super::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
@@ -223,6 +224,10 @@ pub(super) fn claim(groups: Vec<&[Lane]>, made_in: u32) -> Result<ClaimedLanes<'
     if std::process::id() != made_in {
         return Err(Unreachable::ForkedChild);
     }
+    // Once `membarrier` has failed for good, without taking and giving back every claim first.
+    if MEMBARRIER_FAILED.load(Relaxed) {
+        return Err(Unreachable::Membarrier);
+    }
     for lane in lanes() {
         let mut spins = 0u32;
         while lane.claimed.compare_exchange(false, true, Acquire, Relaxed).is_err() {
@@ -350,6 +355,9 @@ impl LaneState {
     }
 }
 
+/// Set when `membarrier` failed after it had been chosen (nothing lifts a seccomp filter).
+static MEMBARRIER_FAILED: AtomicBool = AtomicBool::new(false);
+
 /// Which fences pair up: decided once, before any cache exists, and never changed after.
 static FENCES: AtomicU8 = AtomicU8::new(UNDECIDED);
 const UNDECIDED: u8 = 0;
@@ -428,10 +436,9 @@ fn expedited_membarrier() -> bool {
     let again = membarrier(MembarrierCommand::RegisterPrivateExpedited)
         .and_then(|()| membarrier(MembarrierCommand::PrivateExpedited));
     if let Err(error) = again {
-        static TOLD: std::sync::Once = std::sync::Once::new();
-        TOLD.call_once(|| {
+        if !MEMBARRIER_FAILED.swap(true, Relaxed) {
             tracing::error!(%error, "membarrier(PRIVATE_EXPEDITED) fails: cached blocks in threads' lanes are out of reach");
-        });
+        }
         return false;
     }
     true
