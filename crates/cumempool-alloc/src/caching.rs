@@ -63,13 +63,14 @@ const RELEASED: u64 = u64::MAX;
 /// for this long: a scan locks every slot, and with more than `SLOTS` live streams it would run
 /// on every free of the streams beyond them.
 const SLOT_SCAN_INTERVAL: Duration = Duration::from_micros(100);
-/// The least time between two sweeps of other threads' lanes that only make the cache better
-/// use its bound (taking back their unfilled budget, gathering their blocks for a thread that
-/// misses once the bound is spent). A sweep claims lanes, and a claim costs a `membarrier`
-/// that interrupts every running thread of the process (15-50 us with 16-32 threads busy on the
-/// H200 node): without this, a bound spent by many threads on one stream made every miss a
-/// sweep (1.5 M pairs/s for 32 threads, measured). Sweeps that correctness needs (a slot given
-/// up, release, stats) are never skipped.
+/// The least time between two sweeps of threads' lanes that only make the cache better use its
+/// bound: taking back their unfilled budget (per cache), and gathering a stream's blocks for a
+/// thread that misses once the bound is spent (per stream; a gather also holds the budget
+/// sweeps back). A sweep claims lanes, and a claim costs a `membarrier` that interrupts every
+/// running thread of the process (15-50 us with 16-32 threads busy on the H200 node): without
+/// this limit, a bound spent by many threads on one stream made every miss a sweep (1.5 M
+/// pairs/s for 32 threads, measured). Sweeps that correctness needs (a slot given up, release,
+/// stats) and the budget sweep before an eviction are never skipped.
 const LANE_SWEEP_INTERVAL: Duration = Duration::from_millis(1);
 
 const MIN_SHIFT: u32 = 8;
@@ -131,6 +132,9 @@ struct SlotState {
     budget: usize,
     hits: u64,
     misses: u64,
+    /// Nanoseconds after the cache was made before which a miss does not gather this stream's
+    /// lanes again ([`LANE_SWEEP_INTERVAL`] after the last gather).
+    next_gather: u64,
 }
 
 /// What a slot held when it was taken away: to be given back below, then let go of.
@@ -856,8 +860,17 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                     // (threads that exited, or work that moved) serve this thread before the
                     // driver is asked. Same stream, so their reuse is ordered; under the slot's
                     // lock its lanes cannot be drained for another stream meanwhile.
-                    if self.unclaimed.load(Relaxed) < class && self.lane_sweep_due() {
+                    let now = self.nanos();
+                    if self.unclaimed.load(Relaxed) < class && now >= state.next_gather {
+                        // Each stream on its own timer: on the timer shared with the budget sweeps,
+                        // a thread that arrived just after one went to the driver for 46 of 1,600
+                        // allocations while every block it needed sat in other lanes (found on
+                        // the 32-core H200 node, not on a 2-core VM).
+                        // The budget sweeps wait for it too.
                         gather_from_lanes(lanes_of(slot), self.made_in, &mut state);
+                        let wait = u64::try_from(LANE_SWEEP_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+                        state.next_gather = now.saturating_add(wait);
+                        self.next_lane_sweep.fetch_max(now.saturating_add(wait), Relaxed);
                         if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
                             state.cached_bytes -= class;
                             state.hits += 1;

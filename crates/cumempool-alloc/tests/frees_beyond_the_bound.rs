@@ -65,8 +65,9 @@ fn frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each() {
         }
         let (count, ms) = (MEMBARRIERS.load(Relaxed), start.elapsed().as_millis() as usize);
         eprintln!("child: {count} membarriers for {} frees beyond the bound in {ms} ms", 4 * rounds);
-        // The documented limit: a sweep that only helps the bound at most once a millisecond.
-        assert!(count <= ms + 10, "{count} membarriers for {} frees beyond the bound in {ms} ms", 4 * rounds);
+        // The documented limits: a budget sweep at most once a millisecond per cache, and a
+        // gather of a stream's lanes at most once a millisecond per stream (one stream here).
+        assert!(count <= 2 * ms + 10, "{count} membarriers for {} frees beyond the bound in {ms} ms", 4 * rounds);
         return;
     }
     let exe = std::env::current_exe().unwrap();

@@ -571,6 +571,7 @@ mod tests {
 
     #[test]
     fn a_thread_inside_its_lane_cannot_enter_it_again() {
+        let _numbers = super::super::lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let inside = own_lane(&lanes, prepare_fences());
         assert!(inside.is_some());
@@ -581,6 +582,7 @@ mod tests {
 
     #[test]
     fn a_claimed_lane_turns_its_owner_away_until_given_back() {
+        let _numbers = super::super::lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let mut claimed = claim(vec![&lanes[..]], std::process::id()).expect("claimed");
         assert!(own_lane(&lanes, prepare_fences()).is_none());
