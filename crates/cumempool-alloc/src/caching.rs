@@ -932,7 +932,15 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             if slot.key.load(Relaxed) == key {
                 // A stream's second cached free makes its lanes (8 KiB, once per slot): a stream
                 // used once never has any, so slow paths have none of its to claim.
-                slot.lanes.get_or_init(|| Box::new(std::array::from_fn(|_| Lane::new())));
+                let lanes = slot.lanes.get_or_init(|| Box::new(std::array::from_fn(|_| Lane::new())));
+                // Short of budget: this thread's own lane's unfilled budget first, which needs no
+                // claim (entering one's own lane never waits). Found on the 32-core node: a
+                // thread whose lane was full went below with budget sitting in that lane.
+                if state.budget < class {
+                    if let Some(mut lane) = own_lane(&lanes[..], self.fences) {
+                        state.budget += std::mem::take(&mut lane.budget);
+                    }
+                }
                 if let Some(list) = state.blocks.get_mut(index) {
                     if self.claim(&mut state.budget, class) {
                         list.push(ptr);
@@ -983,6 +991,38 @@ mod tests {
         let state = lock(&slot.state);
         let mut lanes = claim(vec![lanes_of(slot)], cache.made_in).expect("claimed");
         (state.cached_bytes, lanes.group(0).map(|lane| lane.cached_bytes()).sum())
+    }
+
+    /// Found on the 32-core H200 node (a regression test failed under compute-sanitizer there):
+    /// a free that did not fit in the thread's full lane went below for want of budget while
+    /// the lane itself held unfilled budget, and the budget sweep was not due.
+    #[test]
+    fn a_full_lane_lends_its_budget_to_a_free_into_the_shared_lists() {
+        let _numbers = lock(&lanes::TEST_LANE_NUMBERS);
+        let (a, b) = (64 << 10, 80 << 10);
+        let cache = CachingResource::with_max_cached(HostHeap, 10 * a + b);
+        // SAFETY: HostHeap ignores streams, so the handle is never used.
+        let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.expect("a fake stream");
+        let blocks: Vec<u64> = (0..11).map(|_| cache.allocate(a, 256, &stream).expect("host memory")).collect();
+        let other = cache.allocate(b, 256, &stream).expect("host memory");
+        // The first two frees go to the shared lists (slot, then lanes), the next eight fill
+        // this thread's lane for that class; then `other` fills the bound.
+        for &ptr in &blocks[..10] {
+            // SAFETY: allocated above with these arguments.
+            unsafe { cache.deallocate(ptr, a, 256, &stream) }.expect("cached");
+        }
+        // SAFETY: as above.
+        unsafe { cache.deallocate(other, b, 256, &stream) }.expect("cached");
+        assert_eq!(where_blocks_are(&cache, &stream), (2 * a, 8 * a + b));
+        assert_eq!(cache.unclaimed.load(Relaxed), 0, "the bound is spent");
+        // A hit leaves `b` of budget in the lane; no budget sweep is due for a long while.
+        let other = cache.allocate(b, 256, &stream).expect("a hit");
+        cache.next_lane_sweep.store(u64::MAX, Relaxed);
+        // SAFETY: as above.
+        unsafe { cache.deallocate(blocks[10], a, 256, &stream) }.expect("cached");
+        assert_eq!(where_blocks_are(&cache, &stream), (3 * a, 8 * a), "the free was cached with the lane's budget");
+        // SAFETY: as above.
+        unsafe { cache.deallocate(other, b, 256, &stream) }.expect("freed");
     }
 
     /// Found measuring 32 threads on one stream with the bound spent (1.4 M pairs/s at 100%
