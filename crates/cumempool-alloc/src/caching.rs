@@ -43,9 +43,7 @@ use crate::error::Result;
 use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
-use lanes::{
-    claim, give_lists, own_lane, own_lane_lacks_lists, prepare_fences, ClaimedLanes, Fences, Lane, Unreachable, LANES,
-};
+use lanes::{claim, give_lists_if_missing, own_lane, prepare_fences, ClaimedLanes, Fences, Lane, Unreachable, LANES};
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
@@ -175,6 +173,27 @@ fn credit_budget(lanes: &[Lane], fences: Fences, state: &mut SlotState, class: u
         Some(mut lane) => lane.budget += class,
         None => state.budget += class,
     }
+}
+
+/// A duration in nanoseconds, saturating (the cache's clocks count nanoseconds in a `u64`).
+fn nanos_of(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// A block of size class `index` from a slot's shared lists, its budget given to the calling
+/// thread's lane (see [`credit_budget`]).
+fn pop_shared(
+    lanes: &[Lane],
+    fences: Fences,
+    state: &mut SlotState,
+    index: usize,
+    class: usize,
+) -> Option<CUdeviceptr> {
+    let ptr = state.blocks.get_mut(index).and_then(Vec::pop)?;
+    state.cached_bytes -= class;
+    state.hits += 1;
+    credit_budget(lanes, fences, state, class);
+    Some(ptr)
 }
 
 /// The lanes of a slot, or none if it never had any.
@@ -689,14 +708,14 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn lane_sweep_due(&self) -> bool {
         let now = self.nanos();
         let next = self.next_lane_sweep.load(Relaxed);
-        let interval = u64::try_from(LANE_SWEEP_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+        let interval = nanos_of(LANE_SWEEP_INTERVAL);
         now >= next
             && self.next_lane_sweep.compare_exchange(next, now.saturating_add(interval), Relaxed, Relaxed).is_ok()
     }
 
     /// Nanoseconds since the cache was made.
     fn nanos(&self) -> u64 {
-        u64::try_from(self.made.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        nanos_of(self.made.elapsed())
     }
 
     /// Caches the block under the registry lock, reclaiming and evicting what it must; false
@@ -717,7 +736,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             self.reclaim_unused(None, taken);
             slot = self.free_slot(key);
             if slot.is_none() {
-                let interval = u64::try_from(SLOT_SCAN_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
+                let interval = nanos_of(SLOT_SCAN_INTERVAL);
                 self.next_slot_scan.store(self.nanos().saturating_add(interval), Relaxed);
             }
         }
@@ -786,7 +805,12 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
         let (index, class) = size_class(bytes)?;
         let key = stream.id().get();
-        let slot = self.home_slot(key)?;
+        self.pop_from_lane_of(self.home_slot(key)?, key, index, class)
+    }
+
+    /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
+    #[inline(always)]
+    fn pop_from_lane_of(&self, slot: &Slot, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
         let mut lane = own_lane(&slot.lanes.get()?[..], self.fences)?;
         // Inside the lane: a slot given up changes its key while it holds the lanes' claims,
         // before it empties them, so a thread that sees its stream's key here entered before the
@@ -809,7 +833,13 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
         let Some((index, class)) = size_class(bytes) else { return false };
         let key = stream.id().get();
-        let Some(slot) = self.home_slot(key) else { return false };
+        self.home_slot(key).is_some_and(|slot| self.push_to_lane_of(slot, key, ptr, index, class))
+    }
+
+    /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
+    /// if it has room and budget.
+    #[inline(always)]
+    fn push_to_lane_of(&self, slot: &Slot, key: u64, ptr: CUdeviceptr, index: usize, class: usize) -> bool {
         let Some(mut lane) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) else {
             return false;
         };
@@ -834,26 +864,13 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         let found = self.find(key).map(|index| &self.slots[index]);
         match found {
             Some(slot) => {
-                if let Some(mut lane) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) {
-                    // Inside the lane: as in `pop_from_lane`, a block found here was freed on this
-                    // stream.
-                    if slot.key.load(Relaxed) == key {
-                        if let Some(ptr) = lane.pop(index) {
-                            lane.budget += class;
-                            lane.hits += 1;
-                            drop(lane);
-                            self.touch(slot);
-                            return Ok(ptr);
-                        }
-                    }
+                if let Some(ptr) = self.pop_from_lane_of(slot, key, index, class) {
+                    return Ok(ptr);
                 }
                 let mut state = lock(&slot.state);
                 if slot.key.load(Relaxed) == key {
                     self.touch(slot);
-                    if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
-                        state.cached_bytes -= class;
-                        state.hits += 1;
-                        credit_budget(lanes_of(slot), self.fences, &mut state, class);
+                    if let Some(ptr) = pop_shared(lanes_of(slot), self.fences, &mut state, index, class) {
                         return Ok(ptr);
                     }
                     // The bound is spent: blocks other threads left in their lanes of this stream
@@ -868,13 +885,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                         // the 32-core H200 node, not on a 2-core VM).
                         // The budget sweeps wait for it too.
                         gather_from_lanes(lanes_of(slot), self.made_in, &mut state);
-                        let wait = u64::try_from(LANE_SWEEP_INTERVAL.as_nanos()).unwrap_or(u64::MAX);
-                        state.next_gather = now.saturating_add(wait);
-                        self.next_lane_sweep.fetch_max(now.saturating_add(wait), Relaxed);
-                        if let Some(ptr) = state.blocks.get_mut(index).and_then(Vec::pop) {
-                            state.cached_bytes -= class;
-                            state.hits += 1;
-                            credit_budget(lanes_of(slot), self.fences, &mut state, class);
+                        state.next_gather = now.saturating_add(nanos_of(LANE_SWEEP_INTERVAL));
+                        self.next_lane_sweep.fetch_max(state.next_gather, Relaxed);
+                        if let Some(ptr) = pop_shared(lanes_of(slot), self.fences, &mut state, index, class) {
                             return Ok(ptr);
                         }
                     }
@@ -904,28 +917,20 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if bytes == 0 {
             return Ok(());
         }
-        // A lane's first free (or first since it was emptied): its lists are made here, outside
-        // the lane, for a stream in any slot (found by the second review: only home slots got
-        // them), then the lane is tried below.
-        if let Some(lanes) = self.find(stream.id().get()).and_then(|index| self.slots[index].lanes.get()) {
-            if own_lane_lacks_lists(&lanes[..], self.fences) {
-                give_lists(&lanes[..], self.fences);
-            }
-        }
         let Some((index, class)) = size_class(bytes) else {
             // SAFETY: a bypassing block came from `inner` with these arguments.
             return unsafe { self.inner.deallocate(ptr, bytes, align, stream) };
         };
         let key = stream.id().get();
         if let Some(slot) = self.find(key).map(|index| &self.slots[index]) {
-            if let Some(mut guard) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) {
-                let lane = &mut *guard;
-                // As in `allocate`: the key, checked inside the lane, says whose blocks it holds.
-                if slot.key.load(Relaxed) == key && lane.has_room(index) && self.claim(&mut lane.budget, class) {
-                    lane.push(index, ptr);
-                    // Not touched: the allocation this block served was.
-                    return Ok(());
-                }
+            // A lane's first free (or first since it was emptied): its lists are made here,
+            // outside the lane, for a stream in any slot (found by the second review: only home
+            // slots got them).
+            if let Some(lanes) = slot.lanes.get() {
+                give_lists_if_missing(&lanes[..], self.fences);
+            }
+            if self.push_to_lane_of(slot, key, ptr, index, class) {
+                return Ok(());
             }
             let mut guard = lock(&slot.state);
             let state = &mut *guard;

@@ -84,8 +84,10 @@ struct Lists {
 /// before the thread enters the lane: an allocation inside a lane could reach a global
 /// allocator that calls back into the cache, and a slow path there could wait for this very
 /// lane.
-#[cold]
-pub(super) fn give_lists(lanes: &[Lane], fences: Fences) {
+pub(super) fn give_lists_if_missing(lanes: &[Lane], fences: Fences) {
+    if own_lane(lanes, fences).is_none_or(|lane| lane.lists.is_some()) {
+        return;
+    }
     let lists = Box::new(Lists { counts: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] });
     let spare = match own_lane(lanes, fences) {
         Some(mut lane) if lane.lists.is_none() => {
@@ -96,12 +98,6 @@ pub(super) fn give_lists(lanes: &[Lane], fences: Fences) {
     };
     // Freed, if unused, outside the lane for the same reason.
     drop(spare);
-}
-
-/// Whether the calling thread has a lane among `lanes` without lists.
-#[inline]
-pub(super) fn own_lane_lacks_lists(lanes: &[Lane], fences: Fences) -> bool {
-    own_lane(lanes, fences).is_some_and(|lane| lane.lists.is_none())
 }
 
 impl Lane {
@@ -288,7 +284,7 @@ impl LaneState {
     }
 
     /// Whether a block of size class `index` fits: the lane has its lists (see
-    /// [`give_lists`]) and room in that class.
+    /// [`give_lists_if_missing`]) and room in that class.
     #[inline(always)]
     pub(super) fn has_room(&self, index: usize) -> bool {
         self.lists
