@@ -3,14 +3,11 @@
 //! even after every other thread has exited. Alone in its binary: lane numbers are process-wide.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::Stream;
+mod support;
+
 use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
 use std::sync::Barrier;
-
-fn fake_stream(id: usize) -> Stream {
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    unsafe { Stream::borrow_raw((0x100 + id) as cumempool::sys::CUstream, None) }.unwrap()
-}
+use support::fake_stream;
 
 #[test]
 fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {

@@ -6,13 +6,11 @@
 //! binary: lane numbers are process-wide.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use cumempool::Stream;
 use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
-
-fn fake_stream(id: usize) -> Stream {
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    unsafe { Stream::borrow_raw((0x100 + id) as cumempool::sys::CUstream, None) }.unwrap()
-}
+use support::fake_stream;
 
 /// The cache's home slot of a stream (the same hash as `caching::home_of`).
 fn home(stream: &Stream) -> u64 {

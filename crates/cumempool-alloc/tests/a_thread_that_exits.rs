@@ -2,22 +2,17 @@
 //! a thread's lane number is process-wide, so other tests' threads would take it first.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::Stream;
-use cumempool_alloc::{CachingResource, HostHeap, Statistics, StreamOrderedResource};
+mod support;
+
+use cumempool_alloc::{CachingResource, HostHeap, Statistics};
+use support::{fake_stream, fill_this_threads_lane};
 
 #[test]
 fn a_thread_that_exits_leaves_its_blocks_to_the_next_thread_and_to_release() {
     let below = Statistics::new(HostHeap);
     let cache = CachingResource::new(&below);
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.unwrap();
-    let three_blocks = || {
-        let blocks = [(); 3].map(|()| cache.allocate(4096, 256, &stream).unwrap());
-        for block in blocks {
-            unsafe { cache.deallocate(block, 4096, 256, &stream) }.unwrap();
-        }
-        blocks
-    };
+    let stream = fake_stream(0);
+    let three_blocks = || fill_this_threads_lane(&cache, &stream, 4096);
     // The first free takes the stream's slot, the second makes its lanes (both land in the
     // shared lists), the third lands in this thread's lane.
     let mut before = std::thread::scope(|scope| scope.spawn(three_blocks).join().unwrap());

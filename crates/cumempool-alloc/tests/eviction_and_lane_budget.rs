@@ -4,13 +4,11 @@
 //! cached blocks while a lane sits on enough unfilled budget for the block.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use cumempool::Stream;
 use cumempool_alloc::{CachingResource, HostHeap, Statistics, StreamOrderedResource};
-
-fn fake_stream(id: usize) -> Stream {
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    unsafe { Stream::borrow_raw((0x100 + id) as cumempool::sys::CUstream, None) }.unwrap()
-}
+use support::fake_stream;
 
 #[test]
 fn a_block_is_not_evicted_while_a_lane_holds_unfilled_budget_for_it() {

@@ -9,10 +9,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
-use cumempool::Stream;
+mod support;
+
 use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
+use support::{fake_stream, filter_membarrier, is_child, run_in_child, MEMBARRIER_TRAP};
 
 const CHILD: &str = "CUMEMPOOL_REVIEW2_BEYOND_BOUND_CHILD";
 static MEMBARRIERS: AtomicUsize = AtomicUsize::new(0);
@@ -25,31 +27,22 @@ extern "C" fn on_sigsys(_: libc::c_int, _: *mut libc::siginfo_t, context: *mut l
 
 /// Every `membarrier` of this process traps into `on_sigsys` instead (answering success).
 fn count_membarriers() {
-    let filter = [
-        libc::sock_filter { code: 0x20, jt: 0, jf: 0, k: 0 }, // ld [nr]
-        libc::sock_filter { code: 0x15, jt: 0, jf: 1, k: libc::SYS_membarrier as u32 }, // jeq
-        libc::sock_filter { code: 0x06, jt: 0, jf: 0, k: 0x0003_0000 }, // ret TRAP
-        libc::sock_filter { code: 0x06, jt: 0, jf: 0, k: 0x7fff_0000 }, // ret ALLOW
-    ];
-    let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr().cast_mut() };
-    // SAFETY: a plain signal handler and prctl calls with a valid filter program.
+    // SAFETY: a plain signal handler.
     unsafe {
         let mut action: libc::sigaction = std::mem::zeroed();
         action.sa_sigaction = on_sigsys as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
         action.sa_flags = libc::SA_SIGINFO;
         assert_eq!(libc::sigaction(libc::SIGSYS, &action, std::ptr::null_mut()), 0);
-        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
-        assert_eq!(libc::prctl(libc::PR_SET_SECCOMP, 2 /* SECCOMP_MODE_FILTER */, &program), 0);
     }
+    filter_membarrier(MEMBARRIER_TRAP);
 }
 
 #[test]
 fn frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each() {
-    if std::env::var_os(CHILD).is_some() {
+    if is_child(CHILD) {
         let block = 64 << 10;
         let cache = CachingResource::with_max_cached(HostHeap, 4 * block);
-        // SAFETY: HostHeap ignores streams, so the handle is never used.
-        let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.unwrap();
+        let stream = fake_stream(0);
         let round = || {
             let blocks = [(); 8].map(|()| cache.allocate(block, 256, &stream).unwrap());
             for ptr in blocks {
@@ -70,24 +63,9 @@ fn frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each() {
         assert!(count <= 2 * ms + 10, "{count} membarriers for {} frees beyond the bound in {ms} ms", 4 * rounds);
         return;
     }
-    let exe = std::env::current_exe().unwrap();
-    let mut child = std::process::Command::new(exe)
-        .args(["--exact", "frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each", "--nocapture"])
-        .env(CHILD, "1")
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let status = status.expect("the child hung: killed");
-    assert!(status.success(), "{status:?}");
+    run_in_child(
+        "frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each",
+        CHILD,
+        Duration::from_secs(30),
+    );
 }

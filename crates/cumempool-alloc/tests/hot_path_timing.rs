@@ -3,15 +3,13 @@
 //! never reaches the resource below, so these are the cache's own costs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use cumempool::Stream;
 use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
 use std::sync::Barrier;
 use std::time::Instant;
-
-fn fake_stream(id: usize) -> Stream {
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    unsafe { Stream::borrow_raw((0x100 + id) as cumempool::sys::CUstream, None) }.unwrap()
-}
+use support::fake_stream;
 
 /// 4096 sizes spread evenly over 256 B to 4 MiB, drawn once so that timing measures the cache.
 fn mixed_sizes(seed: usize) -> Vec<usize> {

@@ -5,37 +5,21 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(target_os = "linux")]
 
-use cumempool::Stream;
-use cumempool_alloc::{CachingResource, Error, HostHeap, StreamOrderedResource};
+mod support;
+
+use cumempool_alloc::{CachingResource, Error, HostHeap};
+use support::{exit_code_of_forked, fake_stream, fill_this_threads_lane};
 
 #[test]
 fn release_in_a_forked_child_answers_instead_of_waiting() {
     let cache = CachingResource::new(HostHeap);
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.unwrap();
-    // Three cached frees: slot, lanes, this thread's lane.
-    let blocks = [(); 3].map(|()| cache.allocate(4096, 256, &stream).unwrap());
-    for ptr in blocks {
-        unsafe { cache.deallocate(ptr, 4096, 256, &stream) }.unwrap();
-    }
-    // SAFETY: the child only calls the cache and exits with `_exit`.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        let code = match cache.release() {
-            Err(Error::LanesUnreachable { reason }) if reason.contains("forked") => 0,
-            _ => 1,
-        };
-        // SAFETY: ends the child without running the parent's destructors twice.
-        unsafe { libc::_exit(code) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child just forked.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "the child's release did not answer as expected: {status}"
-    );
+    let stream = fake_stream(0);
+    fill_this_threads_lane(&cache, &stream, 4096);
+    let code = exit_code_of_forked(|| match cache.release() {
+        Err(Error::LanesUnreachable { reason }) if reason.contains("forked") => 0,
+        _ => 1,
+    });
+    assert_eq!(code, 0, "the child's release did not answer as expected");
     // The parent's cache is untouched by the child.
     assert_eq!(cache.stats().cached_blocks, 3);
     cache.release().unwrap();

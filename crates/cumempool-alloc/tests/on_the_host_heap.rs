@@ -1,6 +1,8 @@
 //! Adaptor and cache logic against the host heap: no GPU needed, runs in CI.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use cumempool::Stream;
 use cumempool_alloc::{
     CachingResource, Error, HostHeap, Limit, OnOutOfMemory, Statistics, StreamOrderedResource, Traced, Tracking,
@@ -8,13 +10,7 @@ use cumempool_alloc::{
 };
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Mutex;
-
-/// A stream handle the host heap never hands to a driver. Offset past the handles that mean
-/// "a stream of the current context" (0, 1, 2), which `borrow_raw` refuses without a context.
-fn fake_stream(id: usize) -> Stream {
-    // SAFETY: HostHeap ignores streams, so the handle is never used.
-    unsafe { Stream::borrow_raw((0x100 + id) as cumempool::sys::CUstream, None) }.unwrap()
-}
+use support::fake_stream;
 
 /// Writes and reads back the block: all of it, or under Miri (slow) its first and last bytes,
 /// which is enough for Miri to see a block that is too small or already freed.
