@@ -43,7 +43,9 @@ use crate::error::Result;
 use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
-use lanes::{claim, give_lists_if_missing, own_lane, prepare_fences, ClaimedLanes, Fences, Lane, Unreachable, LANES};
+use lanes::{
+    claim, give_lists_if_missing, own_lane, prepare_fences, ClaimedLanes, Fences, Lane, LaneState, Unreachable, LANES,
+};
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
@@ -133,6 +135,21 @@ struct SlotState {
     /// Nanoseconds after the cache was made before which a miss does not gather this stream's
     /// lanes again ([`LANE_SWEEP_INTERVAL`] after the last gather).
     next_gather: u64,
+}
+
+impl SlotState {
+    /// Takes the stream and every block the slot and `lanes` (its lanes' states) hold, if it has
+    /// a stream; answers them with the bytes they accounted for in the bound (blocks and budget).
+    fn take_all<'a>(&mut self, lanes: impl Iterator<Item = &'a mut LaneState>) -> Option<(Taken, usize)> {
+        let stream = self.stream.take()?;
+        let mut blocks = std::mem::take(&mut self.blocks);
+        blocks.resize_with(CLASSES, Vec::new);
+        let mut bytes = std::mem::take(&mut self.budget) + std::mem::take(&mut self.cached_bytes);
+        for lane in lanes {
+            bytes += lane.drain_into(&mut blocks);
+        }
+        Some((Taken { stream, blocks }, bytes))
+    }
 }
 
 /// What a slot held when it was taken away: to be given back below, then let go of.
@@ -460,19 +477,14 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                 }
             };
         for (group, (slot, state)) in picked.iter_mut().enumerate() {
-            let Some(stream) = state.stream.take() else { continue };
             // Under the slot's lock and its lanes' claims, before the lanes are emptied: a thread
             // inside a lane now was there before the claim and is done; one that enters a lane
             // or locks the slot after sees the change.
             slot.key.store(RELEASED, Release);
-            let mut blocks = std::mem::take(&mut state.blocks);
-            blocks.resize_with(CLASSES, Vec::new);
-            let mut bytes = std::mem::take(&mut state.budget) + std::mem::take(&mut state.cached_bytes);
-            for lane in lanes.iter_mut().flat_map(|lanes| lanes.group(group)) {
-                bytes += lane.drain_into(&mut blocks);
+            if let Some((contents, bytes)) = state.take_all(lanes.iter_mut().flat_map(|lanes| lanes.group(group))) {
+                self.unclaimed.fetch_add(bytes, Relaxed);
+                taken.push(contents);
             }
-            self.unclaimed.fetch_add(bytes, Relaxed);
-            taken.push(Taken { stream, blocks });
         }
         (taken, unreachable)
     }
@@ -969,15 +981,8 @@ impl<R: StreamOrderedResource> Drop for CachingResource<R> {
         let mut taken = Vec::new();
         for slot in self.slots.iter_mut() {
             let state = slot.state.get_mut().unwrap_or_else(PoisonError::into_inner);
-            let Some(stream) = state.stream.take() else { continue };
-            let mut blocks = std::mem::take(&mut state.blocks);
-            blocks.resize_with(CLASSES, Vec::new);
-            for lane in slot.lanes.get_mut().into_iter().flat_map(|lanes| lanes.iter_mut()) {
-                if let Some(lane) = lane.state_if_idle() {
-                    lane.drain_into(&mut blocks);
-                }
-            }
-            taken.push(Taken { stream, blocks });
+            let lanes = slot.lanes.get_mut().into_iter().flat_map(|lanes| lanes.iter_mut());
+            taken.extend(state.take_all(lanes.filter_map(Lane::state_if_idle)).map(|(contents, _)| contents));
         }
         if let Err(error) = self.give_back(taken) {
             tracing::warn!(%error, "giving cached blocks back failed");

@@ -28,10 +28,10 @@ use super::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
 use std::cell::{Cell, UnsafeCell};
 use std::sync::atomic::{
-    compiler_fence, fence, AtomicBool, AtomicU8, AtomicUsize,
-    Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
+    compiler_fence, fence, AtomicBool, AtomicUsize,
+    Ordering::{Acquire, Relaxed, Release, SeqCst},
 };
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// Lanes per stream: up to this many threads share a stream without sharing a lock.
 pub(super) const LANES: usize = 64;
@@ -355,10 +355,7 @@ impl LaneState {
 static MEMBARRIER_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// Which fences pair up: decided once, before any cache exists, and never changed after.
-static FENCES: AtomicU8 = AtomicU8::new(UNDECIDED);
-const UNDECIDED: u8 = 0;
-const ASYMMETRIC: u8 = 1;
-const SYMMETRIC: u8 = 2;
+static FENCES: OnceLock<Fences> = OnceLock::new();
 
 /// How lanes fence, as decided for the process; each cache keeps a copy, so that the hot path
 /// reads it next to the cache's other fields rather than from a static.
@@ -373,16 +370,7 @@ pub(super) enum Fences {
 /// Decides how lanes fence, registering this process for `membarrier` if it can. Called by
 /// every cache's constructor: owners use the decision only through a cache, made after it.
 pub(super) fn prepare_fences() -> Fences {
-    if FENCES.load(Acquire) == UNDECIDED {
-        let mode = if register_membarrier() { ASYMMETRIC } else { SYMMETRIC };
-        // A race between two first caches decides once; both computed the same answer.
-        let _ = FENCES.compare_exchange(UNDECIDED, mode, AcqRel, Acquire);
-    }
-    if FENCES.load(Acquire) == ASYMMETRIC {
-        Fences::Asymmetric
-    } else {
-        Fences::Symmetric
-    }
+    *FENCES.get_or_init(|| if register_membarrier() { Fences::Asymmetric } else { Fences::Symmetric })
 }
 
 impl Fences {
@@ -399,7 +387,7 @@ impl Fences {
 /// A slow path's half of the fence between storing `claimed` and reading `busy`; false when it
 /// cannot be had.
 fn heavy_fence() -> bool {
-    if FENCES.load(Relaxed) == ASYMMETRIC {
+    if FENCES.get() == Some(&Fences::Asymmetric) {
         expedited_membarrier()
     } else {
         fence(SeqCst);
