@@ -5,7 +5,7 @@
 //! reference the issue names ("a pair from a thread-local free list costs a few nanoseconds").
 
 use super::stream_handover::{self, hit_rate};
-use super::{median, on_threads, raw_pool_pair, time, Options};
+use super::{median, min, on_threads, raw_pool_pair, time, Options};
 use crate::error::Result;
 use crate::table::Table;
 use cumempool::{Context, MemPool, Route, Stream};
@@ -162,7 +162,7 @@ pub fn measure(context: &Context, options: &Options) -> Result<Report> {
             ns.push(n);
             heap = heap.max(h);
         }
-        let best = ns.iter().copied().fold(f64::INFINITY, f64::min);
+        let best = min(&ns);
         let one = 1e9 / median(ns);
         let raw_one = 1e9 / median(raw);
         rows.push(Row {
