@@ -257,6 +257,8 @@ fn stream_and_event_calls_name_the_call_that_failed() {
         UNKNOWN,
     );
     refused_by(suite.failing("cuStreamQuery", 1, UNKNOWN, || stream.is_idle()), "cuStreamQuery", UNKNOWN);
+    let status = suite.failing("cuStreamGetCaptureInfo", 1, UNKNOWN, || stream.capture_status());
+    refused_by(status, "cuStreamGetCaptureInfo", UNKNOWN);
     refused_by(suite.failing("cuEventCreate", 1, UNKNOWN, || Event::new(context)), "cuEventCreate", UNKNOWN);
     let event = Event::new(context).unwrap();
     refused_by(suite.failing("cuEventRecord", 1, UNKNOWN, || event.record(&stream)), "cuEventRecord", UNKNOWN);

@@ -117,6 +117,37 @@ const FUNCTIONS: &[&str] = &[
     "cuMemGetDefaultMemPool",
     "cuMemGetMemPool",
     "cuMemSetMemPool",
+    // stream capture and graphs: capture-aware operations, the graph API, graph memory
+    "cuStreamBeginCapture",
+    "cuStreamEndCapture",
+    "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo",
+    "cuThreadExchangeStreamCaptureMode",
+    "cuGraphCreate",
+    "cuGraphDestroy",
+    "cuGraphGetNodes",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphExecDestroy",
+    "cuGraphLaunch",
+    "cuGraphUpload",
+    "cuDeviceGetGraphMemAttribute",
+    "cuDeviceSetGraphMemAttribute",
+    "cuDeviceGraphMemTrim",
+    "cuLaunchHostFunc",
+    // the virtual memory management API: arenas that NCCL can register
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemGetAccess",
+    "cuMemGetAllocationGranularity",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemRetainAllocationHandle",
 ];
 
 /// Functions younger than the oldest pinned header, each with the CUDA release whose cuda.h first
@@ -147,6 +178,13 @@ const TYPES: &[&str] = &[
     "CUresult",
     "CUmemorytype",
     "CUuuid",
+    "CUstreamCaptureStatus",
+    "CUstreamCaptureMode",
+    "CUgraphInstantiate_flags",
+    "CUgraphMem_attribute",
+    "CUmemAllocationProp",
+    "CUmemAllocationGranularity_flags",
+    "CUmemAllocationCompType",
 ];
 
 const VARS: &[&str] = &["CUDA_VERSION", "CU_MEM_POOL_CREATE_USAGE_HW_DECOMPRESS"];

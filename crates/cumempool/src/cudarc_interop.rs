@@ -67,6 +67,8 @@ impl Stream {
             });
         };
         let cudarc_context = context.to_cudarc()?;
+        // cudarc can begin a capture on it from safe code.
+        self.note_capture_possible();
         if self.as_raw().is_null() {
             return Ok(cudarc_context.default_stream());
         }

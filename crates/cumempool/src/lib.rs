@@ -83,7 +83,7 @@ pub use routing::{
     current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
 };
 pub use sharing::SharedAllocation;
-pub use stream::{Event, Stream, StreamId};
+pub use stream::{CaptureStatus, Event, Stream, StreamId};
 pub use unknown_value::UnknownValue;
 
 /// The cudarc this crate's interop is built against (feature `cudarc`).

@@ -5,7 +5,7 @@ use crate::driver::{driver_answer, driver_call};
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use cumempool_sys as sys;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// A CUDA stream. Clones share it; an owned stream is destroyed when the last clone drops.
@@ -30,6 +30,9 @@ struct StreamInner {
     context: Option<Context>,
     owned: bool,
     id: StreamId,
+    /// False only while no capture can be underway on the stream: the library created it and
+    /// nothing that begins or joins a capture has reached it. Once set it stays set.
+    capture_possible: AtomicBool,
     /// What keeps a borrowed stream alive: the other library's own handle (a cudarc
     /// `Arc<CudaStream>`), dropped after the last clone of this `Stream`.
     _keep_alive: KeepAlive,
@@ -72,11 +75,16 @@ impl Stream {
     }
 
     fn with_keep_alive(raw: sys::CUstream, context: Option<Context>, owned: bool, keep_alive: KeepAlive) -> Self {
+        // A borrowed ordinary stream is reachable by the code that lent it, which may capture
+        // it; a stream created here, or the legacy stream (which cannot be captured), is not.
+        let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
+        let capture_possible = !owned && !legacy;
         Self(Arc::new(StreamInner {
             raw: DriverHandle(raw),
             context,
             owned,
             id: StreamId::next(),
+            capture_possible: AtomicBool::new(capture_possible),
             _keep_alive: keep_alive,
         }))
     }
@@ -247,8 +255,72 @@ impl Stream {
     /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.bind()?;
+        // Waiting on an event recorded during a capture joins that capture.
+        if event.may_be_captured.load(Relaxed) {
+            self.note_capture_possible();
+        }
         // SAFETY: live stream and event.
         unsafe { driver_call!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
+    }
+
+    /// Whether a capture may be underway on this stream, without asking the driver: one relaxed
+    /// load, for hot paths. `false` is definite: the library created the stream and nothing
+    /// that begins or joins a capture has reached it through safe code (a capture begun here, a
+    /// wait on an event recorded on a stream that may capture, handing the stream to another
+    /// library). `true` means "ask the driver" ([`Stream::capture_status`]); it stays true.
+    ///
+    /// Code that captures the raw handle itself (through [`Stream::as_raw`] and the driver)
+    /// must call [`Stream::note_capture_possible`] first.
+    #[inline(always)]
+    pub fn may_be_capturing(&self) -> bool {
+        self.0.capture_possible.load(Relaxed)
+    }
+
+    /// Records that a capture may be underway on this stream from now on (see
+    /// [`Stream::may_be_capturing`]): every capture-aware operation then asks the driver.
+    #[inline]
+    pub fn note_capture_possible(&self) {
+        self.0.capture_possible.store(true, Relaxed);
+    }
+
+    /// The driver's answer: whether work queued on the stream now runs or is recorded into a
+    /// graph. Always asks the driver (about 0.1 us); [`Stream::is_capturing`] asks only when a
+    /// capture is possible.
+    ///
+    /// # Errors
+    /// The driver's refusal (`cuStreamGetCaptureInfo`).
+    ///
+    /// See [cuStreamGetCaptureInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    pub fn capture_status(&self) -> Result<CaptureStatus> {
+        self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: sys::cuuint64_t = 0;
+        // SAFETY: a live stream, in its context; valid out-pointers, the optional ones null.
+        unsafe {
+            driver_call!(cuStreamGetCaptureInfo(
+                self.as_raw(),
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut()
+            ))
+        }?;
+        CaptureStatus::from_raw(status, id)
+    }
+
+    /// Whether a capture is underway (active or invalidated) on this stream. Asks the driver
+    /// only when [`Stream::may_be_capturing`] is true.
+    ///
+    /// # Errors
+    /// As [`Stream::capture_status`].
+    #[inline]
+    pub fn is_capturing(&self) -> Result<bool> {
+        if !self.may_be_capturing() {
+            return Ok(false);
+        }
+        Ok(self.capture_status()? != CaptureStatus::None)
     }
 
     /// Whether two handles name the same driver stream: the same handle in the same context.
@@ -256,6 +328,45 @@ impl Stream {
         self.id() == other.id()
             || (self.as_raw() == other.as_raw()
                 && self.context().map(Context::as_raw) == other.context().map(Context::as_raw))
+    }
+}
+
+/// Whether work queued on a stream runs, or is recorded into a graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CaptureStatus {
+    /// No capture: queued work runs.
+    None,
+    /// Queued work is recorded into the capture with this id (unique in the process).
+    Active {
+        /// The capture's id (`cuStreamGetCaptureInfo`).
+        id: u64,
+    },
+    /// A capture is underway but was invalidated by an operation it could not record; it only
+    /// waits to be ended.
+    Invalidated {
+        /// The capture's id.
+        id: u64,
+    },
+}
+
+impl CaptureStatus {
+    fn from_raw(status: sys::CUstreamCaptureStatus, id: u64) -> Result<Self> {
+        use sys::CUstreamCaptureStatus as S;
+        match status {
+            S::CU_STREAM_CAPTURE_STATUS_NONE => Ok(Self::None),
+            S::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(Self::Active { id }),
+            S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => Ok(Self::Invalidated { id }),
+            other => Err(crate::UnknownValue { type_name: "CUstreamCaptureStatus", value: i64::from(other.0) }.into()),
+        }
+    }
+
+    /// The id of the capture underway, if any.
+    pub fn id(self) -> Option<u64> {
+        match self {
+            Self::None => None,
+            Self::Active { id } | Self::Invalidated { id } => Some(id),
+        }
     }
 }
 
@@ -294,6 +405,9 @@ impl Drop for StreamInner {
 pub struct Event {
     raw: DriverHandle<sys::CUevent>,
     context: Context,
+    /// Set once the event was recorded on a stream that may be capturing: a stream that waits
+    /// on it may join that capture.
+    may_be_captured: AtomicBool,
 }
 
 impl Event {
@@ -306,7 +420,7 @@ impl Event {
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         // SAFETY: valid out-pointer; the context is current.
         unsafe { driver_call!(cuEventCreate(&mut raw, flags)) }?;
-        Ok(Self { raw: DriverHandle(raw), context: context.clone() })
+        Ok(Self { raw: DriverHandle(raw), context: context.clone(), may_be_captured: AtomicBool::new(false) })
     }
 
     /// The driver's handle.
@@ -319,6 +433,9 @@ impl Event {
     #[inline]
     pub fn record(&self, stream: &Stream) -> Result<()> {
         stream.bind()?;
+        if stream.may_be_capturing() {
+            self.may_be_captured.store(true, Relaxed);
+        }
         // SAFETY: live event and stream.
         unsafe { driver_call!(cuEventRecord(self.raw.0, stream.as_raw())) }
     }
@@ -368,6 +485,20 @@ mod tests {
             let borrowed = unsafe { Stream::borrow_raw(legacy as sys::CUstream, None) };
             assert!(borrowed.is_err_and(|e| e.to_string().contains("give its context")), "{legacy:#x}");
         }
+    }
+
+    #[test]
+    fn a_borrowed_stream_may_be_capturing_from_the_start_and_the_mark_sticks() {
+        // SAFETY: never given to a driver.
+        let borrowed = unsafe { Stream::borrow_raw(0x1000 as sys::CUstream, None) }.unwrap();
+        assert!(borrowed.may_be_capturing(), "the lender may capture it");
+        let own = Stream::from_parts(0x2000 as sys::CUstream, None, true);
+        assert!(!own.may_be_capturing());
+        let clone = own.clone();
+        clone.note_capture_possible();
+        assert!(own.may_be_capturing(), "clones share the mark");
+        std::mem::forget(own); // not a real stream: no destroy
+        std::mem::forget(clone);
     }
 
     #[test]

@@ -29,6 +29,24 @@ pub struct CUstream_st {
 pub type CUstream = *mut CUstream_st;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct CUgraph_st {
+    _unused: [u8; 0],
+}
+pub type CUgraph = *mut CUgraph_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphNode_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphNode = *mut CUgraphNode_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphExec_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphExec = *mut CUgraphExec_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct CUmemPoolHandle_st {
     _unused: [u8; 0],
 }
@@ -369,6 +387,43 @@ impl CUmem_advise_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmem_advise_enum(pub ::core::ffi::c_uint);
 pub use self::CUmem_advise_enum as CUmem_advise;
+pub type CUhostFn = ::core::option::Option<unsafe extern "C" fn(userData: *mut ::core::ffi::c_void)>;
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphEdgeData_st {
+    pub from_port: ::core::ffi::c_uchar,
+    pub to_port: ::core::ffi::c_uchar,
+    pub type_: ::core::ffi::c_uchar,
+    pub reserved: [::core::ffi::c_uchar; 5usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUgraphEdgeData_st"][::core::mem::size_of::<CUgraphEdgeData_st>() - 8usize];
+    ["Alignment of CUgraphEdgeData_st"][::core::mem::align_of::<CUgraphEdgeData_st>() - 1usize];
+    ["Offset of field: CUgraphEdgeData_st::from_port"][::core::mem::offset_of!(CUgraphEdgeData_st, from_port) - 0usize];
+    ["Offset of field: CUgraphEdgeData_st::to_port"][::core::mem::offset_of!(CUgraphEdgeData_st, to_port) - 1usize];
+    ["Offset of field: CUgraphEdgeData_st::type_"][::core::mem::offset_of!(CUgraphEdgeData_st, type_) - 2usize];
+    ["Offset of field: CUgraphEdgeData_st::reserved"][::core::mem::offset_of!(CUgraphEdgeData_st, reserved) - 3usize];
+};
+pub type CUgraphEdgeData = CUgraphEdgeData_st;
+impl CUstreamCaptureStatus_enum {
+    pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(0);
+    pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(1);
+    pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureStatus_enum(pub ::core::ffi::c_uint);
+pub use self::CUstreamCaptureStatus_enum as CUstreamCaptureStatus;
+impl CUstreamCaptureMode_enum {
+    pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(0);
+    pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(1);
+    pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureMode_enum(pub ::core::ffi::c_uint);
+pub use self::CUstreamCaptureMode_enum as CUstreamCaptureMode;
 impl CUdriverProcAddress_flags_enum {
     pub const CU_GET_PROC_ADDRESS_DEFAULT: CUdriverProcAddress_flags_enum = CUdriverProcAddress_flags_enum(0);
     pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: CUdriverProcAddress_flags_enum = CUdriverProcAddress_flags_enum(1);
@@ -502,6 +557,8 @@ impl cudaError_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaError_enum(pub ::core::ffi::c_uint);
 pub use self::cudaError_enum as CUresult;
+pub type CUmemGenericAllocationHandle_v1 = ::core::ffi::c_ulonglong;
+pub type CUmemGenericAllocationHandle = CUmemGenericAllocationHandle_v1;
 impl CUmemAllocationHandleType_enum {
     pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum = CUmemAllocationHandleType_enum(0);
     pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: CUmemAllocationHandleType_enum =
@@ -576,6 +633,16 @@ impl CUmemAllocationType_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemAllocationType_enum(pub ::core::ffi::c_uint);
 pub use self::CUmemAllocationType_enum as CUmemAllocationType;
+impl CUmemAllocationGranularity_flags_enum {
+    pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: CUmemAllocationGranularity_flags_enum =
+        CUmemAllocationGranularity_flags_enum(0);
+    pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: CUmemAllocationGranularity_flags_enum =
+        CUmemAllocationGranularity_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationGranularity_flags_enum(pub ::core::ffi::c_uint);
+pub use self::CUmemAllocationGranularity_flags_enum as CUmemAllocationGranularity_flags;
 #[repr(C)]
 #[derive(Copy, Clone)]
 pub struct CUmemLocation_st {
@@ -640,6 +707,71 @@ impl Default for CUmemLocation_st {
 }
 pub type CUmemLocation_v1 = CUmemLocation_st;
 pub type CUmemLocation = CUmemLocation_v1;
+impl CUmemAllocationCompType_enum {
+    pub const CU_MEM_ALLOCATION_COMP_NONE: CUmemAllocationCompType_enum = CUmemAllocationCompType_enum(0);
+    pub const CU_MEM_ALLOCATION_COMP_GENERIC: CUmemAllocationCompType_enum = CUmemAllocationCompType_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationCompType_enum(pub ::core::ffi::c_uint);
+pub use self::CUmemAllocationCompType_enum as CUmemAllocationCompType;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct CUmemAllocationProp_st {
+    pub type_: CUmemAllocationType,
+    pub requestedHandleTypes: CUmemAllocationHandleType,
+    pub location: CUmemLocation,
+    pub win32HandleMetaData: *mut ::core::ffi::c_void,
+    pub allocFlags: CUmemAllocationProp_st__bindgen_ty_1,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUmemAllocationProp_st__bindgen_ty_1 {
+    pub compressionType: ::core::ffi::c_uchar,
+    pub gpuDirectRDMACapable: ::core::ffi::c_uchar,
+    pub usage: ::core::ffi::c_ushort,
+    pub reserved: [::core::ffi::c_uchar; 4usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUmemAllocationProp_st__bindgen_ty_1"]
+        [::core::mem::size_of::<CUmemAllocationProp_st__bindgen_ty_1>() - 8usize];
+    ["Alignment of CUmemAllocationProp_st__bindgen_ty_1"]
+        [::core::mem::align_of::<CUmemAllocationProp_st__bindgen_ty_1>() - 2usize];
+    ["Offset of field: CUmemAllocationProp_st__bindgen_ty_1::compressionType"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, compressionType) - 0usize];
+    ["Offset of field: CUmemAllocationProp_st__bindgen_ty_1::gpuDirectRDMACapable"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, gpuDirectRDMACapable) - 1usize];
+    ["Offset of field: CUmemAllocationProp_st__bindgen_ty_1::usage"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, usage) - 2usize];
+    ["Offset of field: CUmemAllocationProp_st__bindgen_ty_1::reserved"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st__bindgen_ty_1, reserved) - 4usize];
+};
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUmemAllocationProp_st"][::core::mem::size_of::<CUmemAllocationProp_st>() - 32usize];
+    ["Alignment of CUmemAllocationProp_st"][::core::mem::align_of::<CUmemAllocationProp_st>() - 8usize];
+    ["Offset of field: CUmemAllocationProp_st::type_"][::core::mem::offset_of!(CUmemAllocationProp_st, type_) - 0usize];
+    ["Offset of field: CUmemAllocationProp_st::requestedHandleTypes"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st, requestedHandleTypes) - 4usize];
+    ["Offset of field: CUmemAllocationProp_st::location"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st, location) - 8usize];
+    ["Offset of field: CUmemAllocationProp_st::win32HandleMetaData"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st, win32HandleMetaData) - 16usize];
+    ["Offset of field: CUmemAllocationProp_st::allocFlags"]
+        [::core::mem::offset_of!(CUmemAllocationProp_st, allocFlags) - 24usize];
+};
+impl Default for CUmemAllocationProp_st {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUmemAllocationProp_v1 = CUmemAllocationProp_st;
+pub type CUmemAllocationProp = CUmemAllocationProp_v1;
 #[repr(C)]
 #[derive(Copy, Clone)]
 pub struct CUmemAccessDesc_st {
@@ -747,6 +879,29 @@ impl Default for CUmemPoolPtrExportData_st {
 }
 pub type CUmemPoolPtrExportData_v1 = CUmemPoolPtrExportData_st;
 pub type CUmemPoolPtrExportData = CUmemPoolPtrExportData_v1;
+impl CUgraphMem_attribute_enum {
+    pub const CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(0);
+    pub const CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(1);
+    pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(2);
+    pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: CUgraphMem_attribute_enum = CUgraphMem_attribute_enum(3);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphMem_attribute_enum(pub ::core::ffi::c_uint);
+pub use self::CUgraphMem_attribute_enum as CUgraphMem_attribute;
+impl CUgraphInstantiate_flags_enum {
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(1);
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: CUgraphInstantiate_flags_enum = CUgraphInstantiate_flags_enum(2);
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(4);
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(8);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphInstantiate_flags_enum(pub ::core::ffi::c_uint);
+pub use self::CUgraphInstantiate_flags_enum as CUgraphInstantiate_flags;
 #[doc = " Every member of `CUmemLocationType` these headers declare."]
 pub const CUmemLocationType_MEMBERS: &[(&str, CUmemLocationType)] = &[
     ("CU_MEM_LOCATION_TYPE_INVALID", CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID),
@@ -823,6 +978,9 @@ pub type PFN_cuDeviceGetAttribute =
 pub type PFN_cuDeviceGetCount = unsafe extern "C" fn(count: *mut ::core::ffi::c_int) -> CUresult;
 #[doc = " `cuDeviceGetDefaultMemPool` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuDeviceGetDefaultMemPool = unsafe extern "C" fn(pool_out: *mut CUmemoryPool, dev: CUdevice) -> CUresult;
+#[doc = " `cuDeviceGetGraphMemAttribute` as the driver hands it out for CUDA 11.4 and later."]
+pub type PFN_cuDeviceGetGraphMemAttribute =
+    unsafe extern "C" fn(device: CUdevice, attr: CUgraphMem_attribute, value: *mut ::core::ffi::c_void) -> CUresult;
 #[doc = " `cuDeviceGetMemPool` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuDeviceGetMemPool = unsafe extern "C" fn(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGetName` as the driver hands it out for CUDA 2.0 and later."]
@@ -830,10 +988,15 @@ pub type PFN_cuDeviceGetName =
     unsafe extern "C" fn(name: *mut ::core::ffi::c_char, len: ::core::ffi::c_int, dev: CUdevice) -> CUresult;
 #[doc = " `cuDeviceGetUuid` as the driver hands it out for CUDA 11.4 and later."]
 pub type PFN_cuDeviceGetUuid = unsafe extern "C" fn(uuid: *mut CUuuid, dev: CUdevice) -> CUresult;
+#[doc = " `cuDeviceGraphMemTrim` as the driver hands it out for CUDA 11.4 and later."]
+pub type PFN_cuDeviceGraphMemTrim = unsafe extern "C" fn(device: CUdevice) -> CUresult;
 #[doc = " `cuDevicePrimaryCtxRelease` as the driver hands it out for CUDA 11.0 and later."]
 pub type PFN_cuDevicePrimaryCtxRelease = unsafe extern "C" fn(dev: CUdevice) -> CUresult;
 #[doc = " `cuDevicePrimaryCtxRetain` as the driver hands it out for CUDA 7.0 and later."]
 pub type PFN_cuDevicePrimaryCtxRetain = unsafe extern "C" fn(pctx: *mut CUcontext, dev: CUdevice) -> CUresult;
+#[doc = " `cuDeviceSetGraphMemAttribute` as the driver hands it out for CUDA 11.4 and later."]
+pub type PFN_cuDeviceSetGraphMemAttribute =
+    unsafe extern "C" fn(device: CUdevice, attr: CUgraphMem_attribute, value: *mut ::core::ffi::c_void) -> CUresult;
 #[doc = " `cuDeviceSetMemPool` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuDeviceSetMemPool = unsafe extern "C" fn(dev: CUdevice, pool: CUmemoryPool) -> CUresult;
 #[doc = " `cuDeviceTotalMem` as the driver hands it out for CUDA 3.2 and later."]
@@ -866,8 +1029,41 @@ pub type PFN_cuGetProcAddress = unsafe extern "C" fn(
     flags: cuuint64_t,
     symbolStatus: *mut CUdriverProcAddressQueryResult,
 ) -> CUresult;
+#[doc = " `cuGraphCreate` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuGraphCreate = unsafe extern "C" fn(phGraph: *mut CUgraph, flags: ::core::ffi::c_uint) -> CUresult;
+#[doc = " `cuGraphDestroy` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuGraphDestroy = unsafe extern "C" fn(hGraph: CUgraph) -> CUresult;
+#[doc = " `cuGraphExecDestroy` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuGraphExecDestroy = unsafe extern "C" fn(hGraphExec: CUgraphExec) -> CUresult;
+#[doc = " `cuGraphGetNodes` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuGraphGetNodes =
+    unsafe extern "C" fn(hGraph: CUgraph, nodes: *mut CUgraphNode, numNodes: *mut usize) -> CUresult;
+#[doc = " `cuGraphInstantiateWithFlags` as the driver hands it out for CUDA 11.4 and later."]
+pub type PFN_cuGraphInstantiateWithFlags =
+    unsafe extern "C" fn(phGraphExec: *mut CUgraphExec, hGraph: CUgraph, flags: ::core::ffi::c_ulonglong) -> CUresult;
+#[doc = " `cuGraphLaunch` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuGraphLaunch = unsafe extern "C" fn(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult;
+#[doc = " `cuGraphUpload` as the driver hands it out for CUDA 11.1 and later."]
+pub type PFN_cuGraphUpload = unsafe extern "C" fn(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult;
 #[doc = " `cuInit` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuInit = unsafe extern "C" fn(Flags: ::core::ffi::c_uint) -> CUresult;
+#[doc = " `cuLaunchHostFunc` as the driver hands it out for CUDA 13.1 and later."]
+pub type PFN_cuLaunchHostFunc = unsafe extern "C" fn(
+    hStream: CUstream,
+    fn_: CUhostFn,
+    userData: *mut ::core::ffi::c_void,
+    syncMode: ::core::ffi::c_uint,
+) -> CUresult;
+#[doc = " `cuMemAddressFree` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemAddressFree = unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult;
+#[doc = " `cuMemAddressReserve` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemAddressReserve = unsafe extern "C" fn(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    alignment: usize,
+    addr: CUdeviceptr,
+    flags: ::core::ffi::c_ulonglong,
+) -> CUresult;
 #[doc = " `cuMemAdvise` as the driver hands it out for CUDA 12.2 and later."]
 pub type PFN_cuMemAdvise =
     unsafe extern "C" fn(devPtr: CUdeviceptr, count: usize, advice: CUmem_advise, location: CUmemLocation) -> CUresult;
@@ -879,10 +1075,39 @@ pub type PFN_cuMemAllocAsync =
 #[doc = " `cuMemAllocFromPoolAsync` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuMemAllocFromPoolAsync =
     unsafe extern "C" fn(dptr: *mut CUdeviceptr, bytesize: usize, pool: CUmemoryPool, hStream: CUstream) -> CUresult;
+#[doc = " `cuMemCreate` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemCreate = unsafe extern "C" fn(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: ::core::ffi::c_ulonglong,
+) -> CUresult;
+#[doc = " `cuMemExportToShareableHandle` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemExportToShareableHandle = unsafe extern "C" fn(
+    shareableHandle: *mut ::core::ffi::c_void,
+    handle: CUmemGenericAllocationHandle,
+    handleType: CUmemAllocationHandleType,
+    flags: ::core::ffi::c_ulonglong,
+) -> CUresult;
 #[doc = " `cuMemFree` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuMemFree = unsafe extern "C" fn(dptr: CUdeviceptr) -> CUresult;
 #[doc = " `cuMemFreeAsync` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuMemFreeAsync = unsafe extern "C" fn(dptr: CUdeviceptr, hStream: CUstream) -> CUresult;
+#[doc = " `cuMemGetAccess` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemGetAccess = unsafe extern "C" fn(
+    flags: *mut ::core::ffi::c_ulonglong,
+    location: *const CUmemLocation,
+    ptr: CUdeviceptr,
+) -> CUresult;
+#[doc = " `cuMemGetAllocationGranularity` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemGetAllocationGranularity = unsafe extern "C" fn(
+    granularity: *mut usize,
+    prop: *const CUmemAllocationProp,
+    option: CUmemAllocationGranularity_flags,
+) -> CUresult;
+#[doc = " `cuMemGetAllocationPropertiesFromHandle` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemGetAllocationPropertiesFromHandle =
+    unsafe extern "C" fn(prop: *mut CUmemAllocationProp, handle: CUmemGenericAllocationHandle) -> CUresult;
 #[doc = " `cuMemGetDefaultMemPool` as the driver hands it out for CUDA 13.0 and later."]
 pub type PFN_cuMemGetDefaultMemPool = unsafe extern "C" fn(
     pool_out: *mut CUmemoryPool,
@@ -902,6 +1127,20 @@ pub type PFN_cuMemGetLocationInfo = unsafe extern "C" fn(
 #[doc = " `cuMemGetMemPool` as the driver hands it out for CUDA 13.0 and later."]
 pub type PFN_cuMemGetMemPool =
     unsafe extern "C" fn(pool: *mut CUmemoryPool, location: *mut CUmemLocation, type_: CUmemAllocationType) -> CUresult;
+#[doc = " `cuMemImportFromShareableHandle` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemImportFromShareableHandle = unsafe extern "C" fn(
+    handle: *mut CUmemGenericAllocationHandle,
+    osHandle: *mut ::core::ffi::c_void,
+    shHandleType: CUmemAllocationHandleType,
+) -> CUresult;
+#[doc = " `cuMemMap` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemMap = unsafe extern "C" fn(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: ::core::ffi::c_ulonglong,
+) -> CUresult;
 #[doc = " `cuMemPoolCreate` as the driver hands it out for CUDA 11.2 and later."]
 pub type PFN_cuMemPoolCreate =
     unsafe extern "C" fn(pool: *mut CUmemoryPool, poolProps: *const CUmemPoolProps) -> CUresult;
@@ -955,9 +1194,19 @@ pub type PFN_cuMemPrefetchAsync = unsafe extern "C" fn(
     flags: ::core::ffi::c_uint,
     hStream: CUstream,
 ) -> CUresult;
+#[doc = " `cuMemRelease` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemRelease = unsafe extern "C" fn(handle: CUmemGenericAllocationHandle) -> CUresult;
+#[doc = " `cuMemRetainAllocationHandle` as the driver hands it out for CUDA 11.0 and later."]
+pub type PFN_cuMemRetainAllocationHandle =
+    unsafe extern "C" fn(handle: *mut CUmemGenericAllocationHandle, addr: *mut ::core::ffi::c_void) -> CUresult;
+#[doc = " `cuMemSetAccess` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemSetAccess =
+    unsafe extern "C" fn(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) -> CUresult;
 #[doc = " `cuMemSetMemPool` as the driver hands it out for CUDA 13.0 and later."]
 pub type PFN_cuMemSetMemPool =
     unsafe extern "C" fn(location: *mut CUmemLocation, type_: CUmemAllocationType, pool: CUmemoryPool) -> CUresult;
+#[doc = " `cuMemUnmap` as the driver hands it out for CUDA 10.2 and later."]
+pub type PFN_cuMemUnmap = unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult;
 #[doc = " `cuMemcpyAsync` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuMemcpyAsync =
     unsafe extern "C" fn(dst: CUdeviceptr, src: CUdeviceptr, ByteCount: usize, hStream: CUstream) -> CUresult;
@@ -1007,10 +1256,27 @@ pub type PFN_cuPointerGetAttributes = unsafe extern "C" fn(
     data: *mut *mut ::core::ffi::c_void,
     ptr: CUdeviceptr,
 ) -> CUresult;
+#[doc = " `cuStreamBeginCapture` as the driver hands it out for CUDA 10.1 and later."]
+pub type PFN_cuStreamBeginCapture = unsafe extern "C" fn(hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult;
 #[doc = " `cuStreamCreate` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuStreamCreate = unsafe extern "C" fn(phStream: *mut CUstream, Flags: ::core::ffi::c_uint) -> CUresult;
 #[doc = " `cuStreamDestroy` as the driver hands it out for CUDA 4.0 and later."]
 pub type PFN_cuStreamDestroy = unsafe extern "C" fn(hStream: CUstream) -> CUresult;
+#[doc = " `cuStreamEndCapture` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuStreamEndCapture = unsafe extern "C" fn(hStream: CUstream, phGraph: *mut CUgraph) -> CUresult;
+#[doc = " `cuStreamGetCaptureInfo` as the driver hands it out for CUDA 12.3 and later."]
+pub type PFN_cuStreamGetCaptureInfo = unsafe extern "C" fn(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+    graph_out: *mut CUgraph,
+    dependencies_out: *mut *const CUgraphNode,
+    edgeData_out: *mut *const CUgraphEdgeData,
+    numDependencies_out: *mut usize,
+) -> CUresult;
+#[doc = " `cuStreamIsCapturing` as the driver hands it out for CUDA 10.0 and later."]
+pub type PFN_cuStreamIsCapturing =
+    unsafe extern "C" fn(hStream: CUstream, captureStatus: *mut CUstreamCaptureStatus) -> CUresult;
 #[doc = " `cuStreamQuery` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuStreamQuery = unsafe extern "C" fn(hStream: CUstream) -> CUresult;
 #[doc = " `cuStreamSynchronize` as the driver hands it out for CUDA 2.0 and later."]
@@ -1018,6 +1284,8 @@ pub type PFN_cuStreamSynchronize = unsafe extern "C" fn(hStream: CUstream) -> CU
 #[doc = " `cuStreamWaitEvent` as the driver hands it out for CUDA 3.2 and later."]
 pub type PFN_cuStreamWaitEvent =
     unsafe extern "C" fn(hStream: CUstream, hEvent: CUevent, Flags: ::core::ffi::c_uint) -> CUresult;
+#[doc = " `cuThreadExchangeStreamCaptureMode` as the driver hands it out for CUDA 10.1 and later."]
+pub type PFN_cuThreadExchangeStreamCaptureMode = unsafe extern "C" fn(mode: *mut CUstreamCaptureMode) -> CUresult;
 
 crate::loader::entry_points! {
     cuCtxGetCurrent: PFN_cuCtxGetCurrent = 4000,
@@ -1031,11 +1299,14 @@ crate::loader::entry_points! {
     cuDeviceGetAttribute: PFN_cuDeviceGetAttribute = 2000,
     cuDeviceGetCount: PFN_cuDeviceGetCount = 2000,
     cuDeviceGetDefaultMemPool: PFN_cuDeviceGetDefaultMemPool = 11020,
+    cuDeviceGetGraphMemAttribute: PFN_cuDeviceGetGraphMemAttribute = 11040,
     cuDeviceGetMemPool: PFN_cuDeviceGetMemPool = 11020,
     cuDeviceGetName: PFN_cuDeviceGetName = 2000,
     cuDeviceGetUuid: PFN_cuDeviceGetUuid = 11040,
+    cuDeviceGraphMemTrim: PFN_cuDeviceGraphMemTrim = 11040,
     cuDevicePrimaryCtxRelease: PFN_cuDevicePrimaryCtxRelease = 11000,
     cuDevicePrimaryCtxRetain: PFN_cuDevicePrimaryCtxRetain = 7000,
+    cuDeviceSetGraphMemAttribute: PFN_cuDeviceSetGraphMemAttribute = 11040,
     cuDeviceSetMemPool: PFN_cuDeviceSetMemPool = 11020,
     cuDeviceTotalMem: PFN_cuDeviceTotalMem = 3020,
     cuDriverGetVersion: PFN_cuDriverGetVersion = 2020,
@@ -1048,17 +1319,34 @@ crate::loader::entry_points! {
     cuGetErrorName: PFN_cuGetErrorName = 6000,
     cuGetErrorString: PFN_cuGetErrorString = 6000,
     cuGetProcAddress: PFN_cuGetProcAddress = 12000,
+    cuGraphCreate: PFN_cuGraphCreate = 10000,
+    cuGraphDestroy: PFN_cuGraphDestroy = 10000,
+    cuGraphExecDestroy: PFN_cuGraphExecDestroy = 10000,
+    cuGraphGetNodes: PFN_cuGraphGetNodes = 10000,
+    cuGraphInstantiateWithFlags: PFN_cuGraphInstantiateWithFlags = 11040,
+    cuGraphLaunch: PFN_cuGraphLaunch = 10000,
+    cuGraphUpload: PFN_cuGraphUpload = 11010,
     cuInit: PFN_cuInit = 2000,
+    cuLaunchHostFunc: PFN_cuLaunchHostFunc = 13010,
+    cuMemAddressFree: PFN_cuMemAddressFree = 10020,
+    cuMemAddressReserve: PFN_cuMemAddressReserve = 10020,
     cuMemAdvise: PFN_cuMemAdvise = 12020,
     cuMemAlloc: PFN_cuMemAlloc = 3020,
     cuMemAllocAsync: PFN_cuMemAllocAsync = 11020,
     cuMemAllocFromPoolAsync: PFN_cuMemAllocFromPoolAsync = 11020,
+    cuMemCreate: PFN_cuMemCreate = 10020,
+    cuMemExportToShareableHandle: PFN_cuMemExportToShareableHandle = 10020,
     cuMemFree: PFN_cuMemFree = 3020,
     cuMemFreeAsync: PFN_cuMemFreeAsync = 11020,
+    cuMemGetAccess: PFN_cuMemGetAccess = 10020,
+    cuMemGetAllocationGranularity: PFN_cuMemGetAllocationGranularity = 10020,
+    cuMemGetAllocationPropertiesFromHandle: PFN_cuMemGetAllocationPropertiesFromHandle = 10020,
     cuMemGetDefaultMemPool: PFN_cuMemGetDefaultMemPool = 13000,
     cuMemGetInfo: PFN_cuMemGetInfo = 3020,
     cuMemGetLocationInfo: PFN_cuMemGetLocationInfo = 13040,
     cuMemGetMemPool: PFN_cuMemGetMemPool = 13000,
+    cuMemImportFromShareableHandle: PFN_cuMemImportFromShareableHandle = 10020,
+    cuMemMap: PFN_cuMemMap = 10020,
     cuMemPoolCreate: PFN_cuMemPoolCreate = 11020,
     cuMemPoolDestroy: PFN_cuMemPoolDestroy = 11020,
     cuMemPoolExportPointer: PFN_cuMemPoolExportPointer = 11020,
@@ -1071,7 +1359,11 @@ crate::loader::entry_points! {
     cuMemPoolSetAttribute: PFN_cuMemPoolSetAttribute = 11020,
     cuMemPoolTrimTo: PFN_cuMemPoolTrimTo = 11020,
     cuMemPrefetchAsync: PFN_cuMemPrefetchAsync = 12020,
+    cuMemRelease: PFN_cuMemRelease = 10020,
+    cuMemRetainAllocationHandle: PFN_cuMemRetainAllocationHandle = 11000,
+    cuMemSetAccess: PFN_cuMemSetAccess = 10020,
     cuMemSetMemPool: PFN_cuMemSetMemPool = 13000,
+    cuMemUnmap: PFN_cuMemUnmap = 10020,
     cuMemcpyAsync: PFN_cuMemcpyAsync = 4000,
     cuMemcpyDtoDAsync: PFN_cuMemcpyDtoDAsync = 3020,
     cuMemcpyDtoHAsync: PFN_cuMemcpyDtoHAsync = 3020,
@@ -1081,9 +1373,14 @@ crate::loader::entry_points! {
     cuMemsetD8Async: PFN_cuMemsetD8Async = 3020,
     cuPointerGetAttribute: PFN_cuPointerGetAttribute = 4000,
     cuPointerGetAttributes: PFN_cuPointerGetAttributes = 7000,
+    cuStreamBeginCapture: PFN_cuStreamBeginCapture = 10010,
     cuStreamCreate: PFN_cuStreamCreate = 2000,
     cuStreamDestroy: PFN_cuStreamDestroy = 4000,
+    cuStreamEndCapture: PFN_cuStreamEndCapture = 10000,
+    cuStreamGetCaptureInfo: PFN_cuStreamGetCaptureInfo = 12030,
+    cuStreamIsCapturing: PFN_cuStreamIsCapturing = 10000,
     cuStreamQuery: PFN_cuStreamQuery = 2000,
     cuStreamSynchronize: PFN_cuStreamSynchronize = 2000,
     cuStreamWaitEvent: PFN_cuStreamWaitEvent = 3020,
+    cuThreadExchangeStreamCaptureMode: PFN_cuThreadExchangeStreamCaptureMode = 10010,
 }
