@@ -5,6 +5,9 @@
 //!
 //! `cargo run --example cudarc_capped_pool`
 
+#[path = "exit_report.rs"]
+mod exit_report;
+
 use cumempool::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cumempool::{set_current_pool, MemPool, Route};
 use std::sync::Arc;
@@ -23,7 +26,11 @@ fn cudarc_program(stream: &Arc<CudaStream>, count: usize) -> (Vec<CudaSlice<f32>
     (slices, None)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    exit_report::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     // A clean error where there is no driver: cudarc's own loader panics instead.
     cumempool::init()?;
     let context = CudaContext::new(0)?;

@@ -4,12 +4,19 @@
 //!
 //! `cargo run --example pinned_containers`
 
+#[path = "exit_report.rs"]
+mod exit_report;
+
 use allocator_api2::vec::Vec;
 use cumempool::{Device, MemPool, Route, Stream};
 use cumempool_alloc::{HostMemory, PoolAllocator};
 use hashbrown::HashMap;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    exit_report::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let context = Device::get(0)?.primary_context()?;
     let pool = MemPool::new(Route::host())?;
     let allocator = PoolAllocator::<HostMemory>::new(&pool, &context)?;

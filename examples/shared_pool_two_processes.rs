@@ -4,6 +4,9 @@
 //!
 //! `cargo run --example shared_pool_two_processes`
 
+#[path = "exit_report.rs"]
+mod exit_report;
+
 use cumempool::descriptor_passing::{receive_allocation, receive_pool, send_allocation, send_pool};
 use cumempool::{Device, HandleTypes, MemPool, Route, Stream};
 use std::io::{Read, Write};
@@ -74,7 +77,11 @@ fn parent() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    exit_report::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("child") => child(args.get(2).ok_or("usage: shared_pool_two_processes child SOCKET")?),

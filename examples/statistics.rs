@@ -3,6 +3,9 @@
 //!
 //! `cargo run --example statistics`
 
+#[path = "exit_report.rs"]
+mod exit_report;
+
 use cumempool::{Device, MemPool, Pool, Route, Stream};
 use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, Statistics, StreamOrderedResource, Tracking};
 
@@ -19,7 +22,11 @@ fn print_pool(when: &str, pool: &Pool) -> cumempool::Result<()> {
     Ok(())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    exit_report::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let context = Device::get(0)?.primary_context()?;
     let stream = Stream::new(&context)?;
     let pool = MemPool::new(Route::device(0))?;

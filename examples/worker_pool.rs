@@ -3,6 +3,9 @@
 //!
 //! `cargo run --example worker_pool`
 
+#[path = "exit_report.rs"]
+mod exit_report;
+
 use cumempool::{Device, MemPool, Route, Stream};
 use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, Statistics, StreamOrderedResource};
 use std::sync::mpsc;
@@ -12,7 +15,11 @@ use std::time::Instant;
 const WORKERS: usize = 8;
 const JOBS: usize = 200_000;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    exit_report::exit_code(run())
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let context = Device::get(0)?.primary_context()?;
     let pool = MemPool::new(Route::device(0))?;
     let cache = Arc::new(CachingResource::new(Statistics::new(PoolResource::<DeviceMemory>::new(&pool)?)));

@@ -41,6 +41,10 @@ pub enum LoadError {
         path: String,
         /// What the system loader said (the error's [`source`](std::error::Error::source)).
         source: Arc<libloading::Error>,
+        /// What is wrong with the file at `path` when it exists but is no loadable library (a
+        /// directory, a device such as `/dev/null`, a text file); `None` when there is no such
+        /// file or the path is a bare library name for the system loader to search.
+        problem: Option<String>,
     },
     /// The library opened but lacks a symbol every CUDA driver exports: it is not libcuda.
     NotADriver {
@@ -96,13 +100,27 @@ pub enum LoadError {
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::LibraryNotFound { path, source } => {
+            Self::LibraryNotFound { path, source, problem } => {
                 // libloading 0.9 says only "dlopen failed" and keeps dlerror's text as its source.
                 let reason = std::error::Error::source(&**source).map_or_else(|| source.to_string(), ToString::to_string);
-                write!(
-                    f,
-                    "no CUDA driver: could not open {path} ({reason}); install the NVIDIA driver, or set {LIBCUDA_ENV} to the path of libcuda"
-                )
+                let named_by_env = std::env::var(LIBCUDA_ENV).is_ok_and(|p| p == *path);
+                match (problem, named_by_env) {
+                    (Some(problem), true) => write!(
+                        f,
+                        "{LIBCUDA_ENV} names {path}, which {problem}; set it to the path of the driver library (libcuda.so.1), or unset it to use the system's"
+                    ),
+                    (Some(problem), false) => {
+                        write!(f, "could not open {path} as the CUDA driver: it {problem} ({reason})")
+                    }
+                    (None, true) => write!(
+                        f,
+                        "{LIBCUDA_ENV} names {path}, which could not be opened ({reason}); set it to the path of the driver library (libcuda.so.1), or unset it to use the system's"
+                    ),
+                    (None, false) => write!(
+                        f,
+                        "no CUDA driver: could not open {path} ({reason}); install the NVIDIA driver, or set {LIBCUDA_ENV} to the path of libcuda"
+                    ),
+                }
             }
             Self::NotADriver { path, symbol } => {
                 write!(f, "{path} is not a CUDA driver library: it does not export {symbol}")
@@ -131,6 +149,33 @@ impl std::error::Error for LoadError {
         match self {
             Self::LibraryNotFound { source, .. } => Some(&**source),
             _ => None,
+        }
+    }
+}
+
+/// What is wrong with an existing file that the system loader refused, in words that complete
+/// "the file ...". `None` for a path that does not exist (or a bare name the loader searches).
+fn file_problem(path: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let metadata = std::fs::metadata(path).ok()?;
+    if metadata.is_dir() {
+        return Some("is a directory".to_owned());
+    }
+    if !metadata.is_file() {
+        return Some("is not a regular file (a device, socket or pipe, such as /dev/null)".to_owned());
+    }
+    if metadata.len() == 0 {
+        return Some("is empty".to_owned());
+    }
+    let mut magic = [0u8; 4];
+    let read = std::fs::File::open(path).and_then(|mut file| file.read_exact(&mut magic));
+    match read {
+        Err(error) => Some(format!("cannot be read ({error})")),
+        Ok(()) if magic != *b"\x7fELF" && cfg!(unix) => {
+            Some("is not a shared library (it does not start with the ELF header; a text file or a script?)".to_owned())
+        }
+        Ok(()) => {
+            Some("is a file the system loader refused (another architecture, or a missing dependency)".to_owned())
         }
     }
 }
@@ -213,8 +258,11 @@ impl Driver {
     pub unsafe fn open(path: &str) -> Result<Self, LoadError> {
         // SAFETY: the caller vouches that `path` is a driver; the library is kept open for as long
         // as any pointer resolved from it is reachable.
-        let library = unsafe { libloading::Library::new(path) }
-            .map_err(|e| LoadError::LibraryNotFound { path: path.to_owned(), source: Arc::new(e) })?;
+        let library = unsafe { libloading::Library::new(path) }.map_err(|e| LoadError::LibraryNotFound {
+            path: path.to_owned(),
+            source: Arc::new(e),
+            problem: file_problem(std::path::Path::new(path)),
+        })?;
         // SAFETY: these symbols have had these signatures since CUDA 2.0.
         let (get_version, init) = unsafe {
             (
@@ -419,6 +467,31 @@ mod tests {
             }
             other => panic!("expected LibraryNotFound, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_file_that_is_no_library_says_what_is_wrong_with_it() {
+        let dir = std::env::temp_dir().join(format!("cumempool-loader-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = dir.join("libcuda.so.1");
+        std::fs::write(&text, "not a library\n").unwrap();
+        let cases = [
+            (dir.to_str().unwrap().to_owned(), "is a directory"),
+            ("/dev/null".to_owned(), "is not a regular file"),
+            (text.to_str().unwrap().to_owned(), "is not a shared library"),
+        ];
+        for (path, expected) in cases {
+            // SAFETY: none of these can be loaded, so nothing runs.
+            match unsafe { Driver::open(&path) }.err() {
+                Some(error @ LoadError::LibraryNotFound { .. }) => {
+                    let shown = error.to_string();
+                    assert!(shown.contains(expected) && shown.contains(&path), "{path}: {shown}");
+                    assert!(!shown.contains("install the NVIDIA driver"), "{path}: {shown}");
+                }
+                other => panic!("{path}: expected LibraryNotFound, got {other:?}"),
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
