@@ -31,6 +31,31 @@ fn pools_are_created_for_every_creatable_route() {
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
+fn the_builder_sets_threshold_reuse_and_reserves_the_initial_size() {
+    let _gpu = gpu().expect("a GPU");
+    const MIB: u64 = 1 << 20;
+    for route in [Route::device(0), Route::host()] {
+        let pool = MemPool::builder(route)
+            .initial_size(64 * MIB)
+            .reuse_allow_opportunistic(false)
+            .reuse_allow_internal_dependencies(false)
+            .build()
+            .unwrap();
+        assert_eq!(pool.release_threshold().unwrap(), 64 * MIB, "{route}: the threshold keeps the reservation");
+        assert!(pool.reserved_mem_current().unwrap() >= 64 * MIB, "{route}: reserved at build");
+        assert_eq!(pool.used_mem_current().unwrap(), 0, "{route}: nothing left allocated");
+        assert!(!pool.reuse_allow_opportunistic().unwrap());
+        assert!(!pool.reuse_allow_internal_dependencies().unwrap());
+        assert!(pool.reuse_follow_event_dependencies().unwrap(), "untouched policies keep the driver's default");
+        pool.destroy().unwrap();
+    }
+    let pool = MemPool::builder(Route::device(0)).release_threshold(u64::MAX).initial_size(32 * MIB).build().unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), u64::MAX, "an explicit threshold wins");
+    pool.destroy().unwrap();
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
 fn refused_pool_creations_say_why() {
     let _gpu = gpu().expect("a GPU");
     let refused = [

@@ -185,7 +185,7 @@ impl Pool {
         }
     }
 
-    fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
+    pub(crate) fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
         if attribute.value() == AttributeValue::Bytes {
             let mut value = value;
             // SAFETY: the attribute's value type is cuuint64_t.

@@ -10,6 +10,7 @@
 //!   [`current_pool`](crate::current_pool), or a clone) owns when it came from a `MemPool`.
 
 use crate::access::Access;
+use crate::attributes::PoolAttribute;
 use crate::buffer::{Buffer, OwnedBuffer};
 use crate::device::Device;
 use crate::driver::{driver_answer, driver_call};
@@ -285,7 +286,7 @@ pub struct MemPool(Pool);
 impl MemPool {
     /// A builder for a pool serving `route`.
     pub fn builder(route: Route) -> PoolBuilder {
-        PoolBuilder { route, handle_types: HandleTypes::NONE, max_size: None, hw_decompress: false }
+        PoolBuilder::new(route)
     }
 
     /// A pool with default properties serving `route`.
@@ -400,9 +401,70 @@ pub struct PoolBuilder {
     handle_types: HandleTypes,
     max_size: Option<u64>,
     hw_decompress: bool,
+    release_threshold: Option<u64>,
+    initial_size: u64,
+    reuse: Reuse,
+}
+
+/// The reuse policies of a new pool; `None` keeps the driver's default (all three on).
+#[derive(Clone, Copy, Debug, Default)]
+struct Reuse {
+    follow_event_dependencies: Option<bool>,
+    allow_opportunistic: Option<bool>,
+    allow_internal_dependencies: Option<bool>,
 }
 
 impl PoolBuilder {
+    fn new(route: Route) -> Self {
+        Self {
+            route,
+            handle_types: HandleTypes::NONE,
+            max_size: None,
+            hw_decompress: false,
+            release_threshold: None,
+            initial_size: 0,
+            reuse: Reuse::default(),
+        }
+    }
+
+    /// How much freed memory the pool keeps reserved when a stream synchronises, in bytes
+    /// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`; the driver's default is 0: everything unused is
+    /// given back). Default here: the driver's, or [`PoolBuilder::initial_size`] when that is set.
+    pub fn release_threshold(mut self, bytes: u64) -> Self {
+        self.release_threshold = Some(bytes);
+        self
+    }
+
+    /// Memory the pool reserves at build, in bytes, so the first allocations up to that size do
+    /// not go to the operating system (RMM's and CCCL's initial pool size). `build` allocates it
+    /// on a stream of its own, frees it and waits; unless a release threshold is given, the
+    /// threshold becomes this size, so the memory stays reserved.
+    pub fn initial_size(mut self, bytes: u64) -> Self {
+        self.initial_size = bytes;
+        self
+    }
+
+    /// Whether the pool may reuse memory freed on another stream once the free is known complete
+    /// through event dependencies (`CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES`; default on).
+    pub fn reuse_follow_event_dependencies(mut self, enabled: bool) -> Self {
+        self.reuse.follow_event_dependencies = Some(enabled);
+        self
+    }
+
+    /// Whether the pool may reuse memory whose free has completed, whatever the streams
+    /// (`CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC`; default on).
+    pub fn reuse_allow_opportunistic(mut self, enabled: bool) -> Self {
+        self.reuse.allow_opportunistic = Some(enabled);
+        self
+    }
+
+    /// Whether the pool may make an allocation wait on a pending free of another stream
+    /// (`CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES`; default on).
+    pub fn reuse_allow_internal_dependencies(mut self, enabled: bool) -> Self {
+        self.reuse.allow_internal_dependencies = Some(enabled);
+        self
+    }
+
     /// Handle types the pool can export to other processes (default: none).
     pub fn export_handle_types(mut self, types: HandleTypes) -> Self {
         self.handle_types = types;
@@ -471,7 +533,34 @@ impl PoolBuilder {
         }
         answer.check()?;
         tracing::info!(route = %self.route, pool = ?raw, max_size = ?self.max_size, handle_types = %self.handle_types, "memory pool created");
-        Ok(MemPool(Pool::owned(raw, Some(self.route), self.max_size, false).with_handle_types(self.handle_types)))
+        let pool =
+            MemPool(Pool::owned(raw, Some(self.route), self.max_size, false).with_handle_types(self.handle_types));
+        // On an error the half-configured pool drops here, destroyed: nothing routed it yet.
+        self.configure(&pool)?;
+        Ok(pool)
+    }
+
+    /// Applies the settings made after creation: the reuse policies, the release threshold and
+    /// the initial reservation.
+    fn configure(&self, pool: &Pool) -> Result<()> {
+        let reuse = [
+            (self.reuse.follow_event_dependencies, PoolAttribute::ReuseFollowEventDependencies),
+            (self.reuse.allow_opportunistic, PoolAttribute::ReuseAllowOpportunistic),
+            (self.reuse.allow_internal_dependencies, PoolAttribute::ReuseAllowInternalDependencies),
+        ];
+        for (setting, attribute) in reuse {
+            if let Some(enabled) = setting {
+                pool.set_attribute(attribute, enabled.into())?;
+            }
+        }
+        let threshold = self.release_threshold.or((self.initial_size > 0).then_some(self.initial_size));
+        if let Some(bytes) = threshold {
+            pool.set_release_threshold(bytes)?;
+        }
+        if self.initial_size > 0 {
+            reserve(pool, self.route, self.initial_size)?;
+        }
+        Ok(())
     }
 
     /// The likeliest reason the driver refused these properties (from what drivers were seen to do).
@@ -492,6 +581,25 @@ impl PoolBuilder {
             _ => format!("the driver refused these properties (handle types {}, max size {:?}, hw decompress {})", self.handle_types, self.max_size, self.hw_decompress),
         }
     }
+}
+
+/// Makes `pool` reserve `bytes`: one allocation of that size on a stream of its own, freed, and
+/// waited for (the release threshold keeps it reserved). The stream is made in the primary
+/// context of the route's device, or of device 0 for host and managed routes.
+fn reserve(pool: &Pool, route: Route, bytes: u64) -> Result<()> {
+    let size = usize::try_from(bytes).map_err(|_| Error::InvalidArgument {
+        what: "pool initial size",
+        reason: format!("{bytes} bytes does not fit this platform's size_t"),
+    })?;
+    let device = match route.location {
+        Location::Device(ordinal) => ordinal,
+        _ => 0,
+    };
+    let stream = Stream::new(&Device::get(device)?.primary_context()?)?;
+    let ptr = pool.alloc_raw(size, &stream)?;
+    // SAFETY: allocated just above on this stream, freed once, never used.
+    unsafe { crate::buffer::free_async(ptr, &stream) }?;
+    stream.synchronize()
 }
 
 #[cfg(test)]
