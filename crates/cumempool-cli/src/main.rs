@@ -29,6 +29,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Every route's default and current pool, with attributes (the default command).
+    ///
+    /// Routing is per process: this command sees its own routes, every one on its default
+    /// pool. A program that routes pools reads its own table with `cumempool::route_table()`
+    /// (the same shape as this command's JSON `routes`).
     Routes {
         /// Machine-readable output (docs/cli.md), also when there is no driver.
         #[arg(long)]

@@ -3,28 +3,12 @@
 
 use crate::table::{bytes, Table};
 use cumempool::sys;
-use cumempool::{current_pool, default_pool, AllocationType, Device, Location, Pool, PoolAttribute, Route};
+use cumempool::{default_pool, AllocationType, Device, Location, PoolAttribute, Route};
 use serde::Serialize;
-use std::collections::BTreeMap;
 
-/// One route, as docs/cli.md describes it: each pool is a handle or null with its error beside.
-#[derive(Serialize)]
-pub struct RouteReport {
-    pub route: String,
-    pub location: String,
-    pub allocation_type: String,
-    /// The default pool's handle, or null when the driver refused the route.
-    pub default_pool: Option<String>,
-    pub default_pool_error: Option<String>,
-    pub current_pool: Option<String>,
-    pub current_pool_error: Option<String>,
-    /// Whether the current pool differs from the default.
-    pub changed: bool,
-    /// Attributes of the current pool by name, null where it cannot be read.
-    pub attributes: BTreeMap<String, Option<u64>>,
-    /// Why each null attribute could not be read.
-    pub attribute_errors: BTreeMap<String, String>,
-}
+/// One route, as docs/cli.md describes it (the library's own route table entry): each pool is a
+/// handle or null with its error beside.
+pub use cumempool::RouteEntry as RouteReport;
 
 #[derive(Serialize)]
 pub struct RawProbe {
@@ -39,104 +23,6 @@ pub struct RawProbe {
 pub struct Report {
     pub routes: Vec<RouteReport>,
     pub invalid_inputs: Vec<RawProbe>,
-}
-
-/// Host NUMA nodes: the kernel's list where readable, else the nodes devices report.
-fn numa_nodes(devices: &[Device]) -> Vec<i32> {
-    let mut nodes: Vec<i32> = std::fs::read_dir("/sys/devices/system/node")
-        .map(|entries| {
-            entries.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("node")?.parse().ok()).collect()
-        })
-        .unwrap_or_default();
-    if nodes.is_empty() {
-        nodes = devices.iter().filter_map(|d| d.host_numa_id().ok().flatten()).collect();
-    }
-    nodes.sort_unstable();
-    nodes.dedup();
-    nodes
-}
-
-/// The pinned route of each locality domain, on a device with more than one (driver 13.4); on
-/// a device with one, domain 0 is the device's own route.
-#[cfg(feature = "cuda-13040")]
-fn locality_domain_routes(device: Device) -> Vec<Route> {
-    match device.locality_domain_count() {
-        Ok(count) if count > 1 => (0..count)
-            .filter_map(|domain| u8::try_from(domain).ok())
-            .map(|domain| Route::locality_domain(device.ordinal(), domain))
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
-#[cfg(not(feature = "cuda-13040"))]
-fn locality_domain_routes(_: Device) -> Vec<Route> {
-    Vec::new()
-}
-
-/// Every route kind: per device (pinned, each locality domain where it has several, managed),
-/// the host, each host NUMA node, the calling thread's NUMA node, and managed memory at the
-/// host and at no location.
-pub fn all_routes(devices: &[Device]) -> Vec<Route> {
-    let mut routes = Vec::new();
-    for device in devices {
-        routes.push(Route::device(device.ordinal()));
-        routes.extend(locality_domain_routes(*device));
-        routes.push(Route::managed(Location::Device(device.ordinal())));
-    }
-    routes.push(Route::host());
-    routes.extend(numa_nodes(devices).into_iter().map(Route::host_numa));
-    routes.push(Route::new(Location::HostNumaCurrent, AllocationType::Pinned));
-    routes.push(Route::managed(Location::Host));
-    routes.push(Route::managed(Location::Unspecified));
-    routes
-}
-
-/// The current pool's attributes, and why each unreadable one could not be read.
-fn attributes_of(pool: &Pool) -> (BTreeMap<String, Option<u64>>, BTreeMap<String, String>) {
-    let (mut values, mut errors) = (BTreeMap::new(), BTreeMap::new());
-    for attribute in PoolAttribute::ALL {
-        let name = attribute.name().trim_start_matches("CU_MEMPOOL_ATTR_").to_owned();
-        match pool.attribute(*attribute) {
-            Ok(value) => values.insert(name, Some(value)),
-            Err(error) => {
-                errors.insert(name.clone(), error.to_string());
-                values.insert(name, None)
-            }
-        };
-    }
-    (values, errors)
-}
-
-/// A pool's handle, or null and the refusal.
-fn handle_or_error(
-    pool: std::result::Result<cumempool::sys::CUmemoryPool, &cumempool::Error>,
-) -> (Option<String>, Option<String>) {
-    match pool {
-        Ok(raw) => (Some(format!("{raw:?}")), None),
-        Err(error) => (None, Some(error.to_string())),
-    }
-}
-
-fn report_route(route: Route) -> RouteReport {
-    let default = default_pool(route);
-    let current = current_pool(route);
-    let changed = matches!((&default, &current), (Ok(d), Ok(c)) if !d.same_as(c));
-    let (attributes, attribute_errors) = current.as_ref().map(attributes_of).unwrap_or_default();
-    let (default_pool, default_pool_error) = handle_or_error(default.as_ref().map(|p| p.as_raw()));
-    let (current_pool, current_pool_error) = handle_or_error(current.as_ref().map(Pool::as_raw));
-    RouteReport {
-        route: route.to_string(),
-        location: route.location.to_string(),
-        allocation_type: route.allocation_type.to_string(),
-        default_pool,
-        default_pool_error,
-        current_pool,
-        current_pool_error,
-        changed,
-        attributes,
-        attribute_errors,
-    }
 }
 
 /// Asks the driver directly about inputs the library refuses, so both answers are on record.
@@ -198,9 +84,8 @@ fn cumempool_error_name(code: sys::CUresult) -> String {
 
 pub fn collect() -> crate::error::Result<Report> {
     cumempool::init()?;
-    let devices = Device::all()?;
-    let routes = all_routes(&devices).into_iter().map(report_route).collect();
-    Ok(Report { routes, invalid_inputs: raw_probes(devices.len() as i32) })
+    let device_count = Device::count()?;
+    Ok(Report { routes: cumempool::route_table()?.routes, invalid_inputs: raw_probes(device_count) })
 }
 
 pub fn render(report: &Report) -> String {

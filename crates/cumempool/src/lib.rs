@@ -57,6 +57,7 @@ mod location;
 mod location_info;
 mod owner;
 mod pool;
+mod route_table;
 mod routing;
 mod sharing;
 mod stream;
@@ -79,6 +80,7 @@ pub use location::{
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
 pub use location_info::location_info;
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
+pub use route_table::{all_routes, route_table, RouteEntry, RouteTable};
 pub use routing::{
     current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
 };
