@@ -93,6 +93,9 @@ pub fn collect() -> Report {
         devices: Vec::new(),
         features: Vec::new(),
     };
+    // The library can open and still fail to initialise (no device, a broken install): it was
+    // loaded all the same.
+    report.library_loaded = sys::driver().ok().map(|driver| driver.library_path().to_owned());
     let version = match cumempool::init().and_then(|()| cumempool::driver_version()) {
         Ok(version) => version,
         Err(error) => {
@@ -100,7 +103,6 @@ pub fn collect() -> Report {
             return report;
         }
     };
-    report.library_loaded = cumempool::library_path().ok().map(str::to_owned);
     report.driver = Some(version.to_string());
     let devices = Device::all().unwrap_or_default();
     for device in &devices {
