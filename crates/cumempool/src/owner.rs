@@ -6,23 +6,73 @@ use crate::driver::driver_call;
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use cumempool_sys as sys;
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Addresses of allocations imported from other processes and mapped now, in any imported pool.
-/// The driver maps an allocation imported twice at the same address, and one unmapping ends
-/// both: so each may be mapped by one buffer at a time.
-static MAPPED_IMPORTS: Mutex<BTreeSet<sys::CUdeviceptr>> = Mutex::new(BTreeSet::new());
+/// What names an imported allocation before the driver maps it: the imported pool's handle and
+/// the allocation's export data.
+pub(crate) type ImportKey = (usize, [u8; 64]);
 
-/// Records `ptr` as mapped by one buffer; false if a buffer already maps it.
-pub(crate) fn claim_mapping(ptr: sys::CUdeviceptr) -> bool {
-    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner).insert(ptr)
+/// Allocations imported from other processes and mapped now by one buffer each, in any imported
+/// pool. The driver maps an allocation imported twice at the same address, and one unmapping
+/// ends both: so each may be mapped by one buffer at a time.
+#[derive(Debug)]
+pub(crate) struct MappedImports {
+    by_address: BTreeMap<sys::CUdeviceptr, ImportKey>,
+    by_allocation: BTreeMap<ImportKey, sys::CUdeviceptr>,
+}
+
+impl MappedImports {
+    const fn new() -> Self {
+        Self { by_address: BTreeMap::new(), by_allocation: BTreeMap::new() }
+    }
+
+    /// Maps an allocation with `map` (the driver's import) and records it as the one buffer's
+    /// mapping. An allocation a buffer maps is refused before `map` runs: a buffer being
+    /// dropped forgets its mapping only after its unmapping has run, and a mapping the driver
+    /// made in between (a fresh one, at the same address) would belong to no one.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyImported`] for an allocation a buffer maps; `map`'s error.
+    pub(crate) fn import(
+        &mut self,
+        key: ImportKey,
+        map: impl FnOnce() -> Result<sys::CUdeviceptr>,
+    ) -> Result<sys::CUdeviceptr> {
+        if let Some(address) = self.by_allocation.get(&key) {
+            return Err(Error::AlreadyImported { address: *address });
+        }
+        let ptr = map()?;
+        if self.by_address.contains_key(&ptr) {
+            // The same allocation under other export data: the driver handed back the mapping a
+            // live buffer holds (one mapping per allocation), not a new one.
+            return Err(Error::AlreadyImported { address: ptr });
+        }
+        self.by_address.insert(ptr, key);
+        self.by_allocation.insert(key, ptr);
+        Ok(ptr)
+    }
+
+    /// Forgets the mapping at `ptr` once its unmapping has run.
+    pub(crate) fn forget(&mut self, ptr: sys::CUdeviceptr) {
+        if let Some(key) = self.by_address.remove(&ptr) {
+            self.by_allocation.remove(&key);
+        }
+    }
+}
+
+static MAPPED_IMPORTS: Mutex<MappedImports> = Mutex::new(MappedImports::new());
+
+/// The mapped imports, locked. Importing holds it from the check to the claim.
+pub(crate) fn mapped_imports() -> MutexGuard<'static, MappedImports> {
+    // Every update inserts or removes both entries before anything that can panic runs.
+    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Forgets `ptr` once its unmapping has run.
 pub(crate) fn forget_mapping(ptr: sys::CUdeviceptr) {
-    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner).remove(&ptr);
+    mapped_imports().forget(ptr);
 }
 
 /// Releases the pool (destroys or retires it) when the last holder (pool handle, buffer, route)
@@ -127,5 +177,35 @@ mod tests {
         assert_eq!(Fate::of(false, true), Fate::Retire);
         assert_eq!(Fate::of(true, true), Fate::Leak, "never destroyed, not even by destroy_retired_pools");
         assert_eq!(Fate::of(true, false), Fate::Leak);
+    }
+
+    #[test]
+    fn an_allocation_whose_buffer_is_still_unmapping_is_refused_before_the_driver_maps_it_again() {
+        let mut mapped = MappedImports::new();
+        let key = (0x10, [7u8; 64]);
+        assert_eq!(mapped.import(key, || Ok(0x1000)).ok(), Some(0x1000));
+        // The buffer's drop has enqueued its unmapping and waits for it; it has not forgotten
+        // the mapping yet. A concurrent import of the same allocation: the driver would map it
+        // afresh at the same address once the unmapping ran, and that mapping was leaked.
+        let mut driver_imports = 0;
+        let racing = mapped.import(key, || {
+            driver_imports += 1;
+            Ok(0x1000)
+        });
+        assert!(matches!(racing, Err(Error::AlreadyImported { address: 0x1000 })), "{racing:?}");
+        assert_eq!(driver_imports, 0, "refused before the driver made a mapping no buffer owns");
+        mapped.forget(0x1000);
+        assert_eq!(mapped.import(key, || Ok(0x1000)).ok(), Some(0x1000), "importable again once unmapped");
+        // Another allocation, and the same export data in another imported pool, are their own.
+        assert_eq!(mapped.import((0x10, [8u8; 64]), || Ok(0x2000)).ok(), Some(0x2000));
+        assert_eq!(mapped.import((0x20, [7u8; 64]), || Ok(0x3000)).ok(), Some(0x3000));
+        assert!(matches!(
+            mapped.import((0x10, [9u8; 64]), || Ok(0x2000)),
+            Err(Error::AlreadyImported { address: 0x2000 })
+        ));
+        mapped.forget(0x2000);
+        assert!(mapped.import((0x10, [8u8; 64]), || Ok(0x2000)).is_ok(), "both names forgotten");
+        let refused = mapped.import((0x10, [1u8; 64]), || Err(Error::UnsafeToDestroy));
+        assert!(matches!(refused, Err(Error::UnsafeToDestroy)));
     }
 }
