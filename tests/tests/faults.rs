@@ -385,6 +385,24 @@ fn a_pool_whose_destroy_fails_is_reported_and_never_destroyed_twice() {
     assert_eq!(unsafe { destroy(raw) }, cumempool::sys::CUresult::CUDA_SUCCESS, "no destroy happened before");
 }
 
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_retired_pool_whose_destroy_fails_stays_retired() {
+    let Some((_lock, suite)) = suite() else { return };
+    // SAFETY (both calls below): the suite's lock is held and no thread of this process
+    // allocates through a route, nor uses an allocation of a retired pool.
+    unsafe { cumempool::destroy_retired_pools() }.unwrap(); // what earlier cases retired
+    let pool = MemPool::new(Route::host()).unwrap();
+    drop(set_current_pool(Route::host(), &pool).unwrap());
+    pool.destroy().unwrap();
+    assert_eq!(cumempool::retired_pools().unwrap().count, 1, "retired, not destroyed");
+    let failed = suite.failing("cuMemPoolDestroy", 1, UNKNOWN, || unsafe { cumempool::destroy_retired_pools() });
+    refused_by(failed, "cuMemPoolDestroy", UNKNOWN);
+    assert_eq!(cumempool::retired_pools().unwrap().count, 1, "still listed, for a later call");
+    assert_eq!(unsafe { cumempool::destroy_retired_pools() }.unwrap(), 1, "destroyed once, by the later call");
+    assert_eq!(cumempool::retired_pools().unwrap().count, 0);
+}
+
 // ---- buffer.rs -----------------------------------------------------------------------------
 
 #[test]

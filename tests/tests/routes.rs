@@ -148,7 +148,7 @@ fn guards_dropped_out_of_order_leave_the_route_on_what_was_current_before() {
     assert_eq!(raw_current(route), b.as_raw(), "the newest live change still shows");
     drop(guard_b);
     assert_eq!(raw_current(route), default.as_raw(), "measured before the fix: the route ended on A");
-    // Nothing holds A or B any more: both can be destroyed now.
+    // Nothing holds A or B any more: both are released now (retired, as they were current).
     a.destroy().unwrap();
     b.destroy().unwrap();
 }

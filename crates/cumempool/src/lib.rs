@@ -57,6 +57,7 @@ mod location;
 mod location_info;
 mod owner;
 mod pool;
+mod retirement;
 mod route_table;
 mod routing;
 mod sharing;
@@ -80,6 +81,7 @@ pub use location::{
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
 pub use location_info::location_info;
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
+pub use retirement::{destroy_retired_pools, retired_pools, RetiredPools};
 pub use route_table::{all_routes, route_table, RouteEntry, RouteTable};
 pub use routing::{
     current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,

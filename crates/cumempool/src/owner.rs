@@ -1,30 +1,82 @@
 //! The one owner of a pool's lifetime: whoever holds it (pool handles, buffers, routes) keeps
-//! the pool alive, and the last to let go destroys it, through one release path.
+//! the pool alive, and the last to let go releases it, through one path: destroyed, or retired
+//! if it was ever a route's current pool (the `retirement` module says why).
 
 use crate::driver::driver_call;
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use cumempool_sys as sys;
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// Addresses of allocations imported from other processes and mapped now, in any imported pool.
-/// The driver maps an allocation imported twice at the same address, and one unmapping ends
-/// both: so each may be mapped by one buffer at a time.
-static MAPPED_IMPORTS: Mutex<BTreeSet<sys::CUdeviceptr>> = Mutex::new(BTreeSet::new());
+/// What names an imported allocation before the driver maps it: the imported pool's handle and
+/// the allocation's export data.
+pub(crate) type ImportKey = (usize, [u8; 64]);
 
-/// Records `ptr` as mapped by one buffer; false if a buffer already maps it.
-pub(crate) fn claim_mapping(ptr: sys::CUdeviceptr) -> bool {
-    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner).insert(ptr)
+/// Allocations imported from other processes and mapped now by one buffer each, in any imported
+/// pool. The driver maps an allocation imported twice at the same address, and one unmapping
+/// ends both: so each may be mapped by one buffer at a time.
+#[derive(Debug)]
+pub(crate) struct MappedImports {
+    by_address: BTreeMap<sys::CUdeviceptr, ImportKey>,
+    by_allocation: BTreeMap<ImportKey, sys::CUdeviceptr>,
+}
+
+impl MappedImports {
+    const fn new() -> Self {
+        Self { by_address: BTreeMap::new(), by_allocation: BTreeMap::new() }
+    }
+
+    /// Maps an allocation with `map` (the driver's import) and records it as the one buffer's
+    /// mapping. An allocation a buffer maps is refused before `map` runs: a buffer being
+    /// dropped forgets its mapping only after its unmapping has run, and a mapping the driver
+    /// made in between (a fresh one, at the same address) would belong to no one.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyImported`] for an allocation a buffer maps; `map`'s error.
+    pub(crate) fn import(
+        &mut self,
+        key: ImportKey,
+        map: impl FnOnce() -> Result<sys::CUdeviceptr>,
+    ) -> Result<sys::CUdeviceptr> {
+        if let Some(address) = self.by_allocation.get(&key) {
+            return Err(Error::AlreadyImported { address: *address });
+        }
+        let ptr = map()?;
+        if self.by_address.contains_key(&ptr) {
+            // The same allocation under other export data: the driver handed back the mapping a
+            // live buffer holds (one mapping per allocation), not a new one.
+            return Err(Error::AlreadyImported { address: ptr });
+        }
+        self.by_address.insert(ptr, key);
+        self.by_allocation.insert(key, ptr);
+        Ok(ptr)
+    }
+
+    /// Forgets the mapping at `ptr` once its unmapping has run.
+    pub(crate) fn forget(&mut self, ptr: sys::CUdeviceptr) {
+        if let Some(key) = self.by_address.remove(&ptr) {
+            self.by_allocation.remove(&key);
+        }
+    }
+}
+
+static MAPPED_IMPORTS: Mutex<MappedImports> = Mutex::new(MappedImports::new());
+
+/// The mapped imports, locked. Importing holds it from the check to the claim.
+pub(crate) fn mapped_imports() -> MutexGuard<'static, MappedImports> {
+    // Every update inserts or removes both entries before anything that can panic runs.
+    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Forgets `ptr` once its unmapping has run.
 pub(crate) fn forget_mapping(ptr: sys::CUdeviceptr) {
-    MAPPED_IMPORTS.lock().unwrap_or_else(PoisonError::into_inner).remove(&ptr);
+    mapped_imports().forget(ptr);
 }
 
-/// Destroys the pool when the last holder (pool handle, buffer, route) lets go.
+/// Releases the pool (destroys or retires it) when the last holder (pool handle, buffer, route)
+/// lets go.
 #[derive(Debug)]
 pub(crate) struct Owner {
     raw: DriverHandle<sys::CUmemoryPool>,
@@ -33,21 +85,59 @@ pub(crate) struct Owner {
     unsafe_to_destroy: AtomicBool,
 }
 
+/// What happens to a pool when its last holder lets go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    /// Never destroyed: the driver would crash (see [`Owner::mark_unsafe_to_destroy`]).
+    Leak,
+    /// Kept until `destroy_retired_pools`: it was a route's current pool, and another thread's
+    /// `cuMemAllocAsync` may still read it.
+    Retire,
+    /// Destroyed now.
+    Destroy,
+}
+
+impl Fate {
+    fn of(unsafe_to_destroy: bool, ever_current: bool) -> Self {
+        match (unsafe_to_destroy, ever_current) {
+            (true, _) => Fate::Leak,
+            (false, true) => Fate::Retire,
+            (false, false) => Fate::Destroy,
+        }
+    }
+}
+
 impl Owner {
-    /// The one place a pool is given back to the driver: Drop and [`MemPool::destroy`] both
-    /// come here.
+    /// The one place a pool is given back: Drop and [`MemPool::destroy`] both come here. A pool
+    /// that was ever a route's current pool is retired (Ok), not destroyed.
     pub(crate) fn release(&self) -> Result<()> {
-        if self.unsafe_to_destroy.load(Relaxed) {
+        let raw = self.raw.0;
+        match Fate::of(self.unsafe_to_destroy.load(Relaxed), crate::retirement::was_ever_current(raw)) {
             // Driver 580: cuMemPoolDestroy crashes inside libcuda on a pool whose fabric export
             // was refused. Leaking the pool is the lesser harm.
-            return Err(Error::UnsafeToDestroy);
+            Fate::Leak => Err(Error::UnsafeToDestroy),
+            Fate::Retire => {
+                crate::retirement::retire(raw);
+                Ok(())
+            }
+            Fate::Destroy => {
+                // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking
+                // sole ownership and forgetting the owner); never a route's current pool.
+                unsafe { destroy_pool(raw) }?;
+                tracing::debug!(pool = ?raw, imported = self.imported, "memory pool destroyed");
+                Ok(())
+            }
         }
-        // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking sole
-        // ownership and forgetting the owner).
-        unsafe { driver_call!(cuMemPoolDestroy(self.raw.0)) }?;
-        tracing::debug!(pool = ?self.raw.0, imported = self.imported, "memory pool destroyed");
-        Ok(())
     }
+}
+
+/// Destroys a pool: the one `cuMemPoolDestroy` of the crate.
+///
+/// # Safety
+/// `raw` is a live pool, destroyed once, that no thread allocates from or through a route now.
+pub(crate) unsafe fn destroy_pool(raw: sys::CUmemoryPool) -> Result<()> {
+    // SAFETY: as the caller promised.
+    unsafe { driver_call!(cuMemPoolDestroy(raw)) }
 }
 
 impl Drop for Owner {
@@ -74,5 +164,48 @@ impl Owner {
 
     pub(crate) fn is_unsafe_to_destroy(&self) -> bool {
         self.unsafe_to_destroy.load(Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_that_was_ever_current_is_retired_and_one_the_driver_would_crash_on_is_left() {
+        assert_eq!(Fate::of(false, false), Fate::Destroy);
+        assert_eq!(Fate::of(false, true), Fate::Retire);
+        assert_eq!(Fate::of(true, true), Fate::Leak, "never destroyed, not even by destroy_retired_pools");
+        assert_eq!(Fate::of(true, false), Fate::Leak);
+    }
+
+    #[test]
+    fn an_allocation_whose_buffer_is_still_unmapping_is_refused_before_the_driver_maps_it_again() {
+        let mut mapped = MappedImports::new();
+        let key = (0x10, [7u8; 64]);
+        assert_eq!(mapped.import(key, || Ok(0x1000)).ok(), Some(0x1000));
+        // The buffer's drop has enqueued its unmapping and waits for it; it has not forgotten
+        // the mapping yet. A concurrent import of the same allocation: the driver would map it
+        // afresh at the same address once the unmapping ran, and that mapping was leaked.
+        let mut driver_imports = 0;
+        let racing = mapped.import(key, || {
+            driver_imports += 1;
+            Ok(0x1000)
+        });
+        assert!(matches!(racing, Err(Error::AlreadyImported { address: 0x1000 })), "{racing:?}");
+        assert_eq!(driver_imports, 0, "refused before the driver made a mapping no buffer owns");
+        mapped.forget(0x1000);
+        assert_eq!(mapped.import(key, || Ok(0x1000)).ok(), Some(0x1000), "importable again once unmapped");
+        // Another allocation, and the same export data in another imported pool, are their own.
+        assert_eq!(mapped.import((0x10, [8u8; 64]), || Ok(0x2000)).ok(), Some(0x2000));
+        assert_eq!(mapped.import((0x20, [7u8; 64]), || Ok(0x3000)).ok(), Some(0x3000));
+        assert!(matches!(
+            mapped.import((0x10, [9u8; 64]), || Ok(0x2000)),
+            Err(Error::AlreadyImported { address: 0x2000 })
+        ));
+        mapped.forget(0x2000);
+        assert!(mapped.import((0x10, [8u8; 64]), || Ok(0x2000)).is_ok(), "both names forgotten");
+        let refused = mapped.import((0x10, [1u8; 64]), || Err(Error::UnsafeToDestroy));
+        assert!(matches!(refused, Err(Error::UnsafeToDestroy)));
     }
 }

@@ -280,6 +280,12 @@ impl Pool {
 /// Buffers keep their pool alive, and so does a route the pool was made current for
 /// ([`crate::set_current_pool`]): the driver would otherwise fall back to the default pool
 /// behind the program's back. [`MemPool::destroy`] reports the driver's answer.
+///
+/// A pool that was ever a route's current pool is **retired**, not destroyed, when the last
+/// holder lets go: trimmed, never handed out again, and destroyed only by `unsafe`
+/// [`destroy_retired_pools`](crate::destroy_retired_pools) at a point the program names (or
+/// reclaimed by the driver at exit). Another thread's `cuMemAllocAsync` may read a route's
+/// current pool without keeping it alive, and destroying it then crashes the process.
 #[derive(Clone, Debug)]
 pub struct MemPool(Pool);
 
@@ -298,6 +304,10 @@ impl MemPool {
     }
 
     /// Destroys the pool now and returns the driver's answer, if this is the last holder.
+    ///
+    /// A pool that was ever a route's current pool is retired instead (see [`MemPool`]) and
+    /// this answers `Ok`; [`retired_pools`](crate::retired_pools) counts it until
+    /// [`destroy_retired_pools`](crate::destroy_retired_pools).
     ///
     /// # Errors
     /// [`Error::PoolInUse`] (leaving the pool alive) while buffers, clones or routes still hold
@@ -327,6 +337,10 @@ impl MemPool {
     }
 
     /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
+    ///
+    /// For a pool that was ever a route's current pool, the caller takes on the rule of
+    /// [`destroy_retired_pools`](crate::destroy_retired_pools): destroy it only when no thread
+    /// allocates through a route.
     ///
     /// # Errors
     /// [`Error::PoolInUse`] while other holders remain, and [`Error::UnsafeToDestroy`] for a

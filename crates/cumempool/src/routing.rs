@@ -5,6 +5,10 @@
 //! the process that allocates through that route is affected. [`set_current_pool`] therefore
 //! returns a guard that undoes the change, and a pool this crate routed is kept alive for as
 //! long as it is current. The rules for several guards on one route are on [`set_current_pool`].
+//!
+//! A pool that was ever current is never destroyed when its last holder lets go: another
+//! thread's allocation may still be reading it. It is retired until
+//! [`destroy_retired_pools`](crate::destroy_retired_pools).
 
 use crate::driver::{driver_answer, Answer};
 use crate::driver_handle::DriverHandle;
@@ -44,7 +48,7 @@ struct RouteStack {
     entries: Vec<Entry>,
     /// Pools of changes forgotten after a change outside this crate: other code may have saved
     /// one to restore it later, so they stay alive until [`reset_current_pool`].
-    retired: Vec<Pool>,
+    forgotten: Vec<Pool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,21 +69,21 @@ const KEPT: u64 = 0;
 
 impl RouteStack {
     fn new(base: Base) -> Self {
-        Self { base, entries: Vec::new(), retired: Vec::new() }
+        Self { base, entries: Vec::new(), forgotten: Vec::new() }
     }
 
     /// After a change outside this crate: this crate's changes are forgotten (their guards do
     /// nothing any more), their pools kept alive, and `current` is the new base.
     fn detach(&mut self, current: Base) {
-        let retired = std::mem::take(&mut self.entries).into_iter().map(|entry| entry.pool);
-        self.retired.extend(retired);
+        let forgotten = std::mem::take(&mut self.entries).into_iter().map(|entry| entry.pool);
+        self.forgotten.extend(forgotten);
         self.base = current;
     }
 
-    /// A pool this crate holds for the route (current or retired) with this handle.
+    /// A pool this crate holds for the route (current or forgotten) with this handle.
     fn holding(&self, raw: sys::CUmemoryPool) -> Option<&Pool> {
         let entries = self.entries.iter().rev().map(|entry| &entry.pool);
-        entries.chain(self.retired.iter()).find(|pool| pool.as_raw() == raw)
+        entries.chain(self.forgotten.iter()).find(|pool| pool.as_raw() == raw)
     }
 
     /// What the driver should show for this route if nothing outside this crate changed it.
@@ -114,6 +118,8 @@ fn current_raw(route: Route) -> Result<sys::CUmemoryPool> {
     let mut raw = std::ptr::null_mut();
     // SAFETY: valid out-pointer and location.
     route_answer(route, unsafe { driver_answer!(cuMemGetMemPool(&mut raw, &mut location, allocation_type)) }?)?;
+    // Seen current: other threads may allocate from it, so it must never be destroyed by this crate.
+    crate::retirement::note_current(raw);
     Ok(raw)
 }
 
@@ -172,7 +178,10 @@ static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
 /// Makes `pool` the current pool of `route`, **for the whole process**.
 ///
 /// Every thread and library that allocates through this route from now on gets memory from
-/// `pool`. While `pool` is current it is kept alive, even if every other handle to it is dropped.
+/// `pool`. While `pool` is current it is kept alive, even if every other handle to it is dropped;
+/// afterwards, when its last holder lets go, it is retired rather than destroyed (another
+/// thread's `cuMemAllocAsync` may still be reading it), until
+/// [`destroy_retired_pools`](crate::destroy_retired_pools).
 ///
 /// Each route keeps a stack of the changes made through this crate:
 /// - the route shows the newest change whose guard is alive (or was kept), and when none is
@@ -208,6 +217,8 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     let current = current_raw(route)?;
     // Everything that can fail is asked before the route changes, so a refusal changes nothing.
     let base = base_of(route, current)?;
+    // Before the route shows it: from then on a thread may read it, so it is never destroyed.
+    crate::retirement::note_current(pool.as_raw());
     set_raw(route, pool.as_raw())?;
     let stack = map.entry(route).or_insert_with(|| RouteStack::new(base));
     if stack.expected() != current {
@@ -233,7 +244,7 @@ pub fn reset_current_pool(route: Route) -> Result<()> {
     set_raw(route, default)?;
     let released = map.remove(&route);
     drop(map);
-    // Pools kept alive only by the route may be destroyed here, after the route moved on.
+    // Pools kept alive only by the route are released (retired) here, after the route moved on.
     drop(released);
     tracing::info!(%route, "current pool reset to the default (process-wide)");
     Ok(())
@@ -323,11 +334,11 @@ impl RouteGuard {
                 return Err(error);
             }
         }
-        if stack.entries.is_empty() && stack.retired.is_empty() {
+        if stack.entries.is_empty() && stack.forgotten.is_empty() {
             map.remove(&self.route);
         }
         drop(map);
-        // A pool that was only kept alive by its route may be destroyed here, after the route moved on.
+        // A pool that was only kept alive by its route is released (retired) here, after the route moved on.
         drop(removed);
         tracing::info!(route = %self.route, "a route change was undone (process-wide)");
         Ok(())

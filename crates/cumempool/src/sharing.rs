@@ -255,16 +255,20 @@ impl Pool {
         if let Some(context) = stream.context() {
             context.ensure_current()?;
         }
-        let mut ptr: sys::CUdeviceptr = 0;
-        let mut data = shared.data;
-        // SAFETY: valid pointers; the driver validates the export data.
-        let answer = unsafe { driver_answer!(cuMemPoolImportPointer(&mut ptr, self.as_raw(), &mut data)) }?;
-        refused_unless_success(answer, "importing an allocation", "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter")?;
+        let key = (self.as_raw() as usize, shared.data.reserved);
+        // Held until the mapping is recorded (or undone): a buffer of this allocation being
+        // dropped meanwhile forgets it only after its unmapping has run.
+        let mut imports = crate::owner::mapped_imports();
         // The driver maps an allocation imported twice at the same address, and the first
         // unmapping would pull the memory from under the second buffer: one buffer per mapping.
-        if !crate::owner::claim_mapping(ptr) {
-            return Err(Error::AlreadyImported { address: ptr });
-        }
+        let ptr = imports.import(key, || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            let mut data = shared.data;
+            // SAFETY: valid pointers; the driver validates the export data.
+            let answer = unsafe { driver_answer!(cuMemPoolImportPointer(&mut ptr, self.as_raw(), &mut data)) }?;
+            refused_unless_success(answer, "importing an allocation", "the export data must come from Buffer::export of an allocation of the pool this one was imported from, still alive in the exporter")?;
+            Ok(ptr)
+        })?;
         // The length came over the wire: a buffer must never reach past what the driver mapped.
         let checked = mapped_bytes_from(ptr).and_then(|mapped| {
             if shared.len <= mapped {
@@ -278,7 +282,7 @@ impl Pool {
             // buffer maps it); freeing it unmaps it.
             let unmapped = unsafe { crate::buffer::free_async(ptr, stream) }.and_then(|()| stream.synchronize());
             match unmapped {
-                Ok(()) => crate::owner::forget_mapping(ptr),
+                Ok(()) => imports.forget(ptr),
                 Err(unmap) => tracing::warn!(%unmap, ptr, "unmapping a refused import failed"),
             }
             return Err(error);
