@@ -443,7 +443,8 @@ impl PoolBuilder {
 
     /// How much freed memory the pool keeps reserved when a stream synchronises, in bytes
     /// (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`; the driver's default is 0: everything unused is
-    /// given back). Default here: the driver's, or [`PoolBuilder::initial_size`] when that is set.
+    /// given back). Default here: the driver's, or, with [`PoolBuilder::initial_size`], what the
+    /// pool reserved for the initial size.
     pub fn release_threshold(mut self, bytes: u64) -> Self {
         self.release_threshold = Some(bytes);
         self
@@ -452,7 +453,8 @@ impl PoolBuilder {
     /// Memory the pool reserves at build, in bytes, so the first allocations up to that size do
     /// not go to the operating system (RMM's and CCCL's initial pool size). `build` allocates it
     /// on a stream of its own, frees it and waits; unless a release threshold is given, the
-    /// threshold becomes this size, so the memory stays reserved.
+    /// threshold becomes what the pool reserved for it (at least this size), so it stays
+    /// reserved. A smaller explicit threshold lets the driver give it back.
     pub fn initial_size(mut self, bytes: u64) -> Self {
         self.initial_size = bytes;
         self
@@ -567,12 +569,11 @@ impl PoolBuilder {
                 pool.set_attribute(attribute, enabled.into())?;
             }
         }
-        let threshold = self.release_threshold.or((self.initial_size > 0).then_some(self.initial_size));
-        if let Some(bytes) = threshold {
+        if let Some(bytes) = self.release_threshold {
             pool.set_release_threshold(bytes)?;
         }
         if self.initial_size > 0 {
-            reserve(pool, self.route, self.initial_size)?;
+            reserve(pool, self.route, self.initial_size, self.release_threshold.is_none())?;
         }
         Ok(())
     }
@@ -598,9 +599,11 @@ impl PoolBuilder {
 }
 
 /// Makes `pool` reserve `bytes`: one allocation of that size on a stream of its own, freed, and
-/// waited for (the release threshold keeps it reserved). The stream is made in the primary
-/// context of the route's device, or of device 0 for host and managed routes.
-fn reserve(pool: &Pool, route: Route, bytes: u64) -> Result<()> {
+/// waited for. With `keep`, the release threshold first becomes what the pool reserved for it
+/// (the driver reserves in chunks that can exceed the request, and gives back a whole chunk that
+/// the threshold does not cover). The stream is made in the primary context of the route's
+/// device, or of device 0 for host and managed routes.
+fn reserve(pool: &Pool, route: Route, bytes: u64, keep: bool) -> Result<()> {
     let size = usize::try_from(bytes).map_err(|_| Error::InvalidArgument {
         what: "pool initial size",
         reason: format!("{bytes} bytes does not fit this platform's size_t"),
@@ -611,9 +614,11 @@ fn reserve(pool: &Pool, route: Route, bytes: u64) -> Result<()> {
     };
     let stream = Stream::new(&Device::get(device)?.primary_context()?)?;
     let ptr = pool.alloc_raw(size, &stream)?;
+    let reserved = if keep { pool.reserved_mem_current().map(|reserved| reserved.max(bytes)) } else { Ok(bytes) };
+    let kept = reserved.and_then(|reserved| if keep { pool.set_release_threshold(reserved) } else { Ok(()) });
     // SAFETY: allocated just above on this stream, freed once, never used.
-    unsafe { crate::buffer::free_async(ptr, &stream) }?;
-    stream.synchronize()
+    let freed = unsafe { crate::buffer::free_async(ptr, &stream) };
+    kept.and(freed).and(stream.synchronize())
 }
 
 #[cfg(test)]
