@@ -312,6 +312,12 @@ fn creating_a_pool_that_fails_leaves_nothing_half_made() {
     assert_eq!(suite.faults.calls("cuMemPoolDestroy"), 0, "nothing to undo");
     let invalid = suite.failing("cuMemPoolCreate", 1, 1, || builder().build());
     assert!(matches!(refused_by(invalid, "cuMemPoolCreate", 1), Error::PoolCreation { .. }));
+    // CUDA_ERROR_OUT_OF_MEMORY: the driver holds no more pools; the reason says what to do.
+    let full = refused_by(suite.failing("cuMemPoolCreate", 1, 2, || builder().build()), "cuMemPoolCreate", 2);
+    assert!(
+        matches!(&full, Error::PoolCreation { reason, .. } if reason.contains("no room for another pool")),
+        "{full}"
+    );
     let pool = builder().build().unwrap();
     let stream = suite.stream();
     drop(pool.alloc(1 << 20, &stream).unwrap());

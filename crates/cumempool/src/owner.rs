@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 /// What names an imported allocation before the driver maps it: the imported pool's handle and
 /// the allocation's export data.
@@ -83,6 +83,12 @@ pub(crate) struct Owner {
     pub(crate) imported: bool,
     /// Set when the driver left the pool in a state where destroying it crashes the process.
     unsafe_to_destroy: AtomicBool,
+    /// How the pool was built, for pools `PoolBuilder` made: once retired, such a pool can serve
+    /// a new pool with the same recipe.
+    recipe: OnceLock<crate::pool::Recipe>,
+    /// Set once access was granted or changed: a new pool must not inherit it, so the pool is
+    /// never reused.
+    access_changed: AtomicBool,
 }
 
 /// What happens to a pool when its last holder lets go.
@@ -117,7 +123,8 @@ impl Owner {
             // was refused. Leaking the pool is the lesser harm.
             Fate::Leak => Err(Error::UnsafeToDestroy),
             Fate::Retire => {
-                crate::retirement::retire(raw);
+                let reusable = if self.access_changed.load(Relaxed) { None } else { self.recipe.get().copied() };
+                crate::retirement::retire(raw, reusable);
                 Ok(())
             }
             Fate::Destroy => {
@@ -150,7 +157,22 @@ impl Drop for Owner {
 
 impl Owner {
     pub(crate) fn new(raw: sys::CUmemoryPool, imported: bool) -> Self {
-        Self { raw: DriverHandle(raw), imported, unsafe_to_destroy: AtomicBool::new(false) }
+        Self {
+            raw: DriverHandle(raw),
+            imported,
+            unsafe_to_destroy: AtomicBool::new(false),
+            recipe: OnceLock::new(),
+            access_changed: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn set_recipe(&self, recipe: crate::pool::Recipe) {
+        // Set once, right after the pool is made; a second recipe could only repeat the first.
+        let _ = self.recipe.set(recipe);
+    }
+
+    pub(crate) fn note_access_changed(&self) {
+        self.access_changed.store(true, Relaxed);
     }
 
     pub(crate) fn raw(&self) -> sys::CUmemoryPool {

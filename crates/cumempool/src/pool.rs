@@ -122,6 +122,15 @@ impl Pool {
         self
     }
 
+    /// Records how the pool was made, so that once retired it can serve a new pool made the same
+    /// way (see [`PoolBuilder::build`]).
+    pub(crate) fn with_recipe(self, recipe: Recipe) -> Self {
+        if let Some(owner) = &self.owner {
+            owner.set_recipe(recipe);
+        }
+        self
+    }
+
     pub(crate) fn with_route(mut self, route: Option<Route>) -> Self {
         self.route = route;
         self
@@ -193,7 +202,11 @@ impl Pool {
                 });
             }
         }
-        answer.check()
+        answer.check()?;
+        if let Some(owner) = &self.owner {
+            owner.note_access_changed();
+        }
+        Ok(())
     }
 
     /// The access `device` has to this pool's memory.
@@ -535,6 +548,15 @@ impl PoolBuilder {
     /// See [cuMemPoolCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn build(self) -> Result<MemPool> {
         let props = self.to_props()?;
+        let recipe = self.recipe();
+        if let Some(raw) = crate::retirement::reuse(&recipe) {
+            tracing::info!(route = %self.route, pool = ?raw, "retired memory pool made anew");
+            let pool = self.own(raw, recipe);
+            // On an error the pool drops here and is retired again.
+            reset_for_reuse(&pool)?;
+            self.configure(&pool)?;
+            return Ok(pool);
+        }
         let mut raw = std::ptr::null_mut();
         // SAFETY: valid out-pointer and props.
         let answer = unsafe { driver_answer!(cuMemPoolCreate(&mut raw, &props)) }?;
@@ -547,13 +569,34 @@ impl PoolBuilder {
                 cause: DriverError::new(answer.function, answer.code),
             });
         }
+        if answer.code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(Error::PoolCreation { route: self.route, reason: out_of_pools(), cause: answer.cause() });
+        }
         answer.check()?;
         tracing::info!(route = %self.route, pool = ?raw, max_size = ?self.max_size, handle_types = %self.handle_types, "memory pool created");
-        let pool =
-            MemPool(Pool::owned(raw, Some(self.route), self.max_size, false).with_handle_types(self.handle_types));
+        let pool = self.own(raw, recipe);
         // On an error the half-configured pool drops here, destroyed: nothing routed it yet.
         self.configure(&pool)?;
         Ok(pool)
+    }
+
+    /// What a retired pool must have been made with to serve this builder.
+    fn recipe(&self) -> Recipe {
+        Recipe {
+            route: self.route,
+            handle_types: self.handle_types,
+            max_size: self.max_size,
+            hw_decompress: self.hw_decompress,
+        }
+    }
+
+    /// The owned pool of a handle made (or made anew) for this builder.
+    fn own(&self, raw: sys::CUmemoryPool, recipe: Recipe) -> MemPool {
+        MemPool(
+            Pool::owned(raw, Some(self.route), self.max_size, false)
+                .with_handle_types(self.handle_types)
+                .with_recipe(recipe),
+        )
     }
 
     /// Applies the settings made after creation: the reuse policies, the release threshold and
@@ -596,6 +639,58 @@ impl PoolBuilder {
             _ => format!("the driver refused these properties (handle types {}, max size {:?}, hw decompress {})", self.handle_types, self.max_size, self.hw_decompress),
         }
     }
+}
+
+/// The properties a pool was created with. A retired pool (see `retirement`) made with the same
+/// recipe, whose access was never changed, serves a new pool made the same way: the driver holds
+/// a bounded number of pools, and a retired one is never destroyed by the library.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Recipe {
+    route: Route,
+    handle_types: HandleTypes,
+    max_size: Option<u64>,
+    hw_decompress: bool,
+}
+
+#[cfg(test)]
+impl Recipe {
+    /// A device-0 recipe that differs by its maximum size.
+    pub(crate) fn for_tests(max_size: u64) -> Self {
+        Self {
+            route: Route::device(0),
+            handle_types: HandleTypes::NONE,
+            max_size: Some(max_size),
+            hw_decompress: false,
+        }
+    }
+}
+
+/// Gives a retired pool the state of a new one: the driver's default release threshold and reuse
+/// policies, and fresh high-water marks. Its memory was trimmed when it was retired, and its
+/// access was never changed (or it would not have been reused).
+fn reset_for_reuse(pool: &Pool) -> Result<()> {
+    pool.set_release_threshold(0)?;
+    for policy in [
+        PoolAttribute::ReuseFollowEventDependencies,
+        PoolAttribute::ReuseAllowOpportunistic,
+        PoolAttribute::ReuseAllowInternalDependencies,
+    ] {
+        pool.set_attribute(policy, 1)?;
+    }
+    pool.reset_used_mem_high()?;
+    pool.reset_reserved_mem_high()
+}
+
+/// Why the driver may have no room for another pool.
+fn out_of_pools() -> String {
+    let retired = crate::retirement::retired_count();
+    let mut reason = "the driver has no room for another pool (each pool reserves address space)".to_owned();
+    if retired > 0 {
+        reason.push_str(&format!(
+            "; {retired} pools are retired (they were a route's current pool, so they are kept alive for other threads' allocations): call destroy_retired_pools at a point where no thread allocates through a route, or build pools with the same properties so retired ones serve them"
+        ));
+    }
+    reason
 }
 
 /// Makes `pool` reserve `bytes`: one allocation of that size on a stream of its own, freed, and

@@ -10,7 +10,7 @@
 
 use crate::driver_handle::DriverHandle;
 use crate::error::Result;
-use crate::pool::Pool;
+use crate::pool::{Pool, Recipe};
 use cumempool_sys as sys;
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -49,22 +49,52 @@ pub(crate) fn was_ever_current(raw: sys::CUmemoryPool) -> bool {
 }
 
 /// Retires a pool its last owner let go: gives its unused memory back and keeps the handle until
-/// [`destroy_retired_pools`].
-pub(crate) fn retire(raw: sys::CUmemoryPool) {
+/// [`destroy_retired_pools`], or until a new pool with the same `recipe` takes it ([`reuse`]).
+pub(crate) fn retire(raw: sys::CUmemoryPool, recipe: Option<Recipe>) {
     // Trimming frees only memory no allocation holds: allocations another library made from it
     // (through the route) stay valid.
     if let Err(error) = Pool::borrowed(raw, None).trim_to(0) {
         tracing::warn!(%error, pool = ?raw, "trimming a retired pool failed; its memory stays reserved until destroy_retired_pools");
     }
-    retired().0.push(DriverHandle(raw));
+    retired().0.push(RetiredPool { handle: DriverHandle(raw), recipe });
     tracing::debug!(pool = ?raw, "memory pool retired (it was a route's current pool)");
 }
 
-/// The pools retired and not destroyed yet.
+/// Takes a retired pool made with `recipe` and holding no allocation, for a new pool made the same
+/// way: the driver holds a bounded number of pools (on the H200, creation failed with
+/// CUDA_ERROR_OUT_OF_MEMORY after some hundreds were retired), so retired pools are reused rather
+/// than piled up. The pool stays one that was ever current: released again, it is retired again.
+pub(crate) fn reuse(recipe: &Recipe) -> Option<sys::CUmemoryPool> {
+    retired().take(recipe, |raw| Pool::borrowed(raw, None).used_mem_current().is_ok_and(|used| used == 0))
+}
+
+/// How many pools are retired now.
+pub(crate) fn retired_count() -> usize {
+    retired().0.len()
+}
+
+/// A retired pool, and the recipe it can serve again (`None`: never reused).
 #[derive(Debug)]
-struct Retired(Vec<DriverHandle<sys::CUmemoryPool>>);
+struct RetiredPool {
+    handle: DriverHandle<sys::CUmemoryPool>,
+    recipe: Option<Recipe>,
+}
+
+/// The pools retired and not destroyed yet, oldest first.
+#[derive(Debug)]
+struct Retired(Vec<RetiredPool>);
 
 impl Retired {
+    /// Removes the oldest pool made with `recipe` that `is_empty` says holds no allocation.
+    fn take(
+        &mut self,
+        recipe: &Recipe,
+        mut is_empty: impl FnMut(sys::CUmemoryPool) -> bool,
+    ) -> Option<sys::CUmemoryPool> {
+        let index = self.0.iter().position(|p| p.recipe.as_ref() == Some(recipe) && is_empty(p.handle.0))?;
+        Some(self.0.remove(index).handle.0)
+    }
+
     /// Destroys every pool with `destroy`, oldest first. On the first failure, that pool and the
     /// ones after it stay listed (never lost, never destroyed twice) and the error is returned.
     fn destroy_all(
@@ -75,12 +105,12 @@ impl Retired {
         let pools = std::mem::take(&mut self.0);
         let mut pools = pools.into_iter();
         while let Some(pool) = pools.next() {
-            if let Err(error) = destroy(pool.0) {
+            if let Err(error) = destroy(pool.handle.0) {
                 self.0.push(pool);
                 self.0.extend(pools);
                 return Err(error);
             }
-            destroyed.push(pool.0);
+            destroyed.push(pool.handle.0);
         }
         Ok(destroyed)
     }
@@ -147,8 +177,8 @@ pub struct RetiredPools {
 pub fn retired_pools() -> Result<RetiredPools> {
     let list = retired();
     let mut total = RetiredPools { count: list.0.len(), ..RetiredPools::default() };
-    for handle in &list.0 {
-        let pool = Pool::borrowed(handle.0, None);
+    for retired in &list.0 {
+        let pool = Pool::borrowed(retired.handle.0, None);
         total.reserved_bytes = total.reserved_bytes.saturating_add(pool.reserved_mem_current()?);
         total.used_bytes = total.used_bytes.saturating_add(pool.used_mem_current()?);
     }
@@ -166,7 +196,8 @@ mod tests {
 
     #[test]
     fn destroying_the_retired_pools_stops_at_the_first_refusal_and_keeps_the_rest() {
-        let mut list = Retired((1..=4).map(|n| DriverHandle(handle(n))).collect());
+        let mut list =
+            Retired((1..=4).map(|n| RetiredPool { handle: DriverHandle(handle(n)), recipe: None }).collect());
         let mut asked = Vec::new();
         let outcome = list.destroy_all(|raw| {
             asked.push(raw as usize);
@@ -178,12 +209,26 @@ mod tests {
         });
         assert!(matches!(outcome, Err(Error::UnsafeToDestroy)));
         assert_eq!(asked, [1, 2, 3], "nothing after the refusal is tried");
-        let left: Vec<usize> = list.0.iter().map(|h| h.0 as usize).collect();
+        let left: Vec<usize> = list.0.iter().map(|p| p.handle.0 as usize).collect();
         assert_eq!(left, [3, 4], "the refused pool and the ones after it stay listed, once each");
         let destroyed = list.destroy_all(|_| Ok(())).map_err(|e| e.to_string());
         let destroyed: Vec<usize> = destroyed.unwrap_or_default().into_iter().map(|raw| raw as usize).collect();
         assert_eq!(destroyed, [3, 4]);
         assert!(list.0.is_empty());
+    }
+
+    #[test]
+    fn only_an_empty_pool_of_the_same_recipe_is_taken_oldest_first() {
+        let recipe = crate::pool::Recipe::for_tests;
+        let pool = |n, max: Option<u64>| RetiredPool { handle: DriverHandle(handle(n)), recipe: max.map(recipe) };
+        let mut list =
+            Retired(vec![pool(1, None), pool(2, Some(1)), pool(3, Some(2)), pool(4, Some(2)), pool(5, Some(2))]);
+        assert_eq!(list.take(&recipe(7), |_| true), None, "no pool of that recipe");
+        let taken = list.take(&recipe(2), |raw| raw as usize != 3);
+        assert_eq!(taken.map(|raw| raw as usize), Some(4), "3 still holds an allocation; 4 is the oldest empty one");
+        let left: Vec<usize> = list.0.iter().map(|p| p.handle.0 as usize).collect();
+        assert_eq!(left, [1, 2, 3, 5]);
+        assert_eq!(list.take(&recipe(1), |_| true).map(|raw| raw as usize), Some(2));
     }
 
     #[test]
