@@ -278,7 +278,11 @@ impl Buffer {
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
         let core = self.core()?;
-        let device = dlpack::device_of(core);
+        let mut device = dlpack::device_of(core);
+        // Host-accessible memory may be handed to a CPU consumer as CPU memory.
+        if dl_device == Some((dlpack::KDL_CPU, 0)) && core.kind != Kind::Device {
+            device = (dlpack::KDL_CPU, 0);
+        }
         if dl_device.is_some_and(|d| d != device) {
             return Err(PyBufferError::new_err(format!(
                 "this buffer is on DLPack device {device:?} and cannot be exported to {dl_device:?} without a copy"
@@ -291,6 +295,8 @@ impl Buffer {
         }
         match stream {
             Some(-1) => {}
+            // A host consumer has no stream to order: the buffer's work is waited for.
+            None if core.kind != Kind::Device => py.detach(|| core.stream().synchronize()).map_err(Failure::from)?,
             None => py.detach(|| core.order_before(1))?,
             Some(raw) if raw >= 0 => py.detach(|| core.order_before(raw as usize))?,
             Some(raw) => {
@@ -300,7 +306,7 @@ impl Buffer {
             }
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        Ok(dlpack::capsule(py, core.clone(), versioned)?.into_any().unbind())
+        Ok(dlpack::capsule(py, core.clone(), versioned, device)?.into_any().unbind())
     }
 
     /// `(device type, device id)`: CUDA 2, CUDA host 3, CUDA managed 13.

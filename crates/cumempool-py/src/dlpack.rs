@@ -10,6 +10,8 @@ use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+/// DLPack's CPU device type.
+pub const KDL_CPU: i32 = 1;
 const KDL_CUDA: i32 = 2;
 const KDL_CUDA_HOST: i32 = 3;
 const KDL_CUDA_MANAGED: i32 = 13;
@@ -82,8 +84,7 @@ pub fn device_of(core: &Core) -> (i32, i32) {
     }
 }
 
-fn tensor(core: &Core, shape: *mut i64) -> DLTensor {
-    let (device_type, device_id) = device_of(core);
+fn tensor(core: &Core, shape: *mut i64, (device_type, device_id): (i32, i32)) -> DLTensor {
     DLTensor {
         data: core.ptr() as usize as *mut c_void,
         device: DLDevice { device_type, device_id },
@@ -95,13 +96,14 @@ fn tensor(core: &Core, shape: *mut i64) -> DLTensor {
     }
 }
 
-/// A capsule over `core`'s memory: versioned (`"dltensor_versioned"`) or not (`"dltensor"`).
-pub fn capsule(py: Python<'_>, core: Arc<Core>, versioned: bool) -> PyResult<Bound<'_, PyCapsule>> {
+/// A capsule over `core`'s memory as DLPack device `device`: versioned
+/// (`"dltensor_versioned"`) or not (`"dltensor"`).
+pub fn capsule(py: Python<'_>, core: Arc<Core>, versioned: bool, device: (i32, i32)) -> PyResult<Bound<'_, PyCapsule>> {
     let context = Box::into_raw(Box::new(Context { shape: [core.len() as i64], _core: core }));
     // SAFETY: `context` was just boxed; the shape stays put inside the box until it is freed.
     let shape = unsafe { (*context).shape.as_mut_ptr() };
     // SAFETY: as above; the tensor only reads the core.
-    let dl_tensor = tensor(unsafe { &(*context)._core }, shape);
+    let dl_tensor = tensor(unsafe { &(*context)._core }, shape, device);
     let (pointer, name, destructor): (*mut c_void, &'static CStr, ffi::PyCapsule_Destructor) = if versioned {
         let managed = Box::new(DLManagedTensorVersioned {
             version: DLPackVersion { major: 1, minor: 0 },

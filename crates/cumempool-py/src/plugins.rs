@@ -22,6 +22,10 @@ static SERVED: RwLock<Option<Served>> = RwLock::new(None);
 /// PyTorch's own caching allocator, it keys by the handle's value).
 static STREAMS: Mutex<Option<HashMap<usize, cumempool::Stream>>> = Mutex::new(None);
 
+/// The resource each live allocation came from, so a free goes back to it even after Python
+/// switched or stopped what is served.
+static LIVE: Mutex<Option<HashMap<usize, Arc<dyn Resource>>>> = Mutex::new(None);
+
 fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
     let mut streams = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
     let streams = streams.get_or_insert_with(HashMap::new);
@@ -62,7 +66,11 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
         .map_err(cumempool_alloc::Error::from)
         .and_then(|s| served.resource.allocate(size, &s));
     match answer {
-        Ok(ptr) => ptr as usize as *mut c_void,
+        Ok(ptr) => {
+            let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+            live.get_or_insert_with(HashMap::new).insert(ptr as usize, served.resource.clone());
+            ptr as usize as *mut c_void
+        }
         Err(error) => {
             tracing::debug!(%error, size, device, "cumempool_torch_alloc failed");
             std::ptr::null_mut()
@@ -76,14 +84,15 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
 /// `ptr` must come from `cumempool_torch_alloc` with the same size, device and stream, freed once.
 #[no_mangle]
 pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, device: i32, stream: *mut c_void) {
-    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner);
-    let (Some(served), Ok(size)) = (served.as_ref(), usize::try_from(size)) else {
-        tracing::warn!(?ptr, "cumempool_torch_free without a served resource: the memory is leaked");
+    let resource = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
+    let (Some(resource), Ok(size)) = (resource, usize::try_from(size)) else {
+        tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");
         return;
     };
     let answer = stream_for(stream as usize, device).map_err(cumempool_alloc::Error::from).and_then(|s| {
-        // SAFETY: PyTorch frees what cumempool_torch_alloc gave, with its size and stream.
-        unsafe { served.resource.deallocate(ptr as usize as sys::CUdeviceptr, size, &s) }
+        // SAFETY: PyTorch frees what cumempool_torch_alloc gave (it was live), with its size
+        // and stream, to the resource it came from.
+        unsafe { resource.deallocate(ptr as usize as sys::CUdeviceptr, size, &s) }
     });
     if let Err(error) = answer {
         tracing::warn!(%error, ?ptr, "cumempool_torch_free failed");

@@ -5,6 +5,7 @@ use crate::errors::{Failure, Outcome};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
+use std::sync::{Mutex, PoisonError};
 
 /// A CUDA device.
 #[pyclass(frozen, eq, hash, module = "cumempool", from_py_object)]
@@ -99,6 +100,20 @@ impl Stream {
         Ok(Self { stream: cumempool::Stream::legacy(&context), owner: None, device })
     }
 
+    /// The legacy default stream of `device`, one object per device for the process, so a
+    /// cache sees one stream and no context is retained per call.
+    fn shared_legacy(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
+        static LEGACY: Mutex<Vec<(i32, Py<Stream>)>> = Mutex::new(Vec::new());
+        if let Some((_, stream)) =
+            LEGACY.lock().unwrap_or_else(PoisonError::into_inner).iter().find(|(d, _)| *d == device)
+        {
+            return Ok(stream.clone_ref(py));
+        }
+        let stream = Py::new(py, Self::legacy_of(py, device)?)?;
+        LEGACY.lock().unwrap_or_else(PoisonError::into_inner).push((device, stream.clone_ref(py)));
+        Ok(stream)
+    }
+
     /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as this stream.
     pub(crate) fn borrow_handle(py: Python<'_>, raw: usize, device: i32, owner: Option<Py<PyAny>>) -> Outcome<Self> {
         let context = Self::context(py, device)?;
@@ -118,7 +133,7 @@ impl Stream {
         default_device: i32,
     ) -> Outcome<Py<Self>> {
         let Some(obj) = obj.filter(|o| !o.is_none()) else {
-            return Ok(Py::new(py, Self::legacy_of(py, default_device)?)?);
+            return Self::shared_legacy(py, default_device);
         };
         if let Ok(stream) = obj.cast::<Self>() {
             return Ok(stream.clone().unbind());

@@ -9,8 +9,8 @@ resource (a cache, say), through the C functions this package's native library e
 ...     x = torch.empty(1 << 20, device="cuda")
 >>> cmt.statistics()   # what the plug-in served: PyTorch's own counters do not see it
 
-Only one resource is served at a time (the exported functions are process-wide); ``serve``
-switches it. Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``
+One resource serves new allocations at a time (the exported functions are process-wide);
+``serve`` switches it, and each allocation still goes back to the resource it came from. Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``
 PyTorch allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
 """
 
