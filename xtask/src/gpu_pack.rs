@@ -1,8 +1,8 @@
 //! `cargo xtask gpu-pack [DIR]`: the GPU suite, built here and laid out to run on a GPU host that
 //! has the NVIDIA driver but no Rust: every release test binary, the executables (the `cumempool`
 //! command, the IPC tests' children, the examples), the fault-injecting driver library the
-//! fault suite loads, and `run.sh`, which runs them all with the GPU tests included, then every
-//! example.
+//! fault suite loads, the Python wheel (built with maturin) with the Python tests, and `run.sh`,
+//! which runs them all with the GPU tests included, then every example, then the Python tests.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -53,6 +53,10 @@ pub fn run(options: &Options) -> Result<(), String> {
         std::fs::copy(&artifact.path, &dest)
             .map_err(|e| format!("copying {} to {}: {e}", artifact.path.display(), dest.display()))?;
     }
+    eprintln!("building the Python wheel (maturin)...");
+    let python = crate::python::environment(&root)?;
+    let wheel = crate::python::build_wheel(&root, &python, &dir.join("wheels"), &options.cargo_args)?;
+    eprintln!("packed {}", wheel.display());
     let size: u64 = std::fs::read_dir(&bin)
         .map_err(|e| format!("reading {}: {e}", bin.display()))?
         .filter_map(|e| e.ok()?.metadata().ok())
@@ -105,6 +109,8 @@ fn artifacts(root: &Path, command: &[&str], extra: &[String], tests: bool) -> Re
     let output = Command::new(cargo)
         .args(command)
         .args(["--workspace", "--exclude", "xtask", "--release", "--message-format=json-render-diagnostics"])
+        // The Python extension travels as a wheel (built by maturin), not as a bare library.
+        .args(["--exclude", "cumempool-py"])
         .args(extra)
         // Small enough to carry (a third of the size with symbols); a panic still names its
         // file and line.

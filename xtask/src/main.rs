@@ -3,12 +3,15 @@
 //! - `cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]`: regenerate the committed
 //!   bindings of `cumempool-sys` from the pinned cuda.h headers, or prove they are fresh.
 //! - `cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]`: build the GPU suite to run on a GPU host
-//!   without Rust.
+//!   without Rust, the Python wheel and its tests included.
+//! - `cargo xtask test [--python-only]`: the README's test command: `cargo test --workspace`,
+//!   then the Python wheel built with maturin and its pytest suite.
 
 mod bindgen;
 mod gpu_pack;
 mod headers;
 mod libclang;
+mod python;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -18,6 +21,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("bindgen") => bindgen::Options::parse(&args[1..]).and_then(|o| bindgen::run(&o)),
         Some("gpu-pack") => gpu_pack::Options::parse(&args[1..]).and_then(|o| gpu_pack::run(&o)),
+        Some("test") => python::test(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
 
 const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]
        cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
+       cargo xtask test [--python-only]
 
 bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (needs libclang)
   --cuda V      only this CUDA version (default: every pinned version)
@@ -43,7 +48,12 @@ bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (
 
 gpu-pack: build every test binary and executable in release mode into DIR (default .gpu) with
   run.sh, to copy to a GPU host without Rust and run there: `bash DIR/run.sh` (docs/gpu-suite.md).
-  CARGO_ARGS go to cargo, e.g. `-- --no-default-features --features cuda-13000`";
+  CARGO_ARGS go to cargo, e.g. `-- --no-default-features --features cuda-13000`. The Python
+  wheel (maturin) goes into DIR/wheels and run.sh runs the Python GPU tests too.
+
+test: `cargo test --workspace`, then the Python wheel built into target/wheels with maturin and
+  installed into target/py-venv (created, with maturin, pytest and numpy, when missing), then
+  pytest on crates/cumempool-py/tests (GPU tests skip without a GPU). --python-only skips cargo test.";
 
 /// The workspace root: xtask lives one level below it.
 fn workspace_root() -> PathBuf {

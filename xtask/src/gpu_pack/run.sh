@@ -10,12 +10,18 @@
 #   OUT=DIR        where each binary's log goes (default: a new temporary directory)
 #   EXAMPLES=0     skip the examples (example--*), which otherwise run after the tests, each with
 #                  its output shown; any that fails counts as a failed binary
+#   PYTHON=0       skip the Python tests, which otherwise run last: the wheel in wheels/ is
+#                  installed into py/ beside this script (pip --no-index --no-deps --target) and
+#                  pytest runs crates/cumempool-py/tests of the working tree this script sits in
+#                  (the directory above it), counted in the summary line
 # The last line is `gpu suite: N passed, M failed`; the exit status is 0 only if every binary passed.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/bin" || exit 2
 # A GPU test that cannot reach the driver must fail here, not skip quietly.
 export CUMEMPOOL_REQUIRE_GPU=1 RUST_BACKTRACE=1
+# NVLink multicast must stay off on the GPU machine (NCCL).
+export NCCL_NVLS_ENABLE=0
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 limit=()
@@ -70,6 +76,36 @@ if [ "${EXAMPLES:-1}" != 0 ] && [ -z "${BIN:-}" ] && [ ${#sanitizer[@]} -eq 0 ];
     sed 's/^/    /' "$log" | head -40
     if [ $rc -ne 0 ]; then status=1; failed=$((failed + 1)); fi
   done
+fi
+if [ "${PYTHON:-1}" != 0 ] && [ -z "${BIN:-}" ] && [ ${#sanitizer[@]} -eq 0 ]; then
+  tree=$(cd "$here/.." && pwd)
+  tests="$tree/crates/cumempool-py/tests"
+  wheel=$(ls "$here"/wheels/cumempool-*.whl 2>/dev/null | head -1)
+  log="$out/python.log"
+  if [ -z "$wheel" ] || [ ! -d "$tests" ]; then
+    echo "python: no wheel in $here/wheels or no $tests"; status=1; failed=$((failed + 1))
+  else
+    rm -rf "$here/py"
+    python3 -m pip install --quiet --no-index --no-deps --target "$here/py" "$wheel" >"$log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ]; then
+      (cd "$tree/crates/cumempool-py" && PYTHONPATH="$here/py" CUMEMPOOL_REQUIRE_LIBRARIES=1 \
+        "${limit[@]}" python3 -m pytest -q -rs -p no:cacheprovider tests) >>"$log" 2>&1
+      rc=$?
+    fi
+    line=$(grep -E '^=* ?[0-9]+ (passed|failed|errors?|skipped)' "$log" | tail -1)
+    p=$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<<" $line")
+    f=$(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<<" $line")
+    e=$(sed -nE 's/.* ([0-9]+) errors?.*/\1/p' <<<" $line")
+    passed=$((passed + ${p:-0}))
+    failed=$((failed + ${f:-0} + ${e:-0}))
+    echo "python: rc=$rc ${line:-no pytest summary line}"
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
+      status=1
+      [ -z "$line" ] && failed=$((failed + 1))
+      grep -E '^(FAILED|ERROR)|Error' "$log" | head -20 | sed 's/^/    /'
+    fi
+  fi
 fi
 echo "logs: $out"
 echo "gpu suite: $passed passed, $failed failed"

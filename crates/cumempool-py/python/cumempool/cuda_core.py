@@ -1,0 +1,79 @@
+"""cuda.core plug-in: a ``cuda.core.MemoryResource`` over a cumempool pool or resource.
+
+>>> from cuda.core import Device
+>>> import cumempool as cm, cumempool.cuda_core as cmcc
+>>> mr = cmcc.MemoryResource(cm.MemPool(cm.Route.device(0)))
+>>> buf = mr.allocate(1 << 20, stream=Device(0).create_stream())
+
+Routing alone needs no plug-in: ``DeviceMemoryResource(0)`` without options wraps the device's
+current pool, which ``cumempool.set_current_pool`` sets.
+"""
+
+from __future__ import annotations
+
+from ._native import MemPool, PoolResource, Resource, Stream
+
+
+def _base():
+    try:
+        from cuda.core import MemoryResource as base
+    except ImportError:  # older cuda.core releases kept it under experimental
+        from cuda.core.experimental import MemoryResource as base
+    return base
+
+
+def _buffer_type():
+    try:
+        from cuda.core import Buffer
+    except ImportError:
+        from cuda.core.experimental import Buffer
+    return Buffer
+
+
+def _make_class():
+    base = _base()
+
+    class CumempoolMemoryResource(base):
+        """Allocates from ``source`` on the stream cuda.core gives; each ``Buffer`` it returns
+        gives its memory back through ``deallocate``."""
+
+        def __init__(self, source: MemPool | Resource):
+            self._resource = PoolResource(source) if isinstance(source, MemPool) else source
+            self._live: dict[int, object] = {}
+
+        def allocate(self, size, stream=None):
+            s = Stream.borrow(stream) if stream is not None else None
+            buffer = self._resource.alloc(size, s)
+            self._live[buffer.ptr] = buffer
+            return _buffer_type().from_handle(buffer.ptr, size, mr=self)
+
+        def deallocate(self, ptr, size, stream=None):
+            buffer = self._live.pop(int(ptr), None)
+            if buffer is not None:
+                buffer.close()
+
+        @property
+        def is_device_accessible(self) -> bool:
+            return True
+
+        @property
+        def is_host_accessible(self) -> bool:
+            return self._resource.memory_kind != "device"
+
+        @property
+        def device_id(self) -> int:
+            return self._resource.device
+
+    return CumempoolMemoryResource
+
+
+_class = None
+
+
+def MemoryResource(source: MemPool | Resource):  # noqa: N802 (a class to its users)
+    """A ``cuda.core`` ``MemoryResource`` over ``source`` (the class is made on first use, so
+    importing this module does not import cuda.core)."""
+    global _class
+    if _class is None:
+        _class = _make_class()
+    return _class(source)

@@ -1,0 +1,150 @@
+"""The exceptions cumempool raises: one class per error of the Rust crates.
+
+Every class derives from :class:`CumempoolError`. Where a built-in exception says the same
+thing, the class derives from it too, so ``except MemoryError`` catches a pool that ran out and
+``except ValueError`` catches a route that cannot exist. Messages are the Rust errors' text,
+with their causes. Errors the driver reported carry ``code`` (the ``CUresult``), ``name``
+(such as ``CUDA_ERROR_INVALID_VALUE``) and ``function`` (the entry point); others carry
+``None`` there.
+"""
+
+from __future__ import annotations
+
+
+class CumempoolError(Exception):
+    """Base of every cumempool error."""
+
+    code: int | None = None
+    name: str | None = None
+    function: str | None = None
+
+
+class LoadError(CumempoolError):
+    """The CUDA driver library, or one of its entry points, could not be loaded."""
+
+
+class ForkedChildError(CumempoolError):
+    """CUDA used in a child forked after the parent initialised it (start it with spawn)."""
+
+
+class DriverError(CumempoolError):
+    """A driver call failed; ``code``, ``name`` and ``function`` say which and how."""
+
+
+class OutOfMemoryError(CumempoolError, MemoryError):
+    """The pool, the device or a limit could not supply the memory."""
+
+
+class LimitExceededError(OutOfMemoryError):
+    """A :class:`cumempool.Limit` refused an allocation that would pass its limit."""
+
+
+class DriverTooOldError(CumempoolError):
+    """The running driver is older than the feature needs (a CUDA 13.2 attribute on 13.0, say)."""
+
+
+class InvalidDeviceError(CumempoolError, ValueError):
+    """A device ordinal or locality domain this machine does not have."""
+
+
+class InvalidRouteError(CumempoolError, ValueError):
+    """A location or (location, allocation type) pair that cannot name a pool."""
+
+
+class RouteRefusedError(CumempoolError):
+    """The driver refused a route (it has no pool there, or not on this machine)."""
+
+
+class ForeignCurrentPoolError(CumempoolError):
+    """The route's current pool was made current by other code; use current_pool_handle."""
+
+
+class PoolRouteMismatchError(CumempoolError, ValueError):
+    """A pool given for a route it cannot serve."""
+
+
+class PoolInUseError(CumempoolError):
+    """A pool still held by buffers, routes or handles cannot be destroyed yet."""
+
+
+class UnsafeToDestroyError(CumempoolError):
+    """A pool the driver cannot destroy safely; it stays alive for the rest of the process."""
+
+
+class PoolCreationError(CumempoolError):
+    """The driver refused to create a pool, with the likeliest reason."""
+
+
+class NotHostAccessibleError(CumempoolError):
+    """Host code asked for memory the host cannot touch."""
+
+
+class DoesNotFitError(CumempoolError, ValueError):
+    """More bytes than a buffer holds."""
+
+
+class AccessNotGrantableError(CumempoolError):
+    """An access a device cannot be given to a pool."""
+
+
+class StreamNotBorrowableError(CumempoolError, ValueError):
+    """A stream handle that cannot be borrowed safely (the per-thread default stream, say)."""
+
+
+class SharingError(CumempoolError):
+    """Base of the errors of sharing pools and allocations between processes."""
+
+
+class ImportedPoolAllocationError(SharingError):
+    """Allocating from a pool imported from another process (only the exporter may)."""
+
+
+class NotShareableError(SharingError):
+    """A pool or allocation that cannot be shared as asked."""
+
+
+class SharingRefusedError(SharingError):
+    """The driver refused to export or import a pool or an allocation."""
+
+
+class MalformedMessageError(SharingError):
+    """Bytes from a peer that are not what the sharing protocol sends."""
+
+
+class AlreadyImportedError(SharingError):
+    """An allocation already imported by a live buffer."""
+
+
+class SharedLengthMismatchError(SharingError):
+    """Export data whose length is more than the driver mapped."""
+
+
+class CumempoolOSError(CumempoolError, OSError):
+    """An operating-system call failed (sockets, descriptors)."""
+
+
+class UnknownValueError(CumempoolError):
+    """The driver returned a value this version of cumempool does not know."""
+
+
+class InvalidArgumentError(CumempoolError, ValueError):
+    """A request that cannot be served as asked."""
+
+
+class AlignmentError(CumempoolError, ValueError):
+    """An alignment a resource cannot give."""
+
+
+class KindMismatchError(CumempoolError, ValueError):
+    """A pool whose memory is not the kind a resource promises."""
+
+
+class LanesUnreachableError(CumempoolError):
+    """A cache could not take back the blocks threads keep in their lanes."""
+
+
+class ClosedError(CumempoolError, ValueError):
+    """A pool, buffer, stream or resource used after ``close()``."""
+
+
+__all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, CumempoolError)]

@@ -1,0 +1,426 @@
+//! Buffers handed to Python: stream-ordered memory with `__cuda_array_interface__`, DLPack,
+//! NumPy's `__array_interface__` (host-accessible memory) and copies to and from bytes.
+
+use crate::dlpack;
+use crate::errors::{Failure, Outcome};
+use crate::resources::Resource;
+use crate::streams::Stream;
+use cumempool::sys;
+use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::sync::Arc;
+
+/// Which processors may touch a buffer's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Pinned device memory.
+    Device,
+    /// Pinned host memory.
+    Host,
+    /// Managed memory.
+    Managed,
+}
+
+/// Where the memory came from, and how it goes back.
+pub enum Memory {
+    /// A pool allocation, freed on its stream when dropped.
+    Pool(cumempool::OwnedBuffer),
+    /// An allocation of a resource (a cache, an adaptor), given back to it when dropped.
+    Resource {
+        /// The address.
+        ptr: sys::CUdeviceptr,
+        /// The size in bytes.
+        len: usize,
+        /// The resource it goes back to.
+        resource: Arc<dyn Resource>,
+        /// The stream it is ordered on.
+        stream: cumempool::Stream,
+    },
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if let Self::Resource { ptr, len, resource, stream } = self {
+            // SAFETY: allocated by `resource` with this size on `stream`, given back once (here).
+            if let Err(error) = unsafe { resource.deallocate(*ptr, *len, stream) } {
+                tracing::warn!(%error, ptr = *ptr, "giving a buffer back to its resource failed");
+            }
+        }
+    }
+}
+
+/// A live allocation and what keeps it valid: shared by the Python buffer and every DLPack
+/// capsule made from it, so memory outlives the buffer object while a consumer holds it.
+pub struct Core {
+    // Fields drop in order: the memory is freed on its stream before the stream (and the
+    // library object that lent it) may go.
+    memory: Memory,
+    stream: Py<Stream>,
+    pub(crate) kind: Kind,
+    pub(crate) device: i32,
+}
+
+impl Core {
+    /// Memory on `stream` (whose Python object is held), of `kind`, on `device`.
+    pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Arc<Self> {
+        Arc::new(Self { memory, stream, kind, device })
+    }
+
+    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
+        match &self.memory {
+            Memory::Pool(buffer) => buffer.as_raw(),
+            Memory::Resource { ptr, .. } => *ptr,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match &self.memory {
+            Memory::Pool(buffer) => buffer.len(),
+            Memory::Resource { len, .. } => *len,
+        }
+    }
+
+    pub(crate) fn stream(&self) -> &cumempool::Stream {
+        match &self.memory {
+            Memory::Pool(buffer) => buffer.stream(),
+            Memory::Resource { stream, .. } => stream,
+        }
+    }
+
+    /// A copy of `len` bytes on this buffer's stream between two addresses, waited for.
+    /// Unified addressing lets the driver infer the direction.
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `len` bytes until the copy has finished.
+    unsafe fn copy(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Outcome<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let stream = self.stream();
+        self.bind_context()?;
+        let copy = sys::driver().and_then(|d| d.cuMemcpyAsync()).map_err(cumempool::Error::from)?;
+        // SAFETY: the caller vouches for both ranges; the stream is live (held by this core).
+        check("cuMemcpyAsync", unsafe { copy(dst, src, len, stream.as_raw()) })?;
+        Ok(stream.synchronize()?)
+    }
+
+    /// Makes the stream's context current: copies that touch host memory need it.
+    fn bind_context(&self) -> Outcome<()> {
+        match self.stream().context() {
+            Some(context) => Ok(context.make_current()?),
+            None => Ok(cumempool::Device::get(self.device)?.primary_context()?.make_current()?),
+        }
+    }
+
+    fn fill(&self, value: u8) -> Outcome<()> {
+        let len = self.len();
+        if len == 0 {
+            return Ok(());
+        }
+        let stream = self.stream();
+        if self.kind == Kind::Host {
+            // The driver's memset refuses pinned host memory: the host sets it once the
+            // stream's earlier work is done.
+            stream.synchronize()?;
+            // SAFETY: a live host-accessible allocation of `len` bytes, not used by queued work.
+            unsafe { std::ptr::write_bytes(self.ptr() as usize as *mut u8, value, len) };
+            return Ok(());
+        }
+        stream.bind()?;
+        let memset = sys::driver().and_then(|d| d.cuMemsetD8Async()).map_err(cumempool::Error::from)?;
+        // SAFETY: a live allocation of `len` bytes, ordered on its own stream.
+        check("cuMemsetD8Async", unsafe { memset(self.ptr(), value, len, stream.as_raw()) })
+    }
+
+    /// Makes `consumer` (a raw handle; DLPack's 1 and 2 for the legacy and per-thread default
+    /// streams) wait for the work queued on this buffer's stream.
+    pub(crate) fn order_before(&self, consumer: usize) -> Outcome<()> {
+        let stream = self.stream();
+        if consumer == stream.as_raw() as usize {
+            return Ok(());
+        }
+        let context = cumempool::Device::get(self.device)?.primary_context()?;
+        let waiter = match consumer {
+            0 | 1 => cumempool::Stream::legacy(&context),
+            // The per-thread stream cannot be borrowed: wait for the work here instead.
+            2 => return Ok(stream.synchronize()?),
+            // SAFETY: the consumer's stream, live for the duration of this call (DLPack).
+            raw => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(&context)) }?,
+        };
+        let ready = cumempool::Event::new(&context)?;
+        ready.record(stream)?;
+        Ok(waiter.wait(&ready)?)
+    }
+}
+
+fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
+    if code == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(Failure::Core(cumempool::Error::Driver(cumempool::DriverError::new(function, code))))
+}
+
+/// Stream-ordered memory from a pool or a resource. Freed on its stream by `close()`, by
+/// leaving its `with` block, or when collected, unless a DLPack consumer still holds it.
+#[pyclass(module = "cumempool")]
+pub struct Buffer {
+    core: Option<Arc<Core>>,
+}
+
+impl Buffer {
+    pub(crate) fn new(core: Arc<Core>) -> Self {
+        Self { core: Some(core) }
+    }
+
+    pub(crate) fn core(&self) -> Outcome<&Arc<Core>> {
+        self.core.as_ref().ok_or(Failure::Closed("this Buffer"))
+    }
+
+    /// An array interface dict (version `version`) for the whole buffer as bytes; with a
+    /// stream for the CUDA array interface (whose 0 is not allowed: the legacy stream is 1).
+    fn interface(py: Python<'_>, core: &Core, version: u32, with_stream: bool) -> PyResult<Py<PyDict>> {
+        let dict = PyDict::new(py);
+        dict.set_item("shape", (core.len(),))?;
+        dict.set_item("typestr", "|u1")?;
+        dict.set_item("data", (core.ptr() as usize, false))?;
+        dict.set_item("version", version)?;
+        dict.set_item("strides", py.None())?;
+        if with_stream {
+            dict.set_item("stream", (core.stream().as_raw() as usize).max(1))?;
+        }
+        Ok(dict.unbind())
+    }
+}
+
+#[pymethods]
+impl Buffer {
+    /// The address, as an int.
+    #[getter]
+    fn ptr(&self) -> Outcome<usize> {
+        Ok(self.core()?.ptr() as usize)
+    }
+
+    /// The size in bytes.
+    #[getter]
+    fn size(&self) -> Outcome<usize> {
+        Ok(self.core()?.len())
+    }
+
+    /// The size in bytes.
+    #[getter]
+    fn nbytes(&self) -> Outcome<usize> {
+        self.size()
+    }
+
+    fn __len__(&self) -> Outcome<usize> {
+        self.size()
+    }
+
+    /// The device whose context serves the buffer.
+    #[getter]
+    fn device(&self) -> Outcome<i32> {
+        Ok(self.core()?.device)
+    }
+
+    /// `"device"`, `"host"` or `"managed"`.
+    #[getter]
+    fn memory_kind(&self) -> Outcome<&'static str> {
+        Ok(match self.core()?.kind {
+            Kind::Device => "device",
+            Kind::Host => "host",
+            Kind::Managed => "managed",
+        })
+    }
+
+    /// The stream the buffer is ordered on.
+    #[getter]
+    fn stream(&self, py: Python<'_>) -> Outcome<Py<Stream>> {
+        Ok(self.core()?.stream.clone_ref(py))
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.core.is_none()
+    }
+
+    /// CUDA Array Interface version 3: a 1-D array of bytes, with the buffer's stream for the
+    /// consumer to synchronise on.
+    #[getter]
+    fn __cuda_array_interface__(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        Self::interface(py, self.core()?, 3, true)
+    }
+
+    /// NumPy's array interface, for host-accessible memory only (no copy). Wait for the
+    /// buffer's stream (`buffer.stream.synchronize()`) before the host reads what it wrote.
+    #[getter]
+    fn __array_interface__(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
+        let core = self.core()?;
+        if core.kind == Kind::Device {
+            return Err(PyAttributeError::new_err(
+                "device memory has no __array_interface__: the host cannot read it; use __cuda_array_interface__, DLPack or to_bytes()",
+            ));
+        }
+        Self::interface(py, core, 3, false)
+    }
+
+    /// DLPack export: a capsule `"dltensor_versioned"` for `max_version >= (1, 0)`, else
+    /// `"dltensor"`; `stream` is the consumer's stream, made to wait for this buffer's work
+    /// (`None`: the legacy default stream; -1: no ordering).
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let core = self.core()?;
+        let mut device = dlpack::device_of(core);
+        // Host-accessible memory may be handed to a CPU consumer as CPU memory.
+        if dl_device == Some((dlpack::KDL_CPU, 0)) && core.kind != Kind::Device {
+            device = (dlpack::KDL_CPU, 0);
+        }
+        if dl_device.is_some_and(|d| d != device) {
+            return Err(PyBufferError::new_err(format!(
+                "this buffer is on DLPack device {device:?} and cannot be exported to {dl_device:?} without a copy"
+            )));
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "cumempool buffers export without a copy only; copy into a new buffer with copy_from_buffer",
+            ));
+        }
+        match stream {
+            Some(-1) => {}
+            // A host consumer has no stream to order: the buffer's work is waited for.
+            None if core.kind != Kind::Device => py.detach(|| core.stream().synchronize()).map_err(Failure::from)?,
+            None => py.detach(|| core.order_before(1))?,
+            Some(raw) if raw >= 0 => py.detach(|| core.order_before(raw as usize))?,
+            Some(raw) => {
+                return Err(PyValueError::new_err(format!(
+                    "{raw} is not a stream: DLPack streams are -1, None or a handle"
+                )))
+            }
+        }
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        Ok(dlpack::capsule(py, core.clone(), versioned, device)?.into_any().unbind())
+    }
+
+    /// `(device type, device id)`: CUDA 2, CUDA host 3, CUDA managed 13.
+    fn __dlpack_device__(&self) -> Outcome<(i32, i32)> {
+        Ok(dlpack::device_of(self.core()?))
+    }
+
+    /// Copies a bytes-like object into the start of the buffer and waits for the copy.
+    fn copy_from(&self, py: Python<'_>, data: &Bound<'_, PyAny>) -> Outcome<()> {
+        let core = self.core()?;
+        // A private bytes object: nothing can resize it while the copy runs without the GIL.
+        let bytes = match data.cast::<PyBytes>() {
+            Ok(bytes) => bytes.clone(),
+            Err(_) => {
+                py.import("builtins")?.getattr("bytes")?.call1((data,))?.cast_into::<PyBytes>().map_err(PyErr::from)?
+            }
+        };
+        let src = bytes.as_bytes();
+        if src.len() > core.len() {
+            return Err(cumempool::Error::DoesNotFit {
+                what: "copying from the host",
+                requested: src.len(),
+                capacity: core.len(),
+            }
+            .into());
+        }
+        let (src_ptr, len) = (src.as_ptr() as usize, src.len());
+        // SAFETY: `bytes` is immutable and held until the copy has finished; the buffer holds
+        // at least `len` bytes.
+        py.detach(|| unsafe { core.copy(core.ptr(), src_ptr as sys::CUdeviceptr, len) })
+    }
+
+    /// The buffer's bytes (its first `size` bytes, all by default), after its stream's work.
+    #[pyo3(signature = (size = None))]
+    fn to_bytes(&self, py: Python<'_>, size: Option<usize>) -> Outcome<Py<PyBytes>> {
+        let core = self.core()?;
+        let len = size.unwrap_or(core.len());
+        if len > core.len() {
+            return Err(cumempool::Error::DoesNotFit {
+                what: "copying to the host",
+                requested: len,
+                capacity: core.len(),
+            }
+            .into());
+        }
+        let mut failure = None;
+        let bytes = PyBytes::new_with(py, len, |dst| {
+            let dst_ptr = dst.as_mut_ptr() as usize;
+            // SAFETY: `dst` is `len` writable bytes, alive until the copy has finished.
+            if let Err(error) = py.detach(|| unsafe { core.copy(dst_ptr as sys::CUdeviceptr, core.ptr(), len) }) {
+                failure = Some(error);
+            }
+            Ok(())
+        })?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(bytes.unbind()),
+        }
+    }
+
+    /// Copies all of `other` (a Buffer) into the start of this one, ordered after the work on
+    /// both streams, and waits for the copy.
+    fn copy_from_buffer(&self, py: Python<'_>, other: PyRef<'_, Buffer>) -> Outcome<()> {
+        let (dst, src) = (self.core()?.clone(), other.core()?.clone());
+        if src.len() > dst.len() {
+            return Err(cumempool::Error::DoesNotFit {
+                what: "copying between buffers",
+                requested: src.len(),
+                capacity: dst.len(),
+            }
+            .into());
+        }
+        py.detach(|| {
+            src.order_before(dst.stream().as_raw() as usize)?;
+            // SAFETY: both allocations are held (by `dst` and `src`) until the copy finished.
+            unsafe { dst.copy(dst.ptr(), src.ptr(), src.len()) }
+        })
+    }
+
+    /// Sets every byte to `value`, ordered on the buffer's stream (pinned host memory: by the
+    /// host, after the stream's earlier work).
+    fn fill(&self, py: Python<'_>, value: u8) -> Outcome<()> {
+        let core = self.core()?;
+        py.detach(|| core.fill(value))
+    }
+
+    /// Gives the memory back (freed on its stream) unless a DLPack consumer still holds it.
+    /// Using the buffer afterwards raises ClosedError; closing twice does nothing.
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(core) = self.core.take() {
+            py.detach(|| drop(core));
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.core {
+            Some(core) => format!(
+                "Buffer(ptr={:#x}, size={}, kind={:?}, device={})",
+                core.ptr(),
+                core.len(),
+                core.kind,
+                core.device
+            ),
+            None => "Buffer(closed)".to_owned(),
+        }
+    }
+}

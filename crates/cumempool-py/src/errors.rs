@@ -1,0 +1,188 @@
+//! Rust errors as Python exceptions: one class per variant (defined in `cumempool/errors.py`,
+//! where multiple inheritance from `MemoryError`, `ValueError` and `OSError` is plain Python),
+//! the message from the Rust `Display` with its causes, and the driver's code and name.
+
+use cumempool::DriverError;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+/// What a binding can fail with: a Rust error, a use after `close()`, or a Python error
+/// (argument conversion, a callback's exception).
+#[derive(Debug)]
+pub enum Failure {
+    /// An error of `cumempool`.
+    Core(cumempool::Error),
+    /// An error of `cumempool-alloc`.
+    Alloc(cumempool_alloc::Error),
+    /// An object used after `close()`: what it was.
+    Closed(&'static str),
+    /// An error raised by Python code or a conversion.
+    Python(PyErr),
+}
+
+/// `Result` of the bindings.
+pub type Outcome<T> = Result<T, Failure>;
+
+impl From<cumempool::Error> for Failure {
+    fn from(error: cumempool::Error) -> Self {
+        Self::Core(error)
+    }
+}
+
+impl From<cumempool_alloc::Error> for Failure {
+    fn from(error: cumempool_alloc::Error) -> Self {
+        match error {
+            // One class per cause, whichever crate passed it on.
+            cumempool_alloc::Error::Pool(inner) => Self::Core(inner),
+            other => Self::Alloc(other),
+        }
+    }
+}
+
+impl From<PyErr> for Failure {
+    fn from(error: PyErr) -> Self {
+        Self::Python(error)
+    }
+}
+
+impl From<Failure> for PyErr {
+    fn from(failure: Failure) -> Self {
+        Python::attach(|py| failure.into_pyerr(py))
+    }
+}
+
+impl Failure {
+    fn into_pyerr(self, py: Python<'_>) -> PyErr {
+        let (class, message, driver) = match &self {
+            Self::Python(_) => return self.into_python(),
+            Self::Core(error) => (core_class(error), message_of(error), driver_cause(error)),
+            Self::Alloc(error) => (alloc_class(error), message_of(error), None),
+            Self::Closed(what) => (
+                "ClosedError",
+                format!("{what} is closed; make a new one (close() gave its memory or handle back)"),
+                None,
+            ),
+        };
+        let code = match &self {
+            Self::Core(error) => error.cuda_code(),
+            _ => None,
+        };
+        match raise(py, class, &message, code, driver) {
+            Ok(error) | Err(error) => error,
+        }
+    }
+
+    fn into_python(self) -> PyErr {
+        match self {
+            Self::Python(error) => error,
+            other => PyRuntimeError::new_err(format!("{other:?}")),
+        }
+    }
+}
+
+/// The exception `class` of `cumempool.errors` with `message`, `code`, `name` and `function`
+/// set; `Err` holds the error met while building it (the module missing, say).
+fn raise(
+    py: Python<'_>,
+    class: &str,
+    message: &str,
+    code: Option<u32>,
+    driver: Option<&DriverError>,
+) -> PyResult<PyErr> {
+    let class = errors_module(py)?.getattr(class)?.cast_into::<PyType>()?;
+    let instance = class.call1((message,))?;
+    if let Some(code) = code {
+        instance.setattr("code", code)?;
+        let name = driver.map_or_else(|| cumempool::error_name(cumempool::sys::CUresult(code)), |d| d.name.clone());
+        instance.setattr("name", name)?;
+    }
+    if let Some(driver) = driver {
+        instance.setattr("function", driver.function)?;
+    }
+    Ok(PyErr::from_value(instance))
+}
+
+fn errors_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    MODULE.get_or_try_init(py, || py.import("cumempool.errors").map(Bound::unbind)).map(|m| m.bind(py))
+}
+
+/// The Rust message with the causes it does not already quote.
+fn message_of(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+        source = cause.source();
+    }
+    message
+}
+
+/// The driver's answer behind an error, where the driver gave one.
+fn driver_cause(error: &cumempool::Error) -> Option<&DriverError> {
+    if let cumempool::Error::Driver(cause) = error {
+        return Some(cause);
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(driver) = cause.downcast_ref::<DriverError>() {
+            return Some(driver);
+        }
+        source = cause.source();
+    }
+    None
+}
+
+fn core_class(error: &cumempool::Error) -> &'static str {
+    use cumempool::Error as E;
+    match error {
+        E::Load(_) => "LoadError",
+        E::ForkedChild => "ForkedChildError",
+        E::Driver(_) => "DriverError",
+        E::OutOfMemory { .. } => "OutOfMemoryError",
+        E::InvalidDevice { .. } | E::InvalidLocalityDomain { .. } => "InvalidDeviceError",
+        E::InvalidGranularity { .. } | E::InvalidArgument { .. } => "InvalidArgumentError",
+        E::InvalidRoute(_) | E::InvalidLocation(_) => "InvalidRouteError",
+        E::RouteRefused { .. } => "RouteRefusedError",
+        E::DriverTooOld { .. } => "DriverTooOldError",
+        E::ForeignCurrentPool { .. } => "ForeignCurrentPoolError",
+        E::PoolRouteMismatch { .. } => "PoolRouteMismatchError",
+        E::PoolInUse { .. } => "PoolInUseError",
+        E::UnsafeToDestroy => "UnsafeToDestroyError",
+        E::PoolCreation { .. } => "PoolCreationError",
+        E::NotHostAccessible { .. } | E::ManagedMemoryNotHostAccessible { .. } => "NotHostAccessibleError",
+        E::DoesNotFit { .. } => "DoesNotFitError",
+        E::AccessNotGrantable { .. } => "AccessNotGrantableError",
+        E::StreamNotBorrowable { .. } => "StreamNotBorrowableError",
+        E::ImportedPoolAllocation => "ImportedPoolAllocationError",
+        E::NotShareable { .. } => "NotShareableError",
+        E::SharingRefused { .. } => "SharingRefusedError",
+        E::MalformedMessage { .. } => "MalformedMessageError",
+        E::AlreadyImported { .. } => "AlreadyImportedError",
+        E::ImportedMemoryNotSliceable => "NotHostAccessibleError",
+        E::SharedLengthMismatch { .. } => "SharedLengthMismatchError",
+        E::Io { .. } => "CumempoolOSError",
+        E::UnknownValue(_) => "UnknownValueError",
+        // A variant newer than these bindings: still a cumempool error, never a crash.
+        _ => "CumempoolError",
+    }
+}
+
+fn alloc_class(error: &cumempool_alloc::Error) -> &'static str {
+    use cumempool_alloc::Error as E;
+    match error {
+        E::Pool(error) => core_class(error),
+        E::LimitExceeded { .. } => "LimitExceededError",
+        E::Alignment { .. } => "AlignmentError",
+        E::KindMismatch { .. } => "KindMismatchError",
+        E::LanesUnreachable { .. } => "LanesUnreachableError",
+        E::HostOutOfMemory { .. } => "OutOfMemoryError",
+        _ => "CumempoolError",
+    }
+}

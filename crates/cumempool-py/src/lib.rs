@@ -1,0 +1,69 @@
+//! The native part of the `cumempool` Python package (`cumempool._native`): thin conversions
+//! of the Rust crates' types and errors; every rule stays in `cumempool` and `cumempool-alloc`.
+//!
+//! Driver calls run with the GIL released. Objects Python holds own their Rust state (owned
+//! buffers, clones of streams and pools), so nothing borrows across the GIL.
+
+mod buffers;
+mod dlpack;
+mod errors;
+mod plugins;
+mod pools;
+mod resources;
+mod routes;
+mod streams;
+
+use pyo3::prelude::*;
+
+/// The running driver's version as `(major, minor)`.
+#[pyfunction]
+fn driver_version(py: Python<'_>) -> errors::Outcome<(i32, i32)> {
+    let version = py.detach(cumempool::driver_version)?;
+    Ok((version.major(), version.minor()))
+}
+
+/// The CUDA version of the declarations this build was compiled with, as `(major, minor)`.
+#[pyfunction]
+fn bindings_version() -> (i32, i32) {
+    let version = cumempool::bindings_version();
+    (version.major(), version.minor())
+}
+
+/// Loads and initialises the driver; raises LoadError where there is none.
+#[pyfunction]
+fn init(py: Python<'_>) -> errors::Outcome<()> {
+    Ok(py.detach(cumempool::init)?)
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<routes::Location>()?;
+    module.add_class::<routes::AllocationType>()?;
+    module.add_class::<routes::Route>()?;
+    module.add_class::<routes::RouteGuard>()?;
+    module.add_class::<streams::Device>()?;
+    module.add_class::<streams::Stream>()?;
+    module.add_class::<pools::Access>()?;
+    module.add_class::<pools::HandleTypes>()?;
+    module.add_class::<pools::MemPool>()?;
+    module.add_class::<buffers::Buffer>()?;
+    module.add_class::<resources::ResourceBase>()?;
+    module.add("PoolResource", module.py().get_type::<resources::PoolResourceBinding>())?;
+    module.add_class::<resources::Statistics>()?;
+    module.add_class::<resources::Limit>()?;
+    module.add_class::<resources::Tracking>()?;
+    module.add_class::<resources::OnOutOfMemory>()?;
+    module.add_class::<resources::Caching>()?;
+    module.add_function(wrap_pyfunction!(routes::default_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(routes::current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(routes::current_pool_handle, module)?)?;
+    module.add_function(wrap_pyfunction!(routes::is_default, module)?)?;
+    module.add_function(wrap_pyfunction!(routes::reset_current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(routes::set_current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(driver_version, module)?)?;
+    module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
+    module.add_function(wrap_pyfunction!(init, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_serve, module)?)?;
+    Ok(())
+}

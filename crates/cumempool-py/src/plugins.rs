@@ -1,0 +1,100 @@
+//! The C functions PyTorch's `CUDAPluggableAllocator` loads from this module's own shared
+//! library, serving from the resource chosen in Python (`cumempool.torch`).
+//!
+//! They touch no Python object: PyTorch calls them from any thread, with or without the GIL.
+
+use crate::resources::{Resource, ResourceBase};
+use cumempool::sys;
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+/// What the exported functions serve: the resource and the device it allocates on.
+struct Served {
+    resource: Arc<dyn Resource>,
+    device: i32,
+}
+
+static SERVED: RwLock<Option<Served>> = RwLock::new(None);
+
+/// One `Stream` per raw handle PyTorch passes, so a cache sees the same stream every time (as
+/// PyTorch's own caching allocator, it keys by the handle's value).
+static STREAMS: Mutex<Option<HashMap<usize, cumempool::Stream>>> = Mutex::new(None);
+
+/// The resource each live allocation came from, so a free goes back to it even after Python
+/// switched or stopped what is served.
+static LIVE: Mutex<Option<HashMap<usize, Arc<dyn Resource>>>> = Mutex::new(None);
+
+fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
+    let mut streams = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
+    let streams = streams.get_or_insert_with(HashMap::new);
+    if let Some(stream) = streams.get(&raw) {
+        return Ok(stream.clone());
+    }
+    let context = cumempool::Device::get(device)?.primary_context()?;
+    // SAFETY: PyTorch hands out streams it keeps alive while memory is allocated on them; a
+    // stream it destroys is not used again with this handle until it makes a new one there.
+    let stream = unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(&context)) }?;
+    streams.insert(raw, stream.clone());
+    Ok(stream)
+}
+
+/// Serves the exported C functions from `resource` (or stops serving, with `None`).
+#[pyfunction]
+#[pyo3(signature = (resource))]
+pub fn torch_serve(resource: Option<&Bound<'_, ResourceBase>>) {
+    let served = resource.map(|r| Served { resource: r.get().inner.clone(), device: r.get().device });
+    *SERVED.write().unwrap_or_else(PoisonError::into_inner) = served;
+}
+
+/// PyTorch's pluggable allocation function: `size` bytes on `device`, ordered on `stream`;
+/// null (PyTorch's out-of-memory) on any failure or for a device the resource does not serve.
+///
+/// # Safety
+/// Called by PyTorch with a valid stream of `device`.
+#[no_mangle]
+pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
+    let Ok(size) = usize::try_from(size) else {
+        return std::ptr::null_mut();
+    };
+    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner);
+    let Some(served) = served.as_ref().filter(|s| s.device == device) else {
+        return std::ptr::null_mut();
+    };
+    let answer = stream_for(stream as usize, device)
+        .map_err(cumempool_alloc::Error::from)
+        .and_then(|s| served.resource.allocate(size, &s));
+    match answer {
+        Ok(ptr) => {
+            let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
+            live.get_or_insert_with(HashMap::new).insert(ptr as usize, served.resource.clone());
+            ptr as usize as *mut c_void
+        }
+        Err(error) => {
+            tracing::debug!(%error, size, device, "cumempool_torch_alloc failed");
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// PyTorch's pluggable free function: gives `ptr` back on `stream`.
+///
+/// # Safety
+/// `ptr` must come from `cumempool_torch_alloc` with the same size, device and stream, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, device: i32, stream: *mut c_void) {
+    let resource = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
+    let (Some(resource), Ok(size)) = (resource, usize::try_from(size)) else {
+        tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");
+        return;
+    };
+    let answer = stream_for(stream as usize, device).map_err(cumempool_alloc::Error::from).and_then(|s| {
+        // SAFETY: PyTorch frees what cumempool_torch_alloc gave (it was live), with its size
+        // and stream, to the resource it came from.
+        unsafe { resource.deallocate(ptr as usize as sys::CUdeviceptr, size, &s) }
+    });
+    if let Err(error) = answer {
+        tracing::warn!(%error, ?ptr, "cumempool_torch_free failed");
+    }
+}

@@ -1,0 +1,356 @@
+//! Pools: owned ones (`MemPool(route, ...)`) and handles to the driver's default and current
+//! pools, with every attribute as a property.
+
+use crate::buffers::{Buffer, Core, Kind, Memory};
+use crate::errors::{Failure, Outcome};
+use crate::routes::{AllocationType, Location, Route};
+use crate::streams::{Device, Stream};
+use cumempool::DriverVersion;
+use pyo3::prelude::*;
+
+/// The too-old error for something this build was compiled without.
+#[cfg_attr(feature = "cuda-13040", allow(dead_code))]
+pub(crate) fn too_old(feature: &'static str, needs: DriverVersion) -> Failure {
+    Failure::Core(cumempool::Error::DriverTooOld { feature, needs, found: cumempool::sys::BINDINGS_VERSION })
+}
+
+/// Access a device has to a pool's memory.
+#[pyclass(frozen, eq, eq_int, hash, module = "cumempool", from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum Access {
+    /// No access.
+    NONE,
+    /// Read-only access.
+    READ,
+    /// Read-write access.
+    READ_WRITE,
+}
+
+impl Access {
+    fn to_rust(self) -> cumempool::Access {
+        match self {
+            Self::NONE => cumempool::Access::None,
+            Self::READ => cumempool::Access::Read,
+            Self::READ_WRITE => cumempool::Access::ReadWrite,
+        }
+    }
+
+    fn from_rust(access: cumempool::Access) -> Self {
+        match access {
+            cumempool::Access::Read => Self::READ,
+            cumempool::Access::ReadWrite => Self::READ_WRITE,
+            _ => Self::NONE,
+        }
+    }
+}
+
+/// The export handle types a pool may be created with (bit flags, combined with `|`).
+#[pyclass(frozen, module = "cumempool")]
+pub struct HandleTypes;
+
+#[pymethods]
+impl HandleTypes {
+    /// No export.
+    #[classattr]
+    const NONE: u32 = cumempool::HandleTypes::NONE.bits();
+    /// A POSIX file descriptor (sharing over a Unix socket).
+    #[classattr]
+    const POSIX_FILE_DESCRIPTOR: u32 = cumempool::HandleTypes::POSIX_FILE_DESCRIPTOR.bits();
+    /// A fabric handle (another node of the same NVLink domain; needs IMEX).
+    #[classattr]
+    const FABRIC: u32 = cumempool::HandleTypes::FABRIC.bits();
+}
+
+/// A memory pool. `MemPool(route, max_size=..., handle_types=..., hw_decompress=...)` creates
+/// one that is destroyed when it, every buffer from it and every route it was made current for
+/// are gone; `default_pool` and `current_pool` return handles to pools the driver or other
+/// holders keep alive. `close()` lets go of this handle.
+#[pyclass(module = "cumempool")]
+pub struct MemPool {
+    pool: Option<cumempool::Pool>,
+}
+
+impl MemPool {
+    pub(crate) fn wrap(pool: cumempool::Pool) -> Self {
+        Self { pool: Some(pool) }
+    }
+
+    pub(crate) fn pool(&self) -> Outcome<&cumempool::Pool> {
+        self.pool.as_ref().ok_or(Failure::Closed("this MemPool"))
+    }
+
+    /// The device whose context and legacy stream serve this pool by default.
+    pub(crate) fn home_device(route: Option<cumempool::Route>) -> i32 {
+        route.and_then(|r| r.location.device()).unwrap_or(0)
+    }
+}
+
+/// The kind of memory of a pool of `route` (device memory where unknown: the narrowest claim).
+pub(crate) fn kind_of(route: Option<cumempool::Route>) -> Kind {
+    match route {
+        Some(r) if r.allocation_type == cumempool::AllocationType::Managed => Kind::Managed,
+        Some(r) if r.location.is_host() => Kind::Host,
+        _ => Kind::Device,
+    }
+}
+
+#[pymethods]
+impl MemPool {
+    #[new]
+    #[pyo3(signature = (route, *, max_size = None, handle_types = 0, hw_decompress = false))]
+    fn new(
+        py: Python<'_>,
+        route: Route,
+        max_size: Option<u64>,
+        handle_types: u32,
+        hw_decompress: bool,
+    ) -> Outcome<Self> {
+        let mut builder = cumempool::MemPool::builder(route.0)
+            .export_handle_types(cumempool::HandleTypes::from_bits(handle_types))
+            .hw_decompress(hw_decompress);
+        if let Some(bytes) = max_size {
+            builder = builder.max_size(bytes);
+        }
+        let pool = py.detach(|| builder.build())?;
+        Ok(Self::wrap(cumempool::Pool::clone(&pool)))
+    }
+
+    /// Allocates `size` bytes ordered on `stream` (a Stream, a torch/CuPy/cuda.core stream, an
+    /// int handle; `None`: the legacy default stream of the pool's device). The buffer is freed
+    /// on that stream when closed or collected.
+    #[pyo3(signature = (size, stream = None))]
+    fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
+        let pool = self.pool()?;
+        let route = pool.route();
+        let stream = Stream::from_object(py, stream, Self::home_device(route))?;
+        let buffer = {
+            let s = &stream.get().stream;
+            py.detach(|| pool.alloc_owned(size, s))?
+        };
+        let device = stream.get().device;
+        Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, kind_of(route), device)))
+    }
+
+    /// The raw `CUmemoryPool` as an int (for `cupy.cuda.MemoryAsyncPool(pool_handles=...)` or
+    /// RMM's `CudaAsyncViewMemoryResource`); valid while this handle is open.
+    #[getter]
+    fn handle(&self) -> Outcome<usize> {
+        Ok(self.pool()?.as_raw() as usize)
+    }
+
+    /// The route the pool serves (`None` for an imported pool).
+    #[getter]
+    fn route(&self) -> Outcome<Option<Route>> {
+        Ok(self.pool()?.route().map(Route))
+    }
+
+    /// Whether this handle keeps the pool alive (false for the driver's default pools).
+    #[getter]
+    fn is_owned(&self) -> Outcome<bool> {
+        Ok(self.pool()?.is_owned())
+    }
+
+    /// Whether the host may touch the pool's memory.
+    #[getter]
+    fn is_host_accessible(&self) -> Outcome<bool> {
+        Ok(self.pool()?.is_host_accessible())
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.pool.is_none()
+    }
+
+    /// Gives memory held beyond `keep_bytes` back to the system.
+    fn trim_to(&self, py: Python<'_>, keep_bytes: usize) -> Outcome<()> {
+        let pool = self.pool()?;
+        Ok(py.detach(|| pool.trim_to(keep_bytes))?)
+    }
+
+    /// Grants `device` an access to the pool's memory.
+    fn set_access(&self, py: Python<'_>, device: Device, access: Access) -> Outcome<()> {
+        let pool = self.pool()?;
+        Ok(py.detach(|| pool.set_access(device.0, access.to_rust()))?)
+    }
+
+    /// The access `device` has to the pool's memory.
+    fn access(&self, py: Python<'_>, device: Device) -> Outcome<Access> {
+        let pool = self.pool()?;
+        Ok(Access::from_rust(py.detach(|| pool.access(device.0))?))
+    }
+
+    /// Every attribute the driver answers, as a dict of the attribute's C name to its value;
+    /// attributes the driver refuses (too old) are left out.
+    fn attributes(&self, py: Python<'_>) -> Outcome<Vec<(&'static str, u64)>> {
+        let pool = self.pool()?;
+        let all = py.detach(|| pool.attributes());
+        Ok(all.into_iter().filter_map(|(a, v)| v.ok().map(|v| (a.name(), v))).collect())
+    }
+
+    #[getter]
+    fn reuse_follow_event_dependencies(&self) -> Outcome<bool> {
+        Ok(self.pool()?.reuse_follow_event_dependencies()?)
+    }
+
+    #[setter]
+    fn set_reuse_follow_event_dependencies(&self, enabled: bool) -> Outcome<()> {
+        Ok(self.pool()?.set_reuse_follow_event_dependencies(enabled)?)
+    }
+
+    #[getter]
+    fn reuse_allow_opportunistic(&self) -> Outcome<bool> {
+        Ok(self.pool()?.reuse_allow_opportunistic()?)
+    }
+
+    #[setter]
+    fn set_reuse_allow_opportunistic(&self, enabled: bool) -> Outcome<()> {
+        Ok(self.pool()?.set_reuse_allow_opportunistic(enabled)?)
+    }
+
+    #[getter]
+    fn reuse_allow_internal_dependencies(&self) -> Outcome<bool> {
+        Ok(self.pool()?.reuse_allow_internal_dependencies()?)
+    }
+
+    #[setter]
+    fn set_reuse_allow_internal_dependencies(&self, enabled: bool) -> Outcome<()> {
+        Ok(self.pool()?.set_reuse_allow_internal_dependencies(enabled)?)
+    }
+
+    /// Bytes kept reserved at a synchronisation before memory goes back to the system.
+    #[getter]
+    fn release_threshold(&self) -> Outcome<u64> {
+        Ok(self.pool()?.release_threshold()?)
+    }
+
+    #[setter]
+    fn set_release_threshold(&self, bytes: u64) -> Outcome<()> {
+        Ok(self.pool()?.set_release_threshold(bytes)?)
+    }
+
+    /// Bytes the pool holds from the system now.
+    #[getter]
+    fn reserved_mem_current(&self) -> Outcome<u64> {
+        Ok(self.pool()?.reserved_mem_current()?)
+    }
+
+    /// The high-water mark of the reserved bytes.
+    #[getter]
+    fn reserved_mem_high(&self) -> Outcome<u64> {
+        Ok(self.pool()?.reserved_mem_high()?)
+    }
+
+    /// Resets `reserved_mem_high` to the current value.
+    fn reset_reserved_mem_high(&self) -> Outcome<()> {
+        Ok(self.pool()?.reset_reserved_mem_high()?)
+    }
+
+    /// Bytes allocated from the pool now.
+    #[getter]
+    fn used_mem_current(&self) -> Outcome<u64> {
+        Ok(self.pool()?.used_mem_current()?)
+    }
+
+    /// The high-water mark of the used bytes.
+    #[getter]
+    fn used_mem_high(&self) -> Outcome<u64> {
+        Ok(self.pool()?.used_mem_high()?)
+    }
+
+    /// Resets `used_mem_high` to the current value.
+    fn reset_used_mem_high(&self) -> Outcome<()> {
+        Ok(self.pool()?.reset_used_mem_high()?)
+    }
+
+    /// The pool's allocation type, read from the driver (CUDA 13.2).
+    #[getter]
+    fn allocation_type(&self) -> Outcome<AllocationType> {
+        #[cfg(feature = "cuda-13020")]
+        return Ok(AllocationType::from_rust(self.pool()?.allocation_type_attribute()?));
+        #[cfg(not(feature = "cuda-13020"))]
+        return Err(too_old("CU_MEMPOOL_ATTR_ALLOCATION_TYPE (build without cuda-13020)", DriverVersion::CUDA_13_2));
+    }
+
+    /// The handle types the pool can export, read from the driver (CUDA 13.2).
+    #[getter]
+    fn export_handle_types(&self) -> Outcome<u32> {
+        #[cfg(feature = "cuda-13020")]
+        return Ok(self.pool()?.export_handle_types()?.bits());
+        #[cfg(not(feature = "cuda-13020"))]
+        return Err(too_old(
+            "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES (build without cuda-13020)",
+            DriverVersion::CUDA_13_2,
+        ));
+    }
+
+    /// The pool's location, read from the driver (CUDA 13.2).
+    #[getter]
+    fn location(&self) -> Outcome<Location> {
+        #[cfg(feature = "cuda-13020")]
+        return Ok(Location(self.pool()?.location_attribute()?));
+        #[cfg(not(feature = "cuda-13020"))]
+        return Err(too_old("CU_MEMPOOL_ATTR_LOCATION_TYPE (build without cuda-13020)", DriverVersion::CUDA_13_2));
+    }
+
+    /// The most bytes the pool may hold, 0 for no limit (CUDA 13.2).
+    #[getter]
+    fn max_pool_size(&self) -> Outcome<u64> {
+        #[cfg(feature = "cuda-13020")]
+        return Ok(self.pool()?.max_pool_size()?);
+        #[cfg(not(feature = "cuda-13020"))]
+        return Err(too_old("CU_MEMPOOL_ATTR_MAX_POOL_SIZE (build without cuda-13020)", DriverVersion::CUDA_13_2));
+    }
+
+    /// Whether the hardware decompression engine may use the memory (CUDA 13.2).
+    #[getter]
+    fn hw_decompress_enabled(&self) -> Outcome<bool> {
+        #[cfg(feature = "cuda-13020")]
+        return Ok(self.pool()?.hw_decompress_enabled()?);
+        #[cfg(not(feature = "cuda-13020"))]
+        return Err(too_old(
+            "CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED (build without cuda-13020)",
+            DriverVersion::CUDA_13_2,
+        ));
+    }
+
+    /// The locality domain the pool is placed in, or `None` (CUDA 13.4).
+    #[getter]
+    fn locality_domain_id(&self) -> Outcome<Option<u8>> {
+        #[cfg(feature = "cuda-13040")]
+        return Ok(self.pool()?.locality_domain_id()?);
+        #[cfg(not(feature = "cuda-13040"))]
+        return Err(too_old("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID (build without cuda-13040)", DriverVersion::CUDA_13_4));
+    }
+
+    /// Lets go of this handle. An owned pool is destroyed once its buffers and routes are gone
+    /// too. Using the handle afterwards raises ClosedError; closing twice does nothing.
+    fn close(&mut self, py: Python<'_>) {
+        if let Some(pool) = self.pool.take() {
+            py.detach(|| drop(pool));
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        match &self.pool {
+            Some(pool) => format!(
+                "MemPool(handle={:#x}, route={}, owned={})",
+                pool.as_raw() as usize,
+                pool.route().map_or_else(|| "imported".to_owned(), |r| r.to_string()),
+                pool.is_owned()
+            ),
+            None => "MemPool(closed)".to_owned(),
+        }
+    }
+}

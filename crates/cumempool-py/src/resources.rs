@@ -1,0 +1,359 @@
+//! Stream-ordered resources from Python: a pool as a resource, the adaptors (statistics, limit,
+//! tracking, an out-of-memory callback) and the cache, composable in any order like the Rust
+//! types. Each Python object holds the Rust resource behind one object-safe trait.
+
+use crate::buffers::{Buffer, Core, Kind, Memory};
+use crate::errors::{Failure, Outcome};
+use crate::pools::{kind_of, MemPool};
+use crate::streams::Stream;
+use cumempool::sys::CUdeviceptr;
+use cumempool_alloc::{
+    CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
+    OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, StreamOrderedResource,
+    Tracking as TrackingAdaptor, POOL_ALIGNMENT,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use pyo3::PyClassInitializer;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// A stream-ordered resource with its memory kind erased, so Python can stack adaptors freely.
+pub trait Resource: Send + Sync {
+    /// Allocates `bytes` (pool alignment) ordered on `stream`.
+    fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr>;
+
+    /// Frees in stream order.
+    ///
+    /// # Safety
+    /// `ptr` must come from `allocate` on this resource with the same `bytes`, be freed once,
+    /// and no work may use it after the free in the order of `stream`.
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()>;
+}
+
+impl<R: StreamOrderedResource> Resource for R {
+    #[inline]
+    fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
+        StreamOrderedResource::allocate(self, bytes, POOL_ALIGNMENT, stream)
+    }
+
+    #[inline]
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { StreamOrderedResource::deallocate(self, ptr, bytes, POOL_ALIGNMENT, stream) }
+    }
+}
+
+/// A resource chosen at run time, as a typed resource for the Rust adaptors. It claims device
+/// memory, the narrowest kind (every kind is device-accessible); Python tracks the real kind.
+#[derive(Clone)]
+pub struct Erased(pub Arc<dyn Resource>);
+
+// SAFETY: forwards to a resource that keeps the promise; device memory is the narrowest claim.
+unsafe impl StreamOrderedResource for Erased {
+    type Kind = DeviceMemory;
+
+    #[inline]
+    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
+        if align > POOL_ALIGNMENT || !align.is_power_of_two() {
+            return Err(cumempool_alloc::Error::Alignment {
+                requested: align,
+                reason: format!("pools guarantee {POOL_ALIGNMENT}-byte alignment; ask for {POOL_ALIGNMENT} or less"),
+            });
+        }
+        self.0.allocate(bytes, stream)
+    }
+
+    #[inline]
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        _align: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.0.deallocate(ptr, bytes, stream) }
+    }
+}
+
+/// Base of every resource: `alloc(size, stream)` returns a Buffer given back to the resource
+/// when closed or collected.
+#[pyclass(subclass, frozen, module = "cumempool", name = "Resource")]
+pub struct ResourceBase {
+    pub(crate) inner: Arc<dyn Resource>,
+    pub(crate) kind: Kind,
+    pub(crate) device: i32,
+    /// The Python objects below (pool, inner resource, callback), kept for as long as this one.
+    _below: Py<PyAny>,
+    /// Borrowed streams this resource has served, held so that blocks a cache keeps for them
+    /// never outlive the library's stream (until `release()`).
+    streams: Mutex<HashMap<u64, Py<Stream>>>,
+}
+
+impl ResourceBase {
+    fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
+        Self { inner, kind: below.kind, device: below.device, _below: below_object, streams: Mutex::default() }
+    }
+
+    fn remember(&self, py: Python<'_>, stream: &Py<Stream>) {
+        let s = stream.get();
+        if !s.stream.is_owned() && s.is_lent() {
+            let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+            streams.entry(s.stream.id().get()).or_insert_with(|| stream.clone_ref(py));
+        }
+    }
+
+    fn forget_streams(&self) {
+        let released = std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(released);
+    }
+}
+
+#[pymethods]
+impl ResourceBase {
+    /// Allocates `size` bytes ordered on `stream` (as `MemPool.alloc`).
+    #[pyo3(signature = (size, stream = None))]
+    fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
+        let stream = Stream::from_object(py, stream, self.device)?;
+        let ptr = {
+            let s = &stream.get().stream;
+            let inner = &self.inner;
+            py.detach(|| inner.allocate(size, s))?
+        };
+        self.remember(py, &stream);
+        let memory =
+            Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
+        let device = stream.get().device;
+        Ok(Buffer::new(Core::new(memory, stream, self.kind, device)))
+    }
+
+    /// `"device"`, `"host"` or `"managed"`.
+    #[getter]
+    fn memory_kind(&self) -> &'static str {
+        match self.kind {
+            Kind::Device => "device",
+            Kind::Host => "host",
+            Kind::Managed => "managed",
+        }
+    }
+
+    /// The device whose legacy stream serves `alloc(size)` without a stream.
+    #[getter]
+    fn device(&self) -> i32 {
+        self.device
+    }
+}
+
+/// A pool as a resource (the base of a stack of adaptors).
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
+pub struct PoolResourceBinding;
+
+#[pymethods]
+impl PoolResourceBinding {
+    #[new]
+    fn new(pool: Bound<'_, MemPool>) -> Outcome<PyClassInitializer<Self>> {
+        let (inner, route): (Arc<dyn Resource>, _) = {
+            let borrowed = pool.borrow();
+            let p = borrowed.pool()?;
+            let route = p.route();
+            let inner: Arc<dyn Resource> = match kind_of(route) {
+                Kind::Device => Arc::new(PoolResource::<DeviceMemory>::new(p)?),
+                Kind::Host => Arc::new(PoolResource::<HostMemory>::new(p)?),
+                Kind::Managed => Arc::new(PoolResource::<ManagedMemory>::new(p)?),
+            };
+            (inner, route)
+        };
+        let base = ResourceBase {
+            inner,
+            kind: kind_of(route),
+            device: MemPool::home_device(route),
+            _below: pool.into_any().unbind(),
+            streams: Mutex::default(),
+        };
+        Ok(PyClassInitializer::from(base).add_subclass(Self))
+    }
+}
+
+fn base_of<'py>(resource: &Bound<'py, ResourceBase>) -> (Arc<dyn Resource>, Py<PyAny>) {
+    (resource.get().inner.clone(), resource.clone().into_any().unbind())
+}
+
+/// Counts bytes and allocations through the resource below (current, peak, total).
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
+pub struct Statistics(Arc<StatisticsAdaptor<Erased>>);
+
+#[pymethods]
+impl Statistics {
+    #[new]
+    fn new(resource: &Bound<'_, ResourceBase>) -> PyClassInitializer<Self> {
+        let (inner, object) = base_of(resource);
+        let adaptor = Arc::new(StatisticsAdaptor::new(Erased(inner)));
+        let base = ResourceBase::over(adaptor.clone(), resource.get(), object);
+        PyClassInitializer::from(base).add_subclass(Self(adaptor))
+    }
+
+    /// A snapshot: current, peak and total bytes and counts.
+    fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let usage = self.0.usage();
+        let dict = PyDict::new(py);
+        dict.set_item("current_bytes", usage.current_bytes)?;
+        dict.set_item("peak_bytes", usage.peak_bytes)?;
+        dict.set_item("total_bytes", usage.total_bytes)?;
+        dict.set_item("current_count", usage.current_count)?;
+        dict.set_item("peak_count", usage.peak_count)?;
+        dict.set_item("total_count", usage.total_count)?;
+        Ok(dict)
+    }
+
+    /// Sets the peaks to the current values.
+    fn reset_peaks(&self) {
+        self.0.reset_peaks();
+    }
+}
+
+/// Refuses allocations that would take the bytes in use past `limit` (LimitExceededError, an
+/// OutOfMemoryError, so a cache above gives its blocks back and retries).
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
+pub struct Limit(Arc<LimitAdaptor<Erased>>);
+
+#[pymethods]
+impl Limit {
+    #[new]
+    fn new(resource: &Bound<'_, ResourceBase>, limit: usize) -> PyClassInitializer<Self> {
+        let (inner, object) = base_of(resource);
+        let adaptor = Arc::new(LimitAdaptor::new(Erased(inner), limit));
+        let base = ResourceBase::over(adaptor.clone(), resource.get(), object);
+        PyClassInitializer::from(base).add_subclass(Self(adaptor))
+    }
+
+    /// Bytes in use through this limit.
+    #[getter]
+    fn in_use(&self) -> usize {
+        self.0.in_use()
+    }
+
+    /// The limit in bytes.
+    #[getter]
+    fn limit(&self) -> usize {
+        self.0.limit()
+    }
+}
+
+/// Records every allocation not yet freed (address, size, stream).
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
+pub struct Tracking(Arc<TrackingAdaptor<Erased>>);
+
+#[pymethods]
+impl Tracking {
+    #[new]
+    #[pyo3(signature = (resource, *, backtraces = false))]
+    fn new(resource: &Bound<'_, ResourceBase>, backtraces: bool) -> PyClassInitializer<Self> {
+        let (inner, object) = base_of(resource);
+        let adaptor = Arc::new(TrackingAdaptor::new(Erased(inner)).with_backtraces(backtraces));
+        let base = ResourceBase::over(adaptor.clone(), resource.get(), object);
+        PyClassInitializer::from(base).add_subclass(Self(adaptor))
+    }
+
+    /// `(ptr, size, stream id)` of every allocation not yet freed.
+    fn outstanding(&self) -> Vec<(u64, usize, u64)> {
+        self.0.outstanding().into_iter().map(|o| (o.ptr, o.bytes, o.stream.get())).collect()
+    }
+
+    /// Bytes not yet freed.
+    #[getter]
+    fn outstanding_bytes(&self) -> usize {
+        self.0.outstanding_bytes()
+    }
+
+    /// A readable report of what is outstanding.
+    fn report(&self) -> String {
+        self.0.report()
+    }
+}
+
+/// Calls `callback(requested_bytes, attempt)` when the resource below is out of memory;
+/// `True` retries, `False` raises. An exception in the callback counts as `False` and is
+/// reported as unraisable.
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
+pub struct OnOutOfMemory;
+
+type Callback = Box<dyn Fn(usize, u32) -> bool + Send + Sync>;
+
+#[pymethods]
+impl OnOutOfMemory {
+    #[new]
+    fn new(resource: &Bound<'_, ResourceBase>, callback: Py<PyAny>) -> PyClassInitializer<Self> {
+        let (inner, object) = base_of(resource);
+        let call: Callback = Box::new(move |bytes, attempt| {
+            Python::attach(|py| match callback.call1(py, (bytes, attempt)).and_then(|answer| answer.is_truthy(py)) {
+                Ok(retry) => retry,
+                Err(error) => {
+                    error.write_unraisable(py, None);
+                    false
+                }
+            })
+        });
+        let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
+        let base = ResourceBase::over(adaptor, resource.get(), object);
+        PyClassInitializer::from(base).add_subclass(Self)
+    }
+}
+
+/// A cache of freed blocks per stream over the resource below: allocations it can answer
+/// never reach the driver. `release()` gives every cached block back.
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool", name = "CachingResource")]
+pub struct Caching(Arc<Cache<Erased>>);
+
+#[pymethods]
+impl Caching {
+    #[new]
+    #[pyo3(signature = (resource, *, max_cached = None))]
+    fn new(resource: &Bound<'_, ResourceBase>, max_cached: Option<usize>) -> PyClassInitializer<Self> {
+        let (inner, object) = base_of(resource);
+        let cache = Arc::new(match max_cached {
+            Some(bytes) => Cache::with_max_cached(Erased(inner), bytes),
+            None => Cache::new(Erased(inner)),
+        });
+        let base = ResourceBase::over(cache.clone(), resource.get(), object);
+        PyClassInitializer::from(base).add_subclass(Self(cache))
+    }
+
+    /// Hits, misses, cached bytes and blocks, streams, and the hit rate.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = self.0.stats();
+        let dict = PyDict::new(py);
+        dict.set_item("hits", stats.hits)?;
+        dict.set_item("misses", stats.misses)?;
+        dict.set_item("cached_bytes", stats.cached_bytes)?;
+        dict.set_item("cached_blocks", stats.cached_blocks)?;
+        dict.set_item("streams", stats.streams)?;
+        dict.set_item("hit_rate", stats.hit_rate())?;
+        Ok(dict)
+    }
+
+    /// The most bytes of free blocks the cache keeps.
+    #[getter]
+    fn max_cached(&self) -> usize {
+        self.0.max_cached()
+    }
+
+    /// Gives every cached block back to the resource below, then lets go of the borrowed
+    /// streams it held for them.
+    fn release(slf: PyRef<'_, Self>, py: Python<'_>) -> Outcome<()> {
+        let cache = slf.0.clone();
+        py.detach(|| cache.release()).map_err(Failure::from)?;
+        slf.as_super().forget_streams();
+        Ok(())
+    }
+}

@@ -1,0 +1,299 @@
+//! Locations, allocation types and routes, and the process-wide routing of pools.
+
+use crate::errors::{Failure, Outcome};
+use crate::pools::MemPool;
+use pyo3::prelude::*;
+use std::sync::Mutex;
+
+/// Where memory lives: a device, the host, a host NUMA node, no preference (managed pools
+/// only) or, with CUDA 13.4, one locality domain of a device.
+#[pyclass(frozen, eq, hash, module = "cumempool", from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Location(pub cumempool::Location);
+
+#[pymethods]
+impl Location {
+    /// A device, by ordinal.
+    #[staticmethod]
+    fn device(ordinal: i32) -> Self {
+        Self(cumempool::Location::Device(ordinal))
+    }
+
+    /// Host memory on no particular NUMA node.
+    #[staticmethod]
+    fn host() -> Self {
+        Self(cumempool::Location::Host)
+    }
+
+    /// Host memory on one NUMA node.
+    #[staticmethod]
+    fn host_numa(node: i32) -> Self {
+        Self(cumempool::Location::HostNuma(node))
+    }
+
+    /// Host memory on the NUMA node of the calling thread.
+    #[staticmethod]
+    fn host_numa_current() -> Self {
+        Self(cumempool::Location::HostNumaCurrent)
+    }
+
+    /// No preferred location: managed pools only.
+    #[staticmethod]
+    fn unspecified() -> Self {
+        Self(cumempool::Location::Unspecified)
+    }
+
+    /// One locality domain of a device (CUDA 13.4).
+    #[staticmethod]
+    fn locality_domain(device: i32, domain: u8) -> Outcome<Self> {
+        locality_domain_location(device, domain).map(Self)
+    }
+
+    /// The device ordinal for device locations, else `None`.
+    #[getter]
+    fn device_ordinal(&self) -> Option<i32> {
+        self.0.device()
+    }
+
+    /// Whether this is host memory (any node).
+    #[getter]
+    fn is_host(&self) -> bool {
+        self.0.is_host()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Location({})", self.0)
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+}
+
+#[cfg(feature = "cuda-13040")]
+fn locality_domain_location(device: i32, domain: u8) -> Outcome<cumempool::Location> {
+    Ok(cumempool::Location::DeviceLocalityDomain { device, domain })
+}
+
+#[cfg(not(feature = "cuda-13040"))]
+fn locality_domain_location(_device: i32, _domain: u8) -> Outcome<cumempool::Location> {
+    Err(crate::pools::too_old(
+        "locality domains (this build lacks the cuda-13040 feature)",
+        cumempool::DriverVersion::CUDA_13_4,
+    ))
+}
+
+/// The kind of memory a pool hands out.
+#[pyclass(frozen, eq, eq_int, hash, module = "cumempool", from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+pub enum AllocationType {
+    /// Memory that stays where it was allocated.
+    PINNED,
+    /// Managed (unified) memory, which migrates between host and devices.
+    MANAGED,
+}
+
+impl AllocationType {
+    fn to_rust(self) -> cumempool::AllocationType {
+        match self {
+            Self::PINNED => cumempool::AllocationType::Pinned,
+            Self::MANAGED => cumempool::AllocationType::Managed,
+        }
+    }
+
+    pub(crate) fn from_rust(value: cumempool::AllocationType) -> Self {
+        match value {
+            cumempool::AllocationType::Managed => Self::MANAGED,
+            _ => Self::PINNED,
+        }
+    }
+}
+
+/// A (location, allocation type) pair: the key under which CUDA keeps a default pool and a
+/// current pool. Routes that cannot exist on any machine are refused when made.
+#[pyclass(frozen, eq, hash, module = "cumempool", from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Route(pub cumempool::Route);
+
+impl Route {
+    fn checked(route: cumempool::Route) -> Outcome<Self> {
+        route.check_shape().map_err(|e| Failure::Core(e.into()))?;
+        Ok(Self(route))
+    }
+}
+
+#[pymethods]
+impl Route {
+    #[new]
+    #[pyo3(signature = (location, allocation_type = AllocationType::PINNED))]
+    fn new(location: Location, allocation_type: AllocationType) -> Outcome<Self> {
+        Self::checked(cumempool::Route::new(location.0, allocation_type.to_rust()))
+    }
+
+    /// Pinned memory on a device: the classic device pool.
+    #[staticmethod]
+    fn device(ordinal: i32) -> Outcome<Self> {
+        Self::checked(cumempool::Route::device(ordinal))
+    }
+
+    /// Pinned host memory.
+    #[staticmethod]
+    fn host() -> Self {
+        Self(cumempool::Route::host())
+    }
+
+    /// Pinned host memory on one NUMA node.
+    #[staticmethod]
+    fn host_numa(node: i32) -> Outcome<Self> {
+        Self::checked(cumempool::Route::host_numa(node))
+    }
+
+    /// Managed memory preferring `location` (a device, the host, or none).
+    #[staticmethod]
+    #[pyo3(signature = (location = None))]
+    fn managed(location: Option<Location>) -> Outcome<Self> {
+        let location = location.map_or(cumempool::Location::Unspecified, |l| l.0);
+        Self::checked(cumempool::Route::managed(location))
+    }
+
+    /// Pinned memory in one locality domain of a device (CUDA 13.4).
+    #[staticmethod]
+    fn locality_domain(device: i32, domain: u8) -> Outcome<Self> {
+        let location = locality_domain_location(device, domain)?;
+        Self::checked(cumempool::Route::new(location, cumempool::AllocationType::Pinned))
+    }
+
+    /// Where the memory lives.
+    #[getter]
+    fn location(&self) -> Location {
+        Location(self.0.location)
+    }
+
+    /// What kind of memory it is.
+    #[getter]
+    fn allocation_type(&self) -> AllocationType {
+        AllocationType::from_rust(self.0.allocation_type)
+    }
+
+    /// Whether the host may touch this route's memory (once its stream is idle).
+    #[getter]
+    fn is_host_accessible(&self) -> bool {
+        self.0.is_host_accessible()
+    }
+
+    /// Checks the route against this machine's devices (raises if it cannot exist here).
+    fn validate(&self, py: Python<'_>) -> Outcome<()> {
+        let route = self.0;
+        Ok(py.detach(|| route.validate())?)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Route({})", self.0)
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+}
+
+/// The driver-owned default pool of `route` (never destroyed).
+#[pyfunction]
+pub fn default_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
+    let pool = py.detach(|| cumempool::default_pool(route.0))?;
+    Ok(MemPool::wrap(cumempool::Pool::clone(&pool)))
+}
+
+/// The pool `route` draws from now, kept alive by the returned object where cumempool routed
+/// it. A pool made current by other code raises ForeignCurrentPoolError: use
+/// `current_pool_handle`.
+#[pyfunction]
+pub fn current_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
+    Ok(MemPool::wrap(py.detach(|| cumempool::current_pool(route.0))?))
+}
+
+/// The raw handle (`CUmemoryPool` as an int) of the pool `route` draws from now.
+#[pyfunction]
+pub fn current_pool_handle(py: Python<'_>, route: Route) -> Outcome<usize> {
+    Ok(py.detach(|| cumempool::current_pool_handle(route.0).map(|h| h as usize))?)
+}
+
+/// Whether `route` draws from its default pool now.
+#[pyfunction]
+pub fn is_default(py: Python<'_>, route: Route) -> Outcome<bool> {
+    Ok(py.detach(|| cumempool::is_default(route.0))?)
+}
+
+/// Makes the default pool current again and forgets every change made through cumempool.
+#[pyfunction]
+pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
+    Ok(py.detach(|| cumempool::reset_current_pool(route.0))?)
+}
+
+/// Makes `pool` the current pool of `route` for the whole process until the returned guard
+/// is restored: by leaving its `with` block, by `.restore()`, or when it is collected. `.keep()`
+/// makes the change last until `reset_current_pool`. Guards may end in any order, on any
+/// thread; a change made by other code in between is respected.
+#[pyfunction]
+pub fn set_current_pool(py: Python<'_>, route: Route, pool: PyRef<'_, MemPool>) -> Outcome<RouteGuard> {
+    let pool = pool.pool()?.clone();
+    let guard = py.detach(|| cumempool::set_current_pool(route.0, &pool))?;
+    Ok(RouteGuard { route: route.0, guard: Mutex::new(Some(guard)) })
+}
+
+/// One change of a route's current pool (see `set_current_pool`).
+#[pyclass(frozen, module = "cumempool")]
+pub struct RouteGuard {
+    route: cumempool::Route,
+    guard: Mutex<Option<cumempool::RouteGuard>>,
+}
+
+impl RouteGuard {
+    fn take(&self) -> Option<cumempool::RouteGuard> {
+        self.guard.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
+}
+
+#[pymethods]
+impl RouteGuard {
+    /// The route whose current pool was changed.
+    #[getter]
+    fn route(&self) -> Route {
+        Route(self.route)
+    }
+
+    /// Whether the change is still this guard's to undo.
+    #[getter]
+    fn active(&self) -> bool {
+        self.guard.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
+    }
+
+    /// Removes this change now and reports the driver's answer (a no-op the second time).
+    fn restore(&self, py: Python<'_>) -> Outcome<()> {
+        match self.take() {
+            Some(guard) => Ok(py.detach(|| guard.restore())?),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the change last until `reset_current_pool` (the guard lets go of it).
+    fn keep(&self) {
+        if let Some(guard) = self.take() {
+            guard.keep();
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> Outcome<bool> {
+        self.restore(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RouteGuard({}, active={})", self.route, self.active())
+    }
+}

@@ -1,0 +1,59 @@
+"""Shared fixtures: GPU tests skip without a driver, and fail instead with
+CUMEMPOOL_REQUIRE_GPU=1 (as the Rust suite does); tests that change routing restore it."""
+
+import importlib
+import os
+import threading
+
+import pytest
+
+import cumempool as cm
+
+# Routing is process-wide: tests that change it run one at a time.
+ROUTING_LOCK = threading.Lock()
+
+
+def _driver_error():
+    try:
+        cm.init()
+        if cm.Device.count() == 0:
+            return "the driver sees no device"
+    except cm.CumempoolError as error:
+        return str(error)
+    return None
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """Device 0, or a skip (a failure with CUMEMPOOL_REQUIRE_GPU=1) without a GPU."""
+    error = _driver_error()
+    if error is not None:
+        if os.environ.get("CUMEMPOOL_REQUIRE_GPU") == "1":
+            pytest.fail(f"CUMEMPOOL_REQUIRE_GPU=1 but no GPU can be used: {error}")
+        pytest.skip(f"requires a CUDA GPU: {error}")
+    return cm.Device(0)
+
+
+@pytest.fixture
+def stream(gpu):
+    return cm.Stream(gpu.ordinal)
+
+
+@pytest.fixture
+def routing(gpu):
+    """Serialises tests that change a route, and resets device 0's and the host's routes."""
+    with ROUTING_LOCK:
+        yield
+        for route in (cm.Route.device(0), cm.Route.host()):
+            cm.reset_current_pool(route)
+
+
+def library(name):
+    """The library `name`, or a skip (a failure with CUMEMPOOL_REQUIRE_GPU=1 only for a GPU
+    host that should have it: there the libraries are installed)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        if os.environ.get("CUMEMPOOL_REQUIRE_GPU") == "1" and os.environ.get("CUMEMPOOL_REQUIRE_LIBRARIES") == "1":
+            pytest.fail(f"{name} is required here: {error}")
+        pytest.skip(f"{name} is not installed: {error}")

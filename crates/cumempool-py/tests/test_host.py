@@ -1,0 +1,74 @@
+"""What works without a GPU: routes, locations, the exception hierarchy, argument checks and
+the driver's absence reported as a typed error."""
+
+import subprocess
+import sys
+
+import pytest
+
+import cumempool as cm
+
+
+def test_routes_compare_hash_and_print_like_the_rust_ones():
+    assert cm.Route.device(0) == cm.Route(cm.Location.device(0))
+    assert hash(cm.Route.host()) == hash(cm.Route(cm.Location.host(), cm.AllocationType.PINNED))
+    assert cm.Route.managed().location == cm.Location.unspecified()
+    assert cm.Route.managed().allocation_type == cm.AllocationType.MANAGED
+    assert str(cm.Route.device(1)) == "(device 1, pinned)"
+    assert cm.Route.host().is_host_accessible and not cm.Route.device(0).is_host_accessible
+    assert len({cm.Route.device(0), cm.Route.device(0), cm.Route.host_numa(0)}) == 2
+
+
+def test_a_route_that_cannot_exist_is_refused_when_made():
+    with pytest.raises(cm.InvalidRouteError, match="managed memory only") as caught:
+        cm.Route(cm.Location.unspecified(), cm.AllocationType.PINNED)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_wrong_types_and_sizes_raise_type_and_overflow_errors():
+    with pytest.raises(TypeError):
+        cm.Route.device("0")
+    with pytest.raises(TypeError):
+        cm.MemPool("device 0")
+    with pytest.raises(OverflowError):
+        cm.Route.locality_domain(0, 256)
+    with pytest.raises(OverflowError):
+        cm.Route.device(1 << 40)
+
+
+def test_the_hierarchy_mirrors_the_rust_errors():
+    assert issubclass(cm.OutOfMemoryError, MemoryError)
+    assert issubclass(cm.LimitExceededError, cm.OutOfMemoryError)
+    assert issubclass(cm.ClosedError, ValueError)
+    assert issubclass(cm.CumempoolOSError, OSError)
+    for name in ("DriverTooOldError", "RouteRefusedError", "SharingRefusedError", "LoadError", "DriverError"):
+        assert issubclass(getattr(cm, name), cm.CumempoolError)
+
+
+def test_without_a_driver_every_driver_call_raises_load_error():
+    if cm.has_driver():
+        pytest.skip("a driver is present")
+    with pytest.raises(cm.LoadError, match="libcuda"):
+        cm.MemPool(cm.Route.device(0))
+    with pytest.raises(cm.LoadError):
+        cm.Stream(0)
+
+
+def test_the_package_imports_without_torch_cupy_or_cuda_core():
+    code = (
+        "import sys, cumempool, cumempool.torch, cumempool.cupy, cumempool.cuda_core; "
+        "print(any(m in sys.modules for m in ('torch', 'cupy', 'cuda.core')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_native_library_exports_the_torch_functions():
+    import ctypes
+
+    library = ctypes.CDLL(cm.native_library_path())
+    assert library.cumempool_torch_alloc and library.cumempool_torch_free
+    library.cumempool_torch_alloc.restype = ctypes.c_void_p
+    library.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    # Nothing served: PyTorch's out-of-memory answer (null), never a crash.
+    assert library.cumempool_torch_alloc(1 << 20, 0, None) is None

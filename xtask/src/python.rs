@@ -1,0 +1,125 @@
+//! The Python package's build and tests: a virtual environment under `target/py-venv` with
+//! maturin, pytest and numpy (installed with pip when missing), the abi3 wheel built by maturin,
+//! and `cargo xtask test`, the README's one test command (`cargo test --workspace`, then the
+//! wheel, then pytest on `crates/cumempool-py/tests`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The maturin the wheel is built with (pyproject.toml's build requirement).
+const MATURIN: &str = "maturin>=1.16,<1.17";
+
+/// pytest's exit status when it collected no test: not a failure here.
+const PYTEST_NO_TESTS: i32 = 5;
+
+/// The Python of the build environment, created (with its tools) when missing.
+pub fn environment(root: &Path) -> Result<PathBuf, String> {
+    let venv = root.join("target").join("py-venv");
+    let python = venv.join("bin").join("python");
+    if !python.is_file() {
+        let host = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        run(Command::new(&host).args(["-m", "venv"]).arg(&venv), "creating the Python environment")?;
+    }
+    let mut missing = Vec::new();
+    for (module, requirement) in [("maturin", MATURIN), ("pytest", "pytest"), ("numpy", "numpy")] {
+        let found = Command::new(&python).args(["-c", &format!("import {module}")]).output();
+        if !found.is_ok_and(|o| o.status.success()) {
+            missing.push(requirement);
+        }
+    }
+    if !missing.is_empty() {
+        eprintln!("installing {} into {}", missing.join(", "), venv.display());
+        run(Command::new(&python).args(["-m", "pip", "install", "--quiet"]).args(&missing), "pip install")?;
+    }
+    Ok(python)
+}
+
+/// Builds the abi3 wheel into `out` with maturin (release; `cargo_args` such as features pass
+/// through) and returns its path.
+pub fn build_wheel(root: &Path, python: &Path, out: &Path, cargo_args: &[String]) -> Result<PathBuf, String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("creating {}: {e}", out.display()))?;
+    let before = wheels_in(out);
+    let manifest = root.join("crates").join("cumempool-py").join("Cargo.toml");
+    run(
+        Command::new(python)
+            .args(["-m", "maturin", "build", "--release", "--manifest-path"])
+            .arg(&manifest)
+            .arg("--out")
+            .arg(out)
+            .args(cargo_args)
+            .current_dir(root),
+        "maturin build",
+    )?;
+    // The newest wheel in `out` that this build wrote or replaced.
+    let mut wheels = wheels_in(out);
+    wheels.sort_by_key(|(_, modified)| *modified);
+    wheels
+        .into_iter()
+        .rev()
+        .find(|w| !before.contains(w))
+        .or_else(|| wheels_in(out).into_iter().max_by_key(|(_, m)| *m))
+        .map(|(path, _)| path)
+        .ok_or_else(|| format!("maturin wrote no wheel into {}", out.display()))
+}
+
+fn wheels_in(dir: &Path) -> Vec<(PathBuf, std::time::SystemTime)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let path = e.path();
+            let modified = e.metadata().ok()?.modified().ok()?;
+            (path.extension()? == "whl" && path.file_name()?.to_str()?.starts_with("cumempool-"))
+                .then_some((path, modified))
+        })
+        .collect()
+}
+
+/// Installs `wheel` into the environment and runs the Python tests with it.
+pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String> {
+    run(
+        Command::new(python).args(["-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall"]).arg(wheel),
+        "installing the wheel",
+    )?;
+    let tests = root.join("crates").join("cumempool-py").join("tests");
+    let status = Command::new(python)
+        .args(["-m", "pytest", "-q"])
+        .arg(&tests)
+        // The tests import the installed package, never the source folder.
+        .current_dir(root.join("crates").join("cumempool-py"))
+        .status()
+        .map_err(|e| format!("running pytest: {e}"))?;
+    match status.code() {
+        Some(0 | PYTEST_NO_TESTS) => Ok(()),
+        _ => Err(format!("the Python tests failed ({status})")),
+    }
+}
+
+/// `cargo xtask test [--python-only]`.
+pub fn test(args: &[String]) -> Result<(), String> {
+    let python_only = match args {
+        [] => false,
+        [flag] if flag == "--python-only" => true,
+        _ => return Err(format!("unexpected arguments {args:?} (see `cargo xtask help`)")),
+    };
+    let root = crate::workspace_root();
+    if !python_only {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        run(Command::new(cargo).args(["test", "--workspace"]).current_dir(&root), "cargo test --workspace")?;
+    }
+    let python = environment(&root)?;
+    let wheel = build_wheel(&root, &python, &root.join("target").join("wheels"), &[])?;
+    eprintln!("built {}", wheel.display());
+    test_wheel(&root, &python, &wheel)
+}
+
+fn run(command: &mut Command, what: &str) -> Result<(), String> {
+    let status = command.status().map_err(|e| format!("{what}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed ({status})"))
+    }
+}
