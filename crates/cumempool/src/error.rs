@@ -291,6 +291,33 @@ pub enum Error {
         /// What was wrong, and what would be right.
         reason: String,
     },
+
+    /// An operation refused, before the driver, because its stream is capturing into a graph:
+    /// the operation would wait on the host or record an address the graph could outlive. The
+    /// capture is left intact.
+    #[error("{operation}: stream capture {} is underway on the stream, and this operation cannot be recorded into a graph soundly; the capture was left intact. Record captured work through Capture (Stream::capture: Capture::alloc, fill, copy), or do this before the capture begins or after it ends", capture_text(*.capture))]
+    StreamCapturing {
+        /// What was being done.
+        operation: &'static str,
+        /// The capture's id, where the driver gave one.
+        capture: Option<u64>,
+    },
+
+    /// The driver refused a capture or graph operation (a `CUDA_ERROR_STREAM_CAPTURE_*` answer).
+    #[error("{what}: {cause}; {hint}")]
+    CaptureRefused {
+        /// What was being done.
+        what: &'static str,
+        /// What the driver's answer means here, and what would work.
+        hint: &'static str,
+        /// The driver's answer.
+        #[source]
+        cause: DriverError,
+    },
+}
+
+fn capture_text(capture: Option<u64>) -> String {
+    capture.map_or_else(|| "(id unknown)".to_owned(), |id| id.to_string())
 }
 
 fn route_text(route: &Option<Route>) -> String {
@@ -312,6 +339,7 @@ impl Error {
             | Self::RouteRefused { cause, .. }
             | Self::PoolCreation { cause, .. }
             | Self::SharingRefused { cause, .. }
+            | Self::CaptureRefused { cause, .. }
             | Self::AccessNotGrantable { cause: Some(cause), .. } => Some(cause.code),
             Self::OutOfMemory { .. } => Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0),
             _ => None,
