@@ -624,6 +624,21 @@ mod tests {
     }
 
     #[test]
+    fn frees_deferred_by_a_capture_wait_in_their_stream_with_their_pool_until_taken_once() {
+        let stream = Stream::from_parts(0x3000 as sys::CUstream, None, false);
+        let pool = Arc::new(Owner::new(0x4000 as sys::CUmemoryPool, false));
+        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()) });
+        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None });
+        assert_eq!(Arc::strong_count(&pool), 2, "the deferred free keeps its pool alive");
+        let taken = stream.take_deferred_frees();
+        assert_eq!(taken.iter().map(|f| f.ptr).collect::<Vec<_>>(), [0x10, 0x20], "clones share the list, in order");
+        assert!(stream.take_deferred_frees().is_empty(), "taken once");
+        drop(taken);
+        assert_eq!(Arc::strong_count(&pool), 1);
+        std::mem::forget(Arc::try_unwrap(pool).unwrap()); // not a real pool: no destroy
+    }
+
+    #[test]
     fn every_stream_value_has_its_own_identity_shared_by_its_clones() {
         // SAFETY: never given to a driver.
         let a = unsafe { Stream::borrow_raw(0x1000 as sys::CUstream, None) }.unwrap();
