@@ -10,7 +10,10 @@
 //!   so they can be neither dropped nor touched while the graph can run.
 //!
 //! Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
-//! [`Error::StreamCapturing`] (before the driver; the capture stays intact).
+//! [`Error::StreamCapturing`], before the driver: on driver 580 (CUDA 13.0) a host wait on a
+//! capturing stream (`cuStreamSynchronize`, as the waiting copies and host slices do) answers
+//! `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
+//! `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.
 //!
 //! ```no_run
 //! use cumempool::{Device, MemPool, Route, Stream};
