@@ -1,85 +1,4 @@
 //! Stream capture into CUDA graphs, with the memory a graph uses kept alive by the borrow checker.
-//!
-//! A graph records addresses, and replaying it is sound only if every recorded address is live
-//! memory whenever it runs. So captured work goes only through [`Capture`]'s methods:
-//! - memory the capture allocates ([`Capture::alloc`]) is a [`CapturedBuffer`] that cannot
-//!   leave the closure; it is freed inside the graph (when dropped, or when the closure returns),
-//!   so every launch allocates and frees it again (graph memory: not the pool's, driver 580);
-//! - memory from outside ([`Capture::buffer`]) is borrowed mutably for `'env`, and so are the
-//!   pools of captured allocations: [`Graph<'env>`] and [`GraphExec<'env>`] keep them borrowed,
-//!   so they can be neither dropped nor touched while the graph can run.
-//!
-//! Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
-//! [`Error::StreamCapturing`], before the driver: on driver 580 (CUDA 13.0) a host wait on a
-//! capturing stream (`cuStreamSynchronize`, as the waiting copies and host slices do) answers
-//! `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
-//! `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.
-//!
-//! ```no_run
-//! use cumempool::{Device, MemPool, Route, Stream};
-//! # fn main() -> cumempool::Result<()> {
-//! let stream = Stream::new(&Device::get(0)?.primary_context()?)?;
-//! let device_pool = MemPool::new(Route::device(0))?;
-//! let host_pool = MemPool::new(Route::host())?;
-//! let mut result = host_pool.alloc(4096, &stream)?;
-//! let graph = stream.capture(|capture| {
-//!     let scratch = capture.alloc(&device_pool, 4096)?; // graph memory, freed in the graph
-//!     capture.fill(&scratch, 7)?;
-//!     let result = capture.buffer(&mut result)?;
-//!     capture.copy(&result, &scratch)
-//! })?;
-//! let mut exec = graph.instantiate()?;
-//! exec.launch(&stream)?;
-//! exec.launch(&stream)?;
-//! drop(exec); // waits for the last launch
-//! drop(graph);
-//! assert!(result.host_slice()?.iter().all(|b| *b == 7));
-//! # Ok(()) }
-//! ```
-//!
-//! A graph cannot be replayed after a buffer it uses is gone:
-//!
-//! ```compile_fail
-//! # use cumempool::{MemPool, Stream};
-//! # fn f(stream: &Stream, pool: &MemPool) -> cumempool::Result<()> {
-//! let mut buffer = pool.alloc(4096, stream)?;
-//! let graph = stream.capture(|capture| {
-//!     let target = capture.buffer(&mut buffer)?;
-//!     capture.fill(&target, 0)
-//! })?;
-//! drop(buffer); // error: `buffer` is borrowed by the graph
-//! graph.instantiate()?.launch(stream)?;
-//! # Ok(()) }
-//! ```
-//!
-//! nor after the pool it allocated from is gone:
-//!
-//! ```compile_fail
-//! # use cumempool::{MemPool, Route, Stream};
-//! # fn f(stream: &Stream) -> cumempool::Result<()> {
-//! let pool = MemPool::new(Route::device(0))?;
-//! let graph = stream.capture(|capture| {
-//!     let scratch = capture.alloc(&pool, 4096)?;
-//!     capture.fill(&scratch, 0)
-//! })?;
-//! let mut exec = graph.instantiate()?;
-//! drop(pool); // error: `pool` is borrowed by the graph
-//! exec.launch(stream)?;
-//! # Ok(()) }
-//! ```
-//!
-//! and memory the capture allocated cannot leave it:
-//!
-//! ```compile_fail
-//! # use cumempool::{MemPool, Stream};
-//! # fn f(stream: &Stream, pool: &MemPool) -> cumempool::Result<()> {
-//! let mut escaped = None;
-//! stream.capture(|capture| {
-//!     escaped = Some(capture.alloc(pool, 4096)?); // error: borrowed data escapes the closure
-//!     Ok(())
-//! })?;
-//! # Ok(()) }
-//! ```
 
 use crate::buffer::BufferOn;
 use crate::context::Context;
@@ -222,10 +141,91 @@ fn refused_capture(answer: Answer, what: &'static str) -> Result<()> {
     Err(Error::CaptureRefused { what, hint, cause: answer.cause() })
 }
 
-/// A capture underway: the only way to queue captured work (see the [module docs](self)).
+/// A capture underway ([`Stream::capture`]): the only way to queue captured work.
 ///
 /// `'env` is how long the graph may run: memory from outside the capture, and the pools
 /// captured allocations come from, are borrowed for it.
+///
+/// A graph records addresses, and replaying it is sound only if every recorded address is live
+/// memory whenever it runs. So captured work goes only through [`Capture`]'s methods:
+/// - memory the capture allocates ([`Capture::alloc`]) is a [`CapturedBuffer`] that cannot
+///   leave the closure; it is freed inside the graph (when dropped, or when the closure returns),
+///   so every launch allocates and frees it again (graph memory: not the pool's, driver 580);
+/// - memory from outside ([`Capture::buffer`]) is borrowed mutably for `'env`, and so are the
+///   pools of captured allocations: [`Graph<'env>`] and [`GraphExec<'env>`] keep them borrowed,
+///   so they can be neither dropped nor touched while the graph can run.
+///
+/// Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
+/// [`Error::StreamCapturing`], before the driver: on driver 580 (CUDA 13.0) a host wait on a
+/// capturing stream (`cuStreamSynchronize`, as the waiting copies and host slices do) answers
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.
+///
+/// ```no_run
+/// use cumempool::{Device, MemPool, Route, Stream};
+/// # fn main() -> cumempool::Result<()> {
+/// let stream = Stream::new(&Device::get(0)?.primary_context()?)?;
+/// let device_pool = MemPool::new(Route::device(0))?;
+/// let host_pool = MemPool::new(Route::host())?;
+/// let mut result = host_pool.alloc(4096, &stream)?;
+/// let graph = stream.capture(|capture| {
+///     let scratch = capture.alloc(&device_pool, 4096)?; // graph memory, freed in the graph
+///     capture.fill(&scratch, 7)?;
+///     let result = capture.buffer(&mut result)?;
+///     capture.copy(&result, &scratch)
+/// })?;
+/// let mut exec = graph.instantiate()?;
+/// exec.launch(&stream)?;
+/// exec.launch(&stream)?;
+/// drop(exec); // waits for the last launch
+/// drop(graph);
+/// assert!(result.host_slice()?.iter().all(|b| *b == 7));
+/// # Ok(()) }
+/// ```
+///
+/// A graph cannot be replayed after a buffer it uses is gone:
+///
+/// ```compile_fail
+/// # use cumempool::{MemPool, Stream};
+/// # fn f(stream: &Stream, pool: &MemPool) -> cumempool::Result<()> {
+/// let mut buffer = pool.alloc(4096, stream)?;
+/// let graph = stream.capture(|capture| {
+///     let target = capture.buffer(&mut buffer)?;
+///     capture.fill(&target, 0)
+/// })?;
+/// drop(buffer); // error: `buffer` is borrowed by the graph
+/// graph.instantiate()?.launch(stream)?;
+/// # Ok(()) }
+/// ```
+///
+/// nor after the pool it allocated from is gone:
+///
+/// ```compile_fail
+/// # use cumempool::{MemPool, Route, Stream};
+/// # fn f(stream: &Stream) -> cumempool::Result<()> {
+/// let pool = MemPool::new(Route::device(0))?;
+/// let graph = stream.capture(|capture| {
+///     let scratch = capture.alloc(&pool, 4096)?;
+///     capture.fill(&scratch, 0)
+/// })?;
+/// let mut exec = graph.instantiate()?;
+/// drop(pool); // error: `pool` is borrowed by the graph
+/// exec.launch(stream)?;
+/// # Ok(()) }
+/// ```
+///
+/// and memory the capture allocated cannot leave it:
+///
+/// ```compile_fail
+/// # use cumempool::{MemPool, Stream};
+/// # fn f(stream: &Stream, pool: &MemPool) -> cumempool::Result<()> {
+/// let mut escaped = None;
+/// stream.capture(|capture| {
+///     escaped = Some(capture.alloc(pool, 4096)?); // error: borrowed data escapes the closure
+///     Ok(())
+/// })?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Capture<'env> {
     stream: Stream,
