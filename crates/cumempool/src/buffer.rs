@@ -204,7 +204,10 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             return Ok(());
         }
         let same_stream = self.on().same_as(src.on());
-        if self.is_host_accessible() || src.is_host_accessible() {
+        // Copies involving host memory need the context current (see `copy_unified`): made so
+        // whenever it is known (one `cuCtxGetCurrent` when it already is), and refused for host
+        // memory on a stream borrowed without its context.
+        if self.on().context().is_some() || self.is_host_accessible() || src.is_host_accessible() {
             self.on().bind_context()?;
         } else {
             self.on().bind()?;

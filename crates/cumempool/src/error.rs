@@ -405,6 +405,17 @@ mod tests {
         let io = Error::Io { what: "receiving", source: std::io::Error::from(std::io::ErrorKind::BrokenPipe) };
         let kind = io.source().and_then(|s| s.downcast_ref::<std::io::Error>()).map(std::io::Error::kind);
         assert_eq!(kind, Some(std::io::ErrorKind::BrokenPipe), "the io::Error's kind survives");
-        assert!(Error::Driver(DriverError { code: 2, ..cause }).is_out_of_memory());
+        assert!(Error::Driver(DriverError { code: 2, ..cause.clone() }).is_out_of_memory());
+        let refused = Error::CaptureRefused { what: "ending a capture", hint: "capture again", cause };
+        assert_eq!(refused.cuda_code(), Some(1), "a capture refusal keeps the driver's code");
+    }
+
+    #[test]
+    fn a_refusal_during_a_capture_names_the_capture_and_the_way_to_record_it() {
+        let text = Error::StreamCapturing { operation: "copying to the host", capture: Some(12) }.to_string();
+        assert!(text.starts_with("copying to the host: stream capture 12 is underway"), "{text}");
+        assert!(text.contains("left intact") && text.contains("Stream::capture"), "{text}");
+        let unknown = Error::StreamCapturing { operation: "filling", capture: None }.to_string();
+        assert!(unknown.contains("capture (id unknown)"), "{unknown}");
     }
 }

@@ -79,7 +79,7 @@ impl Ending<'_> {
     fn end(mut self) -> Result<sys::CUgraph> {
         self.ended = true;
         let graph = end_capture(self.stream);
-        self.stream.run_deferred_frees();
+        run_deferred_frees_once_ended(self.stream);
         graph
     }
 }
@@ -93,8 +93,15 @@ impl Drop for Ending<'_> {
             Ok(graph) => destroy_graph(graph),
             Err(error) => tracing::warn!(%error, "ending an abandoned capture failed"),
         }
-        self.stream.run_deferred_frees();
+        run_deferred_frees_once_ended(self.stream);
     }
+}
+
+/// Runs the frees deferred during the capture, unless a failed end left it underway (then the
+/// next capture-aware operation that finds it ended runs them).
+fn run_deferred_frees_once_ended(stream: &Stream) {
+    // Refused only while the capture is still underway; it runs the frees otherwise.
+    let _still_capturing = stream.ensure_not_capturing("ending a capture");
 }
 
 fn end_capture(stream: &Stream) -> Result<sys::CUgraph> {
@@ -313,8 +320,9 @@ impl<'env> Capture<'env> {
         if dst.len == 0 {
             return Ok(());
         }
-        // SAFETY: a live allocation of `len` bytes whenever the graph runs (see the module docs).
-        unsafe { driver_call!(cuMemsetD8Async(dst.ptr, value, dst.len, self.stream.as_raw())) }
+        // SAFETY: a live allocation of `len` bytes whenever the graph runs (see `Capture`).
+        let answer = unsafe { driver_answer!(cuMemsetD8Async(dst.ptr, value, dst.len, self.stream.as_raw())) }?;
+        refused_capture(answer, WHAT)
     }
 
     /// Records copying the start of `src` into the start of `dst` (a copy node): device, managed
@@ -338,7 +346,8 @@ impl<'env> Capture<'env> {
         // Copies that involve host memory need the context current (see `Stream::bind_context`).
         self.stream.bind_context()?;
         // SAFETY: both live for at least `src.len` bytes whenever the graph runs.
-        unsafe { driver_call!(cuMemcpyAsync(dst.ptr, src.ptr, src.len, self.stream.as_raw())) }
+        let answer = unsafe { driver_answer!(cuMemcpyAsync(dst.ptr, src.ptr, src.len, self.stream.as_raw())) }?;
+        refused_capture(answer, WHAT)
     }
 
     fn check_own(&self, what: &'static str, buffer: &CapturedBuffer<'_>) -> Result<()> {
