@@ -503,6 +503,14 @@ impl Drop for Graph<'_> {
 
 /// An executable graph (`cuGraphExecDestroy` when dropped).
 ///
+/// It may move to another thread but not be shared between threads: the driver does not
+/// synchronise graph objects, and the event that tracks the last launch is re-recorded by each.
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<cumempool::GraphExec<'static>>();
+/// ```
+///
 /// Dropping it waits on the host for its last launch, so the memory it borrowed for `'env` is
 /// released only after every launch has finished. Each launch is also ordered after the work
 /// queued on the streams of the outside buffers it uses, and those streams after the launch, so
