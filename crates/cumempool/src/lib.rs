@@ -20,6 +20,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! CUDA graphs: [`Stream::capture`] records work through a [`Capture`] into a [`Graph`] whose
+//! borrows keep the memory it uses alive while it can run; a buffer's own methods refuse a
+//! capturing stream ([`Error::StreamCapturing`]) instead of invalidating the capture.
+//!
 //! ## Crate features
 //! - `cuda-13050` (default): CUDA 13.5's declarations; for pools, the same as `cuda-13040`.
 //! - `cuda-13040`: CUDA 13.4's locality domains (`Location::DeviceLocalityDomain`,
