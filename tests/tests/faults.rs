@@ -122,7 +122,8 @@ fn failed_call(error: &Error) -> Option<(&'static str, u32)> {
         Error::Driver(cause)
         | Error::RouteRefused { cause, .. }
         | Error::PoolCreation { cause, .. }
-        | Error::SharingRefused { cause, .. } => Some((cause.function, cause.code)),
+        | Error::SharingRefused { cause, .. }
+        | Error::CaptureRefused { cause, .. } => Some((cause.function, cause.code)),
         Error::OutOfMemory { function, .. } => Some((function, OUT_OF_MEMORY)),
         _ => None,
     }
@@ -205,6 +206,22 @@ fn device_queries_name_the_call_that_failed() {
     let peer = suite.failing("cuDeviceCanAccessPeer", 1, UNKNOWN, || device.can_access_peer(device));
     refused_by(peer, "cuDeviceCanAccessPeer", UNKNOWN);
     assert!(!device.name().unwrap().is_empty() && device.supports_memory_pools().unwrap(), "usable afterwards");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn graph_memory_calls_name_the_call_that_failed() {
+    let Some((_lock, suite)) = suite() else { return };
+    let device = Device::get(0).unwrap();
+    let read = suite.failing("cuDeviceGetGraphMemAttribute", 1, UNKNOWN, || device.graph_memory());
+    refused_by(read, "cuDeviceGetGraphMemAttribute", UNKNOWN);
+    let reset = suite.failing("cuDeviceSetGraphMemAttribute", 1, UNKNOWN, || device.reset_graph_memory_high());
+    refused_by(reset, "cuDeviceSetGraphMemAttribute", UNKNOWN);
+    let trim = suite.failing("cuDeviceGraphMemTrim", 1, UNKNOWN, || device.trim_graph_memory());
+    refused_by(trim, "cuDeviceGraphMemTrim", UNKNOWN);
+    device.reset_graph_memory_high().unwrap();
+    device.trim_graph_memory().unwrap();
+    device.graph_memory().unwrap();
 }
 
 // ---- context.rs ----------------------------------------------------------------------------
@@ -296,6 +313,31 @@ fn an_event_whose_destroy_fails_says_so_once() {
     let destroy = cumempool::sys::driver().unwrap().cuEventDestroy().unwrap();
     // SAFETY: the event whose destroy was failed above; destroyed once, here.
     assert_eq!(unsafe { destroy(raw) }, cumempool::sys::CUresult::CUDA_SUCCESS, "no destroy happened before");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_free_deferred_by_a_capture_that_fails_says_so_once() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let buffer = pool.alloc(1 << 20, &stream).unwrap();
+    let ptr = buffer.as_raw();
+    // The drop inside the capture defers the free; the end of the capture runs it, and fails.
+    let graph = suite.failing("cuMemFreeAsync", 1, UNKNOWN, || {
+        stream.capture(|_| {
+            drop(buffer);
+            Ok(())
+        })
+    });
+    drop(graph.unwrap());
+    let log = logged().clone();
+    assert!(log.len() == 1 && log[0].contains("cuMemFreeAsync") && log[0].contains(&format!("ptr={ptr}")), "{log:?}");
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 1 << 20, "the refused free left the memory allocated");
+    // SAFETY: the allocation whose deferred free was failed above; freed once, here.
+    unsafe { cumempool::free_async(ptr, &stream) }.expect("the driver accepts the only real free");
+    nothing_used(&pool, &stream);
 }
 
 // ---- pool.rs, owner.rs, attributes.rs --------------------------------------------------------
@@ -469,6 +511,122 @@ fn a_buffer_whose_free_fails_says_so_once_and_is_not_freed_twice() {
     // SAFETY: the allocation whose free was failed above; freed once, here.
     unsafe { cumempool::free_async(ptr, &stream) }.expect("the driver accepts the only real free");
     nothing_used(&pool, &stream);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn copies_that_do_not_wait_name_the_call_that_failed() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut a = pool.alloc(4096, &stream).unwrap();
+    let b = pool.alloc(4096, &stream).unwrap();
+    refused_by(suite.failing("cuMemcpyAsync", 1, UNKNOWN, || a.copy_from_async(&b)), "cuMemcpyAsync", UNKNOWN);
+    let pending = suite.failing("cuMemcpyAsync", 1, UNKNOWN, || a.copy_to_host_async(vec![0; 4096]).map(|_| ()));
+    refused_by(pending, "cuMemcpyAsync", UNKNOWN);
+    a.copy_from_host_async(pattern(4096, 3)).unwrap().wait().unwrap();
+    let back = a.copy_to_host_async(vec![0; 4096]).unwrap().wait().unwrap();
+    assert_eq!(back, pattern(4096, 3), "usable afterwards");
+    drop((a, b));
+    nothing_used(&pool, &stream);
+}
+
+// ---- graph.rs ------------------------------------------------------------------------------
+
+/// A capture of two allocations, a fill of one and a copy into the other.
+fn filling<'env>(
+    pool: &'env Pool,
+    value: u8,
+) -> impl for<'c> FnOnce(&'c cumempool::Capture<'env>) -> cumempool::Result<()> + 'env {
+    move |capture| {
+        let scratch = capture.alloc(pool, 4096)?;
+        let other = capture.alloc(pool, 4096)?;
+        capture.fill(&scratch, value)?;
+        capture.copy(&other, &scratch)
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn graph_calls_name_the_call_that_failed() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let fill = |value| filling(&pool, value);
+    let begin = suite.failing("cuStreamBeginCapture", 1, UNKNOWN, || stream.capture(fill(1)).map(|_| ()));
+    refused_by(begin, "cuStreamBeginCapture", UNKNOWN);
+    let end = suite.failing("cuStreamEndCapture", 1, UNKNOWN, || stream.capture(fill(1)).map(|_| ()));
+    refused_by(end, "cuStreamEndCapture", UNKNOWN);
+    // The injected failure never reached the driver: the capture is still underway. End it as
+    // the library would have (a real refusal ends it too).
+    let driver = cumempool::sys::driver().unwrap();
+    let mut left = std::ptr::null_mut();
+    // SAFETY: the capture begun on this thread above; the graph it hands back is destroyed once.
+    unsafe {
+        assert_eq!(
+            driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut left),
+            cumempool::sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(driver.cuGraphDestroy().unwrap()(left), cumempool::sys::CUresult::CUDA_SUCCESS);
+    }
+    let memset = suite.failing("cuMemsetD8Async", 1, UNKNOWN, || stream.capture(fill(1)).map(|_| ()));
+    refused_by(memset, "cuMemsetD8Async", UNKNOWN);
+    let copy = suite.failing("cuMemcpyAsync", 1, UNKNOWN, || stream.capture(fill(1)).map(|_| ()));
+    refused_by(copy, "cuMemcpyAsync", UNKNOWN);
+    assert!(!stream.is_capturing().unwrap(), "a failed closure ends its capture");
+    let graph = stream.capture(fill(2)).unwrap();
+    refused_by(suite.failing("cuGraphGetNodes", 1, UNKNOWN, || graph.node_count()), "cuGraphGetNodes", UNKNOWN);
+    let instantiate = suite.failing("cuGraphInstantiateWithFlags", 1, UNKNOWN, || graph.instantiate().map(|_| ()));
+    refused_by(instantiate, "cuGraphInstantiateWithFlags", UNKNOWN);
+    let mut exec = graph.instantiate().unwrap();
+    refused_by(suite.failing("cuGraphUpload", 1, UNKNOWN, || exec.upload(&stream)), "cuGraphUpload", UNKNOWN);
+    refused_by(suite.failing("cuGraphLaunch", 1, UNKNOWN, || exec.launch(&stream)), "cuGraphLaunch", UNKNOWN);
+    exec.launch(&stream).unwrap();
+    drop(exec);
+    assert!(graph.node_count().unwrap() >= 4, "usable afterwards");
+    drop(graph);
+    nothing_used(&pool, &stream);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn graph_drops_that_fail_say_so_once() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let address = std::cell::Cell::new(0);
+    let graph = suite.failing("cuMemFreeAsync", 1, UNKNOWN, || {
+        stream.capture(|capture| {
+            let scratch = capture.alloc(&pool, 4096)?;
+            address.set(scratch.as_raw());
+            capture.fill(&scratch, 1)
+        })
+    });
+    warned_once("cuMemFreeAsync");
+    logged().clear();
+    // The capture left its allocation without a free node; auto-free-on-launch reclaims it.
+    let graph = graph.unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    exec.launch(&stream).unwrap();
+    exec.launch(&stream).unwrap();
+    let raw_exec = exec.as_raw();
+    suite.failing("cuGraphExecDestroy", 1, UNKNOWN, || drop(exec));
+    warned_once("cuGraphExecDestroy");
+    logged().clear();
+    let raw_graph = graph.as_raw();
+    suite.failing("cuGraphDestroy", 1, UNKNOWN, || drop(graph));
+    warned_once("cuGraphDestroy");
+    let driver = cumempool::sys::driver().unwrap();
+    // SAFETY: the executable and graph whose destroys were failed above; destroyed once, here.
+    unsafe {
+        assert_eq!(driver.cuGraphExecDestroy().unwrap()(raw_exec), cumempool::sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(driver.cuGraphDestroy().unwrap()(raw_graph), cumempool::sys::CUresult::CUDA_SUCCESS);
+    }
+    // The last launch's allocation, which no free node frees: a free outside the graph does.
+    // SAFETY: graph memory the finished launches left allocated, freed once.
+    unsafe { cumempool::free_async(address.get(), &stream) }.unwrap();
+    nothing_used(&pool, &stream);
+    Device::get(0).unwrap().trim_graph_memory().unwrap();
 }
 
 // ---- routing.rs ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 //! and how each scales with threads.
 
 mod cache_targets;
+mod copies;
 #[cfg(feature = "cudarc")]
 mod cudarc_pairs;
 mod stream_handover;
@@ -73,6 +74,8 @@ pub struct Report {
     pub threads: Vec<ThreadRow>,
     pub stream_handover: stream_handover::Report,
     pub cache_targets: cache_targets::Report,
+    /// Device-to-device copies through `copy_from_async` against raw `cuMemcpyAsync`.
+    pub copies: copies::Report,
     /// cudarc's alloc+free against the safe layer's; only in a command built with `cudarc`.
     #[cfg(feature = "cudarc")]
     pub cudarc: cudarc_pairs::Report,
@@ -322,7 +325,7 @@ pub fn run(options: &Options) -> Result<Report> {
         Route::managed(Location::Unspecified),
     ];
     let mut progress =
-        Progress::new(routes.len() * sizes.len() + options.threads.len() + 3 + usize::from(cfg!(feature = "cudarc")));
+        Progress::new(routes.len() * sizes.len() + options.threads.len() + 4 + usize::from(cfg!(feature = "cudarc")));
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -373,6 +376,8 @@ pub fn run(options: &Options) -> Result<Report> {
     let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
     progress.tick("cache targets: one thread, 16 threads on their own streams, then on one stream");
     let cache_targets = cache_targets::measure(&context, options)?;
+    progress.tick("device-to-device copies: copy_from_async against raw cuMemcpyAsync");
+    let copies = copies::measure(&context, options)?;
     #[cfg(feature = "cudarc")]
     let cudarc = {
         progress.tick("cudarc's alloc+free against Pool::alloc on its stream");
@@ -392,6 +397,7 @@ pub fn run(options: &Options) -> Result<Report> {
         threads,
         stream_handover,
         cache_targets,
+        copies,
         #[cfg(feature = "cudarc")]
         cudarc,
     })
@@ -452,6 +458,8 @@ pub fn render(report: &Report) -> String {
     out.push_str(&stream_handover::render(&report.stream_handover));
     out.push('\n');
     out.push_str(&cache_targets::render(&report.cache_targets));
+    out.push('\n');
+    out.push_str(&copies::render(&report.copies));
     #[cfg(feature = "cudarc")]
     {
         out.push('\n');

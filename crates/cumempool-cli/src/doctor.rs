@@ -19,6 +19,28 @@ pub struct DeviceReport {
     pub locality_domains: Option<u32>,
     /// `LOCALITY_DOMAIN_MULTIPROCESSOR_COUNT`: multiprocessors per domain; null where unknown.
     pub multiprocessors_per_locality_domain: Option<u32>,
+    /// The device's graph memory (what captured allocations use; no pool caps or counts it);
+    /// null where the driver did not answer.
+    pub graph_memory: Option<GraphMemoryReport>,
+}
+
+/// `Device::graph_memory`, in bytes.
+#[derive(Serialize)]
+pub struct GraphMemoryReport {
+    pub used_current: u64,
+    pub used_high: u64,
+    pub reserved_current: u64,
+    pub reserved_high: u64,
+}
+
+fn graph_memory(device: Device) -> Option<GraphMemoryReport> {
+    let memory = device.graph_memory().ok()?;
+    Some(GraphMemoryReport {
+        used_current: memory.used_current,
+        used_high: memory.used_high,
+        reserved_current: memory.reserved_current,
+        reserved_high: memory.reserved_high,
+    })
 }
 
 #[derive(Serialize)]
@@ -118,6 +140,7 @@ pub fn collect() -> Report {
             supported_handle_types: device.supported_handle_types().map_or_else(|e| e.to_string(), |t| t.to_string()),
             locality_domains,
             multiprocessors_per_locality_domain,
+            graph_memory: graph_memory(*device),
         });
     }
     let any = |f: fn(&DeviceReport) -> bool| report.devices.iter().any(f);
@@ -195,6 +218,11 @@ pub fn collect() -> Report {
     report
 }
 
+/// Bytes in MiB, for the table.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+}
+
 pub fn render(report: &Report) -> String {
     let mut out = String::new();
     out.push_str(&format!(
@@ -222,6 +250,7 @@ pub fn render(report: &Report) -> String {
         "NUMA id",
         "handle types",
         "locality domains",
+        "graph memory used / reserved",
     ]);
     let yes = |b: bool| if b { "yes" } else { "no" }.to_owned();
     for d in &report.devices {
@@ -239,6 +268,15 @@ pub fn render(report: &Report) -> String {
                 (Some(count), None) => count.to_string(),
                 _ => "-".into(),
             },
+            d.graph_memory.as_ref().map_or("-".into(), |g| {
+                format!(
+                    "{} / {} (high {} / {})",
+                    mib(g.used_current),
+                    mib(g.reserved_current),
+                    mib(g.used_high),
+                    mib(g.reserved_high)
+                )
+            }),
         ]);
     }
     out.push_str(&devices.render());

@@ -5,11 +5,12 @@
 //! in a struct beside its stream, returnable from the function that made the stream). Both
 //! share every method below.
 
+use crate::capture_registry::{self, FreeAction};
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
 use crate::location::{AllocationType, Location, Route};
 use crate::owner::Owner;
-use crate::stream::{Event, Stream};
+use crate::stream::{CaptureStatus, DeferredFree, Event, Stream};
 use cumempool_sys as sys;
 use std::borrow::Borrow;
 use std::sync::Arc;
@@ -82,7 +83,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
 
     /// The stream the buffer is ordered on and freed on.
     #[inline]
-    fn on(&self) -> &Stream {
+    pub(crate) fn on(&self) -> &Stream {
         self.stream.borrow()
     }
 
@@ -125,9 +126,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// Copies `src` into the start of the buffer and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than the buffer; the driver's answer.
+    /// [`Error::DoesNotFit`] when `src` is longer than the buffer; [`Error::StreamCapturing`]
+    /// while the buffer's stream captures; the driver's answer.
     pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
-        self.check_len("copying from the host", src.len())?;
+        const WHAT: &str = "copying from the host (Buffer::copy_from_host, which waits)";
+        self.check_len(WHAT, src.len())?;
+        self.on().ensure_not_capturing(WHAT)?;
         if src.is_empty() {
             return Ok(());
         }
@@ -139,9 +143,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// Copies the start of the buffer into `dst` and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; the driver's answer.
+    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; [`Error::StreamCapturing`]
+    /// while the buffer's stream captures; the driver's answer.
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        self.check_len("copying to the host", dst.len())?;
+        const WHAT: &str = "copying to the host (Buffer::copy_to_host, which waits)";
+        self.check_len(WHAT, dst.len())?;
+        self.on().ensure_not_capturing(WHAT)?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -150,29 +157,110 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     }
 
     /// Copies the start of `src` into the start of this buffer, ordered after the work queued
-    /// on both streams, and waits for the copy.
+    /// on both streams, and waits for the copy ([`BufferOn::copy_from_async`] does not wait).
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; the driver's answer.
+    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; [`Error::StreamCapturing`]
+    /// while either stream captures; the driver's answer.
     pub fn copy_from<T: Borrow<Stream>>(&mut self, src: &BufferOn<T>) -> Result<()> {
-        self.check_len("copying between buffers", src.len)?;
+        const WHAT: &str = "copying between buffers (Buffer::copy_from, which waits)";
+        self.check_len(WHAT, src.len)?;
+        self.on().ensure_not_capturing(WHAT)?;
+        src.on().ensure_not_capturing(WHAT)?;
         if src.is_empty() {
             return Ok(());
         }
         self.on().bind()?;
         if !self.on().same_as(src.on()) {
-            match src.on().context() {
-                Some(context) => {
-                    let ready = Event::new(context)?;
-                    ready.record(src.on())?;
-                    self.on().wait(&ready)?;
-                }
-                None => src.on().synchronize()?,
-            }
+            self.on().order_after(src.on())?;
         }
         // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
         // for before either can be freed.
         unsafe { self.copy_unified(self.ptr, src.ptr, src.len) }
+    }
+
+    /// Copies the start of `src` into the start of this buffer on this buffer's stream, without
+    /// waiting on the host: device, managed and pinned host pool memory alike.
+    ///
+    /// The copy is ordered after the work queued on both streams, and when `src` is on another
+    /// stream, that stream is then made to wait for the copy (an event each way): each buffer's
+    /// free, on its own stream, and every later use of it in stream order, come after the copy.
+    /// An event needs its stream's context: for a stream borrowed without one, the host waits
+    /// for that stream instead.
+    ///
+    /// # Errors
+    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; [`Error::StreamCapturing`]
+    /// while either stream captures (record captured copies with
+    /// [`Capture::copy`](crate::Capture::copy)); the driver's answer.
+    ///
+    /// See [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+    #[inline]
+    pub fn copy_from_async<T: Borrow<Stream>>(&mut self, src: &BufferOn<T>) -> Result<()> {
+        const WHAT: &str = "copying between buffers (Buffer::copy_from_async)";
+        self.check_len(WHAT, src.len)?;
+        self.on().ensure_not_capturing(WHAT)?;
+        src.on().ensure_not_capturing(WHAT)?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let same_stream = self.on().same_as(src.on());
+        // Copies involving host memory need the context current (see `copy_unified`): made so
+        // whenever it is known (one `cuCtxGetCurrent` when it already is), and refused for host
+        // memory on a stream borrowed without its context.
+        if self.on().context().is_some() || self.is_host_accessible() || src.is_host_accessible() {
+            self.on().bind_context()?;
+        } else {
+            self.on().bind()?;
+        }
+        if !same_stream {
+            self.on().order_after(src.on())?;
+        }
+        // SAFETY: both allocations are live for at least `src.len` bytes until their frees,
+        // which are ordered after the copy: this stream's by the queue, the other's by the event
+        // below.
+        unsafe { driver_call!(cuMemcpyAsync(self.ptr, src.ptr, src.len, self.on().as_raw())) }?;
+        if !same_stream {
+            src.on().order_after(self.on())?;
+        }
+        Ok(())
+    }
+
+    /// Copies the start of the buffer into `dst` (its whole length) without waiting: the
+    /// returned [`PendingCopy`] owns `dst` until the copy has finished and hands it back from
+    /// [`PendingCopy::wait`].
+    ///
+    /// The host memory is moved in, not borrowed: a pending copy that borrowed a slice could be
+    /// leaked with `mem::forget`, ending the borrow while the device still writes the memory.
+    /// Leaking a `PendingCopy` leaks its vector instead, which is sound. For a copy into
+    /// pinned memory that stays usable as a buffer, copy buffer to buffer with
+    /// [`BufferOn::copy_from_async`] into a host pool's buffer.
+    ///
+    /// # Errors
+    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; [`Error::StreamCapturing`]
+    /// while the stream captures; [`Error::StreamNotBorrowable`] for a stream borrowed without
+    /// its context (host copies need it current); the driver's answer.
+    pub fn copy_to_host_async(&self, mut dst: Vec<u8>) -> Result<PendingCopy> {
+        const WHAT: &str = "copying to the host (Buffer::copy_to_host_async)";
+        self.check_len(WHAT, dst.len())?;
+        let (to, len) = (dst.as_mut_ptr() as usize as sys::CUdeviceptr, dst.len());
+        // SAFETY: `dst` is valid for `len` bytes and the pending copy owns it until the copy has
+        // finished; the buffer holds at least `len` bytes, and its free is ordered after the copy.
+        unsafe { PendingCopy::start(self.on(), WHAT, dst, to, self.ptr, len) }
+    }
+
+    /// Copies `src` (its whole length) into the start of the buffer without waiting: the
+    /// returned [`PendingCopy`] owns `src` until the copy has finished and hands it back from
+    /// [`PendingCopy::wait`]. See [`BufferOn::copy_to_host_async`] for why the memory is moved in.
+    ///
+    /// # Errors
+    /// As [`BufferOn::copy_to_host_async`].
+    pub fn copy_from_host_async(&mut self, src: Vec<u8>) -> Result<PendingCopy> {
+        const WHAT: &str = "copying from the host (Buffer::copy_from_host_async)";
+        self.check_len(WHAT, src.len())?;
+        let (from, len) = (src.as_ptr() as usize as sys::CUdeviceptr, src.len());
+        // SAFETY: as in `copy_to_host_async`, the other way round; `&mut self` keeps host
+        // slices of the buffer out until then, and `host_slice` waits for the stream.
+        unsafe { PendingCopy::start(self.on(), WHAT, src, self.ptr, from, len) }
     }
 
     /// A copy on this buffer's stream between any two addresses, waited for before returning.
@@ -196,9 +284,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// which the driver's memset refuses, is set by the host after the stream has finished.
     ///
     /// # Errors
-    /// Host access refusals for pinned host memory (see [`Buffer::host_slice_mut`]); the
-    /// driver's answer.
+    /// Host access refusals for pinned host memory (see [`Buffer::host_slice_mut`]);
+    /// [`Error::StreamCapturing`] while the stream captures (record captured fills with
+    /// [`Capture::fill`](crate::Capture::fill)); the driver's answer.
     pub fn fill(&mut self, value: u8) -> Result<()> {
+        self.on().ensure_not_capturing("filling a buffer (Buffer::fill)")?;
         if self.is_empty() {
             return Ok(());
         }
@@ -226,6 +316,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             }
             .into());
         }
+        self.on().ensure_not_capturing("prefetching a buffer (Buffer::prefetch_to)")?;
         if self.is_empty() {
             return Ok(());
         }
@@ -283,6 +374,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             });
         }
         crate::location_info::region_count(self.len, summary_granularity, sampling_granularity)?;
+        self.on().ensure_not_capturing("asking where a buffer's pages reside (Buffer::location_info, which waits)")?;
         if !self.is_empty() {
             self.on().synchronize()?;
         }
@@ -301,6 +393,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if self.route.is_some_and(|r| r.allocation_type == AllocationType::Managed) {
             crate::device::require_concurrent_managed_access()?;
         }
+        self.on().ensure_not_capturing("borrowing a buffer's bytes on the host (host_slice, which waits)")?;
         self.on().synchronize()?;
         Ok(self.ptr as usize as *mut u8)
     }
@@ -355,9 +448,14 @@ impl<S: Borrow<Stream>> Drop for BufferOn<S> {
             return;
         }
         // SAFETY: the buffer owns the allocation and frees it once, on its own stream.
-        if let Err(error) = unsafe { free_async(self.ptr, self.on()) } {
-            tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
-            return; // an import whose unmapping failed stays marked as mapped, never mapped again
+        match unsafe { free_ordered(self.ptr, self.on(), self.pool.as_ref()) } {
+            Ok(FreeAction::Free) => {}
+            // Deferred: the stream frees it (and forgets an import's mapping) once its capture ends.
+            Ok(FreeAction::Defer | FreeAction::GraphOwns) => return,
+            Err(error) => {
+                tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
+                return; // an import whose unmapping failed stays marked as mapped, never mapped again
+            }
         }
         if self.pool.as_ref().is_some_and(|owner| owner.imported) {
             // The unmapping is stream-ordered: only once it has run may the same allocation be
@@ -372,16 +470,146 @@ impl<S: Borrow<Stream>> Drop for BufferOn<S> {
     }
 }
 
-/// Frees pool memory in stream order: `cuMemFreeAsync` of `ptr` on `stream`.
+/// A copy between a buffer and host memory that the host has not waited for yet: it owns the
+/// host vector until the copy has finished, waits for it in [`PendingCopy::wait`] (which hands
+/// the vector back) or when dropped.
+#[derive(Debug)]
+#[must_use = "dropping a pending copy waits for it at once"]
+pub struct PendingCopy {
+    /// `None` once handed back.
+    host: Option<Vec<u8>>,
+    done: Event,
+    stream: Stream,
+}
+
+impl PendingCopy {
+    /// Queues `len` bytes from `src` to `dst` on `stream` and records the point to wait for.
+    ///
+    /// # Safety
+    /// `dst` and `src` must be valid for `len` bytes until the copy has finished; `host` is the
+    /// host side, owned by the result until then.
+    unsafe fn start(
+        stream: &Stream,
+        what: &'static str,
+        host: Vec<u8>,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<Self> {
+        stream.ensure_not_capturing(what)?;
+        stream.bind_context()?;
+        let Some(context) = stream.context() else {
+            return Err(Error::StreamNotBorrowable {
+                reason: "a pending copy needs the stream's context for its event",
+            });
+        };
+        let done = Event::new(context)?;
+        if len != 0 {
+            // SAFETY: the caller vouches for both ranges; the host side is owned by the result.
+            unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
+        }
+        if let Err(error) = done.record(stream) {
+            // The copy may be running: wait for the whole stream before `host` is released, or
+            // keep it if even that fails.
+            if stream.synchronize().is_err() {
+                std::mem::forget(host);
+            }
+            return Err(error);
+        }
+        Ok(Self { host: Some(host), done, stream: stream.clone() })
+    }
+
+    /// Whether the copy has finished, without waiting.
+    ///
+    /// # Errors
+    /// The driver's answer (`cuEventQuery`), which includes errors of the copy.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.done.is_complete()
+    }
+
+    /// Waits for the copy and hands back the host vector (holding the copied bytes, for a copy
+    /// to the host).
+    ///
+    /// # Errors
+    /// The copy's failure; the vector is then kept (leaked) if the stream cannot be waited for,
+    /// since the device may still use it.
+    pub fn wait(mut self) -> Result<Vec<u8>> {
+        self.finish()?;
+        Ok(self.host.take().unwrap_or_default())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.done.synchronize().inspect_err(|_| {
+            if self.stream.synchronize().is_err() {
+                // Neither can be waited for: the device may still use the memory, so keep it.
+                std::mem::forget(self.host.take());
+            }
+        })
+    }
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        if self.host.is_none() {
+            return;
+        }
+        if let Err(error) = self.finish() {
+            tracing::warn!(%error, "a pending copy failed");
+        }
+    }
+}
+
+/// Frees pool memory in stream order: `cuMemFreeAsync` of `ptr` on `stream`, aware of captures.
 ///
 /// For memory from [`Pool::alloc_raw`](crate::Pool::alloc_raw); [`Buffer`]s free themselves.
+/// While `stream` captures into a graph:
+/// - memory allocated by `alloc_raw` during that same capture is freed by a free node of the
+///   graph;
+/// - other memory (allocated before the capture) is not freed now, which would corrupt the
+///   capture: the free is deferred and runs on `stream` once the capture has ended, after the
+///   stream's pre-capture work.
+///
+/// Memory allocated by `alloc_raw` during a capture that has ended is graph memory that the
+/// graph owns: nothing is freed (a warning says so once per process). Instantiate such graphs
+/// with auto-free-on-launch ([`Graph::instantiate`](crate::Graph::instantiate) does): the
+/// graph's next launch reclaims it. [`is_captured_allocation`](crate::is_captured_allocation)
+/// tells such addresses apart.
+///
+/// # Errors
+/// The driver's refusal to free, or to say whether `stream` captures.
 ///
 /// # Safety
 /// `ptr` must come from a stream-ordered allocation, be freed once, and no work may use it
 /// after the free in stream order.
+///
+/// See [cuMemFreeAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 #[inline]
 pub unsafe fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
-    stream.bind()?;
-    // SAFETY: a live allocation, freed once, ordered on its stream.
-    unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }
+    // SAFETY: the caller's contract.
+    unsafe { free_ordered(ptr, stream, None) }.map(|_| ())
+}
+
+/// The free behind [`free_async`] and a buffer's drop: what was done with `ptr`. A deferred free
+/// keeps `pool` alive until it runs.
+///
+/// # Safety
+/// As [`free_async`].
+#[inline]
+unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc<Owner>>) -> Result<FreeAction> {
+    let status = if stream.may_be_capturing() { stream.capture_status()? } else { CaptureStatus::None };
+    let action = capture_registry::decide(ptr, status);
+    match action {
+        FreeAction::Free => {
+            if status == CaptureStatus::None && stream.may_be_capturing() {
+                stream.run_deferred_frees();
+            }
+            stream.bind()?;
+            // SAFETY: a live allocation, freed once, ordered on its stream (or, during its own
+            // capture, recorded as the graph's free node).
+            unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }?;
+        }
+        FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned() }),
+        FreeAction::GraphOwns => {}
+    }
+    Ok(action)
 }

@@ -45,8 +45,7 @@ impl Context {
     ///
     /// See [cuCtxSetCurrent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
     pub fn make_current(&self) -> Result<()> {
-        // SAFETY: a retained context.
-        unsafe { driver_call!(cuCtxSetCurrent(self.0.raw.0)) }
+        set_current(self.0.raw.0)
     }
 
     /// Makes this context current unless it already is.
@@ -56,13 +55,30 @@ impl Context {
     /// may have changed the current context since this crate last set it.
     #[inline]
     pub(crate) fn ensure_current(&self) -> Result<()> {
-        let mut current = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        unsafe { driver_call!(cuCtxGetCurrent(&mut current)) }?;
-        if current == self.0.raw.0 {
+        if current()? == self.0.raw.0 {
             return Ok(());
         }
         self.make_current()
+    }
+
+    /// Runs `f` with this context current, then makes current again whatever was current before
+    /// (no context included): for destructors, which run wherever the value is dropped and must
+    /// not leave the calling thread on another device (the runtime's `cudaSetDevice` state lives
+    /// in the current context).
+    ///
+    /// # Errors
+    /// The driver's refusal to read or set the current context; `f`'s result is returned only
+    /// when the previous context was restored.
+    pub(crate) fn while_current<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let previous = current()?;
+        if previous == self.0.raw.0 {
+            return f();
+        }
+        self.make_current()?;
+        let result = f();
+        let restored = set_current(previous);
+        let value = result?;
+        restored.map(|()| value)
     }
 
     /// Waits for all work in this context.
@@ -86,6 +102,20 @@ impl Context {
         unsafe { driver_call!(cuMemGetInfo(&mut free, &mut total)) }?;
         Ok((free, total))
     }
+}
+
+/// The calling thread's current context (null for none).
+fn current() -> Result<sys::CUcontext> {
+    let mut current = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    unsafe { driver_call!(cuCtxGetCurrent(&mut current)) }?;
+    Ok(current)
+}
+
+/// Makes `raw` (a live context, or null for none) current on the calling thread.
+fn set_current(raw: sys::CUcontext) -> Result<()> {
+    // SAFETY: a retained context, or null, which unbinds the thread's context.
+    unsafe { driver_call!(cuCtxSetCurrent(raw)) }
 }
 
 impl Drop for Retained {

@@ -55,10 +55,23 @@ impl Stream {
     /// [`Error::InvalidArgument`] for a stream whose context is unknown; cudarc's refusal to
     /// retain the primary context.
     ///
+    /// The stream is marked as one that may capture ([`Stream::may_be_capturing`]): cudarc can
+    /// begin a capture on it from safe code (`CudaStream::begin_capture`), and cumempool's
+    /// capture-aware operations then ask the driver before they touch it.
+    ///
     /// # Safety
     /// The result holds no clone of this stream: a clone of this `Stream` must outlive the
     /// result and every clone of it, including those cudarc keeps (every `CudaSlice` allocated
     /// on it holds one).
+    ///
+    /// The caller also orders work between this stream and cudarc's other streams. cudarc's
+    /// `wrap_borrowed_stream` leaves cudarc believing the wrapped stream is its context's only
+    /// stream, so it inserts no event waits between it and its own streams (as it does between
+    /// streams it created, while it tracks more than one); and cumempool's streams are
+    /// non-blocking (`CU_STREAM_NON_BLOCKING`), so they do not synchronise with the legacy
+    /// stream either. A `CudaSlice` written on one of cudarc's streams and read on this one (or
+    /// the other way round) needs an explicit event, such as [`Event::record`](crate::Event::record)
+    /// on one stream and [`Stream::wait`] on the other.
     pub unsafe fn to_cudarc(&self) -> Result<Arc<CudaStream>> {
         let Some(context) = self.context() else {
             return Err(Error::InvalidArgument {

@@ -19,6 +19,20 @@ pub struct Device {
     raw: sys::CUdevice,
 }
 
+/// A device's graph memory, in bytes ([`Device::graph_memory`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GraphMemory {
+    /// Used by graph allocations now (`CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT`).
+    pub used_current: u64,
+    /// The most used since the mark was last reset (`CU_GRAPH_MEM_ATTR_USED_MEM_HIGH`).
+    pub used_high: u64,
+    /// Reserved for graph allocations now, used or not (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`).
+    pub reserved_current: u64,
+    /// The most reserved since the mark was last reset (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH`).
+    pub reserved_high: u64,
+}
+
 static COUNT: OnceLock<i32> = OnceLock::new();
 
 /// Fails unless the host may touch managed memory while devices run work.
@@ -223,6 +237,72 @@ impl Device {
             return Err(Error::InvalidLocalityDomain { device: self.ordinal, domain, count });
         }
         Ok(location)
+    }
+
+    /// The device's graph memory: what graphs' allocation nodes use and reserve, which pools
+    /// neither cap nor count (driver 580: a captured allocation is served from here even above
+    /// its pool's maximum size, and the pool's used memory stays 0).
+    ///
+    /// See [cuDeviceGetGraphMemAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    ///
+    /// # Errors
+    /// The driver's answer.
+    pub fn graph_memory(self) -> Result<GraphMemory> {
+        use sys::CUgraphMem_attribute as A;
+        Ok(GraphMemory {
+            used_current: self.graph_memory_attribute(A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+            used_high: self.graph_memory_attribute(A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)?,
+            reserved_current: self.graph_memory_attribute(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved_high: self.graph_memory_attribute(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+        })
+    }
+
+    fn graph_memory_attribute(self, attribute: sys::CUgraphMem_attribute) -> Result<u64> {
+        let mut value: u64 = 0;
+        // SAFETY: the graph memory attributes are 64-bit values; a valid out-pointer.
+        unsafe {
+            driver_call!(cuDeviceGetGraphMemAttribute(
+                self.raw,
+                attribute,
+                (&mut value as *mut u64).cast::<std::ffi::c_void>()
+            ))
+        }?;
+        Ok(value)
+    }
+
+    /// Resets the high-water marks of [`Device::graph_memory`] (used and reserved) to 0; the
+    /// driver then tracks them from the current values.
+    ///
+    /// See [cuDeviceSetGraphMemAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    ///
+    /// # Errors
+    /// The driver's answer.
+    pub fn reset_graph_memory_high(self) -> Result<()> {
+        use sys::CUgraphMem_attribute as A;
+        for attribute in [A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH] {
+            let mut zero: u64 = 0;
+            // SAFETY: the high-water marks take a 64-bit 0; a valid pointer.
+            unsafe {
+                driver_call!(cuDeviceSetGraphMemAttribute(
+                    self.raw,
+                    attribute,
+                    (&mut zero as *mut u64).cast::<std::ffi::c_void>()
+                ))
+            }?;
+        }
+        Ok(())
+    }
+
+    /// Gives the device's unused graph memory back to the system. Graph memory stays reserved
+    /// after the graphs that used it free it (driver 580), until this call.
+    ///
+    /// See [cuDeviceGraphMemTrim](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    ///
+    /// # Errors
+    /// The driver's answer.
+    pub fn trim_graph_memory(self) -> Result<()> {
+        // SAFETY: a valid device.
+        unsafe { driver_call!(cuDeviceGraphMemTrim(self.raw)) }
     }
 
     /// Whether this device can access memory of `peer` directly.

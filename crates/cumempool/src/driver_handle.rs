@@ -16,14 +16,14 @@ macro_rules! raw_handles {
     )*};
 }
 
-raw_handles!(sys::CUmemoryPool, sys::CUstream, sys::CUevent, sys::CUcontext);
+raw_handles!(sys::CUmemoryPool, sys::CUstream, sys::CUevent, sys::CUcontext, sys::CUgraph, sys::CUgraphExec);
 
 /// A raw driver handle (a pointer the driver owns) that may be used from any thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(transparent)]
 pub(crate) struct DriverHandle<T: RawHandle>(pub(crate) T);
 
-// SAFETY: the CUDA driver API is thread-safe: its pool, stream, event and context handles may
+// SAFETY: the CUDA driver API is thread-safe: its pool, stream, event, context and graph handles may
 // be used from any thread, and this crate never dereferences them on the Rust side. Only those
 // handle types implement the sealed `RawHandle`.
 unsafe impl<T: RawHandle> Send for DriverHandle<T> {}

@@ -291,6 +291,33 @@ pub enum Error {
         /// What was wrong, and what would be right.
         reason: String,
     },
+
+    /// An operation refused, before the driver, because its stream is capturing into a graph:
+    /// the operation would wait on the host or record an address the graph could outlive. The
+    /// capture is left intact.
+    #[error("{operation}: stream capture {} is underway on the stream, and this operation cannot be recorded into a graph soundly; the capture was left intact. Record captured work through Capture (Stream::capture: Capture::alloc, fill, copy), or do this before the capture begins or after it ends", capture_text(*.capture))]
+    StreamCapturing {
+        /// What was being done.
+        operation: &'static str,
+        /// The capture's id, where the driver gave one.
+        capture: Option<u64>,
+    },
+
+    /// The driver refused a capture or graph operation (a `CUDA_ERROR_STREAM_CAPTURE_*` answer).
+    #[error("{what}: {cause}; {hint}")]
+    CaptureRefused {
+        /// What was being done.
+        what: &'static str,
+        /// What the driver's answer means here, and what would work.
+        hint: &'static str,
+        /// The driver's answer.
+        #[source]
+        cause: DriverError,
+    },
+}
+
+fn capture_text(capture: Option<u64>) -> String {
+    capture.map_or_else(|| "(id unknown)".to_owned(), |id| id.to_string())
 }
 
 fn route_text(route: &Option<Route>) -> String {
@@ -312,6 +339,7 @@ impl Error {
             | Self::RouteRefused { cause, .. }
             | Self::PoolCreation { cause, .. }
             | Self::SharingRefused { cause, .. }
+            | Self::CaptureRefused { cause, .. }
             | Self::AccessNotGrantable { cause: Some(cause), .. } => Some(cause.code),
             Self::OutOfMemory { .. } => Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0),
             _ => None,
@@ -377,6 +405,17 @@ mod tests {
         let io = Error::Io { what: "receiving", source: std::io::Error::from(std::io::ErrorKind::BrokenPipe) };
         let kind = io.source().and_then(|s| s.downcast_ref::<std::io::Error>()).map(std::io::Error::kind);
         assert_eq!(kind, Some(std::io::ErrorKind::BrokenPipe), "the io::Error's kind survives");
-        assert!(Error::Driver(DriverError { code: 2, ..cause }).is_out_of_memory());
+        assert!(Error::Driver(DriverError { code: 2, ..cause.clone() }).is_out_of_memory());
+        let refused = Error::CaptureRefused { what: "ending a capture", hint: "capture again", cause };
+        assert_eq!(refused.cuda_code(), Some(1), "a capture refusal keeps the driver's code");
+    }
+
+    #[test]
+    fn a_refusal_during_a_capture_names_the_capture_and_the_way_to_record_it() {
+        let text = Error::StreamCapturing { operation: "copying to the host", capture: Some(12) }.to_string();
+        assert!(text.starts_with("copying to the host: stream capture 12 is underway"), "{text}");
+        assert!(text.contains("left intact") && text.contains("Stream::capture"), "{text}");
+        let unknown = Error::StreamCapturing { operation: "filling", capture: None }.to_string();
+        assert!(unknown.contains("capture (id unknown)"), "{unknown}");
     }
 }

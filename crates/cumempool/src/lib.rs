@@ -20,6 +20,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! CUDA graphs: [`Stream::capture`] records work through a [`Capture`] into a [`Graph`] whose
+//! borrows keep the memory it uses alive while it can run; a buffer's own methods refuse a
+//! capturing stream ([`Error::StreamCapturing`]) instead of invalidating the capture.
+//!
 //! ## Crate features
 //! - `cuda-13050` (default): CUDA 13.5's declarations; for pools, the same as `cuda-13040`.
 //! - `cuda-13040`: CUDA 13.4's locality domains (`Location::DeviceLocalityDomain`,
@@ -40,6 +44,7 @@
 mod access;
 mod attributes;
 mod buffer;
+mod capture_registry;
 mod context;
 #[cfg(feature = "cudarc")]
 mod cudarc_interop;
@@ -50,6 +55,7 @@ mod driver;
 mod driver_handle;
 mod error;
 mod export_handles;
+mod graph;
 #[cfg(test)]
 mod header_coverage;
 mod location;
@@ -66,13 +72,15 @@ mod unknown_value;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
-pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer};
+pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer, PendingCopy};
+pub use capture_registry::is_captured_allocation;
 pub use context::Context;
 pub use cumempool_sys::DriverVersion;
-pub use device::{require_concurrent_managed_access, Device};
+pub use device::{require_concurrent_managed_access, Device, GraphMemory};
 pub use driver::{bindings_version, driver_version, init, library_path};
 pub use error::{error_name, DriverError, Error, Result};
 pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
+pub use graph::{Capture, CapturedBuffer, Graph, GraphExec};
 pub use location::{
     raw_location, AllocationType, InvalidLocation, InvalidRoute, Location, Route, UNMAPPED_ALLOCATION_TYPES,
     UNMAPPED_LOCATION_TYPES,

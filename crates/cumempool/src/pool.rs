@@ -234,16 +234,19 @@ impl Pool {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] when the pool (or the device) cannot supply `bytes`;
-    /// [`Error::ImportedPoolAllocation`] for a pool imported from another process; else the
-    /// driver's answer.
+    /// [`Error::ImportedPoolAllocation`] for a pool imported from another process;
+    /// [`Error::StreamCapturing`] on a stream capturing into a graph (captured memory is the
+    /// graph's, and a buffer could outlive it: use [`Capture::alloc`](crate::Capture::alloc));
+    /// else the driver's answer.
     ///
     /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[inline]
     pub fn alloc<'s>(&self, bytes: usize, stream: &'s Stream) -> Result<Buffer<'s>> {
+        stream.ensure_not_capturing(ALLOC_WHILE_CAPTURING)?;
         if bytes == 0 {
             return Ok(Buffer::empty(stream, self.route));
         }
-        let ptr = self.alloc_raw(bytes, stream)?;
+        let ptr = self.alloc_on(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
         Ok(unsafe { Buffer::from_pool(ptr, bytes, stream, self.route, self.owner.clone()) })
     }
@@ -253,10 +256,11 @@ impl Pool {
     /// made the stream. It costs one reference-count increment and decrement more.
     #[inline]
     pub fn alloc_owned(&self, bytes: usize, stream: &Stream) -> Result<OwnedBuffer> {
+        stream.ensure_not_capturing(ALLOC_WHILE_CAPTURING)?;
         if bytes == 0 {
             return Ok(OwnedBuffer::empty(stream.clone(), self.route));
         }
-        let ptr = self.alloc_raw(bytes, stream)?;
+        let ptr = self.alloc_on(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
         Ok(unsafe { OwnedBuffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone()) })
     }
@@ -267,10 +271,34 @@ impl Pool {
     /// Unlike [`Pool::alloc`] this does not keep the pool alive: the driver defers destroying a
     /// pool until its outstanding allocations are freed.
     ///
+    /// On a capturing stream it is recorded as an allocation node: the address is graph memory
+    /// (not the pool's: the pool's maximum size does not apply, driver 580), live while the
+    /// graph runs. It is remembered ([`is_captured_allocation`](crate::is_captured_allocation)),
+    /// and [`free_async`](crate::free_async) frees it inside its capture, or leaves it to the
+    /// graph once the capture has ended.
+    ///
     /// # Errors
-    /// As [`Pool::alloc`].
+    /// As [`Pool::alloc`], without its refusal of a capturing stream.
     #[inline]
     pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
+        if !stream.may_be_capturing() {
+            return self.alloc_on(bytes, stream);
+        }
+        let status = stream.capture_status()?;
+        if status == crate::CaptureStatus::None {
+            stream.run_deferred_frees();
+        }
+        let ptr = self.alloc_on(bytes, stream)?;
+        if let Some(capture) = status.id() {
+            crate::capture_registry::record(ptr, capture);
+        }
+        Ok(ptr)
+    }
+
+    /// `cuMemAllocFromPoolAsync` on `stream`, whether or not it captures: the one allocation
+    /// path of [`Pool::alloc`], [`Pool::alloc_raw`] and [`Capture::alloc`](crate::Capture::alloc).
+    #[inline]
+    pub(crate) fn alloc_on(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
         if self.is_imported() {
             return Err(Error::ImportedPoolAllocation);
         }
@@ -287,6 +315,10 @@ impl Pool {
         }
     }
 }
+
+/// What [`Pool::alloc`] and [`Pool::alloc_owned`] say on a capturing stream.
+const ALLOC_WHILE_CAPTURING: &str =
+    "allocating a buffer with Pool::alloc (allocate inside a capture with Capture::alloc)";
 
 /// An owned pool, destroyed when it and every buffer and route holding it are gone.
 ///

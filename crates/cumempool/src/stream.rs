@@ -4,9 +4,10 @@ use crate::context::Context;
 use crate::driver::{driver_answer, driver_call};
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
+use crate::owner::Owner;
 use cumempool_sys as sys;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// A CUDA stream. Clones share it; an owned stream is destroyed when the last clone drops.
 ///
@@ -33,9 +34,19 @@ struct StreamInner {
     /// False only while no capture can be underway on the stream: the library created it and
     /// nothing that begins or joins a capture has reached it. Once set it stays set.
     capture_possible: AtomicBool,
+    /// Frees of memory allocated outside a capture, asked for while the stream was capturing:
+    /// run on the stream once it no longer captures (see [`Stream::defer_free`]).
+    deferred_frees: Mutex<Vec<DeferredFree>>,
     /// What keeps a borrowed stream alive: the other library's own handle (a cudarc
     /// `Arc<CudaStream>`), dropped after the last clone of this `Stream`.
     _keep_alive: KeepAlive,
+}
+
+/// A free waiting for its stream's capture to end, with the pool it keeps alive until then.
+#[derive(Debug)]
+pub(crate) struct DeferredFree {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) pool: Option<Arc<Owner>>,
 }
 
 /// Another library's handle, held only so that its stream outlives this one.
@@ -85,6 +96,7 @@ impl Stream {
             owned,
             id: StreamId::next(),
             capture_possible: AtomicBool::new(capture_possible),
+            deferred_frees: Mutex::new(Vec::new()),
             _keep_alive: keep_alive,
         }))
     }
@@ -293,21 +305,7 @@ impl Stream {
     /// See [cuStreamGetCaptureInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
         self.bind()?;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut id: sys::cuuint64_t = 0;
-        // SAFETY: a live stream, in its context; valid out-pointers, the optional ones null.
-        unsafe {
-            driver_call!(cuStreamGetCaptureInfo(
-                self.as_raw(),
-                &mut status,
-                &mut id,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut()
-            ))
-        }?;
-        CaptureStatus::from_raw(status, id)
+        capture_info(self.as_raw())
     }
 
     /// Whether a capture is underway (active or invalidated) on this stream. Asks the driver
@@ -321,6 +319,64 @@ impl Stream {
             return Ok(false);
         }
         Ok(self.capture_status()? != CaptureStatus::None)
+    }
+
+    /// Refuses `operation` with [`Error::StreamCapturing`] while a capture is underway on the
+    /// stream, before any driver call that could invalidate it; otherwise runs the frees
+    /// deferred by an earlier capture. One relaxed load when no capture is possible.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`]; the driver's refusal to say whether the stream captures.
+    #[inline]
+    pub(crate) fn ensure_not_capturing(&self, operation: &'static str) -> Result<()> {
+        if !self.may_be_capturing() {
+            return Ok(());
+        }
+        self.ensure_not_capturing_slow(operation)
+    }
+
+    #[cold]
+    fn ensure_not_capturing_slow(&self, operation: &'static str) -> Result<()> {
+        match self.capture_status()? {
+            CaptureStatus::None => {
+                self.run_deferred_frees();
+                Ok(())
+            }
+            status => Err(Error::StreamCapturing { operation, capture: status.id() }),
+        }
+    }
+
+    /// Keeps a free for later: `ptr` (allocated outside the capture now underway) is freed on
+    /// this stream once it no longer captures, ordered after the stream's pre-capture work. A
+    /// free node recorded now could not free memory the graph did not allocate, and would
+    /// corrupt the capture.
+    pub(crate) fn defer_free(&self, free: DeferredFree) {
+        self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner).push(free);
+    }
+
+    /// The frees waiting for the capture to end, taken from the list.
+    fn take_deferred_frees(&self) -> Vec<DeferredFree> {
+        std::mem::take(&mut *self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Runs the deferred frees (call only when the stream does not capture). Failures are
+    /// logged: like a buffer's drop, nobody is left to hand them to.
+    pub(crate) fn run_deferred_frees(&self) {
+        run_frees(self.as_raw(), self.take_deferred_frees());
+    }
+
+    /// Makes later work on this stream wait for the work queued on `other` so far: an event
+    /// recorded on `other` (in its context), or, for a stream borrowed without its context, a
+    /// host wait for `other`.
+    pub(crate) fn order_after(&self, other: &Stream) -> Result<()> {
+        match other.context() {
+            Some(context) => {
+                let ready = Event::new(context)?;
+                ready.record(other)?;
+                self.wait(&ready)
+            }
+            None => other.synchronize(),
+        }
     }
 
     /// Whether two handles name the same driver stream: the same handle in the same context.
@@ -384,16 +440,82 @@ fn check_borrowable(raw: sys::CUstream, context: Option<&Context>) -> Result<()>
     }
 }
 
+/// Whether `stream` (a live stream, bound) captures: `cuStreamGetCaptureInfo`.
+fn capture_info(stream: sys::CUstream) -> Result<CaptureStatus> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: sys::cuuint64_t = 0;
+    // SAFETY: a live stream; valid out-pointers, the optional ones null.
+    unsafe {
+        driver_call!(cuStreamGetCaptureInfo(
+            stream,
+            &mut status,
+            &mut id,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut()
+        ))
+    }?;
+    CaptureStatus::from_raw(status, id)
+}
+
+/// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
+/// mapped once their unmapping has run.
+fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
+    if frees.is_empty() {
+        return;
+    }
+    let mut imported = Vec::new();
+    for free in frees {
+        // SAFETY: a live stream-ordered allocation its buffer gave up when dropped, freed once.
+        match unsafe { driver_call!(cuMemFreeAsync(free.ptr, stream)) } {
+            Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free.ptr),
+            Ok(()) => {}
+            Err(error) => tracing::warn!(%error, ptr = free.ptr, "a free deferred by a capture failed"),
+        }
+    }
+    if !imported.is_empty() {
+        // SAFETY: a live stream.
+        match unsafe { driver_call!(cuStreamSynchronize(stream)) } {
+            Ok(()) => imported.into_iter().for_each(crate::owner::forget_mapping),
+            Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
+        }
+    }
+}
+
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        if !self.owned {
+        let frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if !self.owned && frees.is_empty() {
             return;
         }
-        let bound = self.context.as_ref().map_or(Ok(()), Context::ensure_current);
-        let result = bound.and_then(|()| {
-            // SAFETY: an owned stream, destroyed once.
-            unsafe { driver_call!(cuStreamDestroy(self.raw.0)) }
-        });
+        // The last clone is gone, so no capture begun here is underway (a capture's Stream
+        // borrow ends with it); frees run before the stream is destroyed.
+        let raw = self.raw.0;
+        let owned = self.owned;
+        let may_capture = self.capture_possible.load(Relaxed);
+        let destroy = || {
+            if !frees.is_empty() && may_capture && capture_info(raw)? != CaptureStatus::None {
+                // Code that lent the stream still captures on it: a free now would be recorded
+                // into its graph. The memory (and its pools) stay alive instead.
+                tracing::warn!(
+                    count = frees.len(),
+                    "a borrowed stream dropped during a capture: its deferred frees are leaked"
+                );
+                std::mem::forget(frees);
+                return Ok(());
+            }
+            run_frees(raw, frees);
+            if owned {
+                // SAFETY: an owned stream, destroyed once.
+                unsafe { driver_call!(cuStreamDestroy(raw)) }?;
+            }
+            Ok(())
+        };
+        let result = match &self.context {
+            Some(context) => context.while_current(destroy),
+            None => destroy(),
+        };
         if let Err(error) = result {
             tracing::warn!(%error, "destroying a stream failed");
         }
@@ -461,7 +583,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let result = self.context.ensure_current().and_then(|()| {
+        let result = self.context.while_current(|| {
             // SAFETY: an owned event, destroyed once.
             unsafe { driver_call!(cuEventDestroy(self.raw.0)) }
         });
@@ -499,6 +621,21 @@ mod tests {
         assert!(own.may_be_capturing(), "clones share the mark");
         std::mem::forget(own); // not a real stream: no destroy
         std::mem::forget(clone);
+    }
+
+    #[test]
+    fn frees_deferred_by_a_capture_wait_in_their_stream_with_their_pool_until_taken_once() {
+        let stream = Stream::from_parts(0x3000 as sys::CUstream, None, false);
+        let pool = Arc::new(Owner::new(0x4000 as sys::CUmemoryPool, false));
+        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()) });
+        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None });
+        assert_eq!(Arc::strong_count(&pool), 2, "the deferred free keeps its pool alive");
+        let taken = stream.take_deferred_frees();
+        assert_eq!(taken.iter().map(|f| f.ptr).collect::<Vec<_>>(), [0x10, 0x20], "clones share the list, in order");
+        assert!(stream.take_deferred_frees().is_empty(), "taken once");
+        drop(taken);
+        assert_eq!(Arc::strong_count(&pool), 1);
+        std::mem::forget(Arc::try_unwrap(pool).unwrap()); // not a real pool: no destroy
     }
 
     #[test]

@@ -19,6 +19,17 @@ fn public_handles_are_send_and_sync() {
     send_sync::<cumempool::SharedAllocation>();
     send_sync::<cumempool_sys::Driver>();
     send_sync::<cumempool_sys::LoadError>();
+    send_sync::<cumempool::PendingCopy>();
+    send_sync::<cumempool::GraphMemory>();
+}
+
+/// Graphs may move to another thread, but the driver does not synchronise graph objects, so a
+/// graph or an executable is never shared between threads (`&mut self` launches, no `Sync`).
+#[test]
+fn graphs_move_between_threads() {
+    fn send<T: Send>() {}
+    send::<cumempool::Graph<'static>>();
+    send::<cumempool::GraphExec<'static>>();
 }
 
 #[test]

@@ -1,0 +1,603 @@
+//! Stream capture into CUDA graphs, with the memory a graph uses kept alive by the borrow checker.
+
+use crate::buffer::BufferOn;
+use crate::context::Context;
+use crate::driver::{driver_answer, driver_call, Answer};
+use crate::driver_handle::DriverHandle;
+use crate::error::{Error, Result};
+use crate::location::{AllocationType, Route};
+use crate::pool::Pool;
+use crate::stream::{Event, Stream};
+use cumempool_sys as sys;
+use std::borrow::Borrow;
+use std::cell::{Cell, RefCell};
+use std::marker::PhantomData;
+
+/// Makes a type invariant in `'env` (so a borrow for a shorter time cannot stand in for it) and
+/// not `Sync` (graph objects are not synchronised by the driver).
+type Invariant<'env> = PhantomData<Cell<&'env ()>>;
+
+impl Stream {
+    /// Captures the work `record` queues through its [`Capture`] into a [`Graph`].
+    ///
+    /// The capture is begun in `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL` mode, so other threads'
+    /// CUDA calls are not disturbed, and is always ended: when `record` returns, fails or
+    /// panics. Captured allocations that `record` left alive are freed in the graph before it
+    /// ends. Frees deferred by the capture (buffers from outside it dropped meanwhile) run on
+    /// the stream afterwards. The stream is marked as one that may capture
+    /// ([`Stream::may_be_capturing`]).
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] on a stream that already captures; [`Error::CaptureRefused`]
+    /// for the driver's capture refusals (the legacy stream cannot be captured, and a capture
+    /// invalidated by other code fails when it ends); `record`'s own error (the graph is then
+    /// destroyed); the driver's answer.
+    ///
+    /// See [cuStreamBeginCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
+    pub fn capture<'env>(&self, record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>) -> Result<Graph<'env>> {
+        const WHAT: &str = "beginning a capture (Stream::capture)";
+        self.ensure_not_capturing(WHAT)?;
+        self.bind()?;
+        self.note_capture_possible();
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: a live stream that does not capture, bound.
+        let begun = unsafe { driver_answer!(cuStreamBeginCapture(self.as_raw(), mode)) }?;
+        refused_capture(begun, WHAT)?;
+        let ending = Ending { stream: self, ended: false };
+        let id = self.capture_status()?.id().unwrap_or_default();
+        let capture = Capture {
+            stream: self.clone(),
+            id,
+            live: RefCell::new(Vec::new()),
+            outside: RefCell::new(Vec::new()),
+            _env: PhantomData,
+        };
+        let recorded = record(&capture);
+        let outside = capture.finish();
+        match (recorded, ending.end()) {
+            (Ok(()), Ok(graph)) => {
+                Ok(Graph { raw: DriverHandle(graph), context: self.context().cloned(), outside, _env: PhantomData })
+            }
+            (Ok(()), Err(error)) => Err(error),
+            (Err(error), graph) => {
+                // The closure's error says more than the end's (which it may have caused).
+                graph.map(destroy_graph).ok();
+                Err(error)
+            }
+        }
+    }
+}
+
+/// Ends a capture that is still underway when dropped (`record` failed or panicked), and runs
+/// the frees deferred during it.
+struct Ending<'s> {
+    stream: &'s Stream,
+    ended: bool,
+}
+
+impl Ending<'_> {
+    fn end(mut self) -> Result<sys::CUgraph> {
+        self.ended = true;
+        let graph = end_capture(self.stream);
+        run_deferred_frees_once_ended(self.stream);
+        graph
+    }
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        match end_capture(self.stream) {
+            Ok(graph) => destroy_graph(graph),
+            Err(error) => tracing::warn!(%error, "ending an abandoned capture failed"),
+        }
+        run_deferred_frees_once_ended(self.stream);
+    }
+}
+
+/// Runs the frees deferred during the capture, unless a failed end left it underway (then the
+/// next capture-aware operation that finds it ended runs them).
+fn run_deferred_frees_once_ended(stream: &Stream) {
+    // Refused only while the capture is still underway; it runs the frees otherwise.
+    let _still_capturing = stream.ensure_not_capturing("ending a capture");
+}
+
+fn end_capture(stream: &Stream) -> Result<sys::CUgraph> {
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: a stream capturing on this thread (the capture began here); a valid out-pointer.
+    let answer = unsafe { driver_answer!(cuStreamEndCapture(stream.as_raw(), &mut graph)) }?;
+    refused_capture(answer, "ending a capture (Stream::capture)")?;
+    Ok(graph)
+}
+
+fn destroy_graph(graph: sys::CUgraph) {
+    if graph.is_null() {
+        return;
+    }
+    // SAFETY: a graph this crate owns, destroyed once.
+    if let Err(error) = unsafe { driver_call!(cuGraphDestroy(graph)) } {
+        tracing::warn!(%error, "destroying a graph failed");
+    }
+}
+
+/// `Ok` for success; a capture refusal as [`Error::CaptureRefused`] with what it means; any
+/// other code as the driver's error.
+fn refused_capture(answer: Answer, what: &'static str) -> Result<()> {
+    use sys::CUresult as R;
+    let hint = match answer.code {
+        R::CUDA_SUCCESS => return Ok(()),
+        R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED => {
+            "the operation cannot be captured (the legacy stream cannot capture; host waits cannot be recorded)"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => {
+            "an earlier operation invalidated the capture (a host wait on the capturing stream, say); nothing usable was recorded, capture again"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_MERGE | R::CUDA_ERROR_STREAM_CAPTURE_UNJOINED => {
+            "another stream joined the capture and was not joined back; order every forked stream back into the capturing stream"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED | R::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD => {
+            "the capture was not begun on this stream and thread; end a capture where it began"
+        }
+        R::CUDA_ERROR_STREAM_CAPTURE_ISOLATION | R::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => {
+            "captured work depends on work outside the capture (the legacy stream, or an event from outside); keep captured work on the capturing stream"
+        }
+        _ => return Err(answer.error()),
+    };
+    Err(Error::CaptureRefused { what, hint, cause: answer.cause() })
+}
+
+/// A capture underway ([`Stream::capture`]): the only way to queue captured work.
+///
+/// `'env` is how long the graph may run: memory from outside the capture, and the pools
+/// captured allocations come from, are borrowed for it.
+///
+/// A graph records addresses, and replaying it is sound only if every recorded address is live
+/// memory whenever it runs. So captured work goes only through [`Capture`]'s methods:
+/// - memory the capture allocates ([`Capture::alloc`]) is a [`CapturedBuffer`] that cannot
+///   leave the closure; it is freed inside the graph (when dropped, or when the closure returns),
+///   so every launch allocates and frees it again (graph memory: not the pool's, driver 580);
+/// - memory from outside ([`Capture::buffer`]) is borrowed mutably for `'env`, and so are the
+///   pools of captured allocations: [`Graph<'env>`] and [`GraphExec<'env>`] keep them borrowed,
+///   so they can be neither dropped nor touched while the graph can run.
+///
+/// Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
+/// [`Error::StreamCapturing`], before the driver: on driver 580 (CUDA 13.0) a host wait on a
+/// capturing stream (`cuStreamSynchronize`, as the waiting copies and host slices do) answers
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.
+///
+/// ```no_run
+/// use cumempool::{Device, MemPool, Route, Stream};
+/// # fn main() -> cumempool::Result<()> {
+/// let stream = Stream::new(&Device::get(0)?.primary_context()?)?;
+/// let device_pool = MemPool::new(Route::device(0))?;
+/// let host_pool = MemPool::new(Route::host())?;
+/// let mut result = host_pool.alloc(4096, &stream)?;
+/// let graph = stream.capture(|capture| {
+///     let scratch = capture.alloc(&device_pool, 4096)?; // graph memory, freed in the graph
+///     capture.fill(&scratch, 7)?;
+///     let result = capture.buffer(&mut result)?;
+///     capture.copy(&result, &scratch)
+/// })?;
+/// let mut exec = graph.instantiate()?;
+/// exec.launch(&stream)?;
+/// exec.launch(&stream)?;
+/// drop(exec); // waits for the last launch
+/// drop(graph);
+/// assert!(result.host_slice()?.iter().all(|b| *b == 7));
+/// # Ok(()) }
+/// ```
+///
+/// A graph cannot be replayed after a buffer it uses is gone:
+///
+/// ```compile_fail
+/// # use cumempool::{MemPool, Stream};
+/// # fn f(stream: &Stream, pool: &MemPool) -> cumempool::Result<()> {
+/// let mut buffer = pool.alloc(4096, stream)?;
+/// let graph = stream.capture(|capture| {
+///     let target = capture.buffer(&mut buffer)?;
+///     capture.fill(&target, 0)
+/// })?;
+/// drop(buffer); // error: `buffer` is borrowed by the graph
+/// graph.instantiate()?.launch(stream)?;
+/// # Ok(()) }
+/// ```
+///
+/// nor after the pool it allocated from is gone:
+///
+/// ```compile_fail
+/// # use cumempool::{MemPool, Route, Stream};
+/// # fn f(stream: &Stream) -> cumempool::Result<()> {
+/// let pool = MemPool::new(Route::device(0))?;
+/// let graph = stream.capture(|capture| {
+///     let scratch = capture.alloc(&pool, 4096)?;
+///     capture.fill(&scratch, 0)
+/// })?;
+/// let mut exec = graph.instantiate()?;
+/// drop(pool); // error: `pool` is borrowed by the graph
+/// exec.launch(stream)?;
+/// # Ok(()) }
+/// ```
+///
+/// and memory the capture allocated cannot leave it:
+///
+/// ```compile_fail
+/// # use cumempool::{MemPool, Stream};
+/// # fn f(stream: &Stream, pool: &MemPool) -> cumempool::Result<()> {
+/// let mut escaped = None;
+/// stream.capture(|capture| {
+///     escaped = Some(capture.alloc(pool, 4096)?); // error: borrowed data escapes the closure
+///     Ok(())
+/// })?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Capture<'env> {
+    stream: Stream,
+    id: u64,
+    /// Captured allocations not freed yet: freed in the graph when the closure returns.
+    live: RefCell<Vec<sys::CUdeviceptr>>,
+    /// The streams of the outside buffers the graph uses, which launches are ordered with.
+    outside: RefCell<Vec<Stream>>,
+    _env: Invariant<'env>,
+}
+
+impl<'env> Capture<'env> {
+    /// The capture's id (unique in the process).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The capturing stream.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Records an allocation of `bytes` from `pool` (an allocation node): graph memory, live
+    /// from here until the buffer is dropped or the closure returns, in every launch.
+    ///
+    /// The memory comes from the device's graph memory, not from the pool (driver 580): the
+    /// pool's maximum size does not cap it and its statistics do not count it; see
+    /// [`Device::graph_memory`](crate::Device::graph_memory).
+    ///
+    /// # Errors
+    /// [`Error::ImportedPoolAllocation`] for an imported pool; [`Error::OutOfMemory`]; the
+    /// driver's answer (`cuMemAllocFromPoolAsync`).
+    pub fn alloc(&self, pool: &'env Pool, bytes: usize) -> Result<CapturedBuffer<'_>> {
+        let route = pool.route();
+        if bytes == 0 {
+            return Ok(CapturedBuffer { ptr: 0, len: 0, route, capture: self.id, owner: None });
+        }
+        let ptr = pool.alloc_on(bytes, &self.stream)?;
+        self.live.borrow_mut().push(ptr);
+        Ok(CapturedBuffer { ptr, len: bytes, route, capture: self.id, owner: Some((&self.stream, &self.live)) })
+    }
+
+    /// Lets the graph use a buffer from outside the capture, borrowed mutably for as long as the
+    /// graph may run (`'env`). Launches are ordered after the work queued on the buffer's
+    /// stream, and the buffer's stream after each launch, so its free comes after every launch.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] for a buffer whose own stream (other than the capturing one)
+    /// captures too; the driver's answer.
+    pub fn buffer<S: Borrow<Stream>>(&self, buffer: &'env mut BufferOn<S>) -> Result<CapturedBuffer<'_>> {
+        let stream = buffer.on();
+        if !stream.same_as(&self.stream) {
+            stream.ensure_not_capturing("using a buffer in a capture (Capture::buffer)")?;
+        }
+        let mut outside = self.outside.borrow_mut();
+        if !outside.iter().any(|known| known.same_as(stream)) {
+            outside.push(stream.clone());
+        }
+        Ok(CapturedBuffer {
+            ptr: buffer.as_raw(),
+            len: buffer.len(),
+            route: buffer.route(),
+            capture: self.id,
+            owner: None,
+        })
+    }
+
+    /// Records setting every byte of `dst` to `value` (a memset node). Device and managed
+    /// memory only: the driver's memset refuses pinned host memory; copy into it instead.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for pinned host memory or a buffer of another capture; the
+    /// driver's answer.
+    ///
+    /// See [cuMemsetD8Async](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+    pub fn fill(&self, dst: &CapturedBuffer<'_>, value: u8) -> Result<()> {
+        const WHAT: &str = "filling a buffer in a capture (Capture::fill)";
+        self.check_own(WHAT, dst)?;
+        if dst.route.is_some_and(|r| r.location.is_host() && r.allocation_type == AllocationType::Pinned) {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                reason: "the driver's memset refuses pinned host memory; fill a device buffer and copy it in with Capture::copy".into(),
+            });
+        }
+        if dst.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: a live allocation of `len` bytes whenever the graph runs (see `Capture`).
+        let answer = unsafe { driver_answer!(cuMemsetD8Async(dst.ptr, value, dst.len, self.stream.as_raw())) }?;
+        refused_capture(answer, WHAT)
+    }
+
+    /// Records copying the start of `src` into the start of `dst` (a copy node): device, managed
+    /// and pinned host pool memory.
+    ///
+    /// # Errors
+    /// [`Error::DoesNotFit`] when `src` is longer than `dst`; [`Error::InvalidArgument`] for a
+    /// buffer of another capture; the driver's answer.
+    ///
+    /// See [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
+    pub fn copy(&self, dst: &CapturedBuffer<'_>, src: &CapturedBuffer<'_>) -> Result<()> {
+        const WHAT: &str = "copying in a capture (Capture::copy)";
+        self.check_own(WHAT, dst)?;
+        self.check_own(WHAT, src)?;
+        if src.len > dst.len {
+            return Err(Error::DoesNotFit { what: WHAT, requested: src.len, capacity: dst.len });
+        }
+        if src.len == 0 {
+            return Ok(());
+        }
+        // Copies that involve host memory need the context current (see `Stream::bind_context`).
+        self.stream.bind_context()?;
+        // SAFETY: both live for at least `src.len` bytes whenever the graph runs.
+        let answer = unsafe { driver_answer!(cuMemcpyAsync(dst.ptr, src.ptr, src.len, self.stream.as_raw())) }?;
+        refused_capture(answer, WHAT)
+    }
+
+    fn check_own(&self, what: &'static str, buffer: &CapturedBuffer<'_>) -> Result<()> {
+        if buffer.capture != self.id {
+            return Err(Error::InvalidArgument {
+                what,
+                reason: format!(
+                    "the buffer belongs to capture {}, not to this capture ({}); each capture uses its own buffers",
+                    buffer.capture, self.id
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Frees the captured allocations still alive (a `CapturedBuffer` forgotten with
+    /// `mem::forget`) in the graph, and hands over the outside streams.
+    fn finish(&self) -> Vec<Stream> {
+        for ptr in std::mem::take(&mut *self.live.borrow_mut()) {
+            free_node(ptr, &self.stream);
+        }
+        std::mem::take(&mut *self.outside.borrow_mut())
+    }
+}
+
+impl Drop for Capture<'_> {
+    fn drop(&mut self) {
+        // Unwinding out of the closure: free nodes before the capture ends.
+        self.finish();
+    }
+}
+
+/// Records the free of a captured allocation (a free node); a failure is logged, as in a drop.
+fn free_node(ptr: sys::CUdeviceptr, stream: &Stream) {
+    // SAFETY: a live allocation of this capture, freed once (it left the live list).
+    if let Err(error) = unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) } {
+        tracing::warn!(%error, ptr, "recording the free of a captured allocation failed");
+    }
+}
+
+/// Memory a capture can use: allocated by it ([`Capture::alloc`], freed in the graph when this
+/// is dropped) or from outside it ([`Capture::buffer`]). It cannot leave the capture's closure.
+#[derive(Debug)]
+pub struct CapturedBuffer<'c> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    route: Option<Route>,
+    capture: u64,
+    /// For memory the capture allocated: the capturing stream and the capture's live list.
+    owner: Option<(&'c Stream, &'c RefCell<Vec<sys::CUdeviceptr>>)>,
+}
+
+impl CapturedBuffer<'_> {
+    /// The device address (the same in every launch).
+    pub fn as_raw(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the capture allocated it (and frees it in the graph).
+    pub fn is_captured_allocation(&self) -> bool {
+        self.owner.is_some()
+    }
+}
+
+impl Drop for CapturedBuffer<'_> {
+    fn drop(&mut self) {
+        let Some((stream, live)) = self.owner else { return };
+        let mut live = live.borrow_mut();
+        if let Some(at) = live.iter().position(|p| *p == self.ptr) {
+            live.swap_remove(at);
+            drop(live);
+            free_node(self.ptr, stream);
+        }
+    }
+}
+
+/// A captured graph (`cuGraphDestroy` when dropped). It keeps borrowed, for `'env`, the memory
+/// and pools its work uses.
+#[derive(Debug)]
+pub struct Graph<'env> {
+    raw: DriverHandle<sys::CUgraph>,
+    context: Option<Context>,
+    outside: Vec<Stream>,
+    _env: Invariant<'env>,
+}
+
+impl<'env> Graph<'env> {
+    /// The driver's handle.
+    pub fn as_raw(&self) -> sys::CUgraph {
+        self.raw.0
+    }
+
+    /// How many nodes the graph has.
+    ///
+    /// See [cuGraphGetNodes](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    ///
+    /// # Errors
+    /// The driver's answer.
+    pub fn node_count(&self) -> Result<usize> {
+        let mut count = 0;
+        // SAFETY: a live graph; a null node array asks only for the count.
+        unsafe { driver_call!(cuGraphGetNodes(self.raw.0, std::ptr::null_mut(), &mut count)) }?;
+        Ok(count)
+    }
+
+    /// An executable graph, instantiated with `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`
+    /// (graph memory a launch left allocated is freed by the next launch), in the capturing
+    /// stream's context. The graph may be dropped afterwards; the executable keeps `'env`.
+    ///
+    /// # Errors
+    /// [`Error::StreamNotBorrowable`] when the capturing stream was borrowed without its
+    /// context; the driver's answer.
+    ///
+    /// See [cuGraphInstantiateWithFlags](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    pub fn instantiate(&self) -> Result<GraphExec<'env>> {
+        let Some(context) = &self.context else {
+            return Err(Error::StreamNotBorrowable {
+                reason: "instantiating a graph needs the capturing stream's context; borrow the stream with it (Stream::borrow_raw(raw, Some(&context)))",
+            });
+        };
+        let done = Event::new(context)?;
+        context.ensure_current()?;
+        let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a live graph; a valid out-pointer; the context is current.
+        unsafe { driver_call!(cuGraphInstantiateWithFlags(&mut raw, self.raw.0, u64::from(flags))) }?;
+        Ok(GraphExec {
+            raw: DriverHandle(raw),
+            context: context.clone(),
+            done,
+            launched: false,
+            outside: self.outside.clone(),
+            _env: PhantomData,
+        })
+    }
+}
+
+impl Drop for Graph<'_> {
+    fn drop(&mut self) {
+        destroy_graph(self.raw.0);
+    }
+}
+
+/// An executable graph (`cuGraphExecDestroy` when dropped).
+///
+/// It may move to another thread but not be shared between threads: the driver does not
+/// synchronise graph objects, and the event that tracks the last launch is re-recorded by each.
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<cumempool::GraphExec<'static>>();
+/// ```
+///
+/// Dropping it waits on the host for its last launch, so the memory it borrowed for `'env` is
+/// released only after every launch has finished. Each launch is also ordered after the work
+/// queued on the streams of the outside buffers it uses, and those streams after the launch, so
+/// even a leaked executable cannot let a buffer be freed under a running launch.
+#[derive(Debug)]
+pub struct GraphExec<'env> {
+    raw: DriverHandle<sys::CUgraphExec>,
+    context: Context,
+    /// Recorded after each launch; launches of one executable run one after another.
+    done: Event,
+    launched: bool,
+    outside: Vec<Stream>,
+    _env: Invariant<'env>,
+}
+
+impl GraphExec<'_> {
+    /// The driver's handle.
+    pub fn as_raw(&self) -> sys::CUgraphExec {
+        self.raw.0
+    }
+
+    /// Launches the graph on `stream`, ordered after the work queued on it and on the streams of
+    /// the outside buffers the graph uses.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] when `stream` (or an outside buffer's stream) captures; the
+    /// driver's answer.
+    ///
+    /// See [cuGraphLaunch](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    pub fn launch(&mut self, stream: &Stream) -> Result<()> {
+        const WHAT: &str = "launching a graph (GraphExec::launch)";
+        stream.ensure_not_capturing(WHAT)?;
+        for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
+            other.ensure_not_capturing(WHAT)?;
+            stream.order_after(other)?;
+        }
+        stream.bind()?;
+        // SAFETY: a live executable and stream; the memory it uses is borrowed for `'env`.
+        unsafe { driver_call!(cuGraphLaunch(self.raw.0, stream.as_raw())) }?;
+        self.launched = true;
+        if let Err(error) = self.done.record(stream) {
+            // Without the event, Drop could not wait for this launch: wait now.
+            stream.synchronize()?;
+            return Err(error);
+        }
+        for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
+            other.wait(&self.done)?;
+        }
+        Ok(())
+    }
+
+    /// Uploads the graph to the device ahead of its first launch, ordered on `stream`.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] when `stream` captures; the driver's answer.
+    ///
+    /// See [cuGraphUpload](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
+    pub fn upload(&mut self, stream: &Stream) -> Result<()> {
+        stream.ensure_not_capturing("uploading a graph (GraphExec::upload)")?;
+        stream.bind()?;
+        // SAFETY: a live executable and stream.
+        unsafe { driver_call!(cuGraphUpload(self.raw.0, stream.as_raw())) }
+    }
+
+    /// Waits on the host until the last launch has finished.
+    ///
+    /// # Errors
+    /// The driver's answer, which includes errors of the launch.
+    pub fn synchronize(&self) -> Result<()> {
+        self.done.synchronize()
+    }
+}
+
+impl Drop for GraphExec<'_> {
+    fn drop(&mut self) {
+        if self.launched {
+            if let Err(error) = self.done.synchronize() {
+                tracing::warn!(%error, "waiting for a graph's last launch failed");
+            }
+        }
+        let raw = self.raw.0;
+        let result = self.context.while_current(|| {
+            // SAFETY: an executable this crate owns, destroyed once, after its last launch.
+            unsafe { driver_call!(cuGraphExecDestroy(raw)) }
+        });
+        if let Err(error) = result {
+            tracing::warn!(%error, "destroying an executable graph failed");
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Stream capture on the real driver: captured work through `Capture`, graphs replayed, buffer
+//! methods refused on a capturing stream (leaving the capture intact), frees deferred to the end
+//! of a capture, graph memory beside a pool's cap, and copies that do not wait.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::sys::{self, CUresult};
+use cumempool::{Device, Error, MemPool, Route, Stream};
+use cumempool_tests::{gpu, gpu_stream, pattern};
+
+const MIB: usize = 1 << 20;
+
+/// Begins a capture on `stream` as other code would (cudarc's `begin_capture`, say): through the
+/// driver, after marking the stream as one that may capture.
+fn begin_foreign_capture(stream: &Stream) {
+    stream.note_capture_possible();
+    let begin = sys::driver().unwrap().cuStreamBeginCapture().unwrap();
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a live stream that does not capture.
+    assert_eq!(unsafe { begin(stream.as_raw(), mode) }, CUresult::CUDA_SUCCESS);
+}
+
+/// Ends the capture begun by [`begin_foreign_capture`]: the driver's answer (not invalidated, if
+/// nothing here disturbed it) and the graph's node count; the graph is destroyed.
+fn end_foreign_capture(stream: &Stream) -> (CUresult, usize) {
+    let driver = sys::driver().unwrap();
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: the capture begun on this thread; a valid out-pointer.
+    let ended = unsafe { driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph) };
+    let mut nodes = 0;
+    if !graph.is_null() {
+        // SAFETY: the graph just handed back, destroyed once.
+        unsafe {
+            assert_eq!(
+                driver.cuGraphGetNodes().unwrap()(graph, std::ptr::null_mut(), &mut nodes),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(driver.cuGraphDestroy().unwrap()(graph), CUresult::CUDA_SUCCESS);
+        }
+    }
+    (ended, nodes)
+}
+
+fn capturing(result: cumempool::Result<impl std::fmt::Debug>, what: &str) {
+    match result {
+        Err(Error::StreamCapturing { capture: Some(_), .. }) => {}
+        other => panic!("{what}: expected StreamCapturing, got {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_captured_allocation_fill_copy_and_drop_replays_into_pinned_host_memory() {
+    let stream = gpu_stream().expect("a GPU");
+    let device_pool = MemPool::new(Route::device(0)).unwrap();
+    let host_pool = MemPool::new(Route::host()).unwrap();
+    let mut result = host_pool.alloc(MIB, &stream).unwrap();
+    result.host_slice_mut().unwrap().fill(0);
+    let graph = stream
+        .capture(|capture| {
+            let scratch = capture.alloc(&device_pool, MIB)?;
+            assert!(scratch.is_captured_allocation());
+            capture.fill(&scratch, 0x5a)?;
+            let target = capture.buffer(&mut result)?;
+            capture.copy(&target, &scratch)?;
+            drop(scratch); // a free node
+            Ok(())
+        })
+        .unwrap();
+    assert!(!stream.is_capturing().unwrap(), "the capture ended");
+    assert_eq!(graph.node_count().unwrap(), 4, "allocation, memset, copy, free");
+    let mut exec = graph.instantiate().unwrap();
+    drop(graph); // the executable does not need it
+    exec.upload(&stream).unwrap();
+    exec.launch(&stream).unwrap();
+    exec.launch(&stream).unwrap();
+    exec.synchronize().unwrap();
+    drop(exec);
+    assert!(result.host_slice().unwrap().iter().all(|b| *b == 0x5a), "the replayed copy landed");
+    assert_eq!(device_pool.used_mem_current().unwrap(), 0, "captured memory is not the pool's");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_capped_pool_serves_a_capture_from_graph_memory_which_stays_reserved_until_trimmed() {
+    let stream = gpu_stream().expect("a GPU");
+    let device = Device::get(0).unwrap();
+    let pool = MemPool::builder(Route::device(0)).max_size(64 * MIB as u64).build().unwrap();
+    assert!(pool.alloc(128 * MIB, &stream).is_err_and(|e| e.is_out_of_memory()), "the cap holds outside a capture");
+    device.trim_graph_memory().unwrap();
+    device.reset_graph_memory_high().unwrap();
+    let graph = stream
+        .capture(|capture| {
+            let big = capture.alloc(&pool, 128 * MIB)?;
+            capture.fill(&big, 1)
+        })
+        .unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    exec.launch(&stream).unwrap();
+    exec.synchronize().unwrap();
+    let after_launch = device.graph_memory().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "the pool served none of it");
+    assert!(after_launch.used_high >= 128 * MIB as u64, "{after_launch:?}");
+    assert!(after_launch.reserved_current >= 128 * MIB as u64, "{after_launch:?}");
+    drop(exec);
+    drop(graph);
+    let after_free = device.graph_memory().unwrap();
+    assert!(after_free.reserved_current >= 128 * MIB as u64, "reserved after the free: {after_free:?}");
+    device.trim_graph_memory().unwrap();
+    let trimmed = device.graph_memory().unwrap();
+    assert!(trimmed.reserved_current < 128 * MIB as u64, "trimmed: {trimmed:?}");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn buffer_methods_on_a_stream_captured_by_other_code_are_refused_and_the_capture_survives() {
+    let stream = gpu_stream().expect("a GPU");
+    let other = Stream::new(stream.context().unwrap()).unwrap();
+    let host_pool = MemPool::new(Route::host()).unwrap();
+    let device_pool = MemPool::new(Route::device(0)).unwrap();
+    let mut host = host_pool.alloc(4096, &stream).unwrap();
+    let mut device = device_pool.alloc(4096, &stream).unwrap();
+    let source = device_pool.alloc(4096, &other).unwrap();
+    stream.synchronize().unwrap();
+    begin_foreign_capture(&stream);
+    assert!(stream.is_capturing().unwrap());
+    let mut bytes = vec![0; 4096];
+    capturing(host.copy_to_host(&mut bytes), "copy_to_host");
+    capturing(host.copy_from_host(&bytes), "copy_from_host");
+    capturing(host.host_slice().map(<[u8]>::len), "host_slice");
+    capturing(host.fill(1), "fill of pinned memory (a host wait)");
+    capturing(device.fill(1), "fill of device memory");
+    capturing(device.copy_from(&source), "copy_from");
+    capturing(device.copy_from_async(&source), "copy_from_async");
+    capturing(device.copy_to_host_async(vec![0; 16]).map(|_| ()), "copy_to_host_async");
+    capturing(device_pool.alloc(4096, &stream), "Pool::alloc");
+    capturing(device_pool.alloc_owned(4096, &stream), "Pool::alloc_owned");
+    capturing(stream.capture(|_| Ok(())), "a second capture");
+    let (ended, nodes) = end_foreign_capture(&stream);
+    assert_eq!(ended, CUresult::CUDA_SUCCESS, "the capture was not invalidated");
+    assert_eq!(nodes, 0, "nothing was recorded");
+    host.fill(2).unwrap();
+    assert!(host.host_slice().unwrap().iter().all(|b| *b == 2), "usable after the capture");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    // Through the library's capture: freed when the capture ends.
+    let buffer = pool.alloc(MIB, &stream).unwrap();
+    let graph = stream
+        .capture(|_| {
+            drop(buffer);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(graph.node_count().unwrap(), 0, "no free node was recorded");
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "freed once the capture ended");
+
+    // Through other code's capture: freed by the next capture-aware operation, or the stream's drop.
+    let mut kept = pool.alloc(MIB, &stream).unwrap();
+    let dropped = pool.alloc(MIB, &stream).unwrap();
+    begin_foreign_capture(&stream);
+    drop(dropped);
+    let (ended, nodes) = end_foreign_capture(&stream);
+    assert_eq!((ended, nodes), (CUresult::CUDA_SUCCESS, 0));
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 2 * MIB as u64, "still deferred");
+    kept.fill(0).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), MIB as u64, "the deferred free ran");
+    drop(kept);
+    let last = pool.alloc_owned(MIB, &stream).unwrap();
+    begin_foreign_capture(&stream);
+    drop(last);
+    assert_eq!(end_foreign_capture(&stream).0, CUresult::CUDA_SUCCESS);
+    let context = stream.context().unwrap().clone();
+    drop(stream); // runs the deferred free before destroying the stream
+    context.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "the stream's drop ran its deferred free");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn raw_allocations_in_a_capture_are_freed_in_it_or_left_to_the_graph() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let kept = std::cell::Cell::new(0);
+    let graph = stream
+        .capture(|capture| {
+            let freed = pool.alloc_raw(4096, capture.stream())?;
+            assert!(cumempool::is_captured_allocation(freed));
+            // SAFETY: allocated above in this capture, freed once (a free node).
+            unsafe { cumempool::free_async(freed, capture.stream()) }?;
+            assert!(!cumempool::is_captured_allocation(freed));
+            kept.set(pool.alloc_raw(4096, capture.stream())?);
+            Ok(())
+        })
+        .unwrap();
+    assert!(cumempool::is_captured_allocation(kept.get()));
+    // SAFETY: the graph owns it: this free frees nothing and forgets the address.
+    unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
+    assert!(!cumempool::is_captured_allocation(kept.get()));
+    let mut exec = graph.instantiate().unwrap();
+    exec.launch(&stream).unwrap();
+    exec.launch(&stream).unwrap(); // auto-free-on-launch reclaims the first launch's allocation
+    exec.synchronize().unwrap();
+    // SAFETY: the last launch's allocation, which no free node frees; freed once, here.
+    unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
+    drop(exec);
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_closure_that_fails_or_panics_ends_its_capture() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let failed = stream.capture(|capture| {
+        let _scratch = capture.alloc(&pool, 4096)?;
+        Err(Error::InvalidArgument { what: "testing", reason: "the closure fails".into() })
+    });
+    assert!(matches!(failed, Err(Error::InvalidArgument { what: "testing", .. })));
+    assert!(!stream.is_capturing().unwrap());
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = stream.capture(|capture| {
+            let _scratch = capture.alloc(&pool, 4096)?;
+            panic!("inside a capture");
+        });
+    }));
+    assert!(panicked.is_err());
+    assert!(!stream.is_capturing().unwrap(), "the panic ended the capture");
+    stream.capture(|_| Ok(())).unwrap();
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn copy_from_async_orders_both_streams_and_frees_after_the_copy() {
+    let context = gpu().expect("a GPU");
+    let (a_stream, b_stream) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    for route in [Route::device(0), Route::host(), Route::managed(cumempool::Location::Device(0))] {
+        let pool = MemPool::new(route).unwrap();
+        let data = pattern(8 * MIB, 5);
+        let mut source = pool.alloc(data.len(), &b_stream).unwrap();
+        source.copy_from_host(&data).unwrap();
+        let mut target = pool.alloc(data.len(), &a_stream).unwrap();
+        target.copy_from_async(&source).unwrap();
+        drop(source); // freed on b_stream, after the copy on a_stream
+        let back = target.copy_to_host_async(vec![0; data.len()]).unwrap().wait().unwrap();
+        assert_eq!(back, data, "{route}");
+        let mut same = pool.alloc(data.len(), &a_stream).unwrap();
+        same.copy_from_async(&target).unwrap();
+        let pending = same.copy_to_host_async(vec![0; data.len()]).unwrap();
+        assert_eq!(pending.wait().unwrap(), data, "{route}: on one stream");
+        same.copy_from_host_async(pattern(data.len(), 6)).unwrap().wait().unwrap();
+        let mut back = vec![0; data.len()];
+        same.copy_to_host(&mut back).unwrap();
+        assert_eq!(back, pattern(data.len(), 6), "{route}: from the host");
+    }
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_forgotten_pending_copy_leaks_its_vector_and_nothing_else() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let buffer = pool.alloc(MIB, &stream).unwrap();
+    std::mem::forget(buffer.copy_to_host_async(vec![0; MIB]).unwrap());
+    drop(buffer);
+    stream.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}
