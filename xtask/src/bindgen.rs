@@ -133,7 +133,6 @@ const FUNCTIONS: &[&str] = &[
     "cuDeviceGetGraphMemAttribute",
     "cuDeviceSetGraphMemAttribute",
     "cuDeviceGraphMemTrim",
-    "cuLaunchHostFunc",
     // the virtual memory management API: arenas that NCCL can register
     "cuMemCreate",
     "cuMemRelease",

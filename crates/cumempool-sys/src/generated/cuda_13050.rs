@@ -387,7 +387,6 @@ impl CUmem_advise_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmem_advise_enum(pub ::core::ffi::c_uint);
 pub use self::CUmem_advise_enum as CUmem_advise;
-pub type CUhostFn = ::core::option::Option<unsafe extern "C" fn(userData: *mut ::core::ffi::c_void)>;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUgraphEdgeData_st {
@@ -1047,13 +1046,6 @@ pub type PFN_cuGraphLaunch = unsafe extern "C" fn(hGraphExec: CUgraphExec, hStre
 pub type PFN_cuGraphUpload = unsafe extern "C" fn(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult;
 #[doc = " `cuInit` as the driver hands it out for CUDA 2.0 and later."]
 pub type PFN_cuInit = unsafe extern "C" fn(Flags: ::core::ffi::c_uint) -> CUresult;
-#[doc = " `cuLaunchHostFunc` as the driver hands it out for CUDA 13.1 and later."]
-pub type PFN_cuLaunchHostFunc = unsafe extern "C" fn(
-    hStream: CUstream,
-    fn_: CUhostFn,
-    userData: *mut ::core::ffi::c_void,
-    syncMode: ::core::ffi::c_uint,
-) -> CUresult;
 #[doc = " `cuMemAddressFree` as the driver hands it out for CUDA 10.2 and later."]
 pub type PFN_cuMemAddressFree = unsafe extern "C" fn(ptr: CUdeviceptr, size: usize) -> CUresult;
 #[doc = " `cuMemAddressReserve` as the driver hands it out for CUDA 10.2 and later."]
@@ -1327,7 +1319,6 @@ crate::loader::entry_points! {
     cuGraphLaunch: PFN_cuGraphLaunch = 10000,
     cuGraphUpload: PFN_cuGraphUpload = 11010,
     cuInit: PFN_cuInit = 2000,
-    cuLaunchHostFunc: PFN_cuLaunchHostFunc = 13010,
     cuMemAddressFree: PFN_cuMemAddressFree = 10020,
     cuMemAddressReserve: PFN_cuMemAddressReserve = 10020,
     cuMemAdvise: PFN_cuMemAdvise = 12020,
