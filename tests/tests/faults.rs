@@ -346,6 +346,9 @@ fn a_free_deferred_by_a_capture_that_fails_says_so_once() {
 #[ignore = "requires a CUDA GPU"]
 fn creating_a_pool_that_fails_leaves_nothing_half_made() {
     let Some((_lock, suite)) = suite() else { return };
+    // A retired pool of the same properties would serve the builder without cuMemPoolCreate.
+    // SAFETY: the suite lock serialises the cases; no thread allocates through a route now.
+    unsafe { cumempool::destroy_retired_pools() }.unwrap();
     // Every property goes to the driver in the one cuMemPoolCreate call: no attribute is set
     // before or after it, so a refusal leaves no pool behind.
     let builder = || MemPool::builder(Route::host()).max_size(64 << 20);
@@ -417,6 +420,10 @@ fn an_allocation_that_fails_is_typed_and_leaves_the_pool_usable() {
 #[ignore = "requires a CUDA GPU"]
 fn a_pool_whose_destroy_fails_is_reported_and_never_destroyed_twice() {
     let Some((_lock, suite)) = suite() else { return };
+    // Earlier cases routed host pools; retired, one would serve `MemPool::new` below, and a pool
+    // that was ever current is retired, never destroyed. Start from none.
+    // SAFETY: the suite lock serialises the cases; no thread allocates through a route now.
+    unsafe { cumempool::destroy_retired_pools() }.unwrap();
     let destroy = cumempool::sys::driver().unwrap().cuMemPoolDestroy().unwrap();
     let pool = MemPool::new(Route::host()).unwrap();
     let raw = pool.as_raw();
