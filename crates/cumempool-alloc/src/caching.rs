@@ -36,6 +36,15 @@
 //!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
 //!   [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what it holds and retries
 //!   once.
+//! - **Nothing crosses a capture boundary.** While a stream is capturing into a CUDA graph, an
+//!   allocation on it is never served from the cache (the graph would use the block at every
+//!   replay while the cache hands it to others) and a free on it is never cached: both go
+//!   straight below, which records them in the capture. A block handed out during a capture is
+//!   graph memory: the cache remembers its address until it is freed, and that free, whenever
+//!   and on whatever stream, goes below with the size and alignment it was asked with. The
+//!   hot path pays for this with two relaxed loads: the stream's mark that no capture is
+//!   possible ([`StreamOrderedResource::may_be_capturing`]) and a count of such blocks; the
+//!   driver is asked, and the blocks' set locked, only when those say so.
 
 mod lanes;
 
@@ -46,6 +55,7 @@ use cumempool::Stream;
 use lanes::{
     claim, give_lists_if_missing, own_lane, prepare_fences, ClaimedLanes, Fences, Lane, LaneState, Unreachable, LANES,
 };
+use std::collections::HashMap;
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
@@ -264,6 +274,8 @@ impl CacheStats {
 ///   more are given back, then those of the least recently used streams.
 /// - If the resource below answers with a no-memory error, the cache gives back what it holds
 ///   and retries once.
+/// - While a stream is capturing, its allocations and frees go straight to the resource below,
+///   and blocks allocated during a capture are never cached, whenever they are freed.
 /// - The resource below, and a global allocator, must not call back into the same cache: a
 ///   slow path holds a stream's lock while it allocates host memory.
 pub struct CachingResource<R: StreamOrderedResource> {
@@ -292,6 +304,15 @@ pub struct CachingResource<R: StreamOrderedResource> {
     fences: Fences,
     /// The process that made the cache: a forked child cannot claim lanes.
     made_in: u32,
+    /// Blocks handed out while their stream was capturing (graph memory), by address, each
+    /// with how many such blocks live there: never cached, given back below as they were asked
+    /// for (see [`CachingResource::deallocate_under_capture_rules`]).
+    captured: Mutex<HashMap<CUdeviceptr, usize>>,
+    /// How many blocks `captured` counts, changed under its lock: the free's hot path reads it
+    /// (one relaxed load) and consults `captured` only when it is not 0. A thread freeing such
+    /// a block got it, through whatever handed it over, after its count was added, and only
+    /// its own free takes that count away, so it cannot read 0 here.
+    captured_count: AtomicUsize,
 }
 
 impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
@@ -346,6 +367,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             chunk,
             fences,
             made_in: std::process::id(),
+            captured: Mutex::new(HashMap::new()),
+            captured_count: AtomicUsize::new(0),
         }
     }
 
@@ -792,15 +815,19 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
     #[inline(always)]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         check_alignment(align)?;
-        match self.pop_from_lane(bytes, stream) {
-            Some(ptr) => Ok(ptr),
-            None => self.allocate_beyond_lane(bytes, align, stream),
+        if self.inner.may_be_capturing(stream) {
+            return self.allocate_under_capture_rules(bytes, align, stream);
         }
+        self.allocate_from_cache(bytes, align, stream)
     }
 
     #[inline(always)]
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
-        if self.push_to_lane(ptr, bytes, stream) {
+        // Both loads relaxed: see `captured_count`, and `Stream::may_be_capturing` for the mark.
+        if self.captured_count.load(Relaxed) == 0
+            && !self.inner.may_be_capturing(stream)
+            && self.push_to_lane(ptr, bytes, stream)
+        {
             return Ok(());
         }
         // SAFETY: forwarded under the caller's promise.
@@ -811,6 +838,81 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
 /// The hot paths, small enough to be inlined wherever the cache is called, and the rest, kept
 /// out of line so that they do not stop that.
 impl<R: StreamOrderedResource> CachingResource<R> {
+    /// An allocation from the cache if it can serve it, or from below: no capture is underway
+    /// on `stream`.
+    #[inline(always)]
+    fn allocate_from_cache(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        match self.pop_from_lane(bytes, stream) {
+            Some(ptr) => Ok(ptr),
+            None => self.allocate_beyond_lane(bytes, align, stream),
+        }
+    }
+
+    /// An allocation on a stream that may be capturing. While it is, no cached block may serve
+    /// it (the graph would use the block at every replay while the cache hands it to others),
+    /// so it goes straight below, and the block is remembered: it is graph memory, and its
+    /// free must not cache it either.
+    #[cold]
+    #[inline(never)]
+    fn allocate_under_capture_rules(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        if !self.inner.is_capturing(stream)? {
+            return self.allocate_from_cache(bytes, align, stream);
+        }
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let ptr = self.inner.allocate(bytes, align, stream)?;
+        let mut captured = lock(&self.captured);
+        *captured.entry(ptr).or_default() += 1;
+        self.captured_count.fetch_add(1, Relaxed);
+        Ok(ptr)
+    }
+
+    /// Frees below what the cache must not take: a block it handed out during a capture
+    /// (remembered in `captured`; given back with the `bytes` and `align` it was asked for),
+    /// or any block freed on a capturing stream (a class block with its class's size and the
+    /// pools' alignment, as it was allocated). `None` for a block the cache may take. When the
+    /// capture status cannot be had, the block goes below: that is never wrong.
+    ///
+    /// # Safety
+    /// As [`StreamOrderedResource::deallocate`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn deallocate_under_capture_rules(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &Stream,
+    ) -> Option<Result<()>> {
+        if self.captured_count.load(Relaxed) != 0 && self.forget_captured(ptr) {
+            // SAFETY: the block came from `inner` with these arguments during a capture.
+            return Some(unsafe { self.inner.deallocate(ptr, bytes, align, stream) });
+        }
+        if !self.inner.may_be_capturing(stream) || self.inner.is_capturing(stream).is_ok_and(|capturing| !capturing) {
+            return None;
+        }
+        let (bytes, align) = match size_class(bytes) {
+            Some((_, class)) => (class, POOL_ALIGNMENT),
+            None => (bytes, align),
+        };
+        // SAFETY: a class block came from `inner` with its class size and the pools'
+        // alignment, a larger one with the caller's arguments; freed once, here.
+        Some(unsafe { self.inner.deallocate(ptr, bytes, align, stream) })
+    }
+
+    /// Takes `ptr` out of the blocks handed out during a capture; false if it is not one.
+    fn forget_captured(&self, ptr: CUdeviceptr) -> bool {
+        let mut captured = lock(&self.captured);
+        let Some(count) = captured.get_mut(&ptr) else { return false };
+        *count -= 1;
+        if *count == 0 {
+            captured.remove(&ptr);
+        }
+        self.captured_count.fetch_sub(1, Relaxed);
+        true
+    }
+
     /// A hit in the calling thread's lane of a stream in its home slot; `None` for anything else
     /// (any other case is retried by `allocate_beyond_lane`).
     #[inline(always)]
@@ -928,6 +1030,12 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
+        }
+        if self.captured_count.load(Relaxed) != 0 || self.inner.may_be_capturing(stream) {
+            // SAFETY: forwarded under the caller's promise.
+            if let Some(freed) = unsafe { self.deallocate_under_capture_rules(ptr, bytes, align, stream) } {
+                return freed;
+            }
         }
         let Some((index, class)) = size_class(bytes) else {
             // SAFETY: a bypassing block came from `inner` with these arguments.

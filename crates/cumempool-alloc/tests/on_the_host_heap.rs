@@ -791,3 +791,71 @@ fn owners_and_slow_paths_never_share_a_lane() {
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
 }
+
+/// Issue 19, item 1: a block cached on a stream before a capture was handed to an allocation
+/// made during the capture (the graph would write into it at every replay while the cache hands
+/// it to others), and a block freed during a capture entered the cache.
+#[test]
+fn a_capturing_stream_is_never_served_a_cached_block_nor_caches_a_free() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let stream = fake_stream(0);
+    let cached = support::fill_this_threads_lane(&cache, &stream, 4096);
+    let before = cache.stats().cached_blocks;
+    assert_eq!(before, 3);
+    let capture = HostHeap::simulate_capture(&stream);
+    let during = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(!cached.contains(&during), "a cached block was handed to the capture");
+    assert_eq!(below.usage().current_count, 4, "the allocation went below");
+    // A block allocated before the capture and freed during it goes below too.
+    drop(capture);
+    let earlier = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(cached.contains(&earlier), "without a capture the cache serves it");
+    let capture = HostHeap::simulate_capture(&stream);
+    unsafe { cache.deallocate(earlier, 4096, 256, &stream) }.unwrap();
+    unsafe { cache.deallocate(during, 4096, 256, &stream) }.unwrap();
+    assert_eq!(below.usage().current_count, 2, "both frees went below");
+    assert_eq!(cache.stats().cached_blocks, 2, "nothing freed during the capture was cached");
+    drop(capture);
+    // After the capture, the cache serves and keeps blocks again.
+    let after = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(cached.contains(&after));
+    unsafe { cache.deallocate(after, 4096, 256, &stream) }.unwrap();
+    assert_eq!(cache.stats().cached_blocks, 2);
+    drop(cache);
+    assert_eq!(below.usage().current_count, 0);
+}
+
+/// Issue 19, item 1: a block the cache handed out during a capture is graph memory: it never
+/// enters the cache's lists, whenever and on whatever stream or thread it is freed, and goes
+/// below with the size and alignment it was asked with (not its size class's).
+#[test]
+fn a_block_handed_out_during_a_capture_never_enters_the_cache() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let (stream, other) = (fake_stream(0), fake_stream(1));
+    // Both streams have slots and lanes, so a free would be cached if the cache let it.
+    support::fill_this_threads_lane(&cache, &stream, 1024);
+    support::fill_this_threads_lane(&cache, &other, 1024);
+    let cached = cache.stats().cached_blocks;
+    let capture = HostHeap::simulate_capture(&stream);
+    // 1000 bytes: size class 1024, so a free counted as a class block would show below.
+    let blocks: Vec<u64> = (0..4).map(|_| cache.allocate(1000, 64, &stream).unwrap()).collect();
+    drop(capture);
+    let bytes = below.usage().current_bytes;
+    unsafe { cache.deallocate(blocks[0], 1000, 64, &stream) }.unwrap();
+    unsafe { cache.deallocate(blocks[1], 1000, 64, &other) }.unwrap();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for &ptr in &blocks[2..] {
+                unsafe { cache.deallocate(ptr, 1000, 64, &other) }.unwrap();
+            }
+        });
+    });
+    assert_eq!(below.usage().current_bytes, bytes - 4 * 1000, "each went below as it was asked for");
+    assert_eq!(cache.stats().cached_blocks, cached, "none was cached");
+    // Not remembered any more: the next free of a class block is cached again.
+    let ptr = cache.allocate(1000, 64, &stream).unwrap();
+    unsafe { cache.deallocate(ptr, 1000, 64, &stream) }.unwrap();
+    assert_eq!(cache.stats().cached_blocks, cached);
+}
