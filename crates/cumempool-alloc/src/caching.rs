@@ -32,10 +32,12 @@
 //!   under a lock the hot path never takes; before any of it, every slot's unfilled budget, and
 //!   at most once a millisecond every lane's, is taken back (that gives up no block). After a scan found no slot to free (more than 256
 //!   live streams), streams without a slot free straight below for a while without scanning.
-//! - **Every no-memory answer retries.** When the resource below answers with any error for
-//!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
-//!   [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what it holds and retries
-//!   once.
+//! - **Every no-memory answer that a release could turn retries.** When the resource below
+//!   answers with any error for which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory)
+//!   holds (the pool's, a [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what
+//!   it holds and retries once, unless it holds nothing or the error shows that no release can
+//!   serve the request: larger than a limit or a pool's maximum size, or short of a limit by
+//!   more than the cache holds. Then it fails at once, and other streams keep their blocks.
 //! - **Nothing crosses a capture boundary.** While a stream is capturing into a CUDA graph, an
 //!   allocation on it is never served from the cache (the graph would use the block at every
 //!   replay while the cache hands it to others) and a free on it is never cached: both go
@@ -273,7 +275,9 @@ impl CacheStats {
 /// - When the bound is reached or the slots run out, the blocks of streams nobody else holds any
 ///   more are given back, then those of the least recently used streams.
 /// - If the resource below answers with a no-memory error, the cache gives back what it holds
-///   and retries once.
+///   and retries once, unless the error shows that cannot help (a request over a
+///   [`Limit`](crate::Limit) or a pool's maximum size, or short of a limit by more than the
+///   cache holds).
 /// - While a stream is capturing, its allocations and frees go straight to the resource below,
 ///   and blocks allocated during a capture are never cached, whenever they are freed.
 /// - The resource below, and a global allocator, must not call back into the same cache: a
@@ -694,10 +698,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         unreachable.map_or(Ok(()), |why| Err(crate::Error::LanesUnreachable { reason: why.reason() }))
     }
 
-    /// Allocates below; on a no-memory answer gives back every cached block and retries once.
+    /// Allocates below; on a no-memory answer that giving back cached blocks could turn (see
+    /// [`release_could_serve`](Self::release_could_serve)), gives back every cached block and retries once.
     fn allocate_below(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         match self.inner.allocate(bytes, align, stream) {
-            Err(error) if error.is_out_of_memory() => {
+            Err(error) if error.is_out_of_memory() && self.release_could_serve(&error) => {
                 if let Err(error) = self.release() {
                     tracing::warn!(%error, "giving cached blocks back failed");
                 }
@@ -746,6 +751,43 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         let interval = nanos_of(LANE_SWEEP_INTERVAL);
         now >= next
             && self.next_lane_sweep.compare_exchange(next, now.saturating_add(interval), Relaxed, Relaxed).is_ok()
+    }
+
+    /// At least the bytes of every block the cache holds: the bound less what no slot or lane
+    /// has claimed (claimed budget counts too, so this may be more).
+    fn held_at_most(&self) -> usize {
+        self.max_cached.saturating_sub(self.unclaimed.load(Relaxed))
+    }
+
+    /// Whether giving back the cached blocks could let a request that the resource below
+    /// refused with the no-memory `error` succeed. Not when the cache holds nothing, nor when
+    /// the error shows the request cannot fit: above a [`Limit`](crate::Limit), or short of it
+    /// by more than the cache holds (giving the blocks back lowers its use by at most that), or
+    /// above a pool's maximum size. Anything else (a device or heap out of memory, which says
+    /// neither what is free nor what could be) may be served, so it is tried.
+    fn release_could_serve(&self, error: &crate::Error) -> bool {
+        use crate::Error;
+        match *error {
+            Error::LimitExceeded { requested, limit, in_use } if requested <= limit => {
+                // What the cache holds, with every unfilled budget taken back first (that gives
+                // up no block, and budget is no memory below): a claim of every lane, on a path
+                // that would otherwise have released them all.
+                self.return_unfilled_budgets_now();
+                let needed = in_use.saturating_sub(self.held_at_most()).checked_add(requested);
+                self.held_at_most() > 0 && needed.is_some_and(|needed| needed <= limit)
+            }
+            Error::LimitExceeded { .. } => false,
+            Error::Pool(cumempool::Error::OutOfMemory { requested, limit: Some(max_size), .. }) => {
+                self.held_at_most() > 0 && u64::try_from(requested).is_ok_and(|requested| requested <= max_size)
+            }
+            _ => self.held_at_most() > 0,
+        }
+    }
+
+    /// Takes back every slot's and lane's unfilled budget, whatever the sweep limit.
+    fn return_unfilled_budgets_now(&self) {
+        let _registry = lock(&self.registry);
+        self.return_unfilled_budgets(true);
     }
 
     /// Nanoseconds since the cache was made.
