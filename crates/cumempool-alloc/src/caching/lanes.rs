@@ -362,6 +362,11 @@ impl LaneState {
 /// filter).
 static MEMBARRIER_FAILED: AtomicBool = AtomicBool::new(false);
 
+/// Set once a claim was refused for a `membarrier` failure that passes, so that only the first
+/// is logged as a warning.
+#[cfg(all(target_os = "linux", not(miri)))]
+static MEMBARRIER_BUSY_LOGGED: AtomicBool = AtomicBool::new(false);
+
 /// Which fences pair up: decided once, before any cache exists, and never changed after.
 static FENCES: OnceLock<Fences> = OnceLock::new();
 
@@ -447,7 +452,12 @@ fn expedited_membarrier() -> Result<(), Unreachable> {
         }
         std::thread::yield_now();
     }
-    tracing::warn!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused");
+    // Once at warning level: sweeps may run every millisecond while the failures last.
+    if MEMBARRIER_BUSY_LOGGED.swap(true, Relaxed) {
+        tracing::debug!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused");
+    } else {
+        tracing::warn!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused (logged once)");
+    }
     Err(Unreachable::MembarrierBusy)
 }
 
