@@ -857,19 +857,15 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
     #[inline(always)]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         check_alignment(align)?;
-        if self.inner.may_be_capturing(stream) {
-            return self.allocate_under_capture_rules(bytes, align, stream);
+        match self.pop_from_lane(bytes, stream) {
+            Some(ptr) => Ok(ptr),
+            None => self.allocate_beyond_lane(bytes, align, stream),
         }
-        self.allocate_from_cache(bytes, align, stream)
     }
 
     #[inline(always)]
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
-        // Both loads relaxed: see `captured_count`, and `Stream::may_be_capturing` for the mark.
-        if self.captured_count.load(Relaxed) == 0
-            && !self.inner.may_be_capturing(stream)
-            && self.push_to_lane(ptr, bytes, stream)
-        {
+        if self.push_to_lane(ptr, bytes, stream) {
             return Ok(());
         }
         // SAFETY: forwarded under the caller's promise.
@@ -880,29 +876,13 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
 /// The hot paths, small enough to be inlined wherever the cache is called, and the rest, kept
 /// out of line so that they do not stop that.
 impl<R: StreamOrderedResource> CachingResource<R> {
-    /// An allocation from the cache if it can serve it, or from below: no capture is underway
-    /// on `stream`.
-    #[inline(always)]
-    fn allocate_from_cache(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
-        match self.pop_from_lane(bytes, stream) {
-            Some(ptr) => Ok(ptr),
-            None => self.allocate_beyond_lane(bytes, align, stream),
-        }
-    }
-
-    /// An allocation on a stream that may be capturing. While it is, no cached block may serve
-    /// it (the graph would use the block at every replay while the cache hands it to others),
-    /// so it goes straight below, and the block is remembered: it is graph memory, and its
-    /// free must not cache it either.
+    /// An allocation on a capturing stream. No cached block may serve it (the graph would use
+    /// the block at every replay while the cache hands it to others), so it goes straight
+    /// below, and the block is remembered: it is graph memory, and its free must not cache it
+    /// either.
     #[cold]
     #[inline(never)]
-    fn allocate_under_capture_rules(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
-        if !self.inner.is_capturing(stream)? {
-            return self.allocate_from_cache(bytes, align, stream);
-        }
-        if bytes == 0 {
-            return Ok(0);
-        }
+    fn allocate_during_capture(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         let ptr = self.inner.allocate(bytes, align, stream)?;
         let mut captured = lock(&self.captured);
         *captured.entry(ptr).or_default() += 1;
@@ -960,6 +940,12 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     #[inline(always)]
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
         let (index, class) = size_class(bytes)?;
+        // After the size class, so that a free inlined next to this allocation can reuse it
+        // (measured: 14 instructions per pair otherwise); `allocate_beyond_lane` applies the
+        // capture rules.
+        if self.inner.may_be_capturing(stream) {
+            return None;
+        }
         let key = stream.id().get();
         self.pop_from_lane_of(self.home_slot(key)?, key, index, class)
     }
@@ -988,6 +974,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     #[inline(always)]
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
         let Some((index, class)) = size_class(bytes) else { return false };
+        // Both loads relaxed: see `captured_count`, and `Stream::may_be_capturing` for the mark.
+        // `deallocate_beyond_lane` applies the capture rules.
+        if self.captured_count.load(Relaxed) != 0 || self.inner.may_be_capturing(stream) {
+            return false;
+        }
         let key = stream.id().get();
         self.home_slot(key).is_some_and(|slot| self.push_to_lane_of(slot, key, ptr, index, class))
     }
@@ -1012,6 +1003,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn allocate_beyond_lane(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         if bytes == 0 {
             return Ok(0);
+        }
+        if self.inner.may_be_capturing(stream) && self.inner.is_capturing(stream)? {
+            return self.allocate_during_capture(bytes, align, stream);
         }
         let Some((index, class)) = size_class(bytes) else {
             return self.allocate_below(bytes, align, stream);
