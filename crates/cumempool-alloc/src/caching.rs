@@ -32,10 +32,21 @@
 //!   under a lock the hot path never takes; before any of it, every slot's unfilled budget, and
 //!   at most once a millisecond every lane's, is taken back (that gives up no block). After a scan found no slot to free (more than 256
 //!   live streams), streams without a slot free straight below for a while without scanning.
-//! - **Every no-memory answer retries.** When the resource below answers with any error for
-//!   which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory) holds (the pool's, a
-//!   [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what it holds and retries
-//!   once.
+//! - **Every no-memory answer that a release could turn retries.** When the resource below
+//!   answers with any error for which [`Error::is_out_of_memory`](crate::Error::is_out_of_memory)
+//!   holds (the pool's, a [`Limit`](crate::Limit)'s, the host heap's), the cache gives back what
+//!   it holds and retries once, unless it holds nothing or the error shows that no release can
+//!   serve the request: larger than a limit or a pool's maximum size, or short of a limit by
+//!   more than the cache holds. Then it fails at once, and other streams keep their blocks.
+//! - **Nothing crosses a capture boundary.** While a stream is capturing into a CUDA graph, an
+//!   allocation on it is never served from the cache (the graph would use the block at every
+//!   replay while the cache hands it to others) and a free on it is never cached: both go
+//!   straight below, which records them in the capture. A block handed out during a capture is
+//!   graph memory: the cache remembers its address until it is freed, and that free, whenever
+//!   and on whatever stream, goes below with the size and alignment it was asked with. The
+//!   hot path pays for this with two relaxed loads: the stream's mark that no capture is
+//!   possible ([`StreamOrderedResource::may_be_capturing`]) and a count of such blocks; the
+//!   driver is asked, and the blocks' set locked, only when those say so.
 
 mod lanes;
 
@@ -46,6 +57,7 @@ use cumempool::Stream;
 use lanes::{
     claim, give_lists_if_missing, own_lane, prepare_fences, ClaimedLanes, Fences, Lane, LaneState, Unreachable, LANES,
 };
+use std::collections::HashMap;
 use std::sync::atomic::{
     AtomicU64, AtomicUsize,
     Ordering::{Acquire, Relaxed, Release},
@@ -263,7 +275,11 @@ impl CacheStats {
 /// - When the bound is reached or the slots run out, the blocks of streams nobody else holds any
 ///   more are given back, then those of the least recently used streams.
 /// - If the resource below answers with a no-memory error, the cache gives back what it holds
-///   and retries once.
+///   and retries once, unless the error shows that cannot help (a request over a
+///   [`Limit`](crate::Limit) or a pool's maximum size, or short of a limit by more than the
+///   cache holds).
+/// - While a stream is capturing, its allocations and frees go straight to the resource below,
+///   and blocks allocated during a capture are never cached, whenever they are freed.
 /// - The resource below, and a global allocator, must not call back into the same cache: a
 ///   slow path holds a stream's lock while it allocates host memory.
 pub struct CachingResource<R: StreamOrderedResource> {
@@ -292,6 +308,15 @@ pub struct CachingResource<R: StreamOrderedResource> {
     fences: Fences,
     /// The process that made the cache: a forked child cannot claim lanes.
     made_in: u32,
+    /// Blocks handed out while their stream was capturing (graph memory), by address, each
+    /// with how many such blocks live there: never cached, given back below as they were asked
+    /// for (see [`CachingResource::deallocate_under_capture_rules`]).
+    captured: Mutex<HashMap<CUdeviceptr, usize>>,
+    /// How many blocks `captured` counts, changed under its lock: the free's hot path reads it
+    /// (one relaxed load) and consults `captured` only when it is not 0. A thread freeing such
+    /// a block got it, through whatever handed it over, after its count was added, and only
+    /// its own free takes that count away, so it cannot read 0 here.
+    captured_count: AtomicUsize,
 }
 
 impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
@@ -346,6 +371,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             chunk,
             fences,
             made_in: std::process::id(),
+            captured: Mutex::new(HashMap::new()),
+            captured_count: AtomicUsize::new(0),
         }
     }
 
@@ -671,10 +698,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         unreachable.map_or(Ok(()), |why| Err(crate::Error::LanesUnreachable { reason: why.reason() }))
     }
 
-    /// Allocates below; on a no-memory answer gives back every cached block and retries once.
+    /// Allocates below; on a no-memory answer that giving back cached blocks could turn (see
+    /// [`release_could_serve`](Self::release_could_serve)), gives back every cached block and retries once.
     fn allocate_below(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         match self.inner.allocate(bytes, align, stream) {
-            Err(error) if error.is_out_of_memory() => {
+            Err(error) if error.is_out_of_memory() && self.release_could_serve(&error) => {
                 if let Err(error) = self.release() {
                     tracing::warn!(%error, "giving cached blocks back failed");
                 }
@@ -723,6 +751,43 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         let interval = nanos_of(LANE_SWEEP_INTERVAL);
         now >= next
             && self.next_lane_sweep.compare_exchange(next, now.saturating_add(interval), Relaxed, Relaxed).is_ok()
+    }
+
+    /// At least the bytes of every block the cache holds: the bound less what no slot or lane
+    /// has claimed (claimed budget counts too, so this may be more).
+    fn held_at_most(&self) -> usize {
+        self.max_cached.saturating_sub(self.unclaimed.load(Relaxed))
+    }
+
+    /// Whether giving back the cached blocks could let a request that the resource below
+    /// refused with the no-memory `error` succeed. Not when the cache holds nothing, nor when
+    /// the error shows the request cannot fit: above a [`Limit`](crate::Limit), or short of it
+    /// by more than the cache holds (giving the blocks back lowers its use by at most that), or
+    /// above a pool's maximum size. Anything else (a device or heap out of memory, which says
+    /// neither what is free nor what could be) may be served, so it is tried.
+    fn release_could_serve(&self, error: &crate::Error) -> bool {
+        use crate::Error;
+        match *error {
+            Error::LimitExceeded { requested, limit, in_use } if requested <= limit => {
+                // What the cache holds, with every unfilled budget taken back first (that gives
+                // up no block, and budget is no memory below): a claim of every lane, on a path
+                // that would otherwise have released them all.
+                self.return_unfilled_budgets_now();
+                let needed = in_use.saturating_sub(self.held_at_most()).checked_add(requested);
+                self.held_at_most() > 0 && needed.is_some_and(|needed| needed <= limit)
+            }
+            Error::LimitExceeded { .. } => false,
+            Error::Pool(cumempool::Error::OutOfMemory { requested, limit: Some(max_size), .. }) => {
+                self.held_at_most() > 0 && u64::try_from(requested).is_ok_and(|requested| requested <= max_size)
+            }
+            _ => self.held_at_most() > 0,
+        }
+    }
+
+    /// Takes back every slot's and lane's unfilled budget, whatever the sweep limit.
+    fn return_unfilled_budgets_now(&self) {
+        let _registry = lock(&self.registry);
+        self.return_unfilled_budgets(true);
     }
 
     /// Nanoseconds since the cache was made.
@@ -811,11 +876,76 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
 /// The hot paths, small enough to be inlined wherever the cache is called, and the rest, kept
 /// out of line so that they do not stop that.
 impl<R: StreamOrderedResource> CachingResource<R> {
+    /// An allocation on a capturing stream. No cached block may serve it (the graph would use
+    /// the block at every replay while the cache hands it to others), so it goes straight
+    /// below, and the block is remembered: it is graph memory, and its free must not cache it
+    /// either.
+    #[cold]
+    #[inline(never)]
+    fn allocate_during_capture(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        let ptr = self.inner.allocate(bytes, align, stream)?;
+        let mut captured = lock(&self.captured);
+        *captured.entry(ptr).or_default() += 1;
+        self.captured_count.fetch_add(1, Relaxed);
+        Ok(ptr)
+    }
+
+    /// Frees below what the cache must not take: a block it handed out during a capture
+    /// (remembered in `captured`; given back with the `bytes` and `align` it was asked for),
+    /// or any block freed on a capturing stream (a class block with its class's size and the
+    /// pools' alignment, as it was allocated). `None` for a block the cache may take. When the
+    /// capture status cannot be had, the block goes below: that is never wrong.
+    ///
+    /// # Safety
+    /// As [`StreamOrderedResource::deallocate`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn deallocate_under_capture_rules(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &Stream,
+    ) -> Option<Result<()>> {
+        if self.captured_count.load(Relaxed) != 0 && self.forget_captured(ptr) {
+            // SAFETY: the block came from `inner` with these arguments during a capture.
+            return Some(unsafe { self.inner.deallocate(ptr, bytes, align, stream) });
+        }
+        if !self.inner.may_be_capturing(stream) || self.inner.is_capturing(stream).is_ok_and(|capturing| !capturing) {
+            return None;
+        }
+        let (bytes, align) = match size_class(bytes) {
+            Some((_, class)) => (class, POOL_ALIGNMENT),
+            None => (bytes, align),
+        };
+        // SAFETY: a class block came from `inner` with its class size and the pools'
+        // alignment, a larger one with the caller's arguments; freed once, here.
+        Some(unsafe { self.inner.deallocate(ptr, bytes, align, stream) })
+    }
+
+    /// Takes `ptr` out of the blocks handed out during a capture; false if it is not one.
+    fn forget_captured(&self, ptr: CUdeviceptr) -> bool {
+        let mut captured = lock(&self.captured);
+        let Some(count) = captured.get_mut(&ptr) else { return false };
+        *count -= 1;
+        if *count == 0 {
+            captured.remove(&ptr);
+        }
+        self.captured_count.fetch_sub(1, Relaxed);
+        true
+    }
+
     /// A hit in the calling thread's lane of a stream in its home slot; `None` for anything else
     /// (any other case is retried by `allocate_beyond_lane`).
     #[inline(always)]
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
         let (index, class) = size_class(bytes)?;
+        // After the size class, so that a free inlined next to this allocation can reuse it
+        // (measured: 14 instructions per pair otherwise); `allocate_beyond_lane` applies the
+        // capture rules.
+        if self.inner.may_be_capturing(stream) {
+            return None;
+        }
         let key = stream.id().get();
         self.pop_from_lane_of(self.home_slot(key)?, key, index, class)
     }
@@ -844,6 +974,11 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     #[inline(always)]
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
         let Some((index, class)) = size_class(bytes) else { return false };
+        // Both loads relaxed: see `captured_count`, and `Stream::may_be_capturing` for the mark.
+        // `deallocate_beyond_lane` applies the capture rules.
+        if self.captured_count.load(Relaxed) != 0 || self.inner.may_be_capturing(stream) {
+            return false;
+        }
         let key = stream.id().get();
         self.home_slot(key).is_some_and(|slot| self.push_to_lane_of(slot, key, ptr, index, class))
     }
@@ -868,6 +1003,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn allocate_beyond_lane(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         if bytes == 0 {
             return Ok(0);
+        }
+        if self.inner.may_be_capturing(stream) && self.inner.is_capturing(stream)? {
+            return self.allocate_during_capture(bytes, align, stream);
         }
         let Some((index, class)) = size_class(bytes) else {
             return self.allocate_below(bytes, align, stream);
@@ -928,6 +1066,12 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
+        }
+        if self.captured_count.load(Relaxed) != 0 || self.inner.may_be_capturing(stream) {
+            // SAFETY: forwarded under the caller's promise.
+            if let Some(freed) = unsafe { self.deallocate_under_capture_rules(ptr, bytes, align, stream) } {
+                return freed;
+            }
         }
         let Some((index, class)) = size_class(bytes) else {
             // SAFETY: a bypassing block came from `inner` with these arguments.

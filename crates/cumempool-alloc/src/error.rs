@@ -45,9 +45,10 @@ pub enum Error {
     },
 
     /// A cache could not take the blocks that threads keep in their lanes: the `membarrier`
-    /// system call it needs started failing, or the process is a forked child of the one that
-    /// made the cache. What else it held was given back; the lanes' blocks stay cached until
-    /// the cache is dropped.
+    /// system call it needs started failing (for good, as under a seccomp filter, or on every
+    /// try of this call, as with ENOMEM), or the process is a forked child of the one that made
+    /// the cache. What else it held was given back; the lanes' blocks stay cached until a later
+    /// call can take them (never, for the permanent causes) or the cache is dropped.
     #[error("cached blocks in threads' lanes are out of reach: {reason}")]
     LanesUnreachable {
         /// What failed, and what would work.

@@ -6,12 +6,56 @@ use crate::resource::StreamOrderedResource;
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
 use std::alloc::Layout;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
 
 /// Host memory from the global allocator; streams are ignored (every call is already complete).
 ///
-/// For tests of code generic over [`StreamOrderedResource`]: no driver is needed.
+/// For tests of code generic over [`StreamOrderedResource`]: no driver is needed. It never asks
+/// the driver whether a stream is capturing either: a stream is capturing for it while a
+/// [`SimulatedCapture`] of that stream lives ([`HostHeap::simulate_capture`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostHeap;
+
+/// The ids of the streams a [`SimulatedCapture`] marks, once per live capture.
+static SIMULATED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// How many entries `SIMULATED` holds: the cheap check, like [`Stream::may_be_capturing`].
+static SIMULATED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn simulated() -> std::sync::MutexGuard<'static, Vec<u64>> {
+    // A push or a swap_remove: whole after any panic.
+    SIMULATED.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl HostHeap {
+    /// Makes `stream` capturing, for every resource over the host heap, until the answer is
+    /// dropped: what a capture begun by other code looks like to the layers above, without a
+    /// driver.
+    pub fn simulate_capture(stream: &Stream) -> SimulatedCapture {
+        let id = stream.id().get();
+        let mut streams = simulated();
+        streams.push(id);
+        SIMULATED_COUNT.store(streams.len(), Relaxed);
+        SimulatedCapture { id }
+    }
+}
+
+/// A capture on the host heap's terms; it ends when dropped. See [`HostHeap::simulate_capture`].
+#[derive(Debug)]
+#[must_use = "the capture ends when this is dropped"]
+pub struct SimulatedCapture {
+    id: u64,
+}
+
+impl Drop for SimulatedCapture {
+    fn drop(&mut self) {
+        let mut streams = simulated();
+        if let Some(at) = streams.iter().position(|&id| id == self.id) {
+            streams.swap_remove(at);
+        }
+        SIMULATED_COUNT.store(streams.len(), Relaxed);
+    }
+}
 
 // SAFETY: memory from the global allocator with the asked layout, freed with the same.
 unsafe impl StreamOrderedResource for HostHeap {
@@ -38,5 +82,14 @@ unsafe impl StreamOrderedResource for HostHeap {
         // SAFETY: allocated above with this layout, which was valid then.
         unsafe { std::alloc::dealloc(ptr as usize as *mut u8, Layout::from_size_align_unchecked(bytes, align)) };
         Ok(())
+    }
+
+    #[inline(always)]
+    fn may_be_capturing(&self, _stream: &Stream) -> bool {
+        SIMULATED_COUNT.load(Relaxed) != 0
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        Ok(simulated().contains(&stream.id().get()))
     }
 }

@@ -50,7 +50,7 @@ pub use caching::{CacheStats, CachingResource};
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub use host_heap::HostHeap;
+pub use host_heap::{HostHeap, SimulatedCapture};
 pub use memory_kind::{DeviceMemory, HostAccessible, HostMemory, ManagedMemory, MemoryKind};
 pub use pool_resource::{CurrentPoolResource, PoolResource};
 pub use resource::{Allocation, StreamOrderedResource, POOL_ALIGNMENT};

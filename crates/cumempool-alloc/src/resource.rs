@@ -35,6 +35,28 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     /// freed once, and no work may use it after the free in the order of `stream`.
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()>;
 
+    /// Whether a capture may be underway on `stream`, without asking the driver: false means
+    /// none can be, true means ask [`is_capturing`](Self::is_capturing). Layers that must not
+    /// hand out or keep memory across a capture boundary (a [`CachingResource`](crate::CachingResource))
+    /// call it on every allocation and free, so it must cost no more than a relaxed load.
+    ///
+    /// The default answers [`Stream::may_be_capturing`]. Adaptors forward to the resource
+    /// below; only a resource that stands in for the driver (the test heap) answers otherwise.
+    #[inline(always)]
+    fn may_be_capturing(&self, stream: &Stream) -> bool {
+        stream.may_be_capturing()
+    }
+
+    /// Whether a capture is underway on `stream` (active or invalidated): work queued on it now
+    /// is recorded into a graph rather than run. The default answers [`Stream::is_capturing`],
+    /// which asks the driver only when [`Stream::may_be_capturing`] is true.
+    ///
+    /// # Errors
+    /// The driver's, when it cannot say.
+    fn is_capturing(&self, stream: &Stream) -> Result<bool> {
+        Ok(stream.is_capturing()?)
+    }
+
     /// Allocates with the pool alignment and frees on drop: the convenient form.
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Allocation<'_, Self>>
     where
@@ -44,6 +66,24 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
     }
 }
+
+/// The capture checks of a resource that wraps another, forwarded to it: `|this| expr` names the
+/// resource below, given the wrapper as `this`.
+macro_rules! forward_capture_checks {
+    (|$this:ident| $below:expr) => {
+        #[inline(always)]
+        fn may_be_capturing(&self, stream: &cumempool::Stream) -> bool {
+            let $this = self;
+            $below.may_be_capturing(stream)
+        }
+
+        fn is_capturing(&self, stream: &cumempool::Stream) -> crate::Result<bool> {
+            let $this = self;
+            $below.is_capturing(stream)
+        }
+    };
+}
+pub(crate) use forward_capture_checks;
 
 // SAFETY: forwards to a resource that keeps the promise.
 unsafe impl<R: StreamOrderedResource> StreamOrderedResource for &R {
@@ -57,6 +97,7 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for &R {
         // SAFETY: forwarded under the caller's promise.
         unsafe { (**self).deallocate(ptr, bytes, align, stream) }
     }
+    forward_capture_checks!(|this| &**this);
 }
 
 // SAFETY: forwards to a resource that keeps the promise.
@@ -71,6 +112,7 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for std::sync::Arc<R
         // SAFETY: forwarded under the caller's promise.
         unsafe { (**self).deallocate(ptr, bytes, align, stream) }
     }
+    forward_capture_checks!(|this| &**this);
 }
 
 /// Memory from a resource, freed on its stream when dropped.

@@ -137,3 +137,19 @@ fn time_the_hot_path() {
         }
     }
 }
+
+/// One thread's warm 1 MiB pairs, `CUMEMPOOL_PAIRS` of them (default 1,000,000), for counting
+/// instructions per pair: run it under `valgrind --tool=callgrind` with two counts and divide
+/// the difference in instructions by the difference in pairs.
+#[test]
+#[ignore = "an instruction count, not a check: run it under callgrind with --release --ignored"]
+fn pairs_for_an_instruction_count() {
+    let count = std::env::var("CUMEMPOOL_PAIRS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000_000);
+    let cache = CachingResource::new(HostHeap);
+    let stream = fake_stream(1);
+    for _ in 0..count {
+        let bytes = std::hint::black_box(1 << 20);
+        let ptr = cache.allocate(bytes, 256, &stream).unwrap();
+        unsafe { cache.deallocate(ptr, bytes, 256, &stream) }.unwrap();
+    }
+}

@@ -180,6 +180,77 @@ fn a_cache_over_a_limit_gives_its_blocks_back_when_the_limit_refuses() {
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
 }
 
+/// Issue 19, item 7: a request that can never succeed released every stream's cached blocks
+/// before failing as it must. Over a 1 MiB `Limit`, with 512 KiB cached on stream A: 2 MiB can
+/// never fit, and 768 KiB while 384 KiB are in use needs 640 KiB back, more than the cache holds.
+#[test]
+fn a_request_no_release_can_serve_leaves_the_cached_blocks_alone() {
+    const KIB: usize = 1 << 10;
+    let cache = CachingResource::new(Limit::new(HostHeap, 1024 * KIB));
+    let (a, b) = (fake_stream(22), fake_stream(23));
+    let blocks = [(); 2].map(|()| cache.allocate(256 * KIB, 256, &a).unwrap());
+    for ptr in blocks {
+        unsafe { cache.deallocate(ptr, 256 * KIB, 256, &a) }.unwrap();
+    }
+    assert_eq!(cache.inner().in_use(), 512 * KIB);
+    let error = cache.allocate(2048 * KIB, 256, &b).unwrap_err();
+    assert!(matches!(error, Error::LimitExceeded { .. }), "{error}");
+    assert_eq!(cache.inner().in_use(), 512 * KIB, "stream A's blocks were given back for a request over the limit");
+    let held = cache.allocate(384 * KIB, 256, &b).unwrap();
+    let error = cache.allocate(768 * KIB, 256, &b).unwrap_err();
+    assert!(matches!(error, Error::LimitExceeded { .. }), "{error}");
+    assert_eq!(cache.inner().in_use(), 896 * KIB, "stream A's blocks were given back and could not have helped");
+    // Short by no more than the cache holds: the release serves it, as before.
+    let served = cache.allocate(640 * KIB, 256, &b).expect("A's blocks given back make room");
+    assert_eq!(cache.inner().in_use(), 1024 * KIB);
+    unsafe { cache.deallocate(served, 640 * KIB, 256, &b) }.unwrap();
+    unsafe { cache.deallocate(held, 384 * KIB, 256, &b) }.unwrap();
+}
+
+/// The host heap with a pool's maximum size: larger requests get the pool's out-of-memory
+/// error, which names that size.
+struct CappedPool {
+    max_size: usize,
+}
+
+// SAFETY: HostHeap's memory, forwarded.
+unsafe impl StreamOrderedResource for CappedPool {
+    type Kind = cumempool_alloc::HostMemory;
+
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> cumempool_alloc::Result<u64> {
+        if bytes > self.max_size {
+            let limit = Some(self.max_size as u64);
+            return Err(Error::Pool(cumempool::Error::OutOfMemory { requested: bytes, limit, function: "test" }));
+        }
+        HostHeap.allocate(bytes, align, stream)
+    }
+
+    unsafe fn deallocate(&self, ptr: u64, bytes: usize, align: usize, stream: &Stream) -> cumempool_alloc::Result<()> {
+        unsafe { HostHeap.deallocate(ptr, bytes, align, stream) }
+    }
+
+    fn may_be_capturing(&self, stream: &Stream) -> bool {
+        HostHeap.may_be_capturing(stream)
+    }
+
+    fn is_capturing(&self, stream: &Stream) -> cumempool_alloc::Result<bool> {
+        HostHeap.is_capturing(stream)
+    }
+}
+
+/// Issue 19, item 7, above a pool's maximum size.
+#[test]
+fn a_request_over_a_pools_maximum_size_leaves_the_cached_blocks_alone() {
+    let below = Statistics::new(CappedPool { max_size: 1 << 20 });
+    let cache = CachingResource::new(&below);
+    let (a, b) = (fake_stream(24), fake_stream(25));
+    let ptr = cache.allocate(4096, 256, &a).unwrap();
+    unsafe { cache.deallocate(ptr, 4096, 256, &a) }.unwrap();
+    let error = cache.allocate(2 << 20, 256, &b).unwrap_err();
+    assert!(error.is_out_of_memory(), "{error}");
+    assert_eq!(below.usage().current_bytes, 4096, "stream A's block was given back for a request over the pool's size");
+}
+
 #[test]
 fn every_no_memory_answer_says_so() {
     let stream = fake_stream(0);
@@ -790,4 +861,72 @@ fn owners_and_slow_paths_never_share_a_lane() {
     assert_eq!(below.usage().current_bytes, stats.cached_bytes, "all that is below is counted");
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
+}
+
+/// Issue 19, item 1: a block cached on a stream before a capture was handed to an allocation
+/// made during the capture (the graph would write into it at every replay while the cache hands
+/// it to others), and a block freed during a capture entered the cache.
+#[test]
+fn a_capturing_stream_is_never_served_a_cached_block_nor_caches_a_free() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let stream = fake_stream(0);
+    let cached = support::fill_this_threads_lane(&cache, &stream, 4096);
+    let before = cache.stats().cached_blocks;
+    assert_eq!(before, 3);
+    let capture = HostHeap::simulate_capture(&stream);
+    let during = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(!cached.contains(&during), "a cached block was handed to the capture");
+    assert_eq!(below.usage().current_count, 4, "the allocation went below");
+    // A block allocated before the capture and freed during it goes below too.
+    drop(capture);
+    let earlier = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(cached.contains(&earlier), "without a capture the cache serves it");
+    let capture = HostHeap::simulate_capture(&stream);
+    unsafe { cache.deallocate(earlier, 4096, 256, &stream) }.unwrap();
+    unsafe { cache.deallocate(during, 4096, 256, &stream) }.unwrap();
+    assert_eq!(below.usage().current_count, 2, "both frees went below");
+    assert_eq!(cache.stats().cached_blocks, 2, "nothing freed during the capture was cached");
+    drop(capture);
+    // After the capture, the cache serves and keeps blocks again.
+    let after = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(cached.contains(&after));
+    unsafe { cache.deallocate(after, 4096, 256, &stream) }.unwrap();
+    assert_eq!(cache.stats().cached_blocks, 2);
+    drop(cache);
+    assert_eq!(below.usage().current_count, 0);
+}
+
+/// Issue 19, item 1: a block the cache handed out during a capture is graph memory: it never
+/// enters the cache's lists, whenever and on whatever stream or thread it is freed, and goes
+/// below with the size and alignment it was asked with (not its size class's).
+#[test]
+fn a_block_handed_out_during_a_capture_never_enters_the_cache() {
+    let below = Statistics::new(HostHeap);
+    let cache = CachingResource::new(&below);
+    let (stream, other) = (fake_stream(0), fake_stream(1));
+    // Both streams have slots and lanes, so a free would be cached if the cache let it.
+    support::fill_this_threads_lane(&cache, &stream, 1024);
+    support::fill_this_threads_lane(&cache, &other, 1024);
+    let cached = cache.stats().cached_blocks;
+    let capture = HostHeap::simulate_capture(&stream);
+    // 1000 bytes: size class 1024, so a free counted as a class block would show below.
+    let blocks: Vec<u64> = (0..4).map(|_| cache.allocate(1000, 64, &stream).unwrap()).collect();
+    drop(capture);
+    let bytes = below.usage().current_bytes;
+    unsafe { cache.deallocate(blocks[0], 1000, 64, &stream) }.unwrap();
+    unsafe { cache.deallocate(blocks[1], 1000, 64, &other) }.unwrap();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for &ptr in &blocks[2..] {
+                unsafe { cache.deallocate(ptr, 1000, 64, &other) }.unwrap();
+            }
+        });
+    });
+    assert_eq!(below.usage().current_bytes, bytes - 4 * 1000, "each went below as it was asked for");
+    assert_eq!(cache.stats().cached_blocks, cached, "none was cached");
+    // Not remembered any more: the next free of a class block is cached again.
+    let ptr = cache.allocate(1000, 64, &stream).unwrap();
+    unsafe { cache.deallocate(ptr, 1000, 64, &stream) }.unwrap();
+    assert_eq!(cache.stats().cached_blocks, cached);
 }

@@ -60,4 +60,6 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
         self.in_use.fetch_sub(bytes, Relaxed);
         freed
     }
+
+    crate::resource::forward_capture_checks!(|this| this.inner);
 }

@@ -64,4 +64,6 @@ where
         // SAFETY: forwarded under the caller's promise.
         unsafe { self.inner.deallocate(ptr, bytes, align, stream) }
     }
+
+    crate::resource::forward_capture_checks!(|this| this.inner);
 }

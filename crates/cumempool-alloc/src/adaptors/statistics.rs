@@ -104,4 +104,6 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Statistics<R> {
         self.count.sub(1);
         freed
     }
+
+    crate::resource::forward_capture_checks!(|this| this.inner);
 }

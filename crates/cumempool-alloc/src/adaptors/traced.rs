@@ -49,4 +49,6 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Traced<R> {
         }
         result
     }
+
+    crate::resource::forward_capture_checks!(|this| this.inner);
 }

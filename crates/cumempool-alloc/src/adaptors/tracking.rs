@@ -110,4 +110,6 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Tracking<R> {
         // SAFETY: forwarded under the caller's promise.
         unsafe { self.inner.deallocate(ptr, bytes, align, stream) }
     }
+
+    crate::resource::forward_capture_checks!(|this| this.inner);
 }

@@ -17,11 +17,13 @@
 //! that makes every running thread of the process execute a full fence (Linux 4.14 and later).
 //! Where that call cannot be registered (other systems, a kernel or sandbox without it, Miri),
 //! both sides use an ordinary sequentially consistent fence, which costs the owner about what a
-//! lock would. Should the call fail later (a seccomp filter installed after the first cache),
-//! or in a child forked after the cache was made (a lane the parent's other threads were in
-//! stays busy there), claims are refused, never made without the fence: the owners' hot path
-//! goes on, and what their lanes hold stays cached until the cache is dropped, which needs no
-//! claim. A child forked while other threads were inside the cache must not use it at all (as
+//! lock would. Should the call fail later, claims are refused, never made without the fence:
+//! for good when the failure is permanent (a seccomp filter installed after the first cache:
+//! EPERM; ENOSYS; a command the kernel no longer accepts), or in a child forked after the cache
+//! was made (a lane the parent's other threads were in stays busy there); for that claim only
+//! when it passes (ENOMEM, EINTR, EAGAIN: retried a few times first). The owners' hot path goes
+//! on, and what their lanes hold stays cached until a claim succeeds or the cache is dropped,
+//! which needs no claim. A child forked while other threads were inside the cache must not use it at all (as
 //! with any lock: a slot lock or lane another thread held at the fork is held for ever there).
 
 use super::{class_bytes, CLASSES};
@@ -174,9 +176,12 @@ pub(super) struct ClaimedLanes<'a> {
 /// Why a slow path could not take lanes from their owners.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Unreachable {
-    /// `membarrier` failed after the process had chosen it (a seccomp filter installed after
-    /// the first cache was made, say): without it an owner's entry cannot be excluded.
+    /// `membarrier` failed for good after the process had chosen it (a seccomp filter installed
+    /// after the first cache was made, say): without it an owner's entry cannot be excluded.
     Membarrier,
+    /// `membarrier` failed with an error that passes (ENOMEM, EINTR, EAGAIN) on every try of
+    /// this claim; later claims try again.
+    MembarrierBusy,
     /// This process is a child forked after the cache was made: lanes the parent's other
     /// threads were inside at the fork stay marked busy for ever.
     ForkedChild,
@@ -188,6 +193,10 @@ impl Unreachable {
             Unreachable::Membarrier => {
                 "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed after it was registered (a seccomp filter \
                  installed after the first cache was made?); allow it, or make caches only after the filter"
+            }
+            Unreachable::MembarrierBusy => {
+                "membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) failed with a passing error (ENOMEM, EINTR, EAGAIN) on \
+                 every try; try again later"
             }
             Unreachable::ForkedChild => {
                 "this process is a child forked after the cache was made; make a new cache in the child"
@@ -232,9 +241,7 @@ pub(super) fn claim(groups: Vec<&[Lane]>, made_in: u32) -> Result<ClaimedLanes<'
     }
     // Dropping the claims gives them back, whatever happens next.
     let claimed = ClaimedLanes { groups };
-    if !heavy_fence() {
-        return Err(Unreachable::Membarrier);
-    }
+    heavy_fence()?;
     for lane in claimed.groups.iter().flat_map(|group| group.iter()) {
         let mut spins = 0u32;
         while lane.busy.load(Acquire) {
@@ -351,8 +358,14 @@ impl LaneState {
     }
 }
 
-/// Set when `membarrier` failed after it had been chosen (nothing lifts a seccomp filter).
+/// Set when `membarrier` failed for good after it had been chosen (nothing lifts a seccomp
+/// filter).
 static MEMBARRIER_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Set once a claim was refused for a `membarrier` failure that passes, so that only the first
+/// is logged as a warning.
+#[cfg(all(target_os = "linux", not(miri)))]
+static MEMBARRIER_BUSY_LOGGED: AtomicBool = AtomicBool::new(false);
 
 /// Which fences pair up: decided once, before any cache exists, and never changed after.
 static FENCES: OnceLock<Fences> = OnceLock::new();
@@ -384,14 +397,14 @@ impl Fences {
     }
 }
 
-/// A slow path's half of the fence between storing `claimed` and reading `busy`; false when it
-/// cannot be had.
-fn heavy_fence() -> bool {
+/// A slow path's half of the fence between storing `claimed` and reading `busy`; why not when
+/// it cannot be had.
+fn heavy_fence() -> Result<(), Unreachable> {
     if FENCES.get() == Some(&Fences::Asymmetric) {
         expedited_membarrier()
     } else {
         fence(SeqCst);
-        true
+        Ok(())
     }
 }
 
@@ -407,32 +420,60 @@ fn register_membarrier() -> bool {
     false
 }
 
+/// Tries of one `membarrier` that fails with an error that passes, before the claim gives up.
+const MEMBARRIER_TRIES: u32 = 4;
+
 /// Makes every running thread of the process execute a full memory barrier. Owners already
-/// chose the compiler fence, so nothing else will do: a call that fails is tried once more
-/// after registering again, and if that fails too the claim is refused rather than made
-/// without the fence.
+/// chose the compiler fence, so nothing else will do: a call that fails with an error that
+/// passes (ENOMEM, EINTR, EAGAIN) is tried again a few times, one that says the process is not
+/// registered (EINVAL: not expected once registered, but cheap to answer) registers again, and
+/// if none of that helps the claim is refused rather than made without the fence; for every
+/// later claim too when the error is permanent.
 #[cfg(all(target_os = "linux", not(miri)))]
-fn expedited_membarrier() -> bool {
+fn expedited_membarrier() -> Result<(), Unreachable> {
+    use rustix::io::Errno;
     use rustix::thread::{membarrier, MembarrierCommand};
-    if membarrier(MembarrierCommand::PrivateExpedited).is_ok() {
-        return true;
-    }
-    let again = membarrier(MembarrierCommand::RegisterPrivateExpedited)
-        .and_then(|()| membarrier(MembarrierCommand::PrivateExpedited));
-    if let Err(error) = again {
-        if !MEMBARRIER_FAILED.swap(true, Relaxed) {
-            tracing::error!(%error, "membarrier(PRIVATE_EXPEDITED) fails: cached blocks in threads' lanes are out of reach");
+    let mut last = Errno::AGAIN;
+    for _ in 0..MEMBARRIER_TRIES {
+        let error = match membarrier(MembarrierCommand::PrivateExpedited) {
+            Ok(()) => return Ok(()),
+            Err(Errno::INVAL) => match membarrier(MembarrierCommand::RegisterPrivateExpedited) {
+                Ok(()) => continue,
+                Err(error) => error,
+            },
+            Err(error) => error,
+        };
+        last = error;
+        if membarrier_failure_is_permanent(error) {
+            if !MEMBARRIER_FAILED.swap(true, Relaxed) {
+                tracing::error!(%error, "membarrier(PRIVATE_EXPEDITED) fails: cached blocks in threads' lanes are out of reach");
+            }
+            return Err(Unreachable::Membarrier);
         }
-        return false;
+        std::thread::yield_now();
     }
-    true
+    // Once at warning level: sweeps may run every millisecond while the failures last.
+    if MEMBARRIER_BUSY_LOGGED.swap(true, Relaxed) {
+        tracing::debug!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused");
+    } else {
+        tracing::warn!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused (logged once)");
+    }
+    Err(Unreachable::MembarrierBusy)
+}
+
+/// Whether a `membarrier` failure will not pass: forbidden (EPERM: a seccomp filter), missing
+/// (ENOSYS), or a command the kernel refuses even after registering again (EINVAL).
+#[cfg(all(target_os = "linux", not(miri)))]
+fn membarrier_failure_is_permanent(error: rustix::io::Errno) -> bool {
+    use rustix::io::Errno;
+    matches!(error, Errno::PERM | Errno::NOSYS | Errno::INVAL)
 }
 
 #[cfg(not(all(target_os = "linux", not(miri))))]
-fn expedited_membarrier() -> bool {
+fn expedited_membarrier() -> Result<(), Unreachable> {
     // Never chosen here: `register_membarrier` answers false.
     fence(SeqCst);
-    true
+    Ok(())
 }
 
 /// Lane numbers of exited threads, for the next threads to take (with what they left).
