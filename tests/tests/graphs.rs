@@ -184,7 +184,7 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
-fn raw_allocations_in_a_capture_are_freed_in_it_or_left_to_the_graph() {
+fn raw_allocations_in_a_capture_are_freed_in_it_or_after_a_launch() {
     let stream = gpu_stream().expect("a GPU");
     let pool = MemPool::new(Route::device(0)).unwrap();
     let kept = std::cell::Cell::new(0);
@@ -200,15 +200,14 @@ fn raw_allocations_in_a_capture_are_freed_in_it_or_left_to_the_graph() {
         })
         .unwrap();
     assert!(cumempool::is_captured_allocation(kept.get()));
-    // SAFETY: the graph owns it: this free frees nothing and forgets the address.
-    unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
-    assert!(!cumempool::is_captured_allocation(kept.get()));
     let mut exec = graph.instantiate().unwrap();
     exec.launch(&stream).unwrap();
     exec.launch(&stream).unwrap(); // auto-free-on-launch reclaims the first launch's allocation
     exec.synchronize().unwrap();
-    // SAFETY: the last launch's allocation, which no free node frees; freed once, here.
+    // SAFETY: the last launch's allocation, which no free node frees; freed once, here, after
+    // the launch in the stream's order.
     unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
+    assert!(!cumempool::is_captured_allocation(kept.get()), "its free forgets the address");
     drop(exec);
     stream.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);

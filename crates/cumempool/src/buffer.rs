@@ -451,7 +451,7 @@ impl<S: Borrow<Stream>> Drop for BufferOn<S> {
         match unsafe { free_ordered(self.ptr, self.on(), self.pool.as_ref()) } {
             Ok(FreeAction::Free) => {}
             // Deferred: the stream frees it (and forgets an import's mapping) once its capture ends.
-            Ok(FreeAction::Defer | FreeAction::GraphOwns) => return,
+            Ok(FreeAction::Defer) => return,
             Err(error) => {
                 tracing::warn!(%error, ptr = self.ptr, "freeing a pool allocation failed");
                 return; // an import whose unmapping failed stays marked as mapped, never mapped again
@@ -569,11 +569,12 @@ impl Drop for PendingCopy {
 ///   capture: the free is deferred and runs on `stream` once the capture has ended, after the
 ///   stream's pre-capture work.
 ///
-/// Memory allocated by `alloc_raw` during a capture that has ended is graph memory that the
-/// graph owns: nothing is freed (a warning says so once per process). Instantiate such graphs
-/// with auto-free-on-launch ([`Graph::instantiate`](crate::Graph::instantiate) does): the
-/// graph's next launch reclaims it. [`is_captured_allocation`](crate::is_captured_allocation)
-/// tells such addresses apart.
+/// Memory allocated by `alloc_raw` during a capture that has ended is graph memory (an
+/// allocation node without a free node): it is freed as asked, outside the graph, which the
+/// driver accepts once the graph has run and refuses before (CUDA_ERROR_INVALID_VALUE). The
+/// free must be ordered after every launch that uses it, as for any memory.
+/// [`is_captured_allocation`](crate::is_captured_allocation) tells such addresses apart; caches
+/// never keep them.
 ///
 /// # Errors
 /// The driver's refusal to free, or to say whether `stream` captures.
@@ -609,7 +610,6 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
             unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }?;
         }
         FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned() }),
-        FreeAction::GraphOwns => {}
     }
     Ok(action)
 }

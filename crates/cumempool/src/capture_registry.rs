@@ -9,7 +9,7 @@
 use crate::stream::CaptureStatus;
 use cumempool_sys as sys;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
 /// Address -> id of the capture that allocated it, for raw allocations made during captures and
@@ -41,8 +41,7 @@ fn lookup(ptr: sys::CUdeviceptr) -> Option<u64> {
     with_map(|map| map.get(&ptr).copied())
 }
 
-/// Removes `ptr` and answers the capture that allocated it: its free is now recorded, or its
-/// graph owns it.
+/// Removes `ptr` and answers the capture that allocated it: its free is now decided.
 fn take(ptr: sys::CUdeviceptr) -> Option<u64> {
     if OUTSTANDING.load(Relaxed) == 0 {
         return None;
@@ -66,38 +65,27 @@ pub(crate) enum FreeAction {
     /// Keep it until the stream's capture ends, then free it: a free node cannot free memory
     /// the graph did not allocate, and the free must run after the stream's pre-capture work.
     Defer,
-    /// Free nothing: the address is graph memory of a capture that ended, which the graph
-    /// frees itself (instantiated with auto-free-on-launch, its next launch reclaims it).
-    GraphOwns,
 }
 
 /// The decision for freeing `ptr` on a stream in `status`, given the capture that allocated it
 /// (if any); pure, so the rules are tested without a driver.
+///
+/// Graph memory of a capture that ended (the graph has an allocation node and no free node for
+/// it) is freed as asked, outside the graph: `free_async`'s caller promises the free is ordered
+/// after the graph's launch that uses it; before any launch the driver refuses it
+/// (CUDA_ERROR_INVALID_VALUE), and a later launch of an executable instantiated without
+/// auto-free-on-launch needs it freed.
 pub(crate) fn free_action(status: CaptureStatus, allocated_under: Option<u64>) -> FreeAction {
     match (status.id(), allocated_under) {
         (Some(capture), Some(allocated)) if capture == allocated => FreeAction::Free,
-        (_, Some(_)) => FreeAction::GraphOwns,
-        (Some(_), None) => FreeAction::Defer,
-        (None, None) => FreeAction::Free,
+        (Some(_), _) => FreeAction::Defer,
+        (None, _) => FreeAction::Free,
     }
 }
 
-/// Decides for `ptr` on a stream in `status`, and forgets the address when its free is now
-/// recorded or owned by its graph (warning once per process for the latter).
+/// Decides for `ptr` on a stream in `status`, and forgets the address once its free is decided.
 pub(crate) fn decide(ptr: sys::CUdeviceptr, status: CaptureStatus) -> FreeAction {
-    let allocated_under = take(ptr);
-    let action = free_action(status, allocated_under);
-    if action == FreeAction::GraphOwns {
-        static WARNED: AtomicBool = AtomicBool::new(false);
-        if !WARNED.swap(true, Relaxed) {
-            tracing::warn!(
-                ptr,
-                "a raw allocation made during a stream capture was freed outside it: the graph owns that memory \
-                 and frees it itself (instantiate with auto-free-on-launch); nothing was freed (said once per process)"
-            );
-        }
-    }
-    action
+    free_action(status, take(ptr))
 }
 
 #[cfg(test)]
@@ -111,8 +99,12 @@ mod tests {
         assert_eq!(free_action(active(7), Some(7)), FreeAction::Free, "a free node of its own capture");
         assert_eq!(free_action(active(7), None), FreeAction::Defer, "memory from outside the capture");
         assert_eq!(free_action(CaptureStatus::Invalidated { id: 7 }, None), FreeAction::Defer);
-        assert_eq!(free_action(CaptureStatus::None, Some(7)), FreeAction::GraphOwns, "its capture ended");
-        assert_eq!(free_action(active(8), Some(7)), FreeAction::GraphOwns, "another capture's graph memory");
+        assert_eq!(free_action(CaptureStatus::None, Some(7)), FreeAction::Free, "its capture ended: freed as asked");
+        assert_eq!(
+            free_action(active(8), Some(7)),
+            FreeAction::Defer,
+            "another capture's graph memory: after this one"
+        );
     }
 
     #[test]
@@ -124,8 +116,8 @@ mod tests {
         assert_eq!(decide(ptr, CaptureStatus::Active { id: 42 }), FreeAction::Free);
         assert!(!is_captured_allocation(ptr), "a recorded free forgets the address");
         record(ptr, 43);
-        assert_eq!(decide(ptr, CaptureStatus::None), FreeAction::GraphOwns);
-        assert!(!is_captured_allocation(ptr), "the graph owns it: forgotten, never freed twice");
+        assert_eq!(decide(ptr, CaptureStatus::None), FreeAction::Free, "after its capture: freed as asked");
+        assert!(!is_captured_allocation(ptr), "forgotten once its free is decided");
         assert_eq!(decide(ptr, CaptureStatus::Active { id: 44 }), FreeAction::Defer, "unknown now: outside memory");
     }
 }
