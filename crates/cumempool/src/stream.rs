@@ -101,16 +101,17 @@ impl Stream {
         }))
     }
 
-    /// Borrows `raw` like [`Stream::borrow_raw`] and holds `keep_alive` until the last clone of
-    /// the result drops, so a stream another library owns outlives every use made here.
+    /// Borrows `raw` like [`Stream::borrow_raw`] and holds `keep_alive` (the other library's
+    /// own handle to the stream: a cudarc `Arc<CudaStream>`, a Python stream object) until the
+    /// last clone of the result drops, so the stream outlives every use made here, caches and
+    /// deferred frees included.
     ///
     /// # Errors
     /// As [`Stream::borrow_raw`].
     ///
     /// # Safety
     /// `raw` must be a valid stream (of `context`, if given) for as long as `keep_alive` lives.
-    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
-    pub(crate) unsafe fn borrow_raw_keeping(
+    pub unsafe fn borrow_raw_keeping(
         raw: sys::CUstream,
         context: Option<&Context>,
         keep_alive: Arc<dyn std::any::Any + Send + Sync>,
