@@ -1,0 +1,106 @@
+//! Adversarial review of issue 19 (error paths after work was queued), through the
+//! fault-injecting driver: each test here failed when it was written (see the review report).
+//!
+//! `BufferOn::copy_from_async` and `GraphExec::launch` order the other buffer's stream after the
+//! work they queued with an event wait *after* queuing it. When that wait fails, they return the
+//! error with the work still running and the other stream not ordered after it: that stream's
+//! next free (the buffer's drop, or the drop after `mem::forget` of the executable, which the
+//! graph's docs promise is harmless) then releases memory the device still reads or writes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::{Context, Event, MemPool, Route, Stream};
+use cumempool_tests::fault_library::FaultLibrary;
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+
+const MIB: usize = 1 << 20;
+/// Bytes per fill: 64 of them keep an H200 busy for milliseconds.
+const BIG: usize = 512 * MIB;
+/// `CUDA_ERROR_UNKNOWN`.
+const UNKNOWN: u32 = 999;
+
+struct Suite {
+    faults: FaultLibrary,
+    context: Context,
+}
+
+static SUITE: OnceLock<Option<Suite>> = OnceLock::new();
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn suite() -> Option<(MutexGuard<'static, ()>, &'static Suite)> {
+    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+    let suite = SUITE
+        .get_or_init(|| {
+            let faults = FaultLibrary::install().unwrap_or_else(|e| panic!("the fault library: {e}"));
+            let context = cumempool_tests::gpu()?;
+            Some(Suite { faults, context })
+        })
+        .as_ref()?;
+    suite.faults.clear();
+    Some((lock, suite))
+}
+
+/// Whether the work queued on `after` so far, which `waiter` must be ordered after, has
+/// finished once `waiter`'s queued work has: records an event on `waiter`, waits for it on the
+/// host, and asks whether `after` is idle.
+fn ordered_after(waiter: &Stream, after: &Stream, context: &Context) -> bool {
+    let mark = Event::new(context).unwrap();
+    mark.record(waiter).unwrap();
+    mark.synchronize().unwrap();
+    after.is_idle().unwrap()
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_failed_copy_from_async_still_orders_the_sources_stream_after_the_copy() {
+    let Some((_lock, suite)) = suite() else { return };
+    let (target_stream, source_stream) = (Stream::new(&suite.context).unwrap(), Stream::new(&suite.context).unwrap());
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let source = pool.alloc(BIG, &source_stream).unwrap();
+    let mut target = pool.alloc(BIG, &target_stream).unwrap();
+    source_stream.synchronize().unwrap();
+    for _ in 0..64 {
+        target.fill(1).unwrap(); // milliseconds of work ahead of the copy
+    }
+    // The first wait orders the copy after the source's stream; the second, which fails, would
+    // order the source's stream after the copy.
+    suite.faults.set_plan(&format!("cuStreamWaitEvent:nth=2:code={UNKNOWN}")).unwrap();
+    let copied = target.copy_from_async(&source);
+    suite.faults.clear();
+    assert!(copied.is_err(), "the injected failure was not reached");
+    let ordered = ordered_after(&source_stream, &target_stream, &suite.context);
+    target_stream.synchronize().unwrap();
+    drop(source);
+    assert!(ordered, "the source's free (on its stream) could run while the copy still reads it");
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_failed_launch_still_orders_its_outside_buffers_stream_after_the_launch() {
+    let Some((_lock, suite)) = suite() else { return };
+    let context = &suite.context;
+    let (capturing, buffer_stream, launch_stream) =
+        (Stream::new(context).unwrap(), Stream::new(context).unwrap(), Stream::new(context).unwrap());
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut target = pool.alloc(BIG, &buffer_stream).unwrap();
+    let graph = capturing
+        .capture(|capture| {
+            let target = capture.buffer(&mut target)?;
+            (0..64u8).try_for_each(|value| capture.fill(&target, value))
+        })
+        .unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    drop(graph);
+    // The first wait orders the launch after the buffer's stream; the second, which fails, would
+    // order the buffer's stream after the launch.
+    suite.faults.set_plan(&format!("cuStreamWaitEvent:nth=2:code={UNKNOWN}")).unwrap();
+    let launched = exec.launch(&launch_stream);
+    suite.faults.clear();
+    assert!(launched.is_err(), "the injected failure was not reached");
+    // The graph's docs: "even a leaked executable cannot let a buffer be freed under a running
+    // launch". Leaked, the executable no longer borrows `target`, whose free is on its stream.
+    std::mem::forget(exec);
+    let ordered = ordered_after(&buffer_stream, &launch_stream, context);
+    launch_stream.synchronize().unwrap();
+    drop(target);
+    assert!(ordered, "the buffer's free (on its stream) could run while the launch still writes it");
+}
