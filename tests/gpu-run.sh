@@ -3,7 +3,8 @@
 # suite (two GPUs required when present), the command's outputs, the bench, then the suite under
 # compute-sanitizer. Command outputs land in $OUT (default .gpu/results); every log in
 # $OUT/logs.tgz.
-#   BENCH=0          skip the bench          SANITIZE_RUN=0     skip the sanitizer pass
+#   BENCH=0          skip the benches        SANITIZE_RUN=0     skip the sanitizer pass
+#   PROBES=0         skip the driver probes of tests/probes (they need nvcc)
 #   SANITIZE_LIMIT=S stop a sanitized test binary after S seconds (default 300)
 #   PACK=DIR         the pack, if not .gpu
 cd "$(dirname "$0")/.." || exit 2
@@ -22,8 +23,30 @@ $cli routes > "$OUT/routes.txt" 2>&1; echo "routes rc=$?"
 $cli routes --json > "$OUT/routes.json" 2>&1
 $cli doctor > "$OUT/doctor.txt" 2>&1; echo "doctor rc=$?"
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 300 $cli bench --json-out "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench.err"; echo "bench rc=$?"
+  timeout 300 $cli bench --threads 1,16 --json-out "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench.err"; echo "bench rc=$?"
   cat "$OUT/bench.txt"
+  # The Python allocators, one run: the wheel run.sh installed into $pack/py.
+  if [ -d "$pack/py" ]; then
+    PYTHONPATH="$pack/py" timeout 300 python3 crates/cumempool-py/bench/alloc_pair.py > "$OUT/python-bench.txt" 2>&1
+    echo "python bench rc=$?"; cat "$OUT/python-bench.txt"
+  fi
+fi
+if [ "${PROBES:-1}" = 1 ] && command -v nvcc >/dev/null; then
+  # What the driver itself does, as docs/driver-behaviour.md quotes it.
+  probes=$(mktemp -d)
+  {
+    for probe in capture reserve teardown; do
+      nvcc -O2 "tests/probes/$probe.c" -o "$probes/$probe" -lcuda -lpthread || continue
+    done
+    echo "== capture"; "$probes/capture"
+    echo "== reserve"; "$probes/reserve"
+    for mode in now late; do
+      printf '== teardown (%s): exit statuses of 10 runs:' "$mode"
+      for _ in $(seq 10); do timeout 60 "$probes/teardown" "$mode" >/dev/null 2>&1; printf ' %s' "$?"; done
+      echo
+    done
+  } > "$OUT/probes.txt" 2>&1
+  cat "$OUT/probes.txt"
 fi
 if [ "${SANITIZE_RUN:-1}" = 1 ]; then
   SANITIZE=1 LIMIT=${SANITIZE_LIMIT:-300} OUT=$logs/sanitizer bash "$pack/run.sh" | tee "$logs/sanitizer.txt"
