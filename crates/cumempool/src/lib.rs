@@ -63,6 +63,7 @@ mod routing;
 mod sharing;
 mod stream;
 mod unknown_value;
+pub mod vmm;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
