@@ -6,6 +6,8 @@ use cumempool::{Access, HandleTypes, Stream};
 use cumempool_alloc::{Arena, ArenaImport, CachingResource, Error, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool_tests::device_bytes::{read, write};
 use cumempool_tests::{gpu, pattern};
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
@@ -114,4 +116,66 @@ fn an_allocation_shared_through_descriptors_shows_the_same_bytes() {
     let plain = Arena::builder(0, 1 << 30).build().unwrap();
     let unshareable = plain.alloc(256, &stream).unwrap();
     assert!(plain.export_fd(unshareable.as_raw()).unwrap_err().to_string().contains("POSIX_FILE_DESCRIPTOR"));
+}
+
+/// The child side of the two-process test: the chunks' descriptors arrive on stdin (a Unix
+/// socket), each with the allocation's shape.
+fn import_in_child() {
+    use cumempool::descriptor_passing::receive_fd;
+    let Some(context) = gpu() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let socket = std::os::unix::net::UnixStream::from(std::io::stdin().as_fd().try_clone_to_owned().unwrap());
+    let mut descriptors = Vec::new();
+    let mut shape = [0u64; 4];
+    loop {
+        let mut payload = [0u8; 32];
+        let (fd, received) = receive_fd(&socket, &mut payload).unwrap();
+        assert_eq!(received, 32);
+        for (value, bytes) in shape.iter_mut().zip(payload.chunks(8)) {
+            *value = u64::from_le_bytes(bytes.try_into().unwrap());
+        }
+        descriptors.push(fd);
+        if descriptors.len() as u64 == shape[0] {
+            break;
+        }
+    }
+    let [_, chunk, offset, len] = shape.map(|v| v as usize);
+    let mapped = ArenaImport::map(&descriptors, chunk, offset, len, 0).unwrap();
+    assert_eq!(read(mapped.as_raw(), len, &stream), pattern(len, 7), "the exporter's bytes");
+    write(mapped.as_raw(), &pattern(len, 8), &stream);
+    drop(mapped);
+    (&socket).write_all(b"ok").unwrap();
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn another_process_maps_an_arena_allocation_from_its_descriptors() {
+    if std::env::var_os("CUMEMPOOL_ARENA_CHILD").is_some() {
+        return import_in_child();
+    }
+    let Some(context) = gpu() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let arena = Arena::builder(0, 1 << 30).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
+    let len = arena.chunk_size() + 8192;
+    let _pad = arena.alloc(4096, &stream).unwrap();
+    let block = arena.alloc(len, &stream).unwrap();
+    write(block.as_raw(), &pattern(len, 7), &stream);
+    let export = arena.export_fd(block.as_raw()).unwrap();
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["another_process_maps_an_arena_allocation_from_its_descriptors", "--exact", "--include-ignored"])
+        .env("CUMEMPOOL_ARENA_CHILD", "1")
+        .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+        .spawn()
+        .unwrap();
+    let shape = [export.descriptors.len(), export.chunk_size, export.offset, export.len];
+    let payload: Vec<u8> = shape.iter().flat_map(|v| (*v as u64).to_le_bytes()).collect();
+    for fd in &export.descriptors {
+        cumempool::descriptor_passing::send_fd(&ours, fd.as_fd(), &payload).unwrap();
+    }
+    let mut answer = Vec::new();
+    (&ours).read_to_end(&mut answer).unwrap();
+    assert!(child.wait().unwrap().success(), "the child failed");
+    assert_eq!(answer, b"ok");
+    assert_eq!(read(block.as_raw(), len, &stream), pattern(len, 8), "the child's bytes, seen by the exporter");
 }

@@ -110,11 +110,6 @@ pub struct NcclMemory {
     context: Context,
 }
 
-// SAFETY: an address NCCL hands out, usable from any thread; the context is Send and Sync.
-unsafe impl Send for NcclMemory {}
-// SAFETY: as above; shared access only reads the address.
-unsafe impl Sync for NcclMemory {}
-
 impl NcclMemory {
     /// `len` bytes on `device`.
     ///
@@ -130,6 +125,12 @@ impl NcclMemory {
         Ok(Self { ptr: ptr as CUdeviceptr, len, device, context })
     }
 }
+
+const _: () = {
+    const fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<NcclMemory>();
+    send_and_sync::<DeviceSlice<'static>>();
+};
 
 impl DeviceBuffer for NcclMemory {
     fn device_ptr(&self) -> CUdeviceptr {
