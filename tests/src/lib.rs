@@ -3,6 +3,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+pub mod device_bytes;
 pub mod fault_library;
 
 /// The device-0 primary context, or `None` (with a note) where no driver is present.

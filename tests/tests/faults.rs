@@ -957,6 +957,90 @@ fn containers_survive_faults_drawn_at_random() {
     nothing_used(&pool, allocator.stream());
 }
 
+// ---- vmm.rs --------------------------------------------------------------------------------
+
+/// Device 0's exportable VMM properties and their minimum granularity.
+fn vmm_props() -> (cumempool::vmm::AllocationProperties, usize) {
+    let props = cumempool::vmm::AllocationProperties::device(0).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+    let chunk = props.granularity().unwrap().minimum;
+    (props, chunk)
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn vmm_calls_name_the_call_that_failed_and_leave_nothing_half_made() {
+    use cumempool::vmm::{AddressRange, PhysicalAllocation};
+    let Some((_lock, suite)) = suite() else { return };
+    let (props, chunk) = vmm_props();
+    let granularity = suite.failing("cuMemGetAllocationGranularity", 1, UNKNOWN, || props.granularity());
+    refused_by(granularity, "cuMemGetAllocationGranularity", UNKNOWN);
+    let create = suite.failing("cuMemCreate", 1, UNKNOWN, || PhysicalAllocation::create(&props, chunk));
+    refused_by(create, "cuMemCreate", UNKNOWN);
+    let full = suite.failing("cuMemCreate", 1, OUT_OF_MEMORY, || PhysicalAllocation::create(&props, chunk));
+    assert!(matches!(refused_by(full, "cuMemCreate", OUT_OF_MEMORY), Error::OutOfMemory { .. }));
+    let reserve = suite.failing("cuMemAddressReserve", 1, UNKNOWN, || AddressRange::reserve(4 * chunk, chunk));
+    refused_by(reserve, "cuMemAddressReserve", UNKNOWN);
+    let range = AddressRange::reserve(4 * chunk, chunk).unwrap();
+    let memory = PhysicalAllocation::create(&props, chunk).unwrap();
+    refused_by(suite.failing("cuMemMap", 1, UNKNOWN, || range.map(0, &memory)), "cuMemMap", UNKNOWN);
+    assert_eq!(range.mapped_bytes(), 0, "a refused mapping is not recorded");
+    range.map(0, &memory).unwrap();
+    let access = suite.failing("cuMemSetAccess", 1, UNKNOWN, || range.set_access(0, chunk, &[(0, Access::ReadWrite)]));
+    refused_by(access, "cuMemSetAccess", UNKNOWN);
+    range.set_access(0, chunk, &[(0, Access::ReadWrite)]).unwrap();
+    let before = open_descriptors();
+    let export = suite.failing("cuMemExportToShareableHandle", 1, UNKNOWN, || memory.export_fd());
+    assert!(matches!(refused_by(export, "cuMemExportToShareableHandle", UNKNOWN), Error::SharingRefused { .. }));
+    assert_eq!(open_descriptors(), before, "no descriptor left open");
+    let fd = memory.export_fd().unwrap();
+    let import = suite
+        .failing("cuMemImportFromShareableHandle", 1, UNKNOWN, || PhysicalAllocation::import_fd(&fd, chunk, &props));
+    assert!(matches!(refused_by(import, "cuMemImportFromShareableHandle", UNKNOWN), Error::SharingRefused { .. }));
+    // SAFETY: nothing ran on the mapping.
+    let unmap = suite.failing("cuMemUnmap", 1, UNKNOWN, || unsafe { range.unmap(0) });
+    refused_by(unmap, "cuMemUnmap", UNKNOWN);
+    assert_eq!(range.mapped_bytes(), chunk, "a refused unmapping keeps the mapping recorded");
+    // SAFETY: as above.
+    unsafe { range.unmap(0) }.unwrap();
+    drop((fd, memory, range));
+    assert!(logged().is_empty(), "the drops after the faults succeeded: {:?}", logged());
+}
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn vmm_drops_whose_driver_call_fails_say_so_once_and_free_nothing_twice() {
+    use cumempool::vmm::{AddressRange, PhysicalAllocation};
+    let Some((_lock, suite)) = suite() else { return };
+    let (props, chunk) = vmm_props();
+    let driver = cumempool::sys::driver().unwrap();
+    let success = cumempool::sys::CUresult::CUDA_SUCCESS;
+
+    let memory = PhysicalAllocation::create(&props, chunk).unwrap();
+    let handle = memory.as_raw();
+    suite.failing("cuMemRelease", 1, UNKNOWN, || drop(memory));
+    warned_once("cuMemRelease");
+    // SAFETY: the handle whose release was failed above, released once here.
+    assert_eq!(unsafe { driver.cuMemRelease().unwrap()(handle) }, success, "it was not released");
+    logged().clear();
+
+    let range = AddressRange::reserve(2 * chunk, chunk).unwrap();
+    range.map(0, &PhysicalAllocation::create(&props, chunk).unwrap()).unwrap();
+    let base = range.base();
+    suite.failing("cuMemUnmap", 1, UNKNOWN, || drop(range));
+    warned_once("cuMemUnmap");
+    // SAFETY: what the failed drop left: the mapping, then the reservation, each undone once.
+    assert_eq!(unsafe { driver.cuMemUnmap().unwrap()(base, chunk) }, success, "the mapping was left");
+    assert_eq!(unsafe { driver.cuMemAddressFree().unwrap()(base, 2 * chunk) }, success, "the range was left");
+    logged().clear();
+
+    let range = AddressRange::reserve(2 * chunk, chunk).unwrap();
+    let base = range.base();
+    suite.failing("cuMemAddressFree", 1, UNKNOWN, || drop(range));
+    warned_once("cuMemAddressFree");
+    // SAFETY: the reservation whose free was failed above, freed once here.
+    assert_eq!(unsafe { driver.cuMemAddressFree().unwrap()(base, 2 * chunk) }, success, "it was not freed");
+}
+
 /// The figure in docs/reliability.md counts the driver-call sites from the one driver-call path;
 /// this keeps its table in step with the source, so a new site cannot go unlisted. Runs from a
 /// checkout (CI); a packed binary without one has nothing to compare.

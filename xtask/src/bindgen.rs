@@ -247,6 +247,24 @@ fn first_difference(committed: &str, generated: &str) -> String {
     }
 }
 
+/// The options every generated file shares: newtype enums (a newer library may answer values
+/// these headers do not know), `core` types, no comments (the headers' comments hold C snippets
+/// rustdoc would run as doctests), layout tests, common derives, unformatted (rustfmt follows).
+pub(crate) fn common_options(builder: bindgen::Builder) -> bindgen::Builder {
+    builder
+        .default_enum_style(bindgen::EnumVariation::NewType { is_bitfield: false, is_global: false })
+        .use_core()
+        .ctypes_prefix("::core::ffi")
+        .generate_comments(false)
+        .layout_tests(true)
+        .derive_default(true)
+        .derive_debug(true)
+        .derive_eq(true)
+        .derive_hash(true)
+        .merge_extern_blocks(true)
+        .formatter(bindgen::Formatter::None)
+}
+
 fn anchored(names: &[&str], suffix: &str) -> String {
     format!("^({}){suffix}$", names.join("|"))
 }
@@ -262,17 +280,8 @@ fn generate(root: &Path, headers: &Headers, cuda_version: u32) -> Result<String,
         // A newer driver may write back enum values these headers do not know: newtypes, not enums.
         .default_enum_style(bindgen::EnumVariation::NewType { is_bitfield: false, is_global: false })
         .bitfield_enum("CUmemAllocationHandleType_enum")
-        .use_core()
-        .ctypes_prefix("::core::ffi")
-        // cuda.h's comments hold C snippets that rustdoc would try to run as doctests.
-        .generate_comments(false)
-        .layout_tests(true)
-        .derive_default(true)
-        .derive_debug(true)
-        .derive_eq(true)
-        .derive_hash(true)
-        .merge_extern_blocks(true)
-        .formatter(bindgen::Formatter::None)
+        .bitfield_enum("CUmemAllocationHandleType_enum");
+    let bindings = common_options(bindings)
         .generate()
         .map_err(|e| format!("bindgen failed on {}: {e}", headers.cuda_h.display()))?;
     let abi_versions = abi_versions(&headers.typedefs_h)?;
@@ -418,7 +427,7 @@ fn abi_versions(typedefs_h: &Path) -> Result<BTreeMap<String, u32>, String> {
     Ok(versions)
 }
 
-fn rustfmt(root: &Path, text: &str) -> Result<String, String> {
+pub(crate) fn rustfmt(root: &Path, text: &str) -> Result<String, String> {
     let mut child = Command::new("rustfmt")
         .args(["--edition", "2021", "--emit", "stdout"])
         .current_dir(root)

@@ -75,7 +75,7 @@ pub fn pinned(root: &Path, pin: &PinnedCuda) -> Result<Headers, String> {
         return Ok(Headers { cuda_h, typedefs_h, provenance });
     }
     std::fs::create_dir_all(&cache).map_err(|e| format!("creating {}: {e}", cache.display()))?;
-    let wheel = download_wheel(&cache, pin)?;
+    let wheel = download_wheel(&cache, pin.wheel_requirement, "manylinux2014_x86_64")?;
     let bytes = std::fs::read(&wheel).map_err(|e| format!("reading {}: {e}", wheel.display()))?;
     let found = sha256_hex(&bytes);
     if found != pin.wheel_sha256 {
@@ -104,22 +104,23 @@ fn file_has_sha(path: &Path, sha: &str) -> bool {
     std::fs::read(path).map(|b| sha256_hex(&b) == sha).unwrap_or(false)
 }
 
-fn download_wheel(cache: &Path, pin: &PinnedCuda) -> Result<PathBuf, String> {
+/// The wheel `requirement` for `platform` in `cache`, fetched with pip unless already there.
+pub fn download_wheel(cache: &Path, requirement: &str, platform: &str) -> Result<PathBuf, String> {
     let existing = find_wheel(cache);
     if let Some(wheel) = existing {
         return Ok(wheel);
     }
-    eprintln!("fetching {} with pip...", pin.wheel_requirement);
+    eprintln!("fetching {requirement} with pip...");
     let status = Command::new("python3")
         .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"])
-        .args(["--platform", "manylinux2014_x86_64", "--python-version", "3.12"])
+        .args(["--platform", platform, "--python-version", "3.12"])
         .arg("--dest")
         .arg(cache)
-        .arg(pin.wheel_requirement)
+        .arg(requirement)
         .status()
         .map_err(|e| format!("running `python3 -m pip download`: {e} (is python3 with pip installed?)"))?;
     if !status.success() {
-        return Err(format!("`python3 -m pip download {}` failed ({status})", pin.wheel_requirement));
+        return Err(format!("`python3 -m pip download {requirement}` failed ({status})"));
     }
     find_wheel(cache).ok_or_else(|| format!("pip reported success but left no wheel in {}", cache.display()))
 }

@@ -2,6 +2,7 @@
 //!
 //! - `cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]`: regenerate the committed
 //!   bindings of `cumempool-sys` from the pinned cuda.h headers, or prove they are fresh.
+//! - `cargo xtask bindgen --nccl [--check]`: the same for `cumempool-nccl`, from the pinned nccl.h.
 //! - `cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]`: build the GPU suite to run on a GPU host
 //!   without Rust, the Python wheel and its tests included.
 //! - `cargo xtask test [--python-only]`: the README's test command: `cargo test --workspace`,
@@ -11,6 +12,7 @@ mod bindgen;
 mod gpu_pack;
 mod headers;
 mod libclang;
+mod nccl;
 mod python;
 
 use std::path::PathBuf;
@@ -19,6 +21,7 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
+        Some("bindgen") if args[1..].iter().any(|a| a == "--nccl") => nccl_options(&args[1..]).and_then(nccl::run),
         Some("bindgen") => bindgen::Options::parse(&args[1..]).and_then(|o| bindgen::run(&o)),
         Some("gpu-pack") => gpu_pack::Options::parse(&args[1..]).and_then(|o| gpu_pack::run(&o)),
         Some("test") => python::test(&args[1..]),
@@ -38,6 +41,7 @@ fn main() -> ExitCode {
 }
 
 const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]
+       cargo xtask bindgen --nccl [--check]
        cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
        cargo xtask test [--python-only]
 
@@ -45,6 +49,8 @@ bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (
   --cuda V      only this CUDA version (default: every pinned version)
   --header P    use this cuda.h (cudaTypedefs.h is read from beside it) instead of the pinned wheel
   --check       regenerate into memory and fail if the committed files differ
+  --nccl        instead, crates/cumempool-nccl/src/generated/ from the pinned nccl.h (NCCL 2.30.7's
+                wheel, 216 MB, fetched into target/nccl-headers once)
 
 gpu-pack: build every test binary and executable in release mode into DIR (default .gpu) with
   run.sh, to copy to a GPU host without Rust and run there: `bash DIR/run.sh` (docs/gpu-suite.md).
@@ -59,4 +65,17 @@ test: `cargo test --workspace`, then the Python wheel built into target/wheels w
 fn workspace_root() -> PathBuf {
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// `--nccl` with at most `--check`: whether to check.
+fn nccl_options(args: &[String]) -> Result<bool, String> {
+    let mut check = false;
+    for arg in args {
+        match arg.as_str() {
+            "--nccl" => {}
+            "--check" => check = true,
+            other => return Err(format!("`{other}` does not go with --nccl (only --check does)")),
+        }
+    }
+    Ok(check)
 }

@@ -61,6 +61,29 @@ pub enum Error {
         /// Bytes asked for.
         requested: usize,
     },
+
+    /// An [`Arena`](crate::Arena)'s reserved range has no free span that large.
+    #[error("out of memory: the arena's {reserved} reserved bytes hold no free span of {requested} bytes; build it with a larger reservation")]
+    ArenaExhausted {
+        /// Bytes asked for.
+        requested: usize,
+        /// The arena's reserved bytes.
+        reserved: usize,
+    },
+
+    /// A pointer an [`Arena`](crate::Arena) did not hand out (or that was freed already).
+    #[error("{ptr:#x} is no live allocation of this arena: free and export only what its allocate returned, once")]
+    NotFromArena {
+        /// The pointer given.
+        ptr: u64,
+    },
+
+    /// [`Arena::trim`](crate::Arena::trim) while registrations need every chunk mapped.
+    #[error("the arena cannot unmap chunks while {holders} registration(s) hold its mappings (NCCL caches them); drop the registrations first")]
+    MappingsHeld {
+        /// How many holds are alive.
+        holders: usize,
+    },
 }
 
 impl Error {
@@ -70,8 +93,9 @@ impl Error {
     pub fn is_out_of_memory(&self) -> bool {
         match self {
             Self::Pool(error) => error.is_out_of_memory(),
-            Self::LimitExceeded { .. } | Self::HostOutOfMemory { .. } => true,
+            Self::LimitExceeded { .. } | Self::HostOutOfMemory { .. } | Self::ArenaExhausted { .. } => true,
             Self::Alignment { .. } | Self::KindMismatch { .. } | Self::LanesUnreachable { .. } => false,
+            Self::NotFromArena { .. } | Self::MappingsHeld { .. } => false,
         }
     }
 }

@@ -36,6 +36,7 @@
 
 mod adaptors;
 mod allocator;
+mod arena;
 mod caching;
 mod error;
 #[cfg(any(test, feature = "testing"))]
@@ -46,6 +47,9 @@ mod resource;
 
 pub use adaptors::{Limit, OnOutOfMemory, Outstanding, Statistics, Traced, Tracking, Usage};
 pub use allocator::{PoolAllocator, ResourceAllocator};
+pub use arena::{Arena, ArenaBuilder, ArenaStats, MappingHold};
+#[cfg(unix)]
+pub use arena::{ArenaExport, ArenaImport};
 pub use caching::{CacheStats, CachingResource};
 pub use error::{Error, Result};
 #[cfg(any(test, feature = "testing"))]

@@ -69,6 +69,7 @@ mod routing;
 mod sharing;
 mod stream;
 mod unknown_value;
+pub mod vmm;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};

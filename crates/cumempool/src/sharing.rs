@@ -115,11 +115,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
 }
 
 /// Where the NVIDIA driver exposes IMEX channels, which fabric handles need.
-const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+pub(crate) const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
 
 /// Whether an IMEX channel exists. Checked before a fabric export because driver 580 refuses the
 /// export without one and then crashes when the pool is destroyed.
-fn imex_channel_present() -> bool {
+pub(crate) fn imex_channel_present() -> bool {
     if !cfg!(target_os = "linux") {
         return true;
     }
@@ -127,7 +127,7 @@ fn imex_channel_present() -> bool {
 }
 
 /// `Ok` for `CUDA_SUCCESS`, else [`Error::SharingRefused`] with the driver's answer and `hint`.
-fn refused_unless_success(answer: Answer, what: &'static str, hint: &'static str) -> Result<()> {
+pub(crate) fn refused_unless_success(answer: Answer, what: &'static str, hint: &'static str) -> Result<()> {
     if answer.code == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -208,12 +208,7 @@ impl Pool {
                 });
             }
         }
-        if !imex_channel_present() {
-            return Err(Error::NotShareable {
-                what: "exporting a pool as a fabric handle",
-                reason: format!("no IMEX channel on this system ({IMEX_CHANNELS} is missing or empty): fabric handles need the IMEX service; within one node share with HandleTypes::POSIX_FILE_DESCRIPTOR"),
-            });
-        }
+        crate::vmm::require_imex_channel("exporting a pool as a fabric handle")?;
         let mut handle = sys::CUmemFabricHandle::default();
         // SAFETY: for FABRIC the handle is a CUmemFabricHandle.
         let answer = unsafe {
@@ -356,8 +351,45 @@ impl MemPool {
             "the descriptor must come from Pool::export_fd in another process",
         )?;
         tracing::info!(pool = ?pool, "memory pool imported");
+        Ok(Self::imported(pool))
+    }
+
+    /// Imports a pool another process exported with [`Pool::export_fabric`], on this node or
+    /// another of the same NVLink domain (multi-node NVLink with IMEX). Map its allocations
+    /// with [`Pool::import_pointer`], as for [`MemPool::import_fd`].
+    ///
+    /// Refused before the driver without an IMEX channel (`/dev/nvidia-caps-imex-channels/*`),
+    /// as the export is.
+    ///
+    /// # Errors
+    /// [`Error::NotShareable`] without an IMEX channel; [`Error::SharingRefused`] when the
+    /// driver refuses the handle.
+    ///
+    /// See [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn import_fabric(handle: &[u8; 64]) -> Result<Self> {
+        const WHAT: &str = "importing a pool from a fabric handle";
+        crate::vmm::require_imex_channel(WHAT)?;
+        let mut fabric = sys::CUmemFabricHandle { data: *handle };
+        let mut pool = std::ptr::null_mut();
+        let kind = HandleTypes::FABRIC.to_raw();
+        // SAFETY: for FABRIC the handle points at a CUmemFabricHandle, alive for the call.
+        let answer = unsafe {
+            driver_answer!(cuMemPoolImportFromShareableHandle(
+                &mut pool,
+                (&mut fabric as *mut sys::CUmemFabricHandle).cast::<c_void>(),
+                kind,
+                0
+            ))
+        }?;
+        refused_unless_success(answer, WHAT, "the handle must come from Pool::export_fabric in the same NVLink domain, with an IMEX channel on both nodes")?;
+        tracing::info!(pool = ?pool, "memory pool imported from a fabric handle");
+        Ok(Self::imported(pool))
+    }
+
+    /// An imported pool, with its route where the driver tells it (13.2 and newer).
+    fn imported(pool: sys::CUmemoryPool) -> Self {
         let imported = Pool::owned(pool, None, None, true);
         let route = imported.location().ok().zip(imported.allocation_type().ok());
-        Ok(MemPool::from_pool(imported.with_route(route.map(|(l, t)| crate::Route::new(l, t)))))
+        MemPool::from_pool(imported.with_route(route.map(|(l, t)| crate::Route::new(l, t))))
     }
 }

@@ -1,0 +1,574 @@
+//! A VMM arena: one reserved range of addresses that grows by mapping physical chunks on
+//! demand and shrinks by unmapping them, so it grows without moving (like PyTorch's expandable
+//! segments) and its memory is what NCCL can register for zero-copy transfers.
+//!
+//! ```no_run
+//! use cumempool::{Device, Stream};
+//! use cumempool_alloc::{Arena, CachingResource, StreamOrderedResource};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let context = Device::get(0)?.primary_context()?;
+//! let stream = Stream::new(&context)?;
+//! let arena = Arena::builder(0, 64 << 30).build()?; // 64 GiB of addresses, no memory yet
+//! let cache = CachingResource::new(&arena);
+//! let block = cache.alloc(1 << 20, &stream)?; // maps one chunk
+//! # drop(block);
+//! # Ok(()) }
+//! ```
+//!
+//! Frees are stream-ordered: a freed span is reused once an event recorded on the freeing
+//! stream has completed (checked without waiting at each allocation; waited for only when
+//! nothing else fits, and by [`Arena::trim`]).
+
+use crate::error::{Error, Result};
+use crate::memory_kind::DeviceMemory;
+use crate::resource::{StreamOrderedResource, POOL_ALIGNMENT};
+use cumempool::sys::CUdeviceptr;
+use cumempool::vmm::{AddressRange, AllocationProperties, PhysicalAllocation};
+use cumempool::{Access, Context, Device, Event, HandleTypes, Stream};
+use std::collections::BTreeMap;
+#[cfg(unix)]
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// What [`Arena::builder`] needs beyond the device and the range: chunk size, export handle
+/// types, GPUDirect RDMA and peers.
+#[derive(Clone, Debug)]
+pub struct ArenaBuilder {
+    device: i32,
+    reserve: usize,
+    chunk: Option<usize>,
+    props: AllocationProperties,
+    peers: Vec<(i32, Access)>,
+}
+
+impl ArenaBuilder {
+    /// The size of each physical chunk: a multiple of the minimum granularity (default: the
+    /// device's recommended granularity, 2 MiB on current GPUs). Larger chunks mean fewer
+    /// mappings (and fewer NCCL registrations), smaller ones a tighter fit.
+    #[must_use]
+    pub fn chunk_size(mut self, bytes: usize) -> Self {
+        self.chunk = Some(bytes);
+        self
+    }
+
+    /// The handle types chunks may be exported as ([`Arena::export_fd`] needs
+    /// `POSIX_FILE_DESCRIPTOR`).
+    #[must_use]
+    pub fn export_handle_types(mut self, types: HandleTypes) -> Self {
+        self.props = self.props.handle_types(types);
+        self
+    }
+
+    /// Whether network adapters may access the memory directly (`gpuDirectRDMACapable`).
+    #[must_use]
+    pub fn gpu_direct_rdma(mut self, capable: bool) -> Self {
+        self.props = self.props.gpu_direct_rdma(capable);
+        self
+    }
+
+    /// Grants a peer device access to every chunk, mapped now or later. Without it only the
+    /// owning device has access; see also [`Arena::grant_access`].
+    #[must_use]
+    pub fn peer_access(mut self, device: i32, access: Access) -> Self {
+        self.peers.push((device, access));
+        self
+    }
+
+    /// Reserves the range (rounded up to whole chunks). No memory is created yet.
+    ///
+    /// # Errors
+    /// [`Error::Pool`] with [`cumempool::Error::InvalidArgument`] for a chunk size that is not a
+    /// multiple of the granularity or a peer that is the owning device; the driver's answers.
+    pub fn build(self) -> Result<Arena> {
+        let context = Device::get(self.device)?.primary_context()?;
+        context.make_current()?;
+        let granularity = self.props.granularity()?;
+        let chunk = self.chunk.unwrap_or(granularity.recommended);
+        if chunk == 0 || !chunk.is_multiple_of(granularity.minimum) {
+            return Err(invalid(format!(
+                "chunk size {chunk} is not a positive multiple of the minimum granularity {} of device {}",
+                granularity.minimum, self.device
+            )));
+        }
+        check_peers(self.device, &self.peers)?;
+        let reserve = self.reserve.max(1).div_ceil(chunk).checked_mul(chunk).ok_or_else(|| {
+            invalid(format!("{} bytes rounded up to {chunk}-byte chunks overflow the address space", self.reserve))
+        })?;
+        let range = AddressRange::reserve(reserve, chunk)?;
+        let mut free = BTreeMap::new();
+        free.insert(0, reserve);
+        let state = State {
+            chunks: BTreeMap::new(),
+            free,
+            live: BTreeMap::new(),
+            pending: Vec::new(),
+            peers: self.peers,
+            holds: 0,
+        };
+        Ok(Arena { range, props: self.props, chunk, context, state: Mutex::new(state) })
+    }
+}
+
+fn invalid(reason: String) -> Error {
+    Error::Pool(cumempool::Error::InvalidArgument { what: "building a VMM arena", reason })
+}
+
+fn check_peers(owner: i32, peers: &[(i32, Access)]) -> Result<()> {
+    if let Some((device, _)) = peers.iter().find(|(device, _)| *device == owner) {
+        return Err(invalid(format!(
+            "device {device} owns the arena and always has read-write access; name only peer devices"
+        )));
+    }
+    Ok(())
+}
+
+/// The arena's bookkeeping, under one lock.
+#[derive(Debug)]
+struct State {
+    /// Mapped chunks by index (offset / chunk size).
+    chunks: BTreeMap<usize, PhysicalAllocation>,
+    /// Free spans of the whole range (mapped or not), by offset, coalesced.
+    free: BTreeMap<usize, usize>,
+    /// Live allocations by offset.
+    live: BTreeMap<usize, usize>,
+    /// Freed spans whose stream had not reached the free yet.
+    pending: Vec<(Event, usize, usize)>,
+    peers: Vec<(i32, Access)>,
+    /// Registrations (NCCL's) that need every chunk to stay mapped.
+    holds: usize,
+}
+
+impl State {
+    fn give_back(&mut self, offset: usize, len: usize) {
+        let (mut start, mut end) = (offset, offset + len);
+        if let Some((&before, &size)) = self.free.range(..start).next_back() {
+            if before + size == start {
+                self.free.remove(&before);
+                start = before;
+            }
+        }
+        if let Some(size) = self.free.remove(&end) {
+            end += size;
+        }
+        self.free.insert(start, end - start);
+    }
+
+    /// Moves pending frees whose stream has passed them to the free list; with `wait`, all.
+    fn settle(&mut self, wait: bool) -> Result<()> {
+        let mut index = 0;
+        while index < self.pending.len() {
+            let event = &self.pending[index].0;
+            let done = if wait { event.synchronize().map(|()| true) } else { event.is_complete() };
+            if done? {
+                let (_, offset, len) = self.pending.swap_remove(index);
+                self.give_back(offset, len);
+            } else {
+                index += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// First fit of `bytes` aligned to `align` (relative to the chunk-aligned base).
+    fn take(&mut self, base: CUdeviceptr, bytes: usize, align: usize) -> Option<usize> {
+        let found = self.free.iter().find_map(|(&offset, &len)| {
+            let start = (base + offset as u64).next_multiple_of(align as u64) - base;
+            let start = usize::try_from(start).ok()?;
+            (start + bytes <= offset + len).then_some((offset, len, start))
+        });
+        let (offset, len, start) = found?;
+        self.free.remove(&offset);
+        if start > offset {
+            self.free.insert(offset, start - offset);
+        }
+        if offset + len > start + bytes {
+            self.free.insert(start + bytes, offset + len - start - bytes);
+        }
+        self.live.insert(start, bytes);
+        Some(start)
+    }
+
+    fn chunk_in_use(&self, start: usize, end: usize) -> bool {
+        let last = self.live.range(..end).next_back();
+        last.is_some_and(|(&offset, &len)| offset + len > start)
+    }
+}
+
+/// A reserved range of one device's addresses with physical chunks mapped on demand: a
+/// [`StreamOrderedResource`] of device memory that never moves.
+#[derive(Debug)]
+pub struct Arena {
+    range: AddressRange,
+    props: AllocationProperties,
+    chunk: usize,
+    context: Context,
+    state: Mutex<State>,
+}
+
+/// What [`Arena::stats`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// The reserved addresses.
+    pub reserved: usize,
+    /// The bytes of physical memory mapped.
+    pub mapped: usize,
+    /// The bytes of live allocations.
+    pub in_use: usize,
+    /// Allocations freed whose stream had not yet passed the free when last checked.
+    pub pending_frees: usize,
+}
+
+/// Keeps every chunk of an arena mapped while it lives: [`Arena::trim`] refuses meanwhile.
+/// Registrations that cache the arena's physical memory (NCCL's) hold one.
+#[derive(Debug)]
+#[must_use = "the hold ends when dropped"]
+pub struct MappingHold<'a> {
+    arena: &'a Arena,
+}
+
+impl Drop for MappingHold<'_> {
+    fn drop(&mut self) {
+        self.arena.lock().holds -= 1;
+    }
+}
+
+/// The chunks under an exported allocation, for another process to map with [`ArenaImport`].
+#[cfg(unix)]
+#[derive(Debug)]
+pub struct ArenaExport {
+    /// One descriptor per chunk, in address order.
+    pub descriptors: Vec<OwnedFd>,
+    /// The size of each chunk.
+    pub chunk_size: usize,
+    /// The allocation's offset into the first chunk.
+    pub offset: usize,
+    /// The allocation's length.
+    pub len: usize,
+    /// The device the memory lives on.
+    pub device: i32,
+}
+
+impl Arena {
+    /// An arena of `reserve` bytes of addresses on device `device`; see [`ArenaBuilder`].
+    pub fn builder(device: i32, reserve: usize) -> ArenaBuilder {
+        ArenaBuilder { device, reserve, chunk: None, props: AllocationProperties::device(device), peers: Vec::new() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The device that owns the memory.
+    pub fn device(&self) -> i32 {
+        self.props.device_ordinal()
+    }
+
+    /// The first address of the range; it never changes.
+    pub fn base(&self) -> CUdeviceptr {
+        self.range.base()
+    }
+
+    /// The size of each physical chunk.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk
+    }
+
+    /// The properties chunks are created with.
+    pub fn properties(&self) -> &AllocationProperties {
+        &self.props
+    }
+
+    /// Whether `[ptr, ptr + len)` lies in the arena's range.
+    pub fn contains(&self, ptr: CUdeviceptr, len: usize) -> bool {
+        let base = self.range.base();
+        ptr >= base && ptr.checked_add(len as u64).is_some_and(|end| end <= base + self.range.len() as u64)
+    }
+
+    /// Reserved, mapped and used bytes.
+    pub fn stats(&self) -> ArenaStats {
+        let state = self.lock();
+        ArenaStats {
+            reserved: self.range.len(),
+            mapped: state.chunks.len() * self.chunk,
+            in_use: state.live.values().sum(),
+            pending_frees: state.pending.len(),
+        }
+    }
+
+    /// The mapped spans `(address, bytes)`, adjacent chunks merged, in address order.
+    pub fn mapped_spans(&self) -> Vec<(CUdeviceptr, usize)> {
+        let state = self.lock();
+        let mut spans: Vec<(CUdeviceptr, usize)> = Vec::new();
+        for &index in state.chunks.keys() {
+            let address = self.range.base() + (index * self.chunk) as u64;
+            match spans.last_mut() {
+                Some((start, len)) if *start + *len as u64 == address => *len += self.chunk,
+                _ => spans.push((address, self.chunk)),
+            }
+        }
+        spans
+    }
+
+    /// Keeps every chunk mapped until the hold is dropped.
+    pub fn hold_mappings(&self) -> MappingHold<'_> {
+        self.lock().holds += 1;
+        MappingHold { arena: self }
+    }
+
+    /// Grants `device` (a peer) access to every chunk mapped now and later.
+    ///
+    /// # Errors
+    /// [`Error::Pool`] for the owning device (which always has read-write access) or the
+    /// driver's refusal (a device that cannot reach this one); then no chunk changes.
+    pub fn grant_access(&self, device: i32, access: Access) -> Result<()> {
+        check_peers(self.device(), &[(device, access)])?;
+        let mut state = self.lock();
+        for &index in state.chunks.keys() {
+            self.range.set_access(index * self.chunk, self.chunk, &[(device, access)])?;
+        }
+        state.peers.retain(|(d, _)| *d != device);
+        state.peers.push((device, access));
+        Ok(())
+    }
+
+    /// Maps every chunk `[start, end)` touches that is not mapped yet.
+    fn map_chunks(&self, state: &mut State, start: usize, end: usize) -> Result<()> {
+        let mut access = vec![(self.device(), Access::ReadWrite)];
+        access.extend(state.peers.iter().copied());
+        for index in start / self.chunk..end.div_ceil(self.chunk) {
+            if state.chunks.contains_key(&index) {
+                continue;
+            }
+            let memory = PhysicalAllocation::create(&self.props, self.chunk)?;
+            self.range.map(index * self.chunk, &memory)?;
+            if let Err(error) = self.range.set_access(index * self.chunk, self.chunk, &access) {
+                // SAFETY: mapped just now, never handed out.
+                if let Err(unmap) = unsafe { self.range.unmap(index * self.chunk) } {
+                    tracing::warn!(%unmap, "unmapping a chunk whose access was refused failed");
+                }
+                return Err(error.into());
+            }
+            state.chunks.insert(index, memory);
+        }
+        Ok(())
+    }
+
+    /// Unmaps and releases every chunk no live allocation touches, after waiting for pending
+    /// frees. Returns the bytes released.
+    ///
+    /// # Errors
+    /// [`Error::MappingsHeld`] while a [`MappingHold`] (an NCCL registration) lives; the
+    /// driver's answers.
+    pub fn trim(&self) -> Result<usize> {
+        let mut state = self.lock();
+        if state.holds > 0 {
+            return Err(Error::MappingsHeld { holders: state.holds });
+        }
+        state.settle(true)?;
+        let idle: Vec<usize> = state
+            .chunks
+            .keys()
+            .copied()
+            .filter(|&index| !state.chunk_in_use(index * self.chunk, (index + 1) * self.chunk))
+            .collect();
+        let mut released = 0;
+        for index in idle {
+            // SAFETY: no live allocation lies in the chunk and every free's stream has passed it.
+            unsafe { self.range.unmap(index * self.chunk) }?;
+            state.chunks.remove(&index);
+            released += self.chunk;
+        }
+        Ok(released)
+    }
+
+    /// Exports the chunks under the live allocation at `ptr` as file descriptors, for another
+    /// process to map with [`ArenaImport::map`].
+    ///
+    /// # Errors
+    /// [`Error::NotFromArena`] for a pointer that is no live allocation of this arena; the
+    /// export's refusals (an arena built without `POSIX_FILE_DESCRIPTOR`).
+    #[cfg(unix)]
+    pub fn export_fd(&self, ptr: CUdeviceptr) -> Result<ArenaExport> {
+        let state = self.lock();
+        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
+        let Some((offset, len)) = offset.and_then(|o| state.live.get(&o).map(|len| (o, *len))) else {
+            return Err(Error::NotFromArena { ptr });
+        };
+        let first = offset / self.chunk;
+        let descriptors = (first..(offset + len).div_ceil(self.chunk))
+            .map(|index| match state.chunks.get(&index) {
+                Some(memory) => Ok(memory.export_fd()?),
+                None => Err(Error::NotFromArena { ptr }),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ArenaExport {
+            descriptors,
+            chunk_size: self.chunk,
+            offset: offset - first * self.chunk,
+            len,
+            device: self.device(),
+        })
+    }
+}
+
+// SAFETY: `allocate` hands out spans of mapped device memory of `props.device` (chunks are
+// mapped before the span is returned), never two live spans overlapping (`take` removes them
+// from the free list); a freed span is reused only after an event on its freeing stream has
+// completed. Alignments above the chunk size are refused.
+unsafe impl StreamOrderedResource for Arena {
+    type Kind = DeviceMemory;
+
+    fn allocate(&self, bytes: usize, align: usize, _stream: &Stream) -> Result<CUdeviceptr> {
+        if !align.is_power_of_two() || align > self.chunk {
+            return Err(Error::Alignment {
+                requested: align,
+                reason: format!("the arena aligns to powers of two up to its chunk size, {}", self.chunk),
+            });
+        }
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let rounded = bytes
+            .checked_next_multiple_of(POOL_ALIGNMENT)
+            .ok_or(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() })?;
+        let align = align.max(POOL_ALIGNMENT);
+        let mut state = self.lock();
+        state.settle(false)?;
+        let base = self.range.base();
+        let mut offset = state.take(base, rounded, align);
+        if offset.is_none() && !state.pending.is_empty() {
+            state.settle(true)?;
+            offset = state.take(base, rounded, align);
+        }
+        let Some(offset) = offset else {
+            return Err(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() });
+        };
+        if let Err(error) = self.map_chunks(&mut state, offset, offset + rounded) {
+            state.live.remove(&offset);
+            state.give_back(offset, rounded);
+            return Err(error);
+        }
+        Ok(base + offset as u64)
+    }
+
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, _align: usize, stream: &Stream) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let event = Event::new(&self.context)?;
+        event.record(stream)?;
+        let mut state = self.lock();
+        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
+        let Some((offset, len)) = offset.and_then(|o| state.live.remove(&o).map(|len| (o, len))) else {
+            return Err(Error::NotFromArena { ptr });
+        };
+        state.pending.push((event, offset, len));
+        Ok(())
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // Frees still in flight finish before the range (dropped after this) unmaps the chunks.
+        if let Err(error) = self.lock().settle(true) {
+            tracing::warn!(%error, "waiting for an arena's pending frees failed");
+        }
+    }
+}
+
+/// Another process's arena allocation mapped here: a range of its own with the imported chunks,
+/// unmapped and released when dropped.
+#[cfg(unix)]
+#[derive(Debug)]
+pub struct ArenaImport {
+    range: AddressRange,
+    offset: usize,
+    len: usize,
+}
+
+#[cfg(unix)]
+impl ArenaImport {
+    /// Maps the chunks `descriptors` (from [`Arena::export_fd`], in order, each `chunk_size`
+    /// bytes) and grants `device` read-write access. The allocation starts `offset` bytes into
+    /// the first chunk and is `len` bytes long.
+    ///
+    /// # Errors
+    /// [`Error::Pool`] with the import's or the mapping's refusal, or an `offset + len` that
+    /// does not fit the chunks.
+    pub fn map(descriptors: &[impl AsFd], chunk_size: usize, offset: usize, len: usize, device: i32) -> Result<Self> {
+        let total = descriptors.len().checked_mul(chunk_size).unwrap_or(0);
+        if total == 0 || offset.checked_add(len).is_none_or(|end| end > total) {
+            return Err(Error::Pool(cumempool::Error::InvalidArgument {
+                what: "mapping an imported arena allocation",
+                reason: format!(
+                    "{len} bytes at offset {offset} do not fit {} chunks of {chunk_size} bytes",
+                    descriptors.len()
+                ),
+            }));
+        }
+        let props = AllocationProperties::device(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
+        let range = AddressRange::reserve(total, chunk_size)?;
+        for (index, fd) in descriptors.iter().enumerate() {
+            let memory = PhysicalAllocation::import_fd(fd, chunk_size, &props)?;
+            range.map(index * chunk_size, &memory)?;
+        }
+        range.set_access(0, total, &[(device, Access::ReadWrite)])?;
+        Ok(Self { range, offset, len })
+    }
+
+    /// The allocation's address in this process.
+    pub fn as_raw(&self) -> CUdeviceptr {
+        self.range.base() + self.offset as u64
+    }
+
+    /// The allocation's length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: exported allocations are not empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(reserve: usize) -> State {
+        let mut free = BTreeMap::new();
+        free.insert(0, reserve);
+        State { chunks: BTreeMap::new(), free, live: BTreeMap::new(), pending: Vec::new(), peers: Vec::new(), holds: 0 }
+    }
+
+    #[test]
+    fn spans_are_taken_first_fit_aligned_and_coalesce_when_given_back() {
+        let base = 1 << 21;
+        let mut state = state(1 << 20);
+        let a = state.take(base, 256, 256).unwrap();
+        let b = state.take(base, 4096, 4096).unwrap();
+        assert_eq!((a, b), (0, 4096), "b is aligned past the gap a leaves");
+        assert_eq!(state.free.get(&256), Some(&(4096 - 256)), "the gap stays free");
+        let c = state.take(base, 512, 256).unwrap();
+        assert_eq!(c, 256, "the gap is reused first");
+        for (offset, len) in [(a, 256), (c, 512), (b, 4096)] {
+            state.live.remove(&offset);
+            state.give_back(offset, len);
+        }
+        assert_eq!(state.free.len(), 1, "everything coalesced: {:?}", state.free);
+        assert_eq!(state.free.get(&0), Some(&(1 << 20)));
+        assert!(state.take(base, (1 << 20) + 256, 256).is_none(), "more than the range is refused");
+    }
+
+    #[test]
+    fn a_chunk_is_in_use_while_any_allocation_touches_it() {
+        let chunk = 1 << 21;
+        let mut state = state(8 * chunk);
+        let spanning = state.take(0, chunk + 256, 256).unwrap();
+        assert!(state.chunk_in_use(0, chunk) && state.chunk_in_use(chunk, 2 * chunk));
+        assert!(!state.chunk_in_use(2 * chunk, 3 * chunk));
+        state.live.remove(&spanning);
+        assert!(!state.chunk_in_use(0, chunk) && !state.chunk_in_use(chunk, 2 * chunk));
+    }
+}

@@ -1,0 +1,191 @@
+//! The crate's one error type.
+
+use crate::loader::LoadError;
+use std::time::Duration;
+
+/// `Result` with this crate's [`enum@Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, each variant saying what was wrong and what would be right.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// NCCL, or one of its functions, is not available.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+
+    /// An NCCL call failed.
+    #[error("{function} failed with {name} ({code}): {description}{}", detail(.last_error))]
+    Nccl {
+        /// The function, such as `ncclAllReduce`.
+        function: &'static str,
+        /// The raw `ncclResult_t`.
+        code: u32,
+        /// Its name, such as `ncclInvalidArgument`.
+        name: &'static str,
+        /// NCCL's description of the code.
+        description: String,
+        /// NCCL's last error message (`ncclGetLastError`), where it had one.
+        last_error: String,
+    },
+
+    /// A CUDA call (streams, contexts, arenas) failed.
+    #[error(transparent)]
+    Cuda(#[from] cumempool::Error),
+
+    /// An arena refused (holding its mappings, for instance).
+    #[error(transparent)]
+    Arena(#[from] cumempool_alloc::Error),
+
+    /// A buffer on a device other than the communicator's.
+    #[error("{what}: the buffer is {found}, but the communicator's rank runs on device {device}; give each rank buffers of its own device")]
+    WrongDevice {
+        /// What was being done.
+        what: &'static str,
+        /// Where the buffer is, in words ("on device 1", "host memory").
+        found: String,
+        /// The communicator's device.
+        device: i32,
+    },
+
+    /// More elements than a buffer holds, or a count whose bytes overflow.
+    #[error("{what}: {count} elements of {element_size} bytes{} do not fit the buffer's {capacity} bytes", times(*.ranks))]
+    DoesNotFit {
+        /// What was being done.
+        what: &'static str,
+        /// The element count asked for.
+        count: usize,
+        /// The element size.
+        element_size: usize,
+        /// The factor the count is multiplied by (the rank count for gathers), 1 otherwise.
+        ranks: usize,
+        /// The buffer's size in bytes.
+        capacity: usize,
+    },
+
+    /// A rank or peer outside the communicator.
+    #[error("{what}: rank {rank} does not exist in a communicator of {size} ranks (0..{size})")]
+    NoSuchRank {
+        /// What was being done.
+        what: &'static str,
+        /// The rank given.
+        rank: i32,
+        /// The communicator's size.
+        size: i32,
+    },
+
+    /// Ranks that disagree on the communicator's size, found in the unique-id exchange.
+    #[error("the unique id was sent for a communicator of {sent} ranks, but this rank expects {expected}; every rank must pass the same size")]
+    RankCountMismatch {
+        /// The size the sender announced.
+        sent: i32,
+        /// The size this rank was given.
+        expected: i32,
+    },
+
+    /// A unique id this process already used for the same rank: it belongs to another
+    /// communicator, whose root no longer waits for ranks.
+    #[error("this unique id already created rank {rank} of a communicator in this process; every communicator needs a fresh id from UniqueId::new")]
+    UniqueIdReused {
+        /// The rank it was used for.
+        rank: i32,
+    },
+
+    /// Bytes that are not what the unique-id exchange sends.
+    #[error("receiving a unique id: {reason}")]
+    MalformedId {
+        /// What was wrong.
+        reason: String,
+    },
+
+    /// A stream-ordered collective did not finish in time (a peer died or hangs); the
+    /// communicator was aborted.
+    #[error("{what} did not finish within {waited:?} (a peer may have died); the communicator was aborted: create a new one")]
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// How long.
+        waited: Duration,
+    },
+
+    /// A communicator that was aborted (after a timeout or an asynchronous error).
+    #[error("the communicator was aborted (after a failure or timeout) and cannot be used; create a new one")]
+    Aborted,
+
+    /// A request that cannot be served as asked, for a reason no other variant names.
+    #[error("{what}: {reason}")]
+    InvalidArgument {
+        /// What was being done.
+        what: &'static str,
+        /// What was wrong, and what would be right.
+        reason: String,
+    },
+
+    /// An I/O failure while exchanging the unique id.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn detail(last_error: &str) -> String {
+    if last_error.is_empty() {
+        String::new()
+    } else {
+        format!(" ({last_error})")
+    }
+}
+
+fn times(ranks: usize) -> String {
+    if ranks > 1 {
+        format!(" times {ranks} ranks")
+    } else {
+        String::new()
+    }
+}
+
+/// The name of an `ncclResult_t`.
+pub(crate) fn result_name(code: u32) -> &'static str {
+    match code {
+        0 => "ncclSuccess",
+        1 => "ncclUnhandledCudaError",
+        2 => "ncclSystemError",
+        3 => "ncclInternalError",
+        4 => "ncclInvalidArgument",
+        5 => "ncclInvalidUsage",
+        6 => "ncclRemoteError",
+        7 => "ncclInProgress",
+        8 => "ncclTimeout",
+        _ => "an ncclResult_t this crate does not know",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_say_what_was_wrong_and_what_would_be_right() {
+        let error = Error::Nccl {
+            function: "ncclCommRegister",
+            code: 5,
+            name: result_name(5),
+            description: "invalid usage".into(),
+            last_error: "buffer is not VMM memory".into(),
+        };
+        assert_eq!(
+            error.to_string(),
+            "ncclCommRegister failed with ncclInvalidUsage (5): invalid usage (buffer is not VMM memory)"
+        );
+        let fit = Error::DoesNotFit { what: "all-gather", count: 10, element_size: 4, ranks: 2, capacity: 64 };
+        assert_eq!(
+            fit.to_string(),
+            "all-gather: 10 elements of 4 bytes times 2 ranks do not fit the buffer's 64 bytes"
+        );
+        assert_eq!(result_name(42), "an ncclResult_t this crate does not know");
+    }
+}

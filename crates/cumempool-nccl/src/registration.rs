@@ -1,0 +1,238 @@
+//! Buffer and window registrations: zero-copy for VMM memory (arenas, `ncclMemAlloc`), each
+//! deregistered when dropped.
+//!
+//! A registration borrows its communicator and its memory, so neither can go while NCCL may use
+//! it, and it is deregistered exactly once: [`Registration::deregister`] consumes it, and a
+//! second call does not compile.
+//!
+//! ```no_run
+//! # fn f(comm: &cumempool_nccl::Communicator, memory: &cumempool_nccl::NcclMemory) -> cumempool_nccl::Result<()> {
+//! let registration = comm.register(memory)?;
+//! registration.deregister()?; // or drop it
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail,E0382
+//! # fn f(comm: &cumempool_nccl::Communicator, memory: &cumempool_nccl::NcclMemory) -> cumempool_nccl::Result<()> {
+//! let registration = comm.register(memory)?;
+//! registration.deregister()?;
+//! registration.deregister()?; // use of a moved value: deregistering twice cannot be written
+//! # Ok(()) }
+//! ```
+
+use crate::bindings::{ncclWindow_t, NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_REQUIRED_ALIGNMENT};
+use crate::buffers::DeviceBuffer;
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::loader::nccl;
+use cumempool::sys::CUdeviceptr;
+use cumempool_alloc::{Arena, MappingHold};
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+/// A buffer registered with a communicator (`ncclCommRegister`), deregistered when dropped.
+#[derive(Debug)]
+#[must_use = "dropping a registration deregisters it at once"]
+pub struct Registration<'a> {
+    comm: &'a Communicator,
+    handle: *mut c_void,
+    ptr: CUdeviceptr,
+    len: usize,
+    memory: PhantomData<&'a ()>,
+}
+
+impl Registration<'_> {
+    /// The registered address.
+    pub fn as_raw(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// The registered bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: empty buffers are not registered.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Deregisters now, reporting NCCL's answer (dropping only logs a failure).
+    pub fn deregister(self) -> Result<()> {
+        let this = std::mem::ManuallyDrop::new(self);
+        this.deregister_raw()
+    }
+
+    fn deregister_raw(&self) -> Result<()> {
+        let raw = self.comm.usable()?;
+        let deregister = nccl()?.ncclCommDeregister()?;
+        // SAFETY: a handle ncclCommRegister gave for this communicator, deregistered once.
+        self.comm.check("ncclCommDeregister", unsafe { deregister(raw, self.handle) })
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        match self.deregister_raw() {
+            // An aborted communicator took its registrations with it.
+            Ok(()) | Err(Error::Aborted) => {}
+            Err(error) => tracing::warn!(%error, ptr = self.ptr, "deregistering a buffer failed"),
+        }
+    }
+}
+
+/// A symmetric window (`ncclCommWindowRegister`, NCCL 2.27+), deregistered when dropped.
+#[derive(Debug)]
+#[must_use = "dropping a window deregisters it at once"]
+pub struct Window<'a> {
+    comm: &'a Communicator,
+    window: ncclWindow_t,
+    memory: PhantomData<&'a ()>,
+}
+
+impl Window<'_> {
+    /// The raw window, still owned by `self`.
+    pub fn as_raw(&self) -> ncclWindow_t {
+        self.window
+    }
+
+    /// Deregisters now, reporting NCCL's answer.
+    pub fn deregister(self) -> Result<()> {
+        let this = std::mem::ManuallyDrop::new(self);
+        this.deregister_raw()
+    }
+
+    fn deregister_raw(&self) -> Result<()> {
+        let raw = self.comm.usable()?;
+        let deregister = nccl()?.ncclCommWindowDeregister()?;
+        // SAFETY: a window of this communicator, deregistered once.
+        self.comm.check("ncclCommWindowDeregister", unsafe { deregister(raw, self.window) })
+    }
+}
+
+impl Drop for Window<'_> {
+    fn drop(&mut self) {
+        match self.deregister_raw() {
+            Ok(()) | Err(Error::Aborted) => {}
+            Err(error) => tracing::warn!(%error, "deregistering a window failed"),
+        }
+    }
+}
+
+/// Every span an arena had mapped when registered, each registered once, and a hold that keeps
+/// the arena from unmapping them (NCCL caches the mappings). Allocations inside those spans are
+/// covered without registering each; chunks the arena maps later are covered after
+/// [`ArenaRegistration::refresh`].
+#[derive(Debug)]
+#[must_use = "dropping a registration deregisters it at once"]
+pub struct ArenaRegistration<'a> {
+    comm: &'a Communicator,
+    arena: &'a Arena,
+    spans: Vec<Registration<'a>>,
+    _hold: MappingHold<'a>,
+}
+
+impl ArenaRegistration<'_> {
+    /// The registered spans `(address, bytes)`.
+    pub fn spans(&self) -> Vec<(CUdeviceptr, usize)> {
+        self.spans.iter().map(|r| (r.ptr, r.len)).collect()
+    }
+
+    /// Registers the chunks the arena mapped since; returns how many spans were added.
+    pub fn refresh(&mut self) -> Result<usize> {
+        let before = self.spans.len();
+        for (ptr, len) in self.arena.mapped_spans() {
+            let covered = self.spans.iter().any(|r| r.ptr <= ptr && ptr + len as u64 <= r.ptr + r.len as u64);
+            if !covered {
+                // Spans merge as the arena grows: register the part past what is covered.
+                let (start, len) = self
+                    .spans
+                    .iter()
+                    .filter(|r| r.ptr >= ptr && r.ptr < ptr + len as u64)
+                    .map(|r| r.ptr + r.len as u64)
+                    .max()
+                    .map_or((ptr, len), |end| (end, (ptr + len as u64 - end) as usize));
+                self.spans.push(self.comm.register_raw(start, len)?);
+            }
+        }
+        Ok(self.spans.len() - before)
+    }
+}
+
+impl Communicator {
+    pub(crate) fn register_raw<'a>(&'a self, ptr: CUdeviceptr, len: usize) -> Result<Registration<'a>> {
+        let raw = self.usable()?;
+        if len == 0 {
+            return Err(Error::InvalidArgument { what: "registering a buffer", reason: "the buffer is empty".into() });
+        }
+        let register = nccl()?.ncclCommRegister()?;
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `len` bytes of this rank's device memory at `ptr` (the callers check), kept
+        // alive by the registration's borrow; a valid out-pointer.
+        self.check("ncclCommRegister", unsafe { register(raw, ptr as *mut c_void, len, &mut handle) })?;
+        Ok(Registration { comm: self, handle, ptr, len, memory: PhantomData })
+    }
+
+    /// Registers `buffer` for zero-copy transfers (`ncclCommRegister`, NCCL 2.19+) until the
+    /// registration is dropped.
+    ///
+    /// NCCL registers only VMM memory (an [`Arena`]'s, [`crate::NcclMemory`]) for zero-copy:
+    /// it asks the driver for the allocation handle behind the pointer, which pool memory does
+    /// not have. What it answers for pool memory is recorded in docs/distributed.md.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`]; [`Error::Load`] before NCCL 2.19; NCCL's refusal.
+    pub fn register<'a>(&'a self, buffer: &'a impl DeviceBuffer) -> Result<Registration<'a>> {
+        self.check_buffer("registering a buffer", buffer)?;
+        self.register_raw(buffer.device_ptr(), buffer.byte_len())
+    }
+
+    /// Registers every span `arena` has mapped, once: every allocation inside them is covered.
+    /// The arena keeps them mapped (its trim refuses) until the registration is dropped.
+    ///
+    /// # Errors
+    /// [`Error::WrongDevice`] for an arena of another device; NCCL's refusal.
+    pub fn register_arena<'a>(&'a self, arena: &'a Arena) -> Result<ArenaRegistration<'a>> {
+        if arena.device() != self.device() {
+            return Err(Error::WrongDevice {
+                what: "registering an arena",
+                found: format!("on device {}", arena.device()),
+                device: self.device(),
+            });
+        }
+        let hold = arena.hold_mappings();
+        let mut registration = ArenaRegistration { comm: self, arena, spans: Vec::new(), _hold: hold };
+        registration.refresh()?;
+        Ok(registration)
+    }
+
+    /// Registers `buffer` as a window on every rank (`ncclCommWindowRegister`, NCCL 2.27+): a
+    /// collective call, with the same size on every rank. `symmetric` asks for
+    /// `NCCL_WIN_COLL_SYMMETRIC`, which NCCL's symmetric kernels need.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an address not aligned to 4096 bytes;
+    /// [`Error::WrongDevice`]; [`Error::Load`] naming NCCL 2.27 on older NCCL; NCCL's refusal
+    /// (memory that is not VMM memory among them).
+    pub fn register_window<'a>(&'a self, buffer: &'a impl DeviceBuffer, symmetric: bool) -> Result<Window<'a>> {
+        const WHAT: &str = "registering a window";
+        let ptr = self.check_buffer(WHAT, buffer)?;
+        if !buffer.device_ptr().is_multiple_of(u64::from(NCCL_WIN_REQUIRED_ALIGNMENT)) || buffer.byte_len() == 0 {
+            return Err(Error::InvalidArgument {
+                what: WHAT,
+                reason: format!(
+                    "{} bytes at {:#x}: windows start on a {NCCL_WIN_REQUIRED_ALIGNMENT}-byte boundary and are not empty; allocate with that alignment",
+                    buffer.byte_len(),
+                    buffer.device_ptr()
+                ),
+            });
+        }
+        let raw = self.usable()?;
+        let register = nccl()?.ncclCommWindowRegister()?;
+        let flags = if symmetric { NCCL_WIN_COLL_SYMMETRIC as i32 } else { 0 };
+        let mut window: ncclWindow_t = std::ptr::null_mut();
+        // SAFETY: this rank's device memory (checked), kept alive by the window's borrow.
+        self.check("ncclCommWindowRegister", unsafe { register(raw, ptr, buffer.byte_len(), &mut window, flags) })?;
+        Ok(Window { comm: self, window, memory: PhantomData })
+    }
+}
