@@ -39,9 +39,33 @@ pub enum Memory {
     },
 }
 
+impl Memory {
+    /// Gives the memory back with the GIL held where that makes no driver call (nothing to
+    /// free, or a block the resource takes back without one), else with the GIL released.
+    fn give_back(mut self, py: Python<'_>) {
+        match &mut self {
+            Self::Pool(buffer) if buffer.is_empty() => {}
+            Self::Resource { ptr, len, resource, stream } => {
+                // SAFETY: allocated by `resource` with this size on `stream`, not given back yet.
+                if *ptr == 0 || unsafe { resource.try_deallocate_cached(*ptr, *len, stream) } {
+                    // Given back (or nothing to give): the drop below has nothing to do.
+                    *ptr = 0;
+                    return;
+                }
+                py.detach(|| drop(self));
+            }
+            Self::Pool(_) => py.detach(|| drop(self)),
+        }
+    }
+}
+
 impl Drop for Memory {
     fn drop(&mut self) {
+        // `ptr` 0: nothing to give back (an empty allocation, or one `give_back` gave back).
         if let Self::Resource { ptr, len, resource, stream } = self {
+            if *ptr == 0 {
+                return;
+            }
             // SAFETY: allocated by `resource` with this size on `stream`, given back once (here).
             if let Err(error) = unsafe { resource.deallocate(*ptr, *len, stream) } {
                 tracing::warn!(%error, ptr = *ptr, "giving a buffer back to its resource failed");
@@ -65,6 +89,18 @@ impl Core {
     /// Memory on `stream` (whose Python object is held), of `kind`, on `device`.
     pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Arc<Self> {
         Arc::new(Self { memory, stream, kind, device })
+    }
+
+    /// Lets go of `core` from Python (a close, or the buffer collected): the memory goes back
+    /// as [`Memory::give_back`] says, and the stream's Python object is let go of with the GIL
+    /// held, so no reference waits for PyO3's deferred pool. A core a DLPack capsule still holds
+    /// is only let go of.
+    fn release(core: Arc<Self>, py: Python<'_>) {
+        if let Ok(Self { memory, stream, .. }) = Arc::try_unwrap(core) {
+            // The memory first: it is freed on the stream the Python object keeps alive.
+            memory.give_back(py);
+            drop(stream);
+        }
     }
 
     pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
@@ -166,6 +202,16 @@ fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
 #[pyclass(module = "cumempool")]
 pub struct Buffer {
     core: Option<Arc<Core>>,
+}
+
+impl Drop for Buffer {
+    /// A buffer collected without `close()` gives its memory back as `close()` does (Python
+    /// deallocates objects with the GIL held).
+    fn drop(&mut self) {
+        if let Some(core) = self.core.take() {
+            Python::attach(|py| Core::release(core, py));
+        }
+    }
 }
 
 impl Buffer {
@@ -397,7 +443,7 @@ impl Buffer {
     /// Using the buffer afterwards raises ClosedError; closing twice does nothing.
     fn close(&mut self, py: Python<'_>) {
         if let Some(core) = self.core.take() {
-            py.detach(|| drop(core));
+            Core::release(core, py);
         }
     }
 

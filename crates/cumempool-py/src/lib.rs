@@ -4,6 +4,7 @@
 //! Driver calls run with the GIL released. Objects Python holds own their Rust state (owned
 //! buffers, clones of streams and pools), so nothing borrows across the GIL.
 
+mod bench;
 mod buffers;
 mod dlpack;
 mod errors;
@@ -65,5 +66,10 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
     module.add_function(wrap_pyfunction!(init, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_serve, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_noop, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_args, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_stream, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_detach, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_rust_pairs, module)?)?;
     Ok(())
 }

@@ -126,7 +126,11 @@ impl MemPool {
         let stream = Stream::from_object(py, stream, Self::home_device(route))?;
         let buffer = {
             let s = &stream.get().stream;
-            py.detach(|| pool.alloc_owned(size, s))?
+            // An empty buffer makes no driver call; any other may wait on the driver.
+            match size {
+                0 => pool.alloc_owned(0, s)?,
+                _ => py.detach(|| pool.alloc_owned(size, s))?,
+            }
         };
         let device = stream.get().device;
         Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, kind_of(route), device)))

@@ -34,6 +34,24 @@ pub trait Resource: Send + Sync {
         bytes: usize,
         stream: &cumempool::Stream,
     ) -> cumempool_alloc::Result<()>;
+
+    /// An allocation answered without a driver call or a wait (a cache hit), or `None` when
+    /// only [`allocate`](Resource::allocate) can answer. The bindings call this with the GIL
+    /// held and `allocate` with it released. The default answers nothing.
+    #[inline]
+    fn try_allocate_cached(&self, _bytes: usize, _stream: &cumempool::Stream) -> Option<CUdeviceptr> {
+        None
+    }
+
+    /// Takes a block back without a driver call or a wait (into a cache), or answers false and
+    /// leaves it to [`deallocate`](Resource::deallocate). The default takes nothing.
+    ///
+    /// # Safety
+    /// As [`deallocate`](Resource::deallocate); when it answers true the block is given back.
+    #[inline]
+    unsafe fn try_deallocate_cached(&self, _ptr: CUdeviceptr, _bytes: usize, _stream: &cumempool::Stream) -> bool {
+        false
+    }
 }
 
 impl<R: StreamOrderedResource> Resource for R {
@@ -129,7 +147,10 @@ impl ResourceBase {
         let ptr = {
             let s = &stream.get().stream;
             let inner = &self.inner;
-            py.detach(|| inner.allocate(size, s))?
+            match inner.try_allocate_cached(size, s) {
+                Some(ptr) => ptr,
+                None => py.detach(|| inner.allocate(size, s))?,
+            }
         };
         self.remember(py, &stream);
         let memory =
