@@ -3,6 +3,7 @@
 
 use crate::dlpack;
 use crate::errors::{Failure, Outcome};
+use crate::gil::Held;
 use crate::resources::Resource;
 use crate::streams::Stream;
 use cumempool::sys;
@@ -40,19 +41,15 @@ pub enum Memory {
 }
 
 impl Memory {
-    /// Gives the memory back with the GIL held where that makes no driver call (nothing to
-    /// free, or a block the resource takes back without one), else with the GIL released.
-    fn give_back(mut self, py: Python<'_>) {
-        match &mut self {
+    /// Gives the memory back with the GIL released for driver calls only: none for an empty
+    /// buffer, around the pool's free, or where a resource stack reaches the driver.
+    fn give_back(self, py: Python<'_>) {
+        match &self {
             Self::Pool(buffer) if buffer.is_empty() => {}
-            Self::Resource { ptr, len, resource, stream } => {
-                // SAFETY: allocated by `resource` with this size on `stream`, not given back yet.
-                if *ptr == 0 || unsafe { resource.try_deallocate_cached(*ptr, *len, stream) } {
-                    // Given back (or nothing to give): the drop below has nothing to do.
-                    *ptr = 0;
-                    return;
-                }
-                py.detach(|| drop(self));
+            // The resource releases the GIL around its driver calls (`gil`).
+            Self::Resource { .. } => {
+                let _held = Held::new(py);
+                drop(self);
             }
             Self::Pool(_) => py.detach(|| drop(self)),
         }
@@ -61,11 +58,7 @@ impl Memory {
 
 impl Drop for Memory {
     fn drop(&mut self) {
-        // `ptr` 0: nothing to give back (an empty allocation, or one `give_back` gave back).
         if let Self::Resource { ptr, len, resource, stream } = self {
-            if *ptr == 0 {
-                return;
-            }
             // SAFETY: allocated by `resource` with this size on `stream`, given back once (here).
             if let Err(error) = unsafe { resource.deallocate(*ptr, *len, stream) } {
                 tracing::warn!(%error, ptr = *ptr, "giving a buffer back to its resource failed");

@@ -8,6 +8,7 @@ mod bench;
 mod buffers;
 mod dlpack;
 mod errors;
+mod gil;
 mod plugins;
 mod pools;
 mod resources;

@@ -4,6 +4,7 @@
 
 use crate::buffers::{Buffer, Core, Kind, Memory};
 use crate::errors::{Failure, Outcome};
+use crate::gil::{DriverLink, Held};
 use crate::pools::{kind_of, MemPool};
 use crate::streams::Stream;
 use cumempool::sys::CUdeviceptr;
@@ -34,24 +35,6 @@ pub trait Resource: Send + Sync {
         bytes: usize,
         stream: &cumempool::Stream,
     ) -> cumempool_alloc::Result<()>;
-
-    /// An allocation answered without a driver call or a wait (a cache hit), or `None` when
-    /// only [`allocate`](Resource::allocate) can answer. The bindings call this with the GIL
-    /// held and `allocate` with it released. The default answers nothing.
-    #[inline]
-    fn try_allocate_cached(&self, _bytes: usize, _stream: &cumempool::Stream) -> Option<CUdeviceptr> {
-        None
-    }
-
-    /// Takes a block back without a driver call or a wait (into a cache), or answers false and
-    /// leaves it to [`deallocate`](Resource::deallocate). The default takes nothing.
-    ///
-    /// # Safety
-    /// As [`deallocate`](Resource::deallocate); when it answers true the block is given back.
-    #[inline]
-    unsafe fn try_deallocate_cached(&self, _ptr: CUdeviceptr, _bytes: usize, _stream: &cumempool::Stream) -> bool {
-        false
-    }
 }
 
 impl<R: StreamOrderedResource> Resource for R {
@@ -144,13 +127,11 @@ impl ResourceBase {
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let stream = Stream::from_object(py, stream, self.device)?;
+        // The GIL is released only around driver calls, at the bottom of the stack (a cache
+        // hit makes none).
         let ptr = {
-            let s = &stream.get().stream;
-            let inner = &self.inner;
-            match inner.try_allocate_cached(size, s) {
-                Some(ptr) => ptr,
-                None => py.detach(|| inner.allocate(size, s))?,
-            }
+            let _held = Held::new(py);
+            self.inner.allocate(size, &stream.get().stream)?
         };
         self.remember(py, &stream);
         let memory =
@@ -189,9 +170,9 @@ impl PoolResourceBinding {
             let p = borrowed.pool()?;
             let route = p.route();
             let inner: Arc<dyn Resource> = match kind_of(route) {
-                Kind::Device => Arc::new(PoolResource::<DeviceMemory>::new(p)?),
-                Kind::Host => Arc::new(PoolResource::<HostMemory>::new(p)?),
-                Kind::Managed => Arc::new(PoolResource::<ManagedMemory>::new(p)?),
+                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(p)?)),
+                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(p)?)),
+                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(p)?)),
             };
             (inner, route)
         };
