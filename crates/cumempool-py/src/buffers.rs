@@ -38,6 +38,14 @@ pub enum Memory {
         /// The stream it is ordered on.
         stream: cumempool::Stream,
     },
+    /// A mapping of another process's allocation (`MemPool.import_buffer`), unmapped on its
+    /// stream when dropped.
+    Imported {
+        /// The mapping. Declared first, so dropped first: it borrows `*_stream`.
+        mapping: cumempool::Buffer<'static>,
+        /// The stream the mapping borrows, at an address that does not move.
+        _stream: Arc<cumempool::Stream>,
+    },
 }
 
 impl Memory {
@@ -51,7 +59,7 @@ impl Memory {
                 let _held = Held::new(py);
                 drop(self);
             }
-            Self::Pool(_) => py.detach(|| drop(self)),
+            Self::Pool(_) | Self::Imported { .. } => py.detach(|| drop(self)),
         }
     }
 }
@@ -96,9 +104,18 @@ impl Core {
         }
     }
 
+    /// The pool allocation behind this core, where it is one (not a resource's, not imported).
+    pub(crate) fn pool_buffer(&self) -> Option<&cumempool::OwnedBuffer> {
+        match &self.memory {
+            Memory::Pool(buffer) => Some(buffer),
+            _ => None,
+        }
+    }
+
     pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
         match &self.memory {
             Memory::Pool(buffer) => buffer.as_raw(),
+            Memory::Imported { mapping, .. } => mapping.as_raw(),
             Memory::Resource { ptr, .. } => *ptr,
         }
     }
@@ -106,6 +123,7 @@ impl Core {
     pub(crate) fn len(&self) -> usize {
         match &self.memory {
             Memory::Pool(buffer) => buffer.len(),
+            Memory::Imported { mapping, .. } => mapping.len(),
             Memory::Resource { len, .. } => *len,
         }
     }
@@ -113,6 +131,7 @@ impl Core {
     pub(crate) fn stream(&self) -> &cumempool::Stream {
         match &self.memory {
             Memory::Pool(buffer) => buffer.stream(),
+            Memory::Imported { mapping, .. } => mapping.stream(),
             Memory::Resource { stream, .. } => stream,
         }
     }
@@ -346,6 +365,14 @@ impl Buffer {
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         Ok(dlpack::capsule(py, core.clone(), versioned, device)?.into_any().unbind())
+    }
+
+    /// The data another process needs to map this allocation from the pool it imported
+    /// (`MemPool.import_buffer`): a picklable `SharedAllocation`. The pool must be created with
+    /// `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` and exported first (`export_fd` or
+    /// `send`). Keep this buffer until the importer has closed its mapping.
+    fn export(&self, py: Python<'_>) -> Outcome<crate::sharing::SharedAllocation> {
+        self.export_allocation(py)
     }
 
     /// `(device type, device id)`: CUDA 2, CUDA host 3, CUDA managed 13.

@@ -13,6 +13,7 @@ mod plugins;
 mod pools;
 mod resources;
 mod routes;
+mod sharing;
 mod streams;
 
 use pyo3::prelude::*;
@@ -50,6 +51,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<pools::HandleTypes>()?;
     module.add_class::<pools::MemPool>()?;
     module.add_class::<buffers::Buffer>()?;
+    module.add_class::<sharing::SharedAllocation>()?;
     module.add_class::<resources::ResourceBase>()?;
     module.add("PoolResource", module.py().get_type::<resources::PoolResourceBinding>())?;
     module.add_class::<resources::Statistics>()?;

@@ -136,6 +136,49 @@ impl MemPool {
         Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, kind_of(route), device)))
     }
 
+    /// Exports the pool as a new POSIX file descriptor, yours to send (for instance with
+    /// `multiprocessing.reduction.send_handle`) and to close (`os.close`). The pool must be
+    /// created with `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` (NotShareableError).
+    fn export_fd(&self, py: Python<'_>) -> Outcome<i32> {
+        self.export_descriptor(py)
+    }
+
+    /// Imports a pool another process exported with `export_fd`; `fd` stays yours to close.
+    /// A descriptor that is not open raises NotShareableError, one that is not a pool's
+    /// SharingRefusedError. Allocating from an imported pool is refused: map the exporter's
+    /// buffers with `import_buffer`.
+    #[staticmethod]
+    fn import_fd(py: Python<'_>, fd: i32) -> Outcome<Self> {
+        Self::import_descriptor(py, fd)
+    }
+
+    /// Sends the pool's descriptor (SCM_RIGHTS) and route over a connected Unix-domain socket:
+    /// a `socket.socket`, a `multiprocessing` connection, or a descriptor.
+    fn send(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
+        self.send_over(py, socket)
+    }
+
+    /// Receives a pool sent with `send` over a Unix-domain socket and imports it
+    /// (MalformedMessageError for a message `send` did not write, or a closed peer).
+    #[staticmethod]
+    fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
+        Self::receive_from(py, socket)
+    }
+
+    /// Maps an allocation of the exporting process (`shared`, from its `Buffer.export()`) from
+    /// this imported pool, ordered on `stream`. Close the mapping (and let its stream's work
+    /// finish) before the exporter frees the allocation; wait for the exporter's writes before
+    /// reading.
+    #[pyo3(signature = (shared, stream = None))]
+    fn import_buffer(
+        &self,
+        py: Python<'_>,
+        shared: PyRef<'_, crate::sharing::SharedAllocation>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> Outcome<Buffer> {
+        self.import_allocation(py, &shared, stream)
+    }
+
     /// The raw `CUmemoryPool` as an int (for `cupy.cuda.MemoryAsyncPool(pool_handles=...)` or
     /// RMM's `CudaAsyncViewMemoryResource`); valid while this handle is open.
     #[getter]
