@@ -5,13 +5,12 @@ import multiprocessing
 import os
 import pickle
 import socket
-import subprocess
-import sys
 from multiprocessing import reduction
 
 import pytest
 
 import cumempool as cm
+from conftest import run_in_new_process
 
 import sharing_child
 
@@ -68,9 +67,7 @@ def test_a_foreign_descriptor_is_refused_by_the_driver(gpu):
         "except cm.SharingError as error:\n"
         "    print(type(error).__name__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "SharingRefusedError"
+    assert run_in_new_process(code) == "SharingRefusedError"
 
 
 def test_a_pool_without_an_export_handle_type_is_not_shareable(gpu, stream):
