@@ -30,7 +30,7 @@ pub fn _bench_stream(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>, device: 
 /// Releases the GIL and takes it back, with nothing in between.
 #[pyfunction]
 pub fn _bench_detach(py: Python<'_>) {
-    py.detach(|| ());
+    crate::gil::detach(py, || ());
 }
 
 /// Nanoseconds per alloc+free pair of `size` bytes on `stream`, `pairs` times in Rust with the
@@ -48,7 +48,7 @@ pub fn _bench_rust_pairs(
     if let Ok(pool) = target.cast::<MemPool>() {
         let pool = pool.borrow();
         let pool = pool.pool()?;
-        return py.detach(|| {
+        return crate::gil::detach(py, || {
             let start = Instant::now();
             for _ in 0..pairs {
                 let ptr = pool.alloc_raw(size, s)?;
@@ -60,7 +60,7 @@ pub fn _bench_rust_pairs(
     }
     if let Ok(resource) = target.cast::<ResourceBase>() {
         let inner = resource.get().inner.clone();
-        return py.detach(|| {
+        return crate::gil::detach(py, || {
             let start = Instant::now();
             for _ in 0..pairs {
                 let ptr = inner.allocate(size, s)?;

@@ -59,7 +59,7 @@ impl Memory {
                 let _held = Held::new(py);
                 drop(self);
             }
-            Self::Pool(_) | Self::Imported { .. } => py.detach(|| drop(self)),
+            Self::Pool(_) | Self::Imported { .. } => crate::gil::detach(py, || drop(self)),
         }
     }
 }
@@ -354,9 +354,11 @@ impl Buffer {
         match stream {
             Some(-1) => {}
             // A host consumer has no stream to order: the buffer's work is waited for.
-            None if core.kind != Kind::Device => py.detach(|| core.stream().synchronize()).map_err(Failure::from)?,
-            None => py.detach(|| core.order_before(1))?,
-            Some(raw) if raw >= 0 => py.detach(|| core.order_before(raw as usize))?,
+            None if core.kind != Kind::Device => {
+                crate::gil::detach(py, || core.stream().synchronize()).map_err(Failure::from)?
+            }
+            None => crate::gil::detach(py, || core.order_before(1))?,
+            Some(raw) if raw >= 0 => crate::gil::detach(py, || core.order_before(raw as usize))?,
             Some(raw) => {
                 return Err(PyValueError::new_err(format!(
                     "{raw} is not a stream: DLPack streams are -1, None or a handle"
@@ -402,7 +404,7 @@ impl Buffer {
         let (src_ptr, len) = (src.as_ptr() as usize, src.len());
         // SAFETY: `bytes` is immutable and held until the copy has finished; the buffer holds
         // at least `len` bytes.
-        py.detach(|| unsafe { core.copy(core.ptr(), src_ptr as sys::CUdeviceptr, len) })
+        crate::gil::detach(py, || unsafe { core.copy(core.ptr(), src_ptr as sys::CUdeviceptr, len) })
     }
 
     /// The buffer's bytes (its first `size` bytes, all by default), after its stream's work.
@@ -422,7 +424,9 @@ impl Buffer {
         let bytes = PyBytes::new_with(py, len, |dst| {
             let dst_ptr = dst.as_mut_ptr() as usize;
             // SAFETY: `dst` is `len` writable bytes, alive until the copy has finished.
-            if let Err(error) = py.detach(|| unsafe { core.copy(dst_ptr as sys::CUdeviceptr, core.ptr(), len) }) {
+            if let Err(error) =
+                crate::gil::detach(py, || unsafe { core.copy(dst_ptr as sys::CUdeviceptr, core.ptr(), len) })
+            {
                 failure = Some(error);
             }
             Ok(())
@@ -445,7 +449,7 @@ impl Buffer {
             }
             .into());
         }
-        py.detach(|| {
+        crate::gil::detach(py, || {
             src.order_before(dst.stream().as_raw() as usize)?;
             // SAFETY: both allocations are held (by `dst` and `src`) until the copy finished.
             unsafe { dst.copy(dst.ptr(), src.ptr(), src.len()) }
@@ -456,7 +460,7 @@ impl Buffer {
     /// host, after the stream's earlier work).
     fn fill(&self, py: Python<'_>, value: u8) -> Outcome<()> {
         let core = self.core()?;
-        py.detach(|| core.fill(value))
+        crate::gil::detach(py, || core.fill(value))
     }
 
     /// Gives the memory back (freed on its stream) unless a DLPack consumer still holds it.

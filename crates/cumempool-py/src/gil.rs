@@ -40,6 +40,37 @@ impl Drop for Held {
     }
 }
 
+/// Clears the mark for its life: for code that may run without the GIL on a thread a binding
+/// marked (a release of the GIL, a C function another library calls, a DLPack deleter).
+pub struct Unmarked {
+    before: bool,
+}
+
+impl Unmarked {
+    /// Clears the calling thread's mark until the guard is dropped.
+    #[inline]
+    pub fn new() -> Self {
+        Self { before: HELD.with(|held| held.replace(false)) }
+    }
+}
+
+impl Drop for Unmarked {
+    #[inline]
+    fn drop(&mut self) {
+        HELD.with(|held| held.set(self.before));
+    }
+}
+
+/// `py.detach(call)` with the mark cleared meanwhile. Every release of the GIL in the bindings
+/// goes through here, so a mark is never seen by a thread that does not hold the GIL (a Python
+/// callback of a resource, such as an out-of-memory callback calling
+/// `CachingResource.release()`, may release it inside a marked call).
+#[inline]
+pub fn detach<T: Send>(py: Python<'_>, call: impl FnOnce() -> T + Send) -> T {
+    let _unmarked = Unmarked::new();
+    py.detach(call)
+}
+
 /// Runs `call` with the GIL released when a binding marked this thread, else as it is (a
 /// thread PyTorch calls the plug-in on, or one that released the GIL already).
 #[inline]
@@ -47,13 +78,11 @@ fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
     if !HELD.with(Cell::get) {
         return call();
     }
-    HELD.with(|held| held.set(false));
     // SAFETY: `Held` marks only threads that hold the GIL (it takes the `Python` token), and
-    // the mark is cleared while the GIL is released here.
+    // every release of the GIL in the bindings (`detach`, this one) or by C code calling in
+    // (`Unmarked`) clears the mark meanwhile.
     let py = unsafe { Python::assume_attached() };
-    let answer = py.detach(call);
-    HELD.with(|held| held.set(true));
-    answer
+    detach(py, call)
 }
 
 /// The bottom of a stack of resources (a pool): its driver calls release the GIL when a

@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 /// The running driver's version as `(major, minor)`.
 #[pyfunction]
 fn driver_version(py: Python<'_>) -> errors::Outcome<(i32, i32)> {
-    let version = py.detach(cumempool::driver_version)?;
+    let version = crate::gil::detach(py, cumempool::driver_version)?;
     Ok((version.major(), version.minor()))
 }
 
@@ -35,7 +35,7 @@ fn bindings_version() -> (i32, i32) {
 /// Loads and initialises the driver; raises LoadError where there is none.
 #[pyfunction]
 fn init(py: Python<'_>) -> errors::Outcome<()> {
-    Ok(py.detach(cumempool::init)?)
+    Ok(crate::gil::detach(py, cumempool::init)?)
 }
 
 #[pymodule]

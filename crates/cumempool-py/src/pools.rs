@@ -112,7 +112,7 @@ impl MemPool {
         if let Some(bytes) = max_size {
             builder = builder.max_size(bytes);
         }
-        let pool = py.detach(|| builder.build())?;
+        let pool = crate::gil::detach(py, || builder.build())?;
         Ok(Self::wrap(cumempool::Pool::clone(&pool)))
     }
 
@@ -129,7 +129,7 @@ impl MemPool {
             // An empty buffer makes no driver call; any other may wait on the driver.
             match size {
                 0 => pool.alloc_owned(0, s)?,
-                _ => py.detach(|| pool.alloc_owned(size, s))?,
+                _ => crate::gil::detach(py, || pool.alloc_owned(size, s))?,
             }
         };
         let device = stream.get().device;
@@ -213,26 +213,26 @@ impl MemPool {
     /// Gives memory held beyond `keep_bytes` back to the system.
     fn trim_to(&self, py: Python<'_>, keep_bytes: usize) -> Outcome<()> {
         let pool = self.pool()?;
-        Ok(py.detach(|| pool.trim_to(keep_bytes))?)
+        Ok(crate::gil::detach(py, || pool.trim_to(keep_bytes))?)
     }
 
     /// Grants `device` an access to the pool's memory.
     fn set_access(&self, py: Python<'_>, device: Device, access: Access) -> Outcome<()> {
         let pool = self.pool()?;
-        Ok(py.detach(|| pool.set_access(device.0, access.to_rust()))?)
+        Ok(crate::gil::detach(py, || pool.set_access(device.0, access.to_rust()))?)
     }
 
     /// The access `device` has to the pool's memory.
     fn access(&self, py: Python<'_>, device: Device) -> Outcome<Access> {
         let pool = self.pool()?;
-        Ok(Access::from_rust(py.detach(|| pool.access(device.0))?))
+        Ok(Access::from_rust(crate::gil::detach(py, || pool.access(device.0))?))
     }
 
     /// Every attribute the driver answers, as a dict of the attribute's C name to its value;
     /// attributes the driver refuses (too old) are left out.
     fn attributes(&self, py: Python<'_>) -> Outcome<Vec<(&'static str, u64)>> {
         let pool = self.pool()?;
-        let all = py.detach(|| pool.attributes());
+        let all = crate::gil::detach(py, || pool.attributes());
         Ok(all.into_iter().filter_map(|(a, v)| v.ok().map(|v| (a.name(), v))).collect())
     }
 
@@ -375,7 +375,7 @@ impl MemPool {
     /// too. Using the handle afterwards raises ClosedError; closing twice does nothing.
     fn close(&mut self, py: Python<'_>) {
         if let Some(pool) = self.pool.take() {
-            py.detach(|| drop(pool));
+            crate::gil::detach(py, || drop(pool));
         }
     }
 

@@ -354,7 +354,7 @@ impl Caching {
     /// streams it held for them.
     fn release(slf: PyRef<'_, Self>, py: Python<'_>) -> Outcome<()> {
         let cache = slf.0.clone();
-        py.detach(|| cache.release()).map_err(Failure::from)?;
+        crate::gil::detach(py, || cache.release()).map_err(Failure::from)?;
         slf.as_super().forget_streams();
         Ok(())
     }

@@ -84,7 +84,7 @@ impl MemPool {
     /// Exports the pool as a new descriptor (see the Python method).
     pub(crate) fn export_descriptor(&self, py: Python<'_>) -> Outcome<RawFd> {
         let pool = self.pool()?;
-        Ok(py.detach(|| pool.export_fd())?.into_raw_fd())
+        Ok(crate::gil::detach(py, || pool.export_fd())?.into_raw_fd())
     }
 
     /// Imports a pool from descriptor `fd`, which stays the caller's.
@@ -99,7 +99,7 @@ impl MemPool {
         // SAFETY: a non-negative descriptor the caller lends for the call; `import_fd` checks
         // that it is open before the driver sees it, and neither closes it.
         let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        let pool = py.detach(|| cumempool::MemPool::import_fd(fd))?;
+        let pool = crate::gil::detach(py, || cumempool::MemPool::import_fd(fd))?;
         Ok(Self::wrap(cumempool::Pool::clone(&pool)))
     }
 
@@ -107,13 +107,13 @@ impl MemPool {
     pub(crate) fn send_over(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
         let pool = self.pool()?;
         let fd = descriptor_of(socket, "sending a pool")?;
-        Ok(py.detach(|| on_socket(fd, |s| dp::send_pool(s, pool)))?)
+        Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
     }
 
     /// Receives a pool sent with `send_over` and imports it.
     pub(crate) fn receive_from(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
         let fd = descriptor_of(socket, "receiving a pool")?;
-        let received = py.detach(|| on_socket(fd, dp::receive_pool))?;
+        let received = crate::gil::detach(py, || on_socket(fd, dp::receive_pool))?;
         Ok(Self::wrap(cumempool::Pool::clone(&received.pool)))
     }
 
@@ -132,7 +132,7 @@ impl MemPool {
         let borrowed = Arc::new(stream.get().stream.clone());
         let mapping = {
             let s: &cumempool::Stream = &borrowed;
-            py.detach(|| pool.import_pointer(&shared.0, s))?
+            crate::gil::detach(py, || pool.import_pointer(&shared.0, s))?
         };
         // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and
         // drops after it; the `Arc`'s heap value does not move when the `Arc` does.
@@ -148,7 +148,7 @@ impl Buffer {
     pub(crate) fn export_allocation(&self, py: Python<'_>) -> Outcome<SharedAllocation> {
         let core = self.core()?;
         match core.pool_buffer() {
-            Some(buffer) => Ok(SharedAllocation(py.detach(|| buffer.export())?)),
+            Some(buffer) => Ok(SharedAllocation(crate::gil::detach(py, || buffer.export())?)),
             None => Err(Failure::Core(cumempool::Error::NotShareable {
                 what: "exporting an allocation",
                 reason: "only buffers of MemPool.alloc can be exported (a resource's or an imported buffer cannot); allocate it from a pool created with handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR".into(),

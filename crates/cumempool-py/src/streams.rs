@@ -21,13 +21,13 @@ impl Device {
     #[new]
     #[pyo3(signature = (ordinal = 0))]
     fn new(py: Python<'_>, ordinal: i32) -> Outcome<Self> {
-        Ok(Self(py.detach(|| cumempool::Device::get(ordinal))?))
+        Ok(Self(crate::gil::detach(py, || cumempool::Device::get(ordinal))?))
     }
 
     /// How many devices the driver sees.
     #[staticmethod]
     fn count(py: Python<'_>) -> Outcome<i32> {
-        Ok(py.detach(cumempool::Device::count)?)
+        Ok(crate::gil::detach(py, cumempool::Device::count)?)
     }
 
     /// The ordinal.
@@ -98,7 +98,7 @@ impl Stream {
         if let Some(context) = known(&CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner)) {
             return Ok(context);
         }
-        let context = py.detach(|| cumempool::Device::get(device)?.primary_context())?;
+        let context = crate::gil::detach(py, || cumempool::Device::get(device)?.primary_context())?;
         let mut contexts = CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner);
         // Another thread may have retained it meanwhile: one entry per device.
         Ok(known(&contexts).unwrap_or_else(|| {
@@ -291,7 +291,7 @@ impl Stream {
     #[pyo3(signature = (device = 0))]
     fn new(py: Python<'_>, device: i32) -> Outcome<Self> {
         let context = Self::context(py, device)?;
-        let stream = py.detach(|| cumempool::Stream::new(&context))?;
+        let stream = crate::gil::detach(py, || cumempool::Stream::new(&context))?;
         Ok(Self { stream, owner: None, device })
     }
 
@@ -340,12 +340,12 @@ impl Stream {
 
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
-        Ok(py.detach(|| self.stream.synchronize())?)
+        Ok(crate::gil::detach(py, || self.stream.synchronize())?)
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
-        Ok(py.detach(|| self.stream.is_idle())?)
+        Ok(crate::gil::detach(py, || self.stream.is_idle())?)
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.
