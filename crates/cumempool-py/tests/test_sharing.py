@@ -86,12 +86,23 @@ def _shareable(stream):
     return pool, buffer
 
 
+def _finish(parent, process):
+    """Closes the parent's end (a child still waiting for it exits on the EOF) and waits for
+    the child, killing it after two minutes."""
+    parent.close()
+    process.join(120)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
 def test_a_spawned_process_reads_what_the_parent_wrote_through_multiprocessing(gpu, stream):
     context = multiprocessing.get_context("spawn")  # a forked child cannot use CUDA
     parent, child = context.Pipe()
     pool, buffer = _shareable(stream)
     process = context.Process(target=sharing_child.map_and_read, args=(child,))
     process.start()
+    child.close()  # the child's end lives in the child: closing ours lets it see an EOF
     try:
         fd = pool.export_fd()
         try:
@@ -104,7 +115,7 @@ def test_a_spawned_process_reads_what_the_parent_wrote_through_multiprocessing(g
         assert data == PAYLOAD
         assert refusals == ["ImportedPoolAllocationError", "NotShareableError"]
     finally:
-        process.join(120)
+        _finish(parent, process)
     assert process.exitcode == 0
     buffer.close()  # after the child closed its mapping
 
@@ -115,12 +126,13 @@ def test_a_spawned_process_receives_the_pool_over_a_unix_socket(gpu, stream):
     pool, buffer = _shareable(stream)
     process = context.Process(target=sharing_child.receive_over_socket, args=(child,))
     process.start()
+    child.close()  # the child's end lives in the child: closing ours lets it see an EOF
     try:
         pool.send(parent)
         parent.send_bytes(buffer.export().to_bytes())
         assert parent.poll(120), "the child did not answer"
         assert parent.recv() == PAYLOAD
     finally:
-        process.join(120)
+        _finish(parent, process)
     assert process.exitcode == 0
     buffer.close()
