@@ -188,7 +188,9 @@ impl Stream {
         }
         if !is_int {
             if lent.objects.len() >= RECENT_KEPT {
-                evicted.extend(lent.objects.pop_front().map(|(o, _)| o));
+                if let Some((object, stream)) = lent.objects.pop_front() {
+                    evicted.extend([object, stream.into_any()]);
+                }
             }
             lent.objects.push_back((obj.clone().unbind(), stream.clone_ref(py)));
         }
