@@ -88,20 +88,26 @@ pub struct Core {
 
 impl Core {
     /// Memory on `stream` (whose Python object is held), of `kind`, on `device`.
-    pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Arc<Self> {
-        Arc::new(Self { memory, stream, kind, device })
+    pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Self {
+        Self { memory, stream, kind, device }
     }
 
     /// Lets go of `core` from Python (a close, or the buffer collected): the memory goes back
     /// as [`Memory::give_back`] says, and the stream's Python object is let go of with the GIL
     /// held, so no reference waits for PyO3's deferred pool. A core a DLPack capsule still holds
     /// is only let go of.
-    fn release(core: Arc<Self>, py: Python<'_>) {
-        if let Ok(Self { memory, stream, .. }) = Arc::try_unwrap(core) {
-            // The memory first: it is freed on the stream the Python object keeps alive.
-            memory.give_back(py);
-            drop(stream);
-        }
+    fn release(core: Slot, py: Python<'_>) {
+        let core = match core {
+            Slot::Own(core) => core,
+            Slot::Shared(shared) => match Arc::try_unwrap(shared) {
+                Ok(core) => core,
+                Err(_) => return,
+            },
+        };
+        let Self { memory, stream, .. } = core;
+        // The memory first: it is freed on the stream the Python object keeps alive.
+        memory.give_back(py);
+        drop(stream);
     }
 
     /// The pool allocation behind this core, where it is one (not a resource's, not imported).
@@ -213,7 +219,25 @@ fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
 /// leaving its `with` block, or when collected, unless a DLPack consumer still holds it.
 #[pyclass(module = "cumempool")]
 pub struct Buffer {
-    core: Option<Arc<Core>>,
+    core: Option<Slot>,
+}
+
+/// A buffer's core: the buffer's own (no allocation beyond the Python object), or shared with
+/// DLPack capsules from the first export on.
+pub(crate) enum Slot {
+    Own(Core),
+    Shared(Arc<Core>),
+}
+
+impl std::ops::Deref for Slot {
+    type Target = Core;
+
+    fn deref(&self) -> &Core {
+        match self {
+            Self::Own(core) => core,
+            Self::Shared(core) => core,
+        }
+    }
 }
 
 impl Drop for Buffer {
@@ -227,12 +251,27 @@ impl Drop for Buffer {
 }
 
 impl Buffer {
-    pub(crate) fn new(core: Arc<Core>) -> Self {
-        Self { core: Some(core) }
+    pub(crate) fn new(core: Core) -> Self {
+        Self { core: Some(Slot::Own(core)) }
     }
 
-    pub(crate) fn core(&self) -> Outcome<&Arc<Core>> {
-        self.core.as_ref().ok_or(Failure::Closed("this Buffer"))
+    pub(crate) fn core(&self) -> Outcome<&Core> {
+        self.core.as_deref().ok_or(Failure::Closed("this Buffer"))
+    }
+
+    /// The core, shared from now on (so a DLPack capsule can hold it beyond this buffer).
+    fn shared_core(buffer: &Bound<'_, Self>) -> PyResult<Arc<Core>> {
+        if let Some(Slot::Shared(core)) = buffer.try_borrow()?.core.as_ref() {
+            return Ok(core.clone());
+        }
+        let mut this = buffer.try_borrow_mut()?;
+        let slot = this.core.take().ok_or(Failure::Closed("this Buffer"))?;
+        let core = match slot {
+            Slot::Own(core) => Arc::new(core),
+            Slot::Shared(core) => core,
+        };
+        this.core = Some(Slot::Shared(core.clone()));
+        Ok(core)
     }
 
     /// An array interface dict (version `version`) for the whole buffer as bytes; with a
@@ -328,15 +367,15 @@ impl Buffer {
     /// (`None`: the legacy default stream; -1: no ordering).
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         stream: Option<i64>,
         max_version: Option<(u32, u32)>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let core = self.core()?;
-        let mut device = dlpack::device_of(core);
+        let py = slf.py();
+        let core = Self::shared_core(slf)?;
+        let mut device = dlpack::device_of(&core);
         // Host-accessible memory may be handed to a CPU consumer as CPU memory.
         if dl_device == Some((dlpack::KDL_CPU, 0)) && core.kind != Kind::Device {
             device = (dlpack::KDL_CPU, 0);
@@ -440,7 +479,8 @@ impl Buffer {
     /// Copies all of `other` (a Buffer) into the start of this one, ordered after the work on
     /// both streams, and waits for the copy.
     fn copy_from_buffer(&self, py: Python<'_>, other: PyRef<'_, Buffer>) -> Outcome<()> {
-        let (dst, src) = (self.core()?.clone(), other.core()?.clone());
+        // Both buffers stay borrowed (so open) until the copy has finished.
+        let (dst, src) = (self.core()?, other.core()?);
         if src.len() > dst.len() {
             return Err(cumempool::Error::DoesNotFit {
                 what: "copying between buffers",
@@ -451,7 +491,8 @@ impl Buffer {
         }
         crate::gil::detach(py, || {
             src.order_before(dst.stream().as_raw() as usize)?;
-            // SAFETY: both allocations are held (by `dst` and `src`) until the copy finished.
+            // SAFETY: both allocations are held (the borrows of both buffers) until the copy
+            // has finished.
             unsafe { dst.copy(dst.ptr(), src.ptr(), src.len()) }
         })
     }
