@@ -4,7 +4,13 @@ cuda.core's DeviceMemoryResource, CuPy's MemoryAsyncPool and torch.empty (cudaMa
 backend when PYTORCH_CUDA_ALLOC_CONF asks for it, else PyTorch's caching allocator). Each row is
 the median over rounds of the mean time per pair; libraries that are missing are left out.
 
-    python3 crates/cumempool-py/bench/alloc_pair.py [--pairs N] [--rounds R] [--json]
+With --breakdown the same run also times the pieces of a cumempool pair apart: the floor of a
+native call, the stream argument's conversion (for each kind of stream present), a GIL release
+and reacquire, a Buffer made and closed without a driver call, the alloc alone and the close
+alone (in batches), and the same pairs looped in Rust with the GIL released once (the floor the
+Python pair stands on).
+
+    python3 crates/cumempool-py/bench/alloc_pair.py [--pairs N] [--rounds R] [--json] [--breakdown]
 """
 
 from __future__ import annotations
@@ -31,6 +37,114 @@ def measure(pair, pairs: int, rounds: int) -> float:
             pair()
         results.append((time.perf_counter() - start) / pairs)
     return statistics.median(results)
+
+
+def measure_batched(alloc, pairs: int, rounds: int, batch: int = 64) -> tuple[float, float]:
+    """Medians over `rounds` of the mean seconds per `alloc()` and per `close()` of what it
+    returned, timed apart in batches of `batch` (all allocated, then all closed)."""
+    clock = time.perf_counter
+    batches = max(1, pairs // batch)
+    allocs, closes = [], []
+    for round_ in range(rounds + 1):
+        spent_alloc = spent_close = 0.0
+        for _ in range(batches):
+            start = clock()
+            buffers = [alloc() for _ in range(batch)]
+            middle = clock()
+            for buffer in buffers:
+                buffer.close()
+            spent_close += clock() - middle
+            spent_alloc += middle - start
+        if round_:  # the first round warms up
+            allocs.append(spent_alloc / (batches * batch))
+            closes.append(spent_close / (batches * batch))
+    return statistics.median(allocs), statistics.median(closes)
+
+
+class _Nothing:
+    def close(self):
+        pass
+
+
+def breakdown_rows(stream, pairs: int, rounds: int, libraries: dict):
+    """(piece, microseconds, note) for the pieces of a cumempool pair."""
+    from cumempool import _native as native
+
+    def timed(call):
+        return measure(call, pairs, rounds) * 1e6
+
+    pool = cm.MemPool(cm.Route.device(0))
+    cache = cm.CachingResource(cm.PoolResource(pool))
+    nothing = _Nothing()
+    yield "empty Python lambda", timed(lambda: None), "the loop's own floor"
+    yield "empty native call", timed(native._bench_noop), "floor of any method"
+    yield "native call with alloc's arguments", timed(lambda: native._bench_args(SIZE, stream)), "no conversion"
+    yield "GIL release + reacquire", timed(native._bench_detach), "py.detach(|| ())"
+    streams = [("cumempool.Stream", stream), ("None (legacy)", None), ("int handle", stream.handle)]
+    for name, make in libraries.get("streams", []):
+        streams.append((name, make()))
+    for name, obj in streams:
+        yield f"stream conversion: {name}", timed(lambda obj=obj: native._bench_stream(obj)), ""
+    for name, make in libraries.get("fresh_streams", []):
+        yield f"making {name}", timed(make), "the library's own cost"
+        yield f"stream conversion: {name}", timed(lambda make=make: native._bench_stream(make())), "includes making it"
+    yield "Buffer made + closed, no driver call", timed(lambda: pool.alloc(0, stream).close()), "pool.alloc(0)"
+    alloc, close = measure_batched(lambda: nothing, pairs, rounds)
+    yield "batch loop floor: alloc / close", alloc * 1e6, f"close {close * 1e6:.3f} us"
+    alloc, close = measure_batched(lambda: pool.alloc(SIZE, stream), pairs, rounds)
+    yield "pool alloc alone", alloc * 1e6, "batches of 64, loop included"
+    yield "pool close alone", close * 1e6, "batches of 64, loop included"
+    for _ in range(2):  # the cache keeps blocks for a batch
+        measure_batched(lambda: cache.alloc(SIZE, stream), 64, 1)
+    before = cache.stats()
+    alloc, close = measure_batched(lambda: cache.alloc(SIZE, stream), pairs, rounds)
+    after = cache.stats()
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    rate = hits / max(1, hits + misses)
+    yield "cache alloc alone", alloc * 1e6, f"batches of 64, loop included; hit rate {rate:.3f}"
+    yield "cache close alone", close * 1e6, "batches of 64, loop included"
+    yield "pool pair", timed(lambda: pool.alloc(SIZE, stream).close()), "as in the table"
+    yield "cache pair", timed(lambda: cache.alloc(SIZE, stream).close()), "as in the table"
+    for name, obj in streams[1:]:
+        yield f"cache pair on {name}", timed(lambda obj=obj: cache.alloc(SIZE, obj).close()), ""
+    rust = native._bench_rust_pairs(pool, SIZE, stream, pairs) / 1e3
+    yield "pool pair in Rust", rust, "GIL released once for all pairs"
+    rust = native._bench_rust_pairs(cache, SIZE, stream, pairs) / 1e3
+    yield "cache pair in Rust", rust, "GIL released once for all pairs"
+    stream.synchronize()
+
+
+def library_streams() -> dict:
+    """Other libraries' streams on device 0, where the library is installed: objects made once
+    (`streams`) and objects made per call (`fresh_streams`)."""
+    found = {"streams": [], "fresh_streams": []}
+    try:
+        import torch
+
+        s = torch.cuda.Stream()
+        found["streams"].append(("torch.cuda.Stream", lambda: s))
+        found["fresh_streams"].append(("torch.cuda.current_stream()", torch.cuda.current_stream))
+    except Exception:  # noqa: BLE001 (missing or unusable: left out)
+        pass
+    try:
+        import cupy
+
+        c = cupy.cuda.Stream(non_blocking=True)
+        found["streams"].append(("cupy.cuda.Stream", lambda: c))
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        try:
+            from cuda.core import Device
+        except ImportError:
+            from cuda.core.experimental import Device
+        d = Device(0)
+        d.set_current()
+        k = d.create_stream()
+        found["streams"].append(("cuda.core Stream", lambda: k))
+    except Exception:  # noqa: BLE001
+        pass
+    return found
 
 
 def cumempool_rows(stream):
@@ -85,6 +199,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=20000, help="pairs per round")
     parser.add_argument("--rounds", type=int, default=15, help="rounds; the median is reported")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--breakdown", action="store_true", help="also time the pieces of a cumempool pair")
     args = parser.parse_args()
 
     stream = cm.Stream(0)
@@ -92,6 +207,10 @@ def main() -> int:
     for name, pair in [*cumempool_rows(stream), *cuda_core_rows(), *cupy_rows(), *torch_rows()]:
         rows.append({"allocator": name, "us_per_pair": measure(pair, args.pairs, args.rounds) * 1e6})
     stream.synchronize()
+    pieces = []
+    if args.breakdown:
+        for piece, us, note in breakdown_rows(stream, args.pairs, args.rounds, library_streams()):
+            pieces.append({"piece": piece, "us": us, "note": note})
     report = {
         "size_bytes": SIZE,
         "pairs_per_round": args.pairs,
@@ -101,12 +220,18 @@ def main() -> int:
         "python": sys.version.split()[0],
         "rows": rows,
     }
+    if args.breakdown:
+        report["breakdown"] = pieces
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(f"1 MiB alloc+free pairs, {report['device']}, driver {report['driver']}, median of {args.rounds} rounds")
         for row in rows:
             print(f"  {row['allocator']:<32} {row['us_per_pair']:8.3f} us")
+        if pieces:
+            print("where a cumempool pair's time goes (medians, us per call)")
+            for piece in pieces:
+                print(f"  {piece['piece']:<52} {piece['us']:8.3f}  {piece['note']}")
     return 0
 
 

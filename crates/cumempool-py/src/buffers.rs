@@ -3,6 +3,7 @@
 
 use crate::dlpack;
 use crate::errors::{Failure, Outcome};
+use crate::gil::Held;
 use crate::resources::Resource;
 use crate::streams::Stream;
 use cumempool::sys;
@@ -37,6 +38,30 @@ pub enum Memory {
         /// The stream it is ordered on.
         stream: cumempool::Stream,
     },
+    /// A mapping of another process's allocation (`MemPool.import_buffer`), unmapped on its
+    /// stream when dropped.
+    Imported {
+        /// The mapping. Declared first, so dropped first: it borrows `*_stream`.
+        mapping: cumempool::Buffer<'static>,
+        /// The stream the mapping borrows, at an address that does not move.
+        _stream: Arc<cumempool::Stream>,
+    },
+}
+
+impl Memory {
+    /// Gives the memory back with the GIL released for driver calls only: none for an empty
+    /// buffer, around the pool's free, or where a resource stack reaches the driver.
+    fn give_back(self, py: Python<'_>) {
+        match &self {
+            Self::Pool(buffer) if buffer.is_empty() => {}
+            // The resource releases the GIL around its driver calls (`gil`).
+            Self::Resource { .. } => {
+                let _held = Held::new(py);
+                drop(self);
+            }
+            Self::Pool(_) | Self::Imported { .. } => crate::gil::detach(py, || drop(self)),
+        }
+    }
 }
 
 impl Drop for Memory {
@@ -63,13 +88,40 @@ pub struct Core {
 
 impl Core {
     /// Memory on `stream` (whose Python object is held), of `kind`, on `device`.
-    pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Arc<Self> {
-        Arc::new(Self { memory, stream, kind, device })
+    pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Self {
+        Self { memory, stream, kind, device }
+    }
+
+    /// Lets go of `core` from Python (a close, or the buffer collected): the memory goes back
+    /// as [`Memory::give_back`] says, and the stream's Python object is let go of with the GIL
+    /// held, so no reference waits for PyO3's deferred pool. A core a DLPack capsule still holds
+    /// is only let go of.
+    fn release(core: Slot, py: Python<'_>) {
+        let core = match core {
+            Slot::Own(core) => core,
+            Slot::Shared(shared) => match Arc::try_unwrap(shared) {
+                Ok(core) => core,
+                Err(_) => return,
+            },
+        };
+        let Self { memory, stream, .. } = core;
+        // The memory first: it is freed on the stream the Python object keeps alive.
+        memory.give_back(py);
+        drop(stream);
+    }
+
+    /// The pool allocation behind this core, where it is one (not a resource's, not imported).
+    pub(crate) fn pool_buffer(&self) -> Option<&cumempool::OwnedBuffer> {
+        match &self.memory {
+            Memory::Pool(buffer) => Some(buffer),
+            _ => None,
+        }
     }
 
     pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
         match &self.memory {
             Memory::Pool(buffer) => buffer.as_raw(),
+            Memory::Imported { mapping, .. } => mapping.as_raw(),
             Memory::Resource { ptr, .. } => *ptr,
         }
     }
@@ -77,6 +129,7 @@ impl Core {
     pub(crate) fn len(&self) -> usize {
         match &self.memory {
             Memory::Pool(buffer) => buffer.len(),
+            Memory::Imported { mapping, .. } => mapping.len(),
             Memory::Resource { len, .. } => *len,
         }
     }
@@ -84,6 +137,7 @@ impl Core {
     pub(crate) fn stream(&self) -> &cumempool::Stream {
         match &self.memory {
             Memory::Pool(buffer) => buffer.stream(),
+            Memory::Imported { mapping, .. } => mapping.stream(),
             Memory::Resource { stream, .. } => stream,
         }
     }
@@ -165,16 +219,59 @@ fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
 /// leaving its `with` block, or when collected, unless a DLPack consumer still holds it.
 #[pyclass(module = "cumempool")]
 pub struct Buffer {
-    core: Option<Arc<Core>>,
+    core: Option<Slot>,
+}
+
+/// A buffer's core: the buffer's own (no allocation beyond the Python object), or shared with
+/// DLPack capsules from the first export on.
+pub(crate) enum Slot {
+    Own(Core),
+    Shared(Arc<Core>),
+}
+
+impl std::ops::Deref for Slot {
+    type Target = Core;
+
+    fn deref(&self) -> &Core {
+        match self {
+            Self::Own(core) => core,
+            Self::Shared(core) => core,
+        }
+    }
+}
+
+impl Drop for Buffer {
+    /// A buffer collected without `close()` gives its memory back as `close()` does (Python
+    /// deallocates objects with the GIL held).
+    fn drop(&mut self) {
+        if let Some(core) = self.core.take() {
+            Python::attach(|py| Core::release(core, py));
+        }
+    }
 }
 
 impl Buffer {
-    pub(crate) fn new(core: Arc<Core>) -> Self {
-        Self { core: Some(core) }
+    pub(crate) fn new(core: Core) -> Self {
+        Self { core: Some(Slot::Own(core)) }
     }
 
-    pub(crate) fn core(&self) -> Outcome<&Arc<Core>> {
-        self.core.as_ref().ok_or(Failure::Closed("this Buffer"))
+    pub(crate) fn core(&self) -> Outcome<&Core> {
+        self.core.as_deref().ok_or(Failure::Closed("this Buffer"))
+    }
+
+    /// The core, shared from now on (so a DLPack capsule can hold it beyond this buffer).
+    fn shared_core(buffer: &Bound<'_, Self>) -> PyResult<Arc<Core>> {
+        if let Some(Slot::Shared(core)) = buffer.try_borrow()?.core.as_ref() {
+            return Ok(core.clone());
+        }
+        let mut this = buffer.try_borrow_mut()?;
+        let slot = this.core.take().ok_or(Failure::Closed("this Buffer"))?;
+        let core = match slot {
+            Slot::Own(core) => Arc::new(core),
+            Slot::Shared(core) => core,
+        };
+        this.core = Some(Slot::Shared(core.clone()));
+        Ok(core)
     }
 
     /// An array interface dict (version `version`) for the whole buffer as bytes; with a
@@ -270,15 +367,15 @@ impl Buffer {
     /// (`None`: the legacy default stream; -1: no ordering).
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         stream: Option<i64>,
         max_version: Option<(u32, u32)>,
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let core = self.core()?;
-        let mut device = dlpack::device_of(core);
+        let py = slf.py();
+        let core = Self::shared_core(slf)?;
+        let mut device = dlpack::device_of(&core);
         // Host-accessible memory may be handed to a CPU consumer as CPU memory.
         if dl_device == Some((dlpack::KDL_CPU, 0)) && core.kind != Kind::Device {
             device = (dlpack::KDL_CPU, 0);
@@ -296,9 +393,11 @@ impl Buffer {
         match stream {
             Some(-1) => {}
             // A host consumer has no stream to order: the buffer's work is waited for.
-            None if core.kind != Kind::Device => py.detach(|| core.stream().synchronize()).map_err(Failure::from)?,
-            None => py.detach(|| core.order_before(1))?,
-            Some(raw) if raw >= 0 => py.detach(|| core.order_before(raw as usize))?,
+            None if core.kind != Kind::Device => {
+                crate::gil::detach(py, || core.stream().synchronize()).map_err(Failure::from)?
+            }
+            None => crate::gil::detach(py, || core.order_before(1))?,
+            Some(raw) if raw >= 0 => crate::gil::detach(py, || core.order_before(raw as usize))?,
             Some(raw) => {
                 return Err(PyValueError::new_err(format!(
                     "{raw} is not a stream: DLPack streams are -1, None or a handle"
@@ -307,6 +406,14 @@ impl Buffer {
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         Ok(dlpack::capsule(py, core.clone(), versioned, device)?.into_any().unbind())
+    }
+
+    /// The data another process needs to map this allocation from the pool it imported
+    /// (`MemPool.import_buffer`): a picklable `SharedAllocation`. The pool must be created with
+    /// `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` and exported first (`export_fd` or
+    /// `send`). Keep this buffer until the importer has closed its mapping.
+    fn export(&self, py: Python<'_>) -> Outcome<crate::sharing::SharedAllocation> {
+        self.export_allocation(py)
     }
 
     /// `(device type, device id)`: CUDA 2, CUDA host 3, CUDA managed 13.
@@ -336,7 +443,7 @@ impl Buffer {
         let (src_ptr, len) = (src.as_ptr() as usize, src.len());
         // SAFETY: `bytes` is immutable and held until the copy has finished; the buffer holds
         // at least `len` bytes.
-        py.detach(|| unsafe { core.copy(core.ptr(), src_ptr as sys::CUdeviceptr, len) })
+        crate::gil::detach(py, || unsafe { core.copy(core.ptr(), src_ptr as sys::CUdeviceptr, len) })
     }
 
     /// The buffer's bytes (its first `size` bytes, all by default), after its stream's work.
@@ -356,7 +463,9 @@ impl Buffer {
         let bytes = PyBytes::new_with(py, len, |dst| {
             let dst_ptr = dst.as_mut_ptr() as usize;
             // SAFETY: `dst` is `len` writable bytes, alive until the copy has finished.
-            if let Err(error) = py.detach(|| unsafe { core.copy(dst_ptr as sys::CUdeviceptr, core.ptr(), len) }) {
+            if let Err(error) =
+                crate::gil::detach(py, || unsafe { core.copy(dst_ptr as sys::CUdeviceptr, core.ptr(), len) })
+            {
                 failure = Some(error);
             }
             Ok(())
@@ -370,7 +479,8 @@ impl Buffer {
     /// Copies all of `other` (a Buffer) into the start of this one, ordered after the work on
     /// both streams, and waits for the copy.
     fn copy_from_buffer(&self, py: Python<'_>, other: PyRef<'_, Buffer>) -> Outcome<()> {
-        let (dst, src) = (self.core()?.clone(), other.core()?.clone());
+        // Both buffers stay borrowed (so open) until the copy has finished.
+        let (dst, src) = (self.core()?, other.core()?);
         if src.len() > dst.len() {
             return Err(cumempool::Error::DoesNotFit {
                 what: "copying between buffers",
@@ -379,9 +489,10 @@ impl Buffer {
             }
             .into());
         }
-        py.detach(|| {
+        crate::gil::detach(py, || {
             src.order_before(dst.stream().as_raw() as usize)?;
-            // SAFETY: both allocations are held (by `dst` and `src`) until the copy finished.
+            // SAFETY: both allocations are held (the borrows of both buffers) until the copy
+            // has finished.
             unsafe { dst.copy(dst.ptr(), src.ptr(), src.len()) }
         })
     }
@@ -390,14 +501,14 @@ impl Buffer {
     /// host, after the stream's earlier work).
     fn fill(&self, py: Python<'_>, value: u8) -> Outcome<()> {
         let core = self.core()?;
-        py.detach(|| core.fill(value))
+        crate::gil::detach(py, || core.fill(value))
     }
 
     /// Gives the memory back (freed on its stream) unless a DLPack consumer still holds it.
     /// Using the buffer afterwards raises ClosedError; closing twice does nothing.
     fn close(&mut self, py: Python<'_>) {
         if let Some(core) = self.core.take() {
-            py.detach(|| drop(core));
+            Core::release(core, py);
         }
     }
 

@@ -144,6 +144,8 @@ unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
     if managed.is_null() {
         return;
     }
+    // The consumer may call in holding the GIL or not: the GIL is left as it is.
+    let _unmarked = crate::gil::Unmarked::new();
     // SAFETY: made by `capsule` with Box::into_raw, deleted once (DLPack's rule).
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: the context box belongs to this tensor.
@@ -154,6 +156,8 @@ unsafe extern "C" fn delete_unversioned(managed: *mut DLManagedTensor) {
     if managed.is_null() {
         return;
     }
+    // The consumer may call in holding the GIL or not: the GIL is left as it is.
+    let _unmarked = crate::gil::Unmarked::new();
     // SAFETY: as in `delete_versioned`.
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: as in `delete_versioned`.

@@ -4,13 +4,16 @@
 //! Driver calls run with the GIL released. Objects Python holds own their Rust state (owned
 //! buffers, clones of streams and pools), so nothing borrows across the GIL.
 
+mod bench;
 mod buffers;
 mod dlpack;
 mod errors;
+mod gil;
 mod plugins;
 mod pools;
 mod resources;
 mod routes;
+mod sharing;
 mod streams;
 
 use pyo3::prelude::*;
@@ -18,7 +21,7 @@ use pyo3::prelude::*;
 /// The running driver's version as `(major, minor)`.
 #[pyfunction]
 fn driver_version(py: Python<'_>) -> errors::Outcome<(i32, i32)> {
-    let version = py.detach(cumempool::driver_version)?;
+    let version = crate::gil::detach(py, cumempool::driver_version)?;
     Ok((version.major(), version.minor()))
 }
 
@@ -32,7 +35,7 @@ fn bindings_version() -> (i32, i32) {
 /// Loads and initialises the driver; raises LoadError where there is none.
 #[pyfunction]
 fn init(py: Python<'_>) -> errors::Outcome<()> {
-    Ok(py.detach(cumempool::init)?)
+    Ok(crate::gil::detach(py, cumempool::init)?)
 }
 
 #[pymodule]
@@ -48,6 +51,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<pools::HandleTypes>()?;
     module.add_class::<pools::MemPool>()?;
     module.add_class::<buffers::Buffer>()?;
+    module.add_class::<sharing::SharedAllocation>()?;
     module.add_class::<resources::ResourceBase>()?;
     module.add("PoolResource", module.py().get_type::<resources::PoolResourceBinding>())?;
     module.add_class::<resources::Statistics>()?;
@@ -65,5 +69,10 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
     module.add_function(wrap_pyfunction!(init, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_serve, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_noop, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_args, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_stream, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_detach, module)?)?;
+    module.add_function(wrap_pyfunction!(bench::_bench_rust_pairs, module)?)?;
     Ok(())
 }

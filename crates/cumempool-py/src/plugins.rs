@@ -55,6 +55,8 @@ pub fn torch_serve(resource: Option<&Bound<'_, ResourceBase>>) {
 /// Called by PyTorch with a valid stream of `device`.
 #[no_mangle]
 pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
+    // PyTorch may call in holding the GIL or not: the GIL is left as it is.
+    let _unmarked = crate::gil::Unmarked::new();
     let Ok(size) = usize::try_from(size) else {
         return std::ptr::null_mut();
     };
@@ -84,6 +86,8 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
 /// `ptr` must come from `cumempool_torch_alloc` with the same size, device and stream, freed once.
 #[no_mangle]
 pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, device: i32, stream: *mut c_void) {
+    // As in `cumempool_torch_alloc`.
+    let _unmarked = crate::gil::Unmarked::new();
     let resource = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
     let (Some(resource), Ok(size)) = (resource, usize::try_from(size)) else {
         tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");

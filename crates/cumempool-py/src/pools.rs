@@ -112,7 +112,7 @@ impl MemPool {
         if let Some(bytes) = max_size {
             builder = builder.max_size(bytes);
         }
-        let pool = py.detach(|| builder.build())?;
+        let pool = crate::gil::detach(py, || builder.build())?;
         Ok(Self::wrap(cumempool::Pool::clone(&pool)))
     }
 
@@ -126,10 +126,57 @@ impl MemPool {
         let stream = Stream::from_object(py, stream, Self::home_device(route))?;
         let buffer = {
             let s = &stream.get().stream;
-            py.detach(|| pool.alloc_owned(size, s))?
+            // An empty buffer makes no driver call; any other may wait on the driver.
+            match size {
+                0 => pool.alloc_owned(0, s)?,
+                _ => crate::gil::detach(py, || pool.alloc_owned(size, s))?,
+            }
         };
         let device = stream.get().device;
         Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, kind_of(route), device)))
+    }
+
+    /// Exports the pool as a new POSIX file descriptor, yours to send (for instance with
+    /// `multiprocessing.reduction.send_handle`) and to close (`os.close`). The pool must be
+    /// created with `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` (NotShareableError).
+    fn export_fd(&self, py: Python<'_>) -> Outcome<i32> {
+        self.export_descriptor(py)
+    }
+
+    /// Imports a pool another process exported with `export_fd`; `fd` stays yours to close.
+    /// A descriptor that is not open raises NotShareableError, one that is not a pool's
+    /// SharingRefusedError. Allocating from an imported pool is refused: map the exporter's
+    /// buffers with `import_buffer`.
+    #[staticmethod]
+    fn import_fd(py: Python<'_>, fd: i32) -> Outcome<Self> {
+        Self::import_descriptor(py, fd)
+    }
+
+    /// Sends the pool's descriptor (SCM_RIGHTS) and route over a connected Unix-domain socket:
+    /// a `socket.socket`, a `multiprocessing` connection, or a descriptor.
+    fn send(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
+        self.send_over(py, socket)
+    }
+
+    /// Receives a pool sent with `send` over a Unix-domain socket and imports it
+    /// (MalformedMessageError for a message `send` did not write, or a closed peer).
+    #[staticmethod]
+    fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
+        Self::receive_from(py, socket)
+    }
+
+    /// Maps an allocation of the exporting process (`shared`, from its `Buffer.export()`) from
+    /// this imported pool, ordered on `stream`. Close the mapping (and let its stream's work
+    /// finish) before the exporter frees the allocation; wait for the exporter's writes before
+    /// reading.
+    #[pyo3(signature = (shared, stream = None))]
+    fn import_buffer(
+        &self,
+        py: Python<'_>,
+        shared: PyRef<'_, crate::sharing::SharedAllocation>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> Outcome<Buffer> {
+        self.import_allocation(py, &shared, stream)
     }
 
     /// The raw `CUmemoryPool` as an int (for `cupy.cuda.MemoryAsyncPool(pool_handles=...)` or
@@ -166,26 +213,26 @@ impl MemPool {
     /// Gives memory held beyond `keep_bytes` back to the system.
     fn trim_to(&self, py: Python<'_>, keep_bytes: usize) -> Outcome<()> {
         let pool = self.pool()?;
-        Ok(py.detach(|| pool.trim_to(keep_bytes))?)
+        Ok(crate::gil::detach(py, || pool.trim_to(keep_bytes))?)
     }
 
     /// Grants `device` an access to the pool's memory.
     fn set_access(&self, py: Python<'_>, device: Device, access: Access) -> Outcome<()> {
         let pool = self.pool()?;
-        Ok(py.detach(|| pool.set_access(device.0, access.to_rust()))?)
+        Ok(crate::gil::detach(py, || pool.set_access(device.0, access.to_rust()))?)
     }
 
     /// The access `device` has to the pool's memory.
     fn access(&self, py: Python<'_>, device: Device) -> Outcome<Access> {
         let pool = self.pool()?;
-        Ok(Access::from_rust(py.detach(|| pool.access(device.0))?))
+        Ok(Access::from_rust(crate::gil::detach(py, || pool.access(device.0))?))
     }
 
     /// Every attribute the driver answers, as a dict of the attribute's C name to its value;
     /// attributes the driver refuses (too old) are left out.
     fn attributes(&self, py: Python<'_>) -> Outcome<Vec<(&'static str, u64)>> {
         let pool = self.pool()?;
-        let all = py.detach(|| pool.attributes());
+        let all = crate::gil::detach(py, || pool.attributes());
         Ok(all.into_iter().filter_map(|(a, v)| v.ok().map(|v| (a.name(), v))).collect())
     }
 
@@ -328,7 +375,7 @@ impl MemPool {
     /// too. Using the handle afterwards raises ClosedError; closing twice does nothing.
     fn close(&mut self, py: Python<'_>) {
         if let Some(pool) = self.pool.take() {
-            py.detach(|| drop(pool));
+            crate::gil::detach(py, || drop(pool));
         }
     }
 

@@ -4,6 +4,7 @@
 
 use crate::buffers::{Buffer, Core, Kind, Memory};
 use crate::errors::{Failure, Outcome};
+use crate::gil::{DriverLink, Held};
 use crate::pools::{kind_of, MemPool};
 use crate::streams::Stream;
 use cumempool::sys::CUdeviceptr;
@@ -126,10 +127,11 @@ impl ResourceBase {
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let stream = Stream::from_object(py, stream, self.device)?;
+        // The GIL is released only around driver calls, at the bottom of the stack (a cache
+        // hit makes none).
         let ptr = {
-            let s = &stream.get().stream;
-            let inner = &self.inner;
-            py.detach(|| inner.allocate(size, s))?
+            let _held = Held::new(py);
+            self.inner.allocate(size, &stream.get().stream)?
         };
         self.remember(py, &stream);
         let memory =
@@ -168,9 +170,9 @@ impl PoolResourceBinding {
             let p = borrowed.pool()?;
             let route = p.route();
             let inner: Arc<dyn Resource> = match kind_of(route) {
-                Kind::Device => Arc::new(PoolResource::<DeviceMemory>::new(p)?),
-                Kind::Host => Arc::new(PoolResource::<HostMemory>::new(p)?),
-                Kind::Managed => Arc::new(PoolResource::<ManagedMemory>::new(p)?),
+                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(p)?)),
+                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(p)?)),
+                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(p)?)),
             };
             (inner, route)
         };
@@ -352,7 +354,7 @@ impl Caching {
     /// streams it held for them.
     fn release(slf: PyRef<'_, Self>, py: Python<'_>) -> Outcome<()> {
         let cache = slf.0.clone();
-        py.detach(|| cache.release()).map_err(Failure::from)?;
+        crate::gil::detach(py, || cache.release()).map_err(Failure::from)?;
         slf.as_super().forget_streams();
         Ok(())
     }

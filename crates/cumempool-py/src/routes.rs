@@ -185,7 +185,7 @@ impl Route {
     /// Checks the route against this machine's devices (raises if it cannot exist here).
     fn validate(&self, py: Python<'_>) -> Outcome<()> {
         let route = self.0;
-        Ok(py.detach(|| route.validate())?)
+        Ok(crate::gil::detach(py, || route.validate())?)
     }
 
     fn __repr__(&self) -> String {
@@ -200,7 +200,7 @@ impl Route {
 /// The driver-owned default pool of `route` (never destroyed).
 #[pyfunction]
 pub fn default_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
-    let pool = py.detach(|| cumempool::default_pool(route.0))?;
+    let pool = crate::gil::detach(py, || cumempool::default_pool(route.0))?;
     Ok(MemPool::wrap(cumempool::Pool::clone(&pool)))
 }
 
@@ -209,25 +209,25 @@ pub fn default_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
 /// `current_pool_handle`.
 #[pyfunction]
 pub fn current_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
-    Ok(MemPool::wrap(py.detach(|| cumempool::current_pool(route.0))?))
+    Ok(MemPool::wrap(crate::gil::detach(py, || cumempool::current_pool(route.0))?))
 }
 
 /// The raw handle (`CUmemoryPool` as an int) of the pool `route` draws from now.
 #[pyfunction]
 pub fn current_pool_handle(py: Python<'_>, route: Route) -> Outcome<usize> {
-    Ok(py.detach(|| cumempool::current_pool_handle(route.0).map(|h| h as usize))?)
+    Ok(crate::gil::detach(py, || cumempool::current_pool_handle(route.0).map(|h| h as usize))?)
 }
 
 /// Whether `route` draws from its default pool now.
 #[pyfunction]
 pub fn is_default(py: Python<'_>, route: Route) -> Outcome<bool> {
-    Ok(py.detach(|| cumempool::is_default(route.0))?)
+    Ok(crate::gil::detach(py, || cumempool::is_default(route.0))?)
 }
 
 /// Makes the default pool current again and forgets every change made through cumempool.
 #[pyfunction]
 pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
-    Ok(py.detach(|| cumempool::reset_current_pool(route.0))?)
+    Ok(crate::gil::detach(py, || cumempool::reset_current_pool(route.0))?)
 }
 
 /// Makes `pool` the current pool of `route` for the whole process until the returned guard
@@ -237,7 +237,7 @@ pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
 #[pyfunction]
 pub fn set_current_pool(py: Python<'_>, route: Route, pool: PyRef<'_, MemPool>) -> Outcome<RouteGuard> {
     let pool = pool.pool()?.clone();
-    let guard = py.detach(|| cumempool::set_current_pool(route.0, &pool))?;
+    let guard = crate::gil::detach(py, || cumempool::set_current_pool(route.0, &pool))?;
     Ok(RouteGuard { route: route.0, guard: Mutex::new(Some(guard)) })
 }
 
@@ -271,7 +271,7 @@ impl RouteGuard {
     /// Removes this change now and reports the driver's answer (a no-op the second time).
     fn restore(&self, py: Python<'_>) -> Outcome<()> {
         match self.take() {
-            Some(guard) => Ok(py.detach(|| guard.restore())?),
+            Some(guard) => Ok(crate::gil::detach(py, || guard.restore())?),
             None => Ok(()),
         }
     }

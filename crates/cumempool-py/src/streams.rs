@@ -3,8 +3,11 @@
 
 use crate::errors::{Failure, Outcome};
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyInt, PyString, PyTuple};
+use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 
 /// A CUDA device.
@@ -18,13 +21,13 @@ impl Device {
     #[new]
     #[pyo3(signature = (ordinal = 0))]
     fn new(py: Python<'_>, ordinal: i32) -> Outcome<Self> {
-        Ok(Self(py.detach(|| cumempool::Device::get(ordinal))?))
+        Ok(Self(crate::gil::detach(py, || cumempool::Device::get(ordinal))?))
     }
 
     /// How many devices the driver sees.
     #[staticmethod]
     fn count(py: Python<'_>) -> Outcome<i32> {
-        Ok(py.detach(cumempool::Device::count)?)
+        Ok(crate::gil::detach(py, cumempool::Device::count)?)
     }
 
     /// The ordinal.
@@ -85,8 +88,23 @@ pub struct Stream {
 }
 
 impl Stream {
+    /// The primary context of `device`, retained once per device for the process, so that
+    /// borrowing a stream makes no driver call after the first.
     fn context(py: Python<'_>, device: i32) -> Outcome<cumempool::Context> {
-        Ok(py.detach(|| cumempool::Device::get(device)?.primary_context())?)
+        static CONTEXTS: Mutex<Vec<(i32, cumempool::Context)>> = Mutex::new(Vec::new());
+        let known = |contexts: &[(i32, cumempool::Context)]| {
+            contexts.iter().find(|(d, _)| *d == device).map(|(_, context)| context.clone())
+        };
+        if let Some(context) = known(&CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner)) {
+            return Ok(context);
+        }
+        let context = crate::gil::detach(py, || cumempool::Device::get(device)?.primary_context())?;
+        let mut contexts = CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner);
+        // Another thread may have retained it meanwhile: one entry per device.
+        Ok(known(&contexts).unwrap_or_else(|| {
+            contexts.push((device, context.clone()));
+            context
+        }))
     }
 
     /// Whether another library lent the stream (its object is held).
@@ -138,22 +156,89 @@ impl Stream {
         if let Ok(stream) = obj.cast::<Self>() {
             return Ok(stream.clone().unbind());
         }
+        let recent = |lent: &Lent| lent.objects.iter().find(|(o, _)| o.is(obj)).map(|(_, s)| s.clone_ref(py));
+        if let Some(known) = recent(&lock(&LENT)) {
+            return Ok(known);
+        }
         let (raw, device) = foreign_handle(obj, default_device)?;
-        Ok(Py::new(py, Self::borrow_handle(py, raw, device, Some(obj.clone().unbind()))?)?)
+        let is_int = obj.is_instance_of::<PyInt>();
+        let known =
+            lock(&LENT).streams.iter().find(|(r, d, _)| (*r, *d) == (raw, device)).map(|(_, _, s)| s.clone_ref(py));
+        // A stream first named by an int holds no library object: an object of it replaces it.
+        let stream = match known {
+            Some(stream)
+                if is_int || stream.get().owner.as_ref().is_some_and(|o| !o.bind(py).is_instance_of::<PyInt>()) =>
+            {
+                stream
+            }
+            _ => Py::new(py, Self::borrow_handle(py, raw, device, Some(obj.clone().unbind()))?)?,
+        };
+        // Let go of outside the lock: dropping a library's object may run its code, which may
+        // lend a stream again.
+        let mut evicted: Vec<Py<PyAny>> = Vec::new();
+        let mut lent = lock(&LENT);
+        if !lent.streams.iter().any(|(_, _, s)| s.is(&stream)) {
+            if let Some(at) = lent.streams.iter().position(|(r, d, _)| (*r, *d) == (raw, device)) {
+                evicted.extend(lent.streams.remove(at).map(|(_, _, s)| s.into_any()));
+            }
+            if lent.streams.len() >= LENT_KEPT {
+                evicted.extend(lent.streams.pop_front().map(|(_, _, s)| s.into_any()));
+            }
+            lent.streams.push_back((raw, device, stream.clone_ref(py)));
+        }
+        if !is_int {
+            if lent.objects.len() >= RECENT_KEPT {
+                if let Some((object, stream)) = lent.objects.pop_front() {
+                    evicted.extend([object, stream.into_any()]);
+                }
+            }
+            lent.objects.push_back((obj.clone().unbind(), stream.clone_ref(py)));
+        }
+        drop(lent);
+        drop(evicted);
+        Ok(stream)
     }
 }
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How many other libraries' streams are kept (with their objects) for reuse.
+const LENT_KEPT: usize = 64;
+
+/// How many recently passed stream objects are remembered by identity.
+const RECENT_KEPT: usize = 8;
+
+/// A stream another library lent (or an int handle), kept so that passing its object, another
+/// object of the same stream (each `torch.cuda.current_stream()` is a new one) or its handle
+/// again finds the same `Stream`: no conversion, and one stream to a cache, which keys blocks
+/// by the `Stream`. The handle's value is the key, as PyTorch's caching allocator keys streams:
+/// a held object keeps its stream alive, so no other stream has its handle meanwhile; and a
+/// destroyed stream's handle is released only once the work queued on it has finished, so a
+/// new stream that gets the same value cannot overlap work ordered on the old one.
+struct Lent {
+    /// `(handle, device, stream)`, the oldest first.
+    streams: VecDeque<(usize, i32, Py<Stream>)>,
+    /// The objects passed last, held (so their identity stays theirs) with their stream: the
+    /// same object again needs no attribute lookup.
+    objects: VecDeque<(Py<PyAny>, Py<Stream>)>,
+}
+
+static LENT: Mutex<Lent> = Mutex::new(Lent { streams: VecDeque::new(), objects: VecDeque::new() });
 
 /// The raw handle and device of another library's stream object.
 fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize, i32)> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyTypeError::new_err("a stream is a Stream, an object with __cuda_stream__, a torch or CuPy stream, or an int handle; got a bool").into());
     }
-    if let Ok(raw) = obj.extract::<usize>() {
-        return Ok((raw, default_device));
+    if obj.is_instance_of::<PyInt>() {
+        return Ok((obj.extract::<usize>()?, default_device));
     }
+    let py = obj.py();
     let device = device_of(obj).unwrap_or(default_device);
-    if obj.hasattr("__cuda_stream__")? {
-        let answer = obj.call_method0("__cuda_stream__")?;
+    if optional_attr(obj, intern!(py, "__cuda_stream__")).is_some() {
+        let answer = obj.call_method0(intern!(py, "__cuda_stream__"))?;
         let pair = answer
             .cast::<PyTuple>()
             .map_err(|_| PyValueError::new_err("__cuda_stream__() must return a (version, handle) tuple"))?;
@@ -162,8 +247,8 @@ fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize
         }
         return Ok((pair.get_item(1)?.extract::<usize>()?, device));
     }
-    for attribute in ["cuda_stream", "ptr"] {
-        if let Ok(value) = obj.getattr(attribute) {
+    for attribute in [intern!(py, "cuda_stream"), intern!(py, "ptr")] {
+        if let Some(value) = optional_attr(obj, attribute) {
             if let Ok(raw) = value.extract::<usize>() {
                 return Ok((raw, device));
             }
@@ -175,15 +260,26 @@ fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize
     ))))
 }
 
+/// `obj.name`, or `None` where it has no such attribute or reading it fails. Asked with
+/// `PyObject_HasAttr` first, which finds most missing attributes without building an exception.
+fn optional_attr<'py>(obj: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> Option<Bound<'py, PyAny>> {
+    // SAFETY: both are live objects, held by the caller; `PyObject_HasAttr` never raises.
+    if unsafe { ffi::PyObject_HasAttr(obj.as_ptr(), name.as_ptr()) } == 0 {
+        return None;
+    }
+    obj.getattr(name).ok()
+}
+
 /// The device of a torch (`device.index`), CuPy (`device_id`) or cuda.core (`device.device_id`)
 /// stream.
 fn device_of(obj: &Bound<'_, PyAny>) -> Option<i32> {
-    if let Ok(id) = obj.getattr("device_id").and_then(|v| v.extract::<i32>()) {
+    let py = obj.py();
+    if let Some(Ok(id)) = optional_attr(obj, intern!(py, "device_id")).map(|v| v.extract::<i32>()) {
         return Some(id);
     }
-    let device = obj.getattr("device").ok()?;
-    for attribute in ["index", "device_id"] {
-        if let Ok(id) = device.getattr(attribute).and_then(|v| v.extract::<i32>()) {
+    let device = optional_attr(obj, intern!(py, "device"))?;
+    for attribute in [intern!(py, "index"), intern!(py, "device_id")] {
+        if let Some(Ok(id)) = optional_attr(&device, attribute).map(|v| v.extract::<i32>()) {
             return Some(id);
         }
     }
@@ -197,7 +293,7 @@ impl Stream {
     #[pyo3(signature = (device = 0))]
     fn new(py: Python<'_>, device: i32) -> Outcome<Self> {
         let context = Self::context(py, device)?;
-        let stream = py.detach(|| cumempool::Stream::new(&context))?;
+        let stream = crate::gil::detach(py, || cumempool::Stream::new(&context))?;
         Ok(Self { stream, owner: None, device })
     }
 
@@ -246,12 +342,12 @@ impl Stream {
 
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
-        Ok(py.detach(|| self.stream.synchronize())?)
+        Ok(crate::gil::detach(py, || self.stream.synchronize())?)
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
-        Ok(py.detach(|| self.stream.is_idle())?)
+        Ok(crate::gil::detach(py, || self.stream.is_idle())?)
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.

@@ -3,6 +3,8 @@ CUMEMPOOL_REQUIRE_GPU=1 (as the Rust suite does); tests that change routing rest
 
 import importlib
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -57,3 +59,10 @@ def library(name):
         if os.environ.get("CUMEMPOOL_REQUIRE_GPU") == "1" and os.environ.get("CUMEMPOOL_REQUIRE_LIBRARIES") == "1":
             pytest.fail(f"{name} is required here: {error}")
         pytest.skip(f"{name} is not installed: {error}")
+
+
+def run_in_new_process(code: str) -> str:
+    """Runs `code` in a new Python process; its stdout, stripped, after asserting it exited 0."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()

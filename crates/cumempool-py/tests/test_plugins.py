@@ -1,9 +1,11 @@
 """The plug-ins against the real libraries (skipped where a library is missing)."""
 
+import pathlib
+
 import pytest
 
 import cumempool as cm
-from conftest import library
+from conftest import library, run_in_new_process
 
 
 def test_torch_mem_pool_serves_tensors_and_reports_statistics(gpu):
@@ -75,3 +77,11 @@ def test_cuda_core_memory_resource(gpu):
     buf.close(stream)
     assert stats.usage()["current_bytes"] == 0
     assert mr.device_id == 0 and mr.is_device_accessible and not mr.is_host_accessible
+
+
+def test_the_quick_start_runs(gpu):
+    library("torch")
+    library("cupy")
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+    out = run_in_new_process(example.read_text())
+    assert out.endswith("done"), out

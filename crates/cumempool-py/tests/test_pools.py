@@ -1,12 +1,11 @@
 """Pools, routing and buffers on the GPU."""
 
 import gc
-import subprocess
-import sys
 
 import pytest
 
 import cumempool as cm
+from conftest import run_in_new_process
 
 
 def test_a_capped_pool_raises_out_of_memory_as_memory_error(gpu, stream):
@@ -162,9 +161,7 @@ def test_a_buffer_alive_at_exit_does_not_crash_the_interpreter(gpu):
         "import builtins; builtins.leaked = (b, keep, cap, s)\n"
         "print('done')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "done"
+    assert run_in_new_process(code) == "done"
 
 
 def test_streams_of_any_kind(gpu):

@@ -51,3 +51,38 @@ def test_a_host_cache_keeps_the_host_kind(gpu, stream):
     buffer.fill(1)
     stream.synchronize()
     assert np.asarray(buffer).sum() == 32
+
+
+def test_an_out_of_memory_callback_may_release_the_cache_above_it(gpu, stream):
+    # The callback runs inside the cache's allocation, with the GIL held; release() releases
+    # the GIL for its driver calls. The pool below must not release it a second time.
+    pool = cm.MemPool(cm.Route.device(0), max_size=8 << 20)
+    calls = []
+
+    def on_oom(requested, attempt):
+        calls.append(requested)
+        cache.release()
+        return attempt < 2
+
+    cache = cm.CachingResource(cm.OnOutOfMemory(cm.PoolResource(pool), on_oom))
+    cache.alloc(6 << 20, stream).close()
+    assert cache.stats()["cached_bytes"] >= 6 << 20
+    buffer = cache.alloc(3 << 20, stream)  # cannot fit beside the cached block
+    assert calls and buffer.size == 3 << 20
+    assert cache.stats()["cached_bytes"] == 0
+
+
+def test_another_librarys_stream_is_one_stream_to_the_cache(gpu, stream):
+    cache = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
+    lent = cm.Stream(0)
+
+    class Lent:  # a new object per call, as torch.cuda.current_stream() gives
+        def __cuda_stream__(self):
+            return (0, lent.handle)
+
+    for _ in range(20):
+        cache.alloc(1 << 20, Lent()).close()
+        cache.alloc(1 << 20, lent.handle).close()
+    stats = cache.stats()
+    assert stats["streams"] == 1 and stats["hits"] >= 38, stats
+    assert cm.Stream.borrow(Lent()) is cm.Stream.borrow(lent.handle)

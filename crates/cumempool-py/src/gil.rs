@@ -1,0 +1,112 @@
+//! Where the GIL is released for a stack of resources: at the bottom only, around the driver.
+//!
+//! A binding that calls a resource with the GIL held marks the call ([`Held`]); the pool at the
+//! bottom of every stack ([`DriverLink`]) releases the GIL around its driver call when it finds
+//! the mark. So a cache hit, a limit check or a count runs without the cost of a release and a
+//! reacquire, and every driver call (a miss, a free that may wait) runs with the GIL released.
+//!
+//! This is sound because no resource of `cumempool-alloc` calls the resource below it while it
+//! holds a lock of its own (the cache gives blocks back "without any lock held"): otherwise a
+//! thread could take the GIL back while holding that lock, as another thread holding the GIL
+//! waits for it.
+
+use cumempool::sys::CUdeviceptr;
+use cumempool_alloc::StreamOrderedResource;
+use pyo3::Python;
+use std::cell::Cell;
+
+thread_local! {
+    /// Whether this thread is inside a binding's call of a resource, holding the GIL.
+    static HELD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread, which holds the GIL (`_py`), as calling a resource; unmarked on drop.
+pub struct Held {
+    before: bool,
+}
+
+impl Held {
+    /// Marks the calling thread until the guard is dropped.
+    #[inline]
+    pub fn new(_py: Python<'_>) -> Self {
+        Self { before: HELD.with(|held| held.replace(true)) }
+    }
+}
+
+impl Drop for Held {
+    #[inline]
+    fn drop(&mut self) {
+        HELD.with(|held| held.set(self.before));
+    }
+}
+
+/// Clears the mark for its life: for code that may run without the GIL on a thread a binding
+/// marked (a release of the GIL, a C function another library calls, a DLPack deleter).
+pub struct Unmarked {
+    before: bool,
+}
+
+impl Unmarked {
+    /// Clears the calling thread's mark until the guard is dropped.
+    #[inline]
+    pub fn new() -> Self {
+        Self { before: HELD.with(|held| held.replace(false)) }
+    }
+}
+
+impl Drop for Unmarked {
+    #[inline]
+    fn drop(&mut self) {
+        HELD.with(|held| held.set(self.before));
+    }
+}
+
+/// `py.detach(call)` with the mark cleared meanwhile. Every release of the GIL in the bindings
+/// goes through here, so a mark is never seen by a thread that does not hold the GIL (a Python
+/// callback of a resource, such as an out-of-memory callback calling
+/// `CachingResource.release()`, may release it inside a marked call).
+#[inline]
+pub fn detach<T: Send>(py: Python<'_>, call: impl FnOnce() -> T + Send) -> T {
+    let _unmarked = Unmarked::new();
+    py.detach(call)
+}
+
+/// Runs `call` with the GIL released when a binding marked this thread, else as it is (a
+/// thread PyTorch calls the plug-in on, or one that released the GIL already).
+#[inline]
+fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
+    if !HELD.with(Cell::get) {
+        return call();
+    }
+    // SAFETY: `Held` marks only threads that hold the GIL (it takes the `Python` token), and
+    // every release of the GIL in the bindings (`detach`, this one) or by C code calling in
+    // (`Unmarked`) clears the mark meanwhile.
+    let py = unsafe { Python::assume_attached() };
+    detach(py, call)
+}
+
+/// The bottom of a stack of resources (a pool): its driver calls release the GIL when a
+/// binding marked the thread.
+pub struct DriverLink<R>(pub R);
+
+// SAFETY: forwards every call to `R`, which keeps the promise.
+unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLink<R> {
+    type Kind = R::Kind;
+
+    #[inline]
+    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
+        released(|| self.0.allocate(bytes, align, stream))
+    }
+
+    #[inline]
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        released(|| unsafe { self.0.deallocate(ptr, bytes, align, stream) })
+    }
+}

@@ -1,0 +1,158 @@
+//! Sharing a pool and its allocations with another process: the pool's POSIX file descriptor
+//! (sent over a Unix socket, or with `multiprocessing.reduction.send_handle`) and each
+//! allocation's export data (a picklable `SharedAllocation`).
+
+use crate::buffers::{Buffer, Core, Memory};
+use crate::errors::{Failure, Outcome};
+use crate::pools::{kind_of, MemPool};
+use crate::streams::Stream;
+use cumempool::descriptor_passing as dp;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyInt, PyTuple};
+use std::mem::ManuallyDrop;
+use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+/// What another process needs to map one allocation from its imported pool: the driver's 64
+/// bytes of export data and the length. Picklable (`multiprocessing` sends it as is) and
+/// convertible to and from 72 bytes (`to_bytes`, `from_bytes`).
+#[pyclass(frozen, eq, module = "cumempool")]
+#[derive(PartialEq)]
+pub struct SharedAllocation(pub cumempool::SharedAllocation);
+
+#[pymethods]
+impl SharedAllocation {
+    /// Reads the 72 bytes `to_bytes` wrote (MalformedMessageError for anything else).
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> Outcome<Self> {
+        Ok(Self(cumempool::SharedAllocation::from_bytes(data)?))
+    }
+
+    /// The 72-byte form: 64 bytes of export data, then the length (little-endian).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.0.to_bytes())
+    }
+
+    /// The allocation's size in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.0.len()
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let rebuild = slf.get_type().getattr("from_bytes")?;
+        PyTuple::new(py, [rebuild.into_any(), PyTuple::new(py, [slf.get().to_bytes(py)])?.into_any()])
+    }
+
+    fn __repr__(&self) -> String {
+        format!("SharedAllocation(size={})", self.0.len())
+    }
+}
+
+/// The descriptor of `socket`: an int, or an object with `fileno()` (a `socket.socket`, a
+/// `multiprocessing` connection).
+fn descriptor_of(socket: &Bound<'_, PyAny>, what: &'static str) -> Outcome<RawFd> {
+    let fd: RawFd = if socket.is_instance_of::<PyInt>() {
+        socket.extract()?
+    } else {
+        socket.call_method0(pyo3::intern!(socket.py(), "fileno"))?.extract()?
+    };
+    if fd < 0 {
+        return Err(cumempool::Error::Io {
+            what,
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("descriptor {fd} is not open: the socket is closed; pass an open Unix-domain socket"),
+            ),
+        }
+        .into());
+    }
+    Ok(fd)
+}
+
+/// Runs `io` on `fd` as a Unix stream socket it does not own (the caller's object keeps it open).
+fn on_socket<T>(fd: RawFd, io: impl FnOnce(&UnixStream) -> T) -> T {
+    // SAFETY: `fd` is open (checked non-negative; a closed one fails the system call with
+    // EBADF) and owned by the caller's Python object for the call; `ManuallyDrop` never closes it.
+    let socket = ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(fd) });
+    io(&socket)
+}
+
+impl MemPool {
+    /// Exports the pool as a new descriptor (see the Python method).
+    pub(crate) fn export_descriptor(&self, py: Python<'_>) -> Outcome<RawFd> {
+        let pool = self.pool()?;
+        Ok(crate::gil::detach(py, || pool.export_fd())?.into_raw_fd())
+    }
+
+    /// Imports a pool from descriptor `fd`, which stays the caller's.
+    pub(crate) fn import_descriptor(py: Python<'_>, fd: RawFd) -> Outcome<Self> {
+        if fd < 0 {
+            return Err(cumempool::Error::NotShareable {
+                what: "importing a pool",
+                reason: format!("descriptor {fd} is not open; pass the descriptor export_fd() gave"),
+            }
+            .into());
+        }
+        // SAFETY: a non-negative descriptor the caller lends for the call; `import_fd` checks
+        // that it is open before the driver sees it, and neither closes it.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let pool = crate::gil::detach(py, || cumempool::MemPool::import_fd(fd))?;
+        Ok(Self::wrap(cumempool::Pool::clone(&pool)))
+    }
+
+    /// Sends the pool's descriptor and route over a Unix socket.
+    pub(crate) fn send_over(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
+        let pool = self.pool()?;
+        let fd = descriptor_of(socket, "sending a pool")?;
+        Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
+    }
+
+    /// Receives a pool sent with `send_over` and imports it.
+    pub(crate) fn receive_from(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
+        let fd = descriptor_of(socket, "receiving a pool")?;
+        let received = crate::gil::detach(py, || on_socket(fd, dp::receive_pool))?;
+        Ok(Self::wrap(cumempool::Pool::clone(&received.pool)))
+    }
+
+    /// Maps `shared` from this imported pool, ordered on `stream`.
+    pub(crate) fn import_allocation(
+        &self,
+        py: Python<'_>,
+        shared: &SharedAllocation,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> Outcome<Buffer> {
+        let pool = self.pool()?;
+        let route = pool.route();
+        let stream = Stream::from_object(py, stream, Self::home_device(route))?;
+        // The mapping borrows its stream: an `Arc` keeps that stream at one address for as long
+        // as the mapping lives (it is dropped after the mapping, see `Memory::Imported`).
+        let borrowed = Arc::new(stream.get().stream.clone());
+        let mapping = {
+            let s: &cumempool::Stream = &borrowed;
+            crate::gil::detach(py, || pool.import_pointer(&shared.0, s))?
+        };
+        // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and
+        // drops after it; the `Arc`'s heap value does not move when the `Arc` does.
+        let mapping: cumempool::Buffer<'static> = unsafe { std::mem::transmute(mapping) };
+        let device = stream.get().device;
+        let memory = Memory::Imported { mapping, _stream: borrowed };
+        Ok(Buffer::new(Core::new(memory, stream, kind_of(route), device)))
+    }
+}
+
+impl Buffer {
+    /// This buffer's export data (see the Python method).
+    pub(crate) fn export_allocation(&self, py: Python<'_>) -> Outcome<SharedAllocation> {
+        let core = self.core()?;
+        match core.pool_buffer() {
+            Some(buffer) => Ok(SharedAllocation(crate::gil::detach(py, || buffer.export())?)),
+            None => Err(Failure::Core(cumempool::Error::NotShareable {
+                what: "exporting an allocation",
+                reason: "only buffers of MemPool.alloc can be exported (a resource's or an imported buffer cannot); allocate it from a pool created with handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR".into(),
+            })),
+        }
+    }
+}
