@@ -14,14 +14,20 @@ static void show(const char* when) {
 int main() {
   CUdevice dev; CUcontext ctx;
   cuInit(0); cuDeviceGet(&dev, 0); cuDevicePrimaryCtxRetain(&ctx, dev); cuCtxSetCurrent(ctx);
-  for (int variant = 0; variant < 4; variant++) {
+  for (int variant = 0; variant < 6; variant++) {
     CUmemPoolProps p; memset(&p, 0, sizeof p);
     p.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location.type = variant < 2 ? CU_MEM_LOCATION_TYPE_DEVICE : CU_MEM_LOCATION_TYPE_HOST;
+    p.location.type = (variant < 2 || variant >= 4) ? CU_MEM_LOCATION_TYPE_DEVICE : CU_MEM_LOCATION_TYPE_HOST;
     p.location.id = 0;
     cuMemPoolCreate(&pool, &p);
     int early = variant % 2 == 0;  // threshold before the allocation, or while it is live
-    printf("%s pool, threshold set %s:\n", variant < 2 ? "device" : "host", early ? "before allocating" : "while allocated");
+    if (variant >= 4) {            // the opportunistic and internal-dependency reuse policies off
+      int off = 0;
+      cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, &off);
+      cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, &off);
+    }
+    printf("%s pool%s, threshold set %s:\n", (variant < 2 || variant >= 4) ? "device" : "host",
+           variant >= 4 ? " (opportunistic and internal-dependency reuse off)" : "", early ? "before allocating" : "while allocated");
     cuuint64_t want = 64 << 20;
     if (early) cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &want);
     CUstream s; cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);

@@ -726,10 +726,13 @@ fn out_of_pools() -> String {
 }
 
 /// Makes `pool` reserve `bytes`: one allocation of that size on a stream of its own, freed, and
-/// waited for. With `keep`, the release threshold first becomes what the pool reserved for it
-/// (the driver reserves in chunks that can exceed the request, and gives back a whole chunk that
-/// the threshold does not cover). The stream is made in the primary context of the route's
-/// device, or of device 0 for host and managed routes.
+/// waited for, under a release threshold of "never release". With `keep`, the threshold then
+/// becomes what the pool holds reserved (the driver reserves in chunks that can exceed the
+/// request, and at the next synchronisation gives back any whole chunk the threshold does not
+/// cover); without it, the caller's threshold is set back and governs from then on. What the
+/// pool reserves is read only once the free has completed: while the allocation is in flight,
+/// the reservation is not yet reported. The stream is made in the primary context of the
+/// route's device, or of device 0 for host and managed routes.
 fn reserve(pool: &Pool, route: Route, bytes: u64, keep: bool) -> Result<()> {
     let size = usize::try_from(bytes).map_err(|_| Error::InvalidArgument {
         what: "pool initial size",
@@ -740,12 +743,14 @@ fn reserve(pool: &Pool, route: Route, bytes: u64, keep: bool) -> Result<()> {
         _ => 0,
     };
     let stream = Stream::new(&Device::get(device)?.primary_context()?)?;
+    let threshold = pool.release_threshold()?;
+    pool.set_release_threshold(u64::MAX)?;
     let ptr = pool.alloc_raw(size, &stream)?;
-    let reserved = if keep { pool.reserved_mem_current().map(|reserved| reserved.max(bytes)) } else { Ok(bytes) };
-    let kept = reserved.and_then(|reserved| if keep { pool.set_release_threshold(reserved) } else { Ok(()) });
     // SAFETY: allocated just above on this stream, freed once, never used.
     let freed = unsafe { crate::buffer::free_async(ptr, &stream) };
-    kept.and(freed).and(stream.synchronize())
+    freed.and(stream.synchronize())?;
+    let threshold = if keep { pool.reserved_mem_current()?.max(bytes) } else { threshold };
+    pool.set_release_threshold(threshold)
 }
 
 #[cfg(test)]
