@@ -1,5 +1,5 @@
-"""Adversarial review (issue 20): lifetimes across the GIL, buffers outliving what they hold,
-streams other libraries lend. Each test names the defect it shows; all fail before a fix."""
+"""Lifetimes: memory that array views still use, calls racing close() on other threads, and
+the streams other libraries lend, held exactly while something here uses them."""
 
 import gc
 import subprocess
@@ -18,11 +18,9 @@ def _run(code, timeout=120):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
-def test_review_close_frees_memory_an_array_interface_consumer_still_uses(gpu):
-    # DEFECT (UB, use after free): buffers.rs Buffer::close drops the core even when NumPy (via
-    # __array_interface__) or CuPy/torch/Numba (via __cuda_array_interface__) hold the Buffer as
-    # their array's owner; only DLPack capsules keep the core. The array then reads memory the
-    # pool gave to the next allocation (or that went back to the OS: a segfault).
+def test_close_frees_memory_an_array_interface_consumer_still_uses(gpu):
+    # NumPy (through __array_interface__) holds the Buffer, not the memory: close() must leave
+    # the memory to the Buffer's end, or the array reads what the pool handed out next.
     pytest.importorskip("numpy")
     out = _run(
         "import cumempool as cm, numpy as np\n"
@@ -37,8 +35,8 @@ def test_review_close_frees_memory_an_array_interface_consumer_still_uses(gpu):
     assert out.stdout.strip() == "5 5"
 
 
-def test_review_close_frees_memory_a_cupy_array_still_uses(gpu, stream):
-    # DEFECT (UB, use after free): as above, through __cuda_array_interface__ on the device.
+def test_close_frees_memory_a_cupy_array_still_uses(gpu, stream):
+    # As above, through __cuda_array_interface__ on the device.
     cupy = library("cupy")
     pool = cm.MemPool(cm.Route.device(0))
     b = pool.alloc(4096, stream)
@@ -52,41 +50,67 @@ def test_review_close_frees_memory_a_cupy_array_still_uses(gpu, stream):
     del c
 
 
-def test_review_close_racing_a_copy_on_another_thread(gpu, stream):
-    # DEFECT (poor error): Buffer is a mutable pyclass and close() takes &mut self; while another
-    # thread copies with the GIL released (holding a shared borrow), close() raises PyO3's
-    # RuntimeError("Already borrowed") instead of closing once the copy is done (or the copy
-    # raising ClosedError). MemPool.close racing MemPool.alloc does the same (pools.rs).
+def test_close_racing_a_copy_on_another_thread(gpu, stream):
+    # close() while another thread copies with the GIL released closes (the copy keeps the
+    # memory until it is done); later copies raise ClosedError, never PyO3's RuntimeError.
     buffer = cm.MemPool(cm.Route.device(0)).alloc(256 << 20, stream)
+    failures = _close_while_another_thread_uses(buffer, lambda: buffer.to_bytes(), 20, 0.05)
+    assert failures == [] and buffer.closed
+
+
+def test_pool_close_racing_an_alloc_on_another_thread(gpu, stream):
+    # MemPool.close() while another thread allocates with the GIL released closes; the
+    # allocation in flight finishes, later ones raise ClosedError.
+    pool = cm.MemPool(cm.Route.device(0))
+    failures = _close_while_another_thread_uses(pool, lambda: pool.alloc(1 << 20, stream).close(), 2000, 0.01)
+    assert failures == [] and pool.closed
+
+
+def _close_while_another_thread_uses(target, use, times, after):
+    """Calls `use()` `times` times on a thread and `target.close()` here `after` seconds in;
+    what either raised other than ClosedError on the thread."""
     started = threading.Event()
     failures = []
 
-    def reader():
+    def user():
         started.set()
         try:
-            for _ in range(20):
-                buffer.to_bytes()
+            for _ in range(times):
+                use()
         except cm.ClosedError:
             pass
         except Exception as error:  # noqa: BLE001
             failures.append(error)
 
-    thread = threading.Thread(target=reader)
+    thread = threading.Thread(target=user)
     thread.start()
     started.wait()
-    time.sleep(0.05)
+    time.sleep(after)
     try:
-        buffer.close()
+        target.close()
     except Exception as error:  # noqa: BLE001
         failures.append(error)
     thread.join()
-    assert failures == [] and buffer.closed
+    return failures
 
 
-def test_review_a_resource_keeps_every_lent_stream_forever(gpu):
-    # DEFECT (leak): resources.rs ResourceBase::remember holds every lent stream an alloc() saw
-    # until release(), which only CachingResource has: a Statistics, Limit, Tracking or
-    # PoolResource keeps every CuPy/cuda.core stream object (and its CUDA stream) for its life.
+def test_a_viewed_buffer_gives_its_memory_back_when_collected(gpu):
+    # After close(), the memory an array view kept goes back once the view lets go.
+    np = pytest.importorskip("numpy")
+    pool = cm.MemPool(cm.Route.host())
+    s = cm.Stream(0)
+    b = pool.alloc(1 << 20, s)
+    a = np.asarray(b)
+    b.close()
+    assert pool.used_mem_current >= 1 << 20
+    del a, b
+    gc.collect()
+    s.synchronize()
+    assert pool.used_mem_current == 0
+
+
+def test_a_resource_keeps_every_lent_stream_forever(gpu):
+    # A lent stream's object is held while memory allocated on it lives, and no longer.
     own = cm.Stream(0)
 
     class Lender:
@@ -102,12 +126,9 @@ def test_review_a_resource_keeps_every_lent_stream_forever(gpu):
     assert lent() is None
 
 
-def test_review_a_block_cached_after_release_does_not_keep_its_stream(gpu):
-    # DEFECT (UB): CachingResource.release() forgets the lent streams (resources.rs
-    # forget_streams) while buffers on them are still out; when such a buffer closes, its block
-    # is cached for that stream again, but nothing keeps the lender alive any more. The lender
-    # destroys its CUDA stream and the cache later frees (or reuses) the block on a destroyed
-    # handle. Invariant: a block cached for a lent stream keeps the lender alive.
+def test_a_block_cached_after_release_does_not_keep_its_stream(gpu):
+    # A block cached for a lent stream keeps the lender (and so its CUDA stream) alive, even
+    # when it is cached after a release(); the next release() lets go of both.
     cache = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
 
     class Lender:
@@ -126,12 +147,12 @@ def test_review_a_block_cached_after_release_does_not_keep_its_stream(gpu):
     gc.collect()
     assert cache.stats()["cached_blocks"] == 0 or lent() is not None
     cache.release()
+    gc.collect()
+    assert lent() is None, "release() gave the block back but kept the lender"
 
 
-def test_review_the_cupy_allocator_keeps_every_cupy_stream(gpu):
-    # DEFECT (leak): cupy.py Allocator._streams maps (device, ptr) to a Stream holding the CuPy
-    # stream object and is never pruned: every CuPy stream used once under the allocator (and
-    # its CUDA stream) lives as long as the allocator (plus the native leak above).
+def test_the_cupy_allocator_keeps_every_cupy_stream(gpu):
+    # The CuPy allocator holds a CuPy stream only while memory allocated on it lives.
     cupy = library("cupy")
     import cumempool.cupy as cmc
 

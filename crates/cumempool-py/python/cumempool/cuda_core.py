@@ -48,9 +48,11 @@ def _make_class():
             return _buffer_type().from_handle(buffer.ptr, size, mr=self)
 
         def deallocate(self, ptr, size, stream=None):
+            # Freed on `stream`: the memory is free only once the work queued there is done
+            # (what cuda.core's Buffer.close(stream) promises).
             buffer = self._live.pop(int(ptr), None)
             if buffer is not None:
-                buffer.close()
+                buffer.close(stream)
 
         @property
         def is_device_accessible(self) -> bool:
