@@ -257,8 +257,9 @@ pub struct Buffer {
     /// Whether an array interface handed the address out: `close()` then keeps the memory in
     /// `kept` until this object goes.
     viewed: bool,
-    /// The memory of a closed buffer that array views may still use.
-    kept: Option<Slot>,
+    /// The memory of a closed buffer that array views may still use (behind an `Arc`, so the
+    /// object stays small).
+    kept: Option<Arc<Core>>,
 }
 
 /// A buffer's core: the buffer's own (no allocation beyond the Python object), or shared
@@ -286,7 +287,7 @@ impl Drop for Buffer {
         let (core, kept) = (self.core.take(), self.kept.take());
         if core.is_some() || kept.is_some() {
             Python::attach(|py| {
-                for slot in [core, kept].into_iter().flatten() {
+                for slot in [core, kept.map(Slot::Shared)].into_iter().flatten() {
                     Core::release(slot, py);
                 }
             });
@@ -623,8 +624,11 @@ impl Buffer {
             let slot = this.core.take();
             if this.viewed {
                 // Array views hold this object: the memory goes with it.
-                if let Some(slot) = slot {
-                    this.kept = Some(slot);
+                match slot {
+                    Some(Slot::Own(core)) => this.kept = Some(Arc::new(core)),
+                    Some(Slot::Shared(core)) => this.kept = Some(core),
+                    // Closed before: what is kept stays kept.
+                    None => {}
                 }
                 return Ok(());
             }

@@ -20,6 +20,27 @@ pub fn while_current<R>(context: &cumempool::Context, call: impl FnOnce() -> Out
     restored.map(|()| value)
 }
 
+/// Runs `call` on `stream` and puts back the caller's context if `call` changed it: work
+/// queued on a legacy stream makes the stream's context current first. Ordinary streams carry
+/// their context, so they cost nothing here.
+pub fn restored_after<R>(stream: &cumempool::Stream, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
+    if !matches!(stream.as_raw() as usize, 0 | LEGACY_HANDLE) {
+        return call();
+    }
+    let previous = current()?;
+    let outcome = call();
+    let restored = match current() {
+        Ok(now) if now == previous => Ok(()),
+        Ok(_) => set_current(previous),
+        Err(error) => Err(error),
+    };
+    let value = outcome?;
+    restored.map(|()| value)
+}
+
+/// `CU_STREAM_LEGACY`, which names the legacy stream like `0`.
+const LEGACY_HANDLE: usize = 1;
+
 /// The calling thread's current context (null for none).
 fn current() -> Outcome<sys::CUcontext> {
     let get = sys::driver().and_then(|d| d.cuCtxGetCurrent()).map_err(cumempool::Error::from)?;

@@ -141,9 +141,10 @@ impl MemPool {
         let buffer = {
             let s = &stream.get().stream;
             // An empty buffer makes no driver call; any other may wait on the driver.
+            let alloc = || crate::contexts::restored_after(s, || Ok(pool.alloc_owned(size, s)?));
             match size {
-                0 => pool.alloc_owned(0, s)?,
-                _ => crate::gil::detach(py, || pool.alloc_owned(size, s))?,
+                0 => alloc()?,
+                _ => crate::gil::detach(py, alloc)?,
             }
         };
         let device = memory_device(route, stream.get().device);

@@ -116,7 +116,8 @@ impl ResourceBase {
         // hit makes none).
         let ptr = {
             let _held = Held::new(py);
-            self.inner.allocate(size, &stream.get().stream)?
+            let s = &stream.get().stream;
+            crate::contexts::restored_after(s, || Ok(self.inner.allocate(size, s)?))?
         };
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };

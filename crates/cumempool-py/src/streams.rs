@@ -423,12 +423,14 @@ impl Stream {
 
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
-        Ok(crate::gil::detach(py, || self.stream.synchronize())?)
+        let s = &self.stream;
+        crate::gil::detach(py, || crate::contexts::restored_after(s, || Ok(s.synchronize()?)))
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
-        Ok(crate::gil::detach(py, || self.stream.is_idle())?)
+        let s = &self.stream;
+        crate::gil::detach(py, || crate::contexts::restored_after(s, || Ok(s.is_idle()?)))
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.

@@ -41,15 +41,18 @@ def _libcuda():
         pytest.skip(f"no libcuda: {error}")
 
 
-def test_copies_put_back_the_callers_context(gpu, stream):
+def test_calls_put_back_the_callers_context(gpu, stream):
     # The caller's current context (its own, or another device's) is what CuPy and the runtime
-    # work on next: a copy makes the buffer's current only while it runs.
+    # work on next: a copy, or work on a legacy stream, makes the buffer's current only while it
+    # runs.
     cuda = _libcuda()
     create = getattr(cuda, "cuCtxCreate_v2", None)
     if create is None:
         pytest.skip("libcuda lacks cuCtxCreate_v2")
-    buffer = cm.MemPool(cm.Route.device(0)).alloc(64, stream)
-    legacy = cm.MemPool(cm.Route.device(0)).alloc(64)
+    pool = cm.MemPool(cm.Route.device(0))
+    resource = cm.PoolResource(pool)
+    buffer = pool.alloc(64, stream)
+    legacy = pool.alloc(64)
     device, mine, current = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
     assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
     assert create(ctypes.byref(mine), 0, device) == 0  # made current on this thread
@@ -60,6 +63,9 @@ def test_copies_put_back_the_callers_context(gpu, stream):
             ("fill", lambda: legacy.fill(1)),
             ("copy_from_buffer", lambda: legacy.copy_from_buffer(buffer)),
             ("__dlpack__", lambda: buffer.__dlpack__(stream=1)),
+            ("alloc on the legacy stream", lambda: pool.alloc(16).close()),
+            ("a resource's alloc on the legacy stream", lambda: resource.alloc(16).close()),
+            ("synchronize on the legacy stream", lambda: cm.Stream.legacy(0).synchronize()),
         ]:
             call()
             assert cuda.cuCtxGetCurrent(ctypes.byref(current)) == 0
@@ -150,4 +156,4 @@ def test_legacy_handles_of_another_library_are_the_devices_legacy_stream(gpu):
             return (0, 1)
 
     a, b, c = pool.alloc(16), pool.alloc(16, 0), pool.alloc(16, Legacy())
-    assert a.stream is b.stream is c.stream
+    assert a.stream is b.stream is c.stream is cm.Stream.legacy(0) is cm.Stream.borrow(1, device=0)

@@ -102,7 +102,10 @@ def test_a_viewed_buffer_gives_its_memory_back_when_collected(gpu):
     b = pool.alloc(1 << 20, s)
     a = np.asarray(b)
     b.close()
+    b.close()  # closing again keeps what the view uses
     assert pool.used_mem_current >= 1 << 20
+    with pytest.raises(cm.ClosedError):
+        b.to_bytes()
     del a, b
     gc.collect()
     s.synchronize()
@@ -167,3 +170,25 @@ def test_the_cupy_allocator_keeps_every_cupy_stream(gpu):
     del s
     gc.collect()
     assert lent() is None
+
+
+def test_closed_buffers_kept_by_views_and_capsules_at_exit_do_not_crash_the_interpreter(gpu):
+    # Memory a view keeps after close(), a capsule no consumer took, and a lent stream held by
+    # a cache all outlive the interpreter's last collection without a crash or a hang.
+    pytest.importorskip("numpy")
+    out = _run(
+        "import cumempool as cm, numpy as np, threading\n"
+        "pool = cm.MemPool(cm.Route.host()); s = cm.Stream(0)\n"
+        "b = pool.alloc(4096, s); a = np.asarray(b); b.close()\n"
+        "cap = pool.alloc(64, s).__dlpack__()\n"
+        "class Lender:\n"
+        "    def __init__(self): self.s = cm.Stream(0)\n"
+        "    def __cuda_stream__(self): return (0, self.s.handle)\n"
+        "cache = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))\n"
+        "cache.alloc(1 << 20, Lender()).close()\n"
+        "t = threading.Thread(target=lambda: pool.alloc(64, s).to_bytes()); t.start(); t.join()\n"
+        "import builtins; builtins.kept = (a, cap, cache)\n"
+        "print('done')\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
