@@ -52,16 +52,30 @@ pub enum Memory {
 
 impl Memory {
     /// Gives the memory back with the GIL released for driver calls only: none for an empty
-    /// buffer, around the pool's free, or where a resource stack reaches the driver.
+    /// buffer, around the pool's free, or where a resource stack reaches the driver. A free on
+    /// a legacy stream makes its context current: the caller's is put back after.
     fn give_back(self, py: Python<'_>) {
-        match &self {
-            Self::Pool(buffer) if buffer.is_empty() => {}
-            // The resource releases the GIL around its driver calls (`gil`).
-            Self::Resource { .. } => {
-                let _held = Held::new(py);
+        let (handle, resource) = match &self {
+            Self::Pool(buffer) if buffer.is_empty() => return,
+            Self::Pool(buffer) => (buffer.stream().as_raw() as usize, false),
+            Self::Imported { mapping, .. } => (mapping.stream().as_raw() as usize, false),
+            Self::Resource { stream, .. } => (stream.as_raw() as usize, true),
+        };
+        let give_back = move || {
+            crate::contexts::restored_after(handle, || {
                 drop(self);
-            }
-            Self::Pool(_) | Self::Imported { .. } => crate::gil::detach(py, || drop(self)),
+                Ok(())
+            })
+        };
+        let outcome = if resource {
+            // The resource releases the GIL around its driver calls (`gil`).
+            let _held = Held::new(py);
+            give_back()
+        } else {
+            crate::gil::detach(py, give_back)
+        };
+        if let Err(error) = outcome {
+            tracing::warn!(?error, "putting the caller's context back after a free failed");
         }
     }
 }

@@ -20,11 +20,11 @@ pub fn while_current<R>(context: &cumempool::Context, call: impl FnOnce() -> Out
     restored.map(|()| value)
 }
 
-/// Runs `call` on `stream` and puts back the caller's context if `call` changed it: work
-/// queued on a legacy stream makes the stream's context current first. Ordinary streams carry
-/// their context, so they cost nothing here.
-pub fn restored_after<R>(stream: &cumempool::Stream, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
-    if !matches!(stream.as_raw() as usize, 0 | LEGACY_HANDLE) {
+/// Runs `call` on the stream `handle` and puts back the caller's context if `call` changed
+/// it: work queued on a legacy stream makes the stream's context current first. Ordinary
+/// streams carry their context, so they cost nothing here.
+pub fn restored_after<R>(handle: usize, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
+    if !matches!(handle, 0 | LEGACY_HANDLE) {
         return call();
     }
     let previous = current()?;

@@ -117,7 +117,7 @@ impl ResourceBase {
         let ptr = {
             let _held = Held::new(py);
             let s = &stream.get().stream;
-            crate::contexts::restored_after(s, || Ok(self.inner.allocate(size, s)?))?
+            crate::contexts::restored_after(s.as_raw() as usize, || Ok(self.inner.allocate(size, s)?))?
         };
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };

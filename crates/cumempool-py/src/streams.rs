@@ -424,13 +424,13 @@ impl Stream {
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
         let s = &self.stream;
-        crate::gil::detach(py, || crate::contexts::restored_after(s, || Ok(s.synchronize()?)))
+        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.synchronize()?)))
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
         let s = &self.stream;
-        crate::gil::detach(py, || crate::contexts::restored_after(s, || Ok(s.is_idle()?)))
+        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.is_idle()?)))
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.

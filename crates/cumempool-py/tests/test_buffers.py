@@ -30,7 +30,8 @@ def test_dlpack_refuses_stream_zero(gpu, stream):
         buffer.__dlpack__(stream=0)
     with pytest.raises(ValueError):
         buffer.__dlpack__(stream=-2)
-    for accepted in (None, -1, 1, 2, stream.handle, cm.Stream(0).handle):
+    other = cm.Stream(0)
+    for accepted in (None, -1, 1, 2, stream.handle, other.handle):
         assert type(buffer.__dlpack__(stream=accepted)).__name__ == "PyCapsule"
 
 
