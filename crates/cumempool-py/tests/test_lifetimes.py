@@ -18,7 +18,7 @@ def _run(code, timeout=120):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
-def test_close_frees_memory_an_array_interface_consumer_still_uses(gpu):
+def test_close_keeps_memory_a_numpy_array_still_uses(gpu):
     # NumPy (through __array_interface__) holds the Buffer, not the memory: close() must leave
     # the memory to the Buffer's end, or the array reads what the pool handed out next.
     pytest.importorskip("numpy")
@@ -35,7 +35,7 @@ def test_close_frees_memory_an_array_interface_consumer_still_uses(gpu):
     assert out.stdout.strip() == "5 5"
 
 
-def test_close_frees_memory_a_cupy_array_still_uses(gpu, stream):
+def test_close_keeps_memory_a_cupy_array_still_uses(gpu, stream):
     # As above, through __cuda_array_interface__ on the device.
     cupy = library("cupy")
     pool = cm.MemPool(cm.Route.device(0))
@@ -50,7 +50,7 @@ def test_close_frees_memory_a_cupy_array_still_uses(gpu, stream):
     del c
 
 
-def test_close_racing_a_copy_on_another_thread(gpu, stream):
+def test_close_racing_a_copy_on_another_thread_closes(gpu, stream):
     # close() while another thread copies with the GIL released closes (the copy keeps the
     # memory until it is done); later copies raise ClosedError, never PyO3's RuntimeError.
     buffer = cm.MemPool(cm.Route.device(0)).alloc(256 << 20, stream)
@@ -58,7 +58,7 @@ def test_close_racing_a_copy_on_another_thread(gpu, stream):
     assert failures == [] and buffer.closed
 
 
-def test_pool_close_racing_an_alloc_on_another_thread(gpu, stream):
+def test_pool_close_racing_an_alloc_on_another_thread_closes(gpu, stream):
     # MemPool.close() while another thread allocates with the GIL released closes; the
     # allocation in flight finishes, later ones raise ClosedError.
     pool = cm.MemPool(cm.Route.device(0))
@@ -112,7 +112,7 @@ def test_a_viewed_buffer_gives_its_memory_back_when_collected(gpu):
     assert pool.used_mem_current == 0
 
 
-def test_a_resource_keeps_every_lent_stream_forever(gpu):
+def test_a_resource_lets_go_of_a_lent_stream_with_its_last_buffer(gpu):
     # A lent stream's object is held while memory allocated on it lives, and no longer.
     own = cm.Stream(0)
 
@@ -129,7 +129,7 @@ def test_a_resource_keeps_every_lent_stream_forever(gpu):
     assert lent() is None
 
 
-def test_a_block_cached_after_release_does_not_keep_its_stream(gpu):
+def test_a_block_cached_after_release_keeps_its_lent_stream(gpu):
     # A block cached for a lent stream keeps the lender (and so its CUDA stream) alive, even
     # when it is cached after a release(); the next release() lets go of both.
     cache = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
@@ -154,7 +154,7 @@ def test_a_block_cached_after_release_does_not_keep_its_stream(gpu):
     assert lent() is None, "release() gave the block back but kept the lender"
 
 
-def test_the_cupy_allocator_keeps_every_cupy_stream(gpu):
+def test_the_cupy_allocator_lets_go_of_cupy_streams(gpu):
     # The CuPy allocator holds a CuPy stream only while memory allocated on it lives.
     cupy = library("cupy")
     import cumempool.cupy as cmc

@@ -100,7 +100,7 @@ TORCH_HOOKS = (
 )
 
 
-def test_an_out_of_memory_callback_that_stops_the_torch_plugin_deadlocks(gpu):
+def test_an_out_of_memory_callback_may_stop_the_torch_plugin(gpu):
     # An out-of-memory callback may stop the plug-in (or serve another resource) from inside
     # the plug-in's allocation: no lock is held while the resource runs.
     code = TORCH_HOOKS + (
@@ -120,7 +120,7 @@ def test_an_out_of_memory_callback_that_stops_the_torch_plugin_deadlocks(gpu):
     assert out.stdout.strip() == "None"
 
 
-def test_torch_hooks_key_streams_by_handle_across_devices(gpu):
+def test_torch_hooks_key_streams_by_handle_and_device(gpu):
     # PyTorch's default stream is handle 0 on every device and means each device's own legacy
     # stream: the plug-in keys streams by (handle, device).
     if cm.Device.count() < 2:
@@ -147,7 +147,7 @@ def test_torch_hooks_key_streams_by_handle_across_devices(gpu):
     assert out.stdout.strip() == "1", "device 1's legacy-stream allocation ran in device 0's context"
 
 
-def test_cuda_core_deallocate_ignores_the_stream_it_is_given(gpu):
+def test_cuda_core_deallocate_frees_on_the_stream_it_is_given(gpu):
     # deallocate(ptr, size, stream) frees on `stream`: work queued there before (what cuda.core's
     # Buffer.close(stream) promises to wait for) finishes before the memory is handed out again.
     library("cuda.core")
