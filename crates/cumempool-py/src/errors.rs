@@ -169,6 +169,8 @@ fn core_class(error: &cumempool::Error) -> &'static str {
         E::SharedLengthMismatch { .. } => "SharedLengthMismatchError",
         E::Io { .. } => "CumempoolOSError",
         E::UnknownValue(_) => "UnknownValueError",
+        E::StreamCapturing { .. } => "StreamCapturingError",
+        E::CaptureRefused { .. } => "CaptureRefusedError",
         // A variant newer than these bindings: still a cumempool error, never a crash.
         _ => "CumempoolError",
     }
@@ -182,7 +184,9 @@ fn alloc_class(error: &cumempool_alloc::Error) -> &'static str {
         E::Alignment { .. } => "AlignmentError",
         E::KindMismatch { .. } => "KindMismatchError",
         E::LanesUnreachable { .. } => "LanesUnreachableError",
-        E::HostOutOfMemory { .. } => "OutOfMemoryError",
+        E::HostOutOfMemory { .. } | E::ArenaExhausted { .. } => "OutOfMemoryError",
+        E::NotFromArena { .. } => "InvalidArgumentError",
+        E::MappingsHeld { .. } => "MappingsHeldError",
         _ => "CumempoolError",
     }
 }

@@ -6,6 +6,7 @@
 
 mod bench;
 mod buffers;
+mod contexts;
 mod dlpack;
 mod errors;
 mod gil;

@@ -11,6 +11,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 /// What the exported functions serve: the resource and the device it allocates on.
+#[derive(Clone)]
 struct Served {
     resource: Arc<dyn Resource>,
     device: i32,
@@ -18,9 +19,11 @@ struct Served {
 
 static SERVED: RwLock<Option<Served>> = RwLock::new(None);
 
-/// One `Stream` per raw handle PyTorch passes, so a cache sees the same stream every time (as
-/// PyTorch's own caching allocator, it keys by the handle's value).
-static STREAMS: Mutex<Option<HashMap<usize, cumempool::Stream>>> = Mutex::new(None);
+/// One `Stream` per raw handle and device PyTorch passes, so a cache sees the same stream
+/// every time (as PyTorch's own caching allocator, it keys by the handle's value). The device
+/// is part of the key: the default stream is handle 0 on every device, and means each
+/// device's own legacy stream.
+static STREAMS: Mutex<Option<HashMap<(usize, i32), cumempool::Stream>>> = Mutex::new(None);
 
 /// The resource each live allocation came from, so a free goes back to it even after Python
 /// switched or stopped what is served.
@@ -29,23 +32,29 @@ static LIVE: Mutex<Option<HashMap<usize, Arc<dyn Resource>>>> = Mutex::new(None)
 fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
     let mut streams = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
     let streams = streams.get_or_insert_with(HashMap::new);
-    if let Some(stream) = streams.get(&raw) {
+    if let Some(stream) = streams.get(&(raw, device)) {
         return Ok(stream.clone());
     }
     let context = cumempool::Device::get(device)?.primary_context()?;
-    // SAFETY: PyTorch hands out streams it keeps alive while memory is allocated on them; a
-    // stream it destroys is not used again with this handle until it makes a new one there.
-    let stream = unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(&context)) }?;
-    streams.insert(raw, stream.clone());
+    let stream = match raw {
+        0 | 1 => cumempool::Stream::legacy(&context),
+        // SAFETY: PyTorch hands out streams it keeps alive while memory is allocated on them; a
+        // stream it destroys is not used again with this handle until it makes a new one there.
+        _ => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(&context)) }?,
+    };
+    streams.insert((raw, device), stream.clone());
     Ok(stream)
 }
 
 /// Serves the exported C functions from `resource` (or stops serving, with `None`).
 #[pyfunction]
 #[pyo3(signature = (resource))]
-pub fn torch_serve(resource: Option<&Bound<'_, ResourceBase>>) {
+pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
     let served = resource.map(|r| Served { resource: r.get().inner.clone(), device: r.get().device });
-    *SERVED.write().unwrap_or_else(PoisonError::into_inner) = served;
+    // The lock is held only to swap (no allocation runs under it), and the resource served
+    // until now is let go of after, without the GIL: a cache dropped there frees on the driver.
+    let previous = std::mem::replace(&mut *SERVED.write().unwrap_or_else(PoisonError::into_inner), served);
+    crate::gil::detach(py, || drop(previous));
 }
 
 /// PyTorch's pluggable allocation function: `size` bytes on `device`, ordered on `stream`;
@@ -60,8 +69,10 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
     let Ok(size) = usize::try_from(size) else {
         return std::ptr::null_mut();
     };
-    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner);
-    let Some(served) = served.as_ref().filter(|s| s.device == device) else {
+    // A clone, so no lock is held while the resource runs: its out-of-memory callback may
+    // serve another resource or stop (`torch_serve` takes the write lock).
+    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner).clone();
+    let Some(served) = served.filter(|s| s.device == device) else {
         return std::ptr::null_mut();
     };
     let answer = stream_for(stream as usize, device)

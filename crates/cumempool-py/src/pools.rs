@@ -7,6 +7,7 @@ use crate::routes::{AllocationType, Location, Route};
 use crate::streams::{Device, Stream};
 use cumempool::DriverVersion;
 use pyo3::prelude::*;
+use std::sync::{Mutex, PoisonError};
 
 /// The too-old error for something this build was compiled without.
 #[cfg_attr(feature = "cuda-13040", allow(dead_code))]
@@ -66,23 +67,36 @@ impl HandleTypes {
 /// one that is destroyed when it, every buffer from it and every route it was made current for
 /// are gone; `default_pool` and `current_pool` return handles to pools the driver or other
 /// holders keep alive. `close()` lets go of this handle.
-#[pyclass(module = "cumempool")]
+#[pyclass(frozen, module = "cumempool")]
 pub struct MemPool {
-    pool: Option<cumempool::Pool>,
+    /// The handle; `None` once closed. Calls take a clone (the lock is held for that only, never
+    /// across a driver call or Python code), so `close()` on one thread while another allocates
+    /// without the GIL closes, and the call in flight finishes on its clone.
+    pool: Mutex<Option<cumempool::Pool>>,
 }
 
 impl MemPool {
     pub(crate) fn wrap(pool: cumempool::Pool) -> Self {
-        Self { pool: Some(pool) }
+        Self { pool: Mutex::new(Some(pool)) }
     }
 
-    pub(crate) fn pool(&self) -> Outcome<&cumempool::Pool> {
-        self.pool.as_ref().ok_or(Failure::Closed("this MemPool"))
+    pub(crate) fn pool(&self) -> Outcome<cumempool::Pool> {
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Failure::Closed("this MemPool"))
     }
 
     /// The device whose context and legacy stream serve this pool by default.
     pub(crate) fn home_device(route: Option<cumempool::Route>) -> i32 {
         route.and_then(|r| r.location.device()).unwrap_or(0)
+    }
+}
+
+/// The device a pool of `route` places its memory on; for host, managed or imported memory,
+/// `stream_device` (the device of the stream it is ordered on). A pool's memory may be
+/// allocated on another device's stream: the memory's device is the pool's, not the stream's.
+pub(crate) fn memory_device(route: Option<cumempool::Route>, stream_device: i32) -> i32 {
+    match route {
+        Some(r) if kind_of(route) == Kind::Device => r.location.device().unwrap_or(stream_device),
+        _ => stream_device,
     }
 }
 
@@ -127,12 +141,13 @@ impl MemPool {
         let buffer = {
             let s = &stream.get().stream;
             // An empty buffer makes no driver call; any other may wait on the driver.
+            let alloc = || crate::contexts::restored_after(s.as_raw() as usize, || Ok(pool.alloc_owned(size, s)?));
             match size {
-                0 => pool.alloc_owned(0, s)?,
-                _ => crate::gil::detach(py, || pool.alloc_owned(size, s))?,
+                0 => alloc()?,
+                _ => crate::gil::detach(py, alloc)?,
             }
         };
-        let device = stream.get().device;
+        let device = memory_device(route, stream.get().device);
         Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, kind_of(route), device)))
     }
 
@@ -207,7 +222,7 @@ impl MemPool {
     /// Whether `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.pool.is_none()
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner).is_none()
     }
 
     /// Gives memory held beyond `keep_bytes` back to the system.
@@ -373,8 +388,9 @@ impl MemPool {
 
     /// Lets go of this handle. An owned pool is destroyed once its buffers and routes are gone
     /// too. Using the handle afterwards raises ClosedError; closing twice does nothing.
-    fn close(&mut self, py: Python<'_>) {
-        if let Some(pool) = self.pool.take() {
+    fn close(&self, py: Python<'_>) {
+        let pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(pool) = pool {
             crate::gil::detach(py, || drop(pool));
         }
     }
@@ -384,20 +400,20 @@ impl MemPool {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
         self.close(py);
         false
     }
 
     fn __repr__(&self) -> String {
-        match &self.pool {
-            Some(pool) => format!(
+        match self.pool() {
+            Ok(pool) => format!(
                 "MemPool(handle={:#x}, route={}, owned={})",
                 pool.as_raw() as usize,
                 pool.route().map_or_else(|| "imported".to_owned(), |r| r.to_string()),
                 pool.is_owned()
             ),
-            None => "MemPool(closed)".to_owned(),
+            Err(_) => "MemPool(closed)".to_owned(),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! types. Each Python object holds the Rust resource behind one object-safe trait.
 
 use crate::buffers::{Buffer, Core, Kind, Memory};
-use crate::errors::{Failure, Outcome};
+use crate::errors::Outcome;
 use crate::gil::{DriverLink, Held};
 use crate::pools::{kind_of, MemPool};
 use crate::streams::Stream;
@@ -16,8 +16,7 @@ use cumempool_alloc::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::PyClassInitializer;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 /// A stream-ordered resource with its memory kind erased, so Python can stack adaptors freely.
 pub trait Resource: Send + Sync {
@@ -96,28 +95,14 @@ pub struct ResourceBase {
     pub(crate) kind: Kind,
     pub(crate) device: i32,
     /// The Python objects below (pool, inner resource, callback), kept for as long as this one.
+    /// A stream another library lent needs nothing here: every clone of its Rust stream (a
+    /// buffer's, one a cache keeps with its blocks) holds the library's object.
     _below: Py<PyAny>,
-    /// Borrowed streams this resource has served, held so that blocks a cache keeps for them
-    /// never outlive the library's stream (until `release()`).
-    streams: Mutex<HashMap<u64, Py<Stream>>>,
 }
 
 impl ResourceBase {
     fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
-        Self { inner, kind: below.kind, device: below.device, _below: below_object, streams: Mutex::default() }
-    }
-
-    fn remember(&self, py: Python<'_>, stream: &Py<Stream>) {
-        let s = stream.get();
-        if !s.stream.is_owned() && s.is_lent() {
-            let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-            streams.entry(s.stream.id().get()).or_insert_with(|| stream.clone_ref(py));
-        }
-    }
-
-    fn forget_streams(&self) {
-        let released = std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner));
-        drop(released);
+        Self { inner, kind: below.kind, device: below.device, _below: below_object }
     }
 }
 
@@ -131,12 +116,13 @@ impl ResourceBase {
         // hit makes none).
         let ptr = {
             let _held = Held::new(py);
-            self.inner.allocate(size, &stream.get().stream)?
+            let s = &stream.get().stream;
+            crate::contexts::restored_after(s.as_raw() as usize, || Ok(self.inner.allocate(size, s)?))?
         };
-        self.remember(py, &stream);
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
-        let device = stream.get().device;
+        // The memory's device is the pool's, whichever device's stream it is ordered on.
+        let device = if self.kind == Kind::Device { self.device } else { stream.get().device };
         Ok(Buffer::new(Core::new(memory, stream, self.kind, device)))
     }
 
@@ -170,9 +156,9 @@ impl PoolResourceBinding {
             let p = borrowed.pool()?;
             let route = p.route();
             let inner: Arc<dyn Resource> = match kind_of(route) {
-                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(p)?)),
-                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(p)?)),
-                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(p)?)),
+                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(&p)?)),
+                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(&p)?)),
+                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(&p)?)),
             };
             (inner, route)
         };
@@ -181,7 +167,6 @@ impl PoolResourceBinding {
             kind: kind_of(route),
             device: MemPool::home_device(route),
             _below: pool.into_any().unbind(),
-            streams: Mutex::default(),
         };
         Ok(PyClassInitializer::from(base).add_subclass(Self))
     }
@@ -350,12 +335,12 @@ impl Caching {
         self.0.max_cached()
     }
 
-    /// Gives every cached block back to the resource below, then lets go of the borrowed
-    /// streams it held for them.
-    fn release(slf: PyRef<'_, Self>, py: Python<'_>) -> Outcome<()> {
-        let cache = slf.0.clone();
-        crate::gil::detach(py, || cache.release()).map_err(Failure::from)?;
-        slf.as_super().forget_streams();
+    /// Gives every cached block back to the resource below (and with them the cache's hold on
+    /// the streams other libraries lent).
+    fn release(&self, py: Python<'_>) -> Outcome<()> {
+        let cache = self.0.clone();
+        crate::gil::detach(py, || cache.release())?;
+        crate::streams::prune_unused(py);
         Ok(())
     }
 }

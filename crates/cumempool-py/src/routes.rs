@@ -236,7 +236,7 @@ pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
 /// thread; a change made by other code in between is respected.
 #[pyfunction]
 pub fn set_current_pool(py: Python<'_>, route: Route, pool: PyRef<'_, MemPool>) -> Outcome<RouteGuard> {
-    let pool = pool.pool()?.clone();
+    let pool = pool.pool()?;
     let guard = crate::gil::detach(py, || cumempool::set_current_pool(route.0, &pool))?;
     Ok(RouteGuard { route: route.0, guard: Mutex::new(Some(guard)) })
 }

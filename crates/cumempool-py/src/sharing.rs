@@ -107,7 +107,7 @@ impl MemPool {
     pub(crate) fn send_over(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
         let pool = self.pool()?;
         let fd = descriptor_of(socket, "sending a pool")?;
-        Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
+        Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, &pool)))?)
     }
 
     /// Receives a pool sent with `send_over` and imports it.
@@ -143,16 +143,13 @@ impl MemPool {
     }
 }
 
-impl Buffer {
-    /// This buffer's export data (see the Python method).
-    pub(crate) fn export_allocation(&self, py: Python<'_>) -> Outcome<SharedAllocation> {
-        let core = self.core()?;
-        match core.pool_buffer() {
-            Some(buffer) => Ok(SharedAllocation(crate::gil::detach(py, || buffer.export())?)),
-            None => Err(Failure::Core(cumempool::Error::NotShareable {
-                what: "exporting an allocation",
-                reason: "only buffers of MemPool.alloc can be exported (a resource's or an imported buffer cannot); allocate it from a pool created with handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR".into(),
-            })),
-        }
+/// A buffer's export data (see `Buffer.export`).
+pub(crate) fn export_allocation(py: Python<'_>, core: &Core) -> Outcome<SharedAllocation> {
+    match core.pool_buffer() {
+        Some(buffer) => Ok(SharedAllocation(crate::gil::detach(py, || buffer.export())?)),
+        None => Err(Failure::Core(cumempool::Error::NotShareable {
+            what: "exporting an allocation",
+            reason: "only buffers of MemPool.alloc can be exported (a resource's or an imported buffer cannot); allocate it from a pool created with handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR".into(),
+        })),
     }
 }

@@ -8,7 +8,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyString, PyTuple};
 use std::collections::VecDeque;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// A CUDA device.
 #[pyclass(frozen, eq, hash, module = "cumempool", from_py_object)]
@@ -90,7 +90,7 @@ pub struct Stream {
 impl Stream {
     /// The primary context of `device`, retained once per device for the process, so that
     /// borrowing a stream makes no driver call after the first.
-    fn context(py: Python<'_>, device: i32) -> Outcome<cumempool::Context> {
+    pub(crate) fn context(py: Python<'_>, device: i32) -> Outcome<cumempool::Context> {
         static CONTEXTS: Mutex<Vec<(i32, cumempool::Context)>> = Mutex::new(Vec::new());
         let known = |contexts: &[(i32, cumempool::Context)]| {
             contexts.iter().find(|(d, _)| *d == device).map(|(_, context)| context.clone())
@@ -127,18 +127,33 @@ impl Stream {
         {
             return Ok(stream.clone_ref(py));
         }
-        let stream = Py::new(py, Self::legacy_of(py, device)?)?;
-        LEGACY.lock().unwrap_or_else(PoisonError::into_inner).push((device, stream.clone_ref(py)));
-        Ok(stream)
+        // Made without the lock (retaining the context releases the GIL): another thread may
+        // have made one meanwhile, and the first one stays the device's.
+        let made = Py::new(py, Self::legacy_of(py, device)?)?;
+        let mut legacy = LEGACY.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, stream)) = legacy.iter().find(|(d, _)| *d == device) {
+            return Ok(stream.clone_ref(py));
+        }
+        legacy.push((device, made.clone_ref(py)));
+        Ok(made)
     }
 
-    /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as this stream.
+    /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as any clone of the
+    /// Rust stream: this object's, a buffer's, or one a cache keeps with its blocks (which may
+    /// outlive every Python object here).
     pub(crate) fn borrow_handle(py: Python<'_>, raw: usize, device: i32, owner: Option<Py<PyAny>>) -> Outcome<Self> {
         let context = Self::context(py, device)?;
-        // SAFETY: `raw` is the lending library's stream of `device` and `owner` (its Python
-        // object, or the caller's promise for a bare int) keeps it alive while this Stream and
-        // every buffer holding it live; buffers hold this object.
-        let stream = unsafe { cumempool::Stream::borrow_raw(raw as cumempool::sys::CUstream, Some(&context)) }?;
+        let raw_stream = raw as cumempool::sys::CUstream;
+        let stream = match &owner {
+            // SAFETY: `raw` is the lending library's stream of `device`, and its Python object
+            // (held by every clone of the result) keeps it alive.
+            Some(object) => unsafe {
+                cumempool::Stream::borrow_raw_keeping(raw_stream, Some(&context), Arc::new(object.clone_ref(py)))
+            },
+            // SAFETY: a bare int: the caller promised (`Stream.borrow`) that it stays valid while
+            // this Stream and its buffers live.
+            None => unsafe { cumempool::Stream::borrow_raw(raw_stream, Some(&context)) },
+        }?;
         Ok(Self { stream, owner, device })
     }
 
@@ -161,6 +176,11 @@ impl Stream {
             return Ok(known);
         }
         let (raw, device) = foreign_handle(obj, default_device)?;
+        // `0` and `CU_STREAM_LEGACY` name the legacy stream of whichever context is current:
+        // the device's own object, so two devices' legacy streams are never one stream.
+        if raw == 0 || raw == LEGACY_HANDLE {
+            return Self::shared_legacy(py, device);
+        }
         let is_int = obj.is_instance_of::<PyInt>();
         let known =
             lock(&LENT).streams.iter().find(|(r, d, _)| (*r, *d) == (raw, device)).map(|(_, _, s)| s.clone_ref(py));
@@ -200,9 +220,67 @@ impl Stream {
     }
 }
 
+/// Lets go of a buffer's `stream`, and of the memo's entries for it when nothing else uses it
+/// any more (no other Python reference, no clone of the Rust stream: no buffer, no block a
+/// cache keeps): so the lending library's object lives as long as its stream is used here,
+/// and no longer. A stream still used stays in the memo, so it is found again (one stream to a
+/// cache).
+pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
+    if !stream.get().is_lent() {
+        return;
+    }
+    // Held here too: one more reference than the memo's.
+    let evicted = evict(&mut lock(&LENT), &stream, 1);
+    // Outside the lock: the library's object may run code when let go of.
+    drop(evicted);
+    drop(stream);
+}
+
+/// Lets go of every memo entry whose stream nothing else uses (after a cache gave its blocks
+/// back, say).
+pub(crate) fn prune_unused(py: Python<'_>) {
+    let mut evicted = Vec::new();
+    let mut lent = lock(&LENT);
+    let streams: Vec<Py<Stream>> = lent.streams.iter().map(|(_, _, s)| s.clone_ref(py)).collect();
+    for stream in &streams {
+        // `streams` holds one more reference.
+        evicted.extend(evict(&mut lent, stream, 1));
+    }
+    drop(lent);
+    drop(evicted);
+    drop(streams);
+}
+
+/// Takes `stream`'s entries out of the memo when its references are the memo's and `others`
+/// more, and no clone of its Rust stream is held elsewhere; what was taken, to be dropped
+/// outside the lock.
+fn evict(lent: &mut Lent, stream: &Py<Stream>, others: usize) -> Vec<Py<PyAny>> {
+    let in_memo = lent.streams.iter().filter(|(_, _, s)| s.is(stream)).count()
+        + lent.objects.iter().filter(|(_, s)| s.is(stream)).count();
+    // SAFETY: a live object, held by the caller, who holds the GIL.
+    let references = unsafe { ffi::Py_REFCNT(stream.as_ptr()) };
+    let unused = references == (in_memo + others) as isize && stream.get().stream.handle_count() == 1;
+    let mut evicted = Vec::new();
+    if in_memo == 0 || !unused {
+        return evicted;
+    }
+    while let Some(at) = lent.streams.iter().position(|(_, _, s)| s.is(stream)) {
+        evicted.extend(lent.streams.remove(at).map(|(_, _, s)| s.into_any()));
+    }
+    while let Some(at) = lent.objects.iter().position(|(_, s)| s.is(stream)) {
+        if let Some((object, s)) = lent.objects.remove(at) {
+            evicted.extend([object, s.into_any()]);
+        }
+    }
+    evicted
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// `CU_STREAM_LEGACY`.
+const LEGACY_HANDLE: usize = 1;
 
 /// How many other libraries' streams are kept (with their objects) for reuse.
 const LENT_KEPT: usize = 64;
@@ -297,11 +375,11 @@ impl Stream {
         Ok(Self { stream, owner: None, device })
     }
 
-    /// The legacy default stream (`0`) of `device`.
+    /// The legacy default stream (`0`) of `device`: one object per device.
     #[staticmethod]
     #[pyo3(signature = (device = 0))]
-    fn legacy(py: Python<'_>, device: i32) -> Outcome<Self> {
-        Self::legacy_of(py, device)
+    fn legacy(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
+        Self::shared_legacy(py, device)
     }
 
     /// Borrows another library's stream: an object with `__cuda_stream__`, a torch or CuPy
@@ -311,6 +389,9 @@ impl Stream {
     #[pyo3(signature = (obj, device = None))]
     fn borrow(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<i32>) -> Outcome<Py<Self>> {
         if let (Some(device), Ok(raw)) = (device, obj.extract::<usize>()) {
+            if raw == 0 || raw == LEGACY_HANDLE {
+                return Self::shared_legacy(py, device);
+            }
             return Ok(Py::new(py, Self::borrow_handle(py, raw, device, None)?)?);
         }
         Self::from_object(py, Some(obj), device.unwrap_or(0))
@@ -342,12 +423,14 @@ impl Stream {
 
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
-        Ok(crate::gil::detach(py, || self.stream.synchronize())?)
+        let s = &self.stream;
+        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.synchronize()?)))
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
-        Ok(crate::gil::detach(py, || self.stream.is_idle())?)
+        let s = &self.stream;
+        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.is_idle()?)))
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.

@@ -1,6 +1,8 @@
 """What works without a GPU: routes, locations, the exception hierarchy, argument checks and
 the driver's absence reported as a typed error."""
 
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -72,3 +74,37 @@ def test_the_native_library_exports_the_torch_functions():
     library.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     # Nothing served: PyTorch's out-of-memory answer (null), never a crash.
     assert library.cumempool_torch_alloc(1 << 20, 0, None) is None
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+CORE_ERRORS = ROOT / "crates" / "cumempool" / "src" / "error.rs"
+BINDING_ERRORS = ROOT / "crates" / "cumempool-py" / "src" / "errors.rs"
+
+
+def _variants(source: str, enum: str) -> list[str]:
+    body = source.split(f"pub enum {enum} {{", 1)[1]
+    depth, end = 1, 0
+    for end, char in enumerate(body):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            break
+    body = re.sub(r"#\[error\((?:[^()]|\([^()]*\))*\)\]", "", body[:end])
+    return re.findall(r"^    ([A-Z][A-Za-z]+)\b", body, flags=re.MULTILINE)
+
+
+def test_every_core_error_variant_has_its_own_python_class():
+    # A variant left to the catch-all raises a bare CumempoolError no `except` can tell apart
+    # (a pool.alloc on a stream torch or CuPy is capturing, say).
+    if not (CORE_ERRORS.is_file() and BINDING_ERRORS.is_file()):
+        pytest.skip("needs the Rust sources (a source checkout)")
+    variants = _variants(CORE_ERRORS.read_text(), "Error")
+    assert "OutOfMemory" in variants and "Driver" in variants
+    mapping = BINDING_ERRORS.read_text().split("fn core_class", 1)[1].split("fn alloc_class", 1)[0]
+    unmapped = [v for v in variants if not re.search(rf"E::{v}\b", mapping)]
+    assert unmapped == [], f"cumempool::Error variants without a Python class: {unmapped}"
+
+
+def test_capture_errors_have_their_classes():
+    assert issubclass(cm.StreamCapturingError, cm.CumempoolError)
+    assert issubclass(cm.CaptureRefusedError, cm.CumempoolError)
+    assert "StreamCapturingError" in cm.errors.__all__ and "CaptureRefusedError" in cm.errors.__all__

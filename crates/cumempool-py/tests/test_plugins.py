@@ -1,6 +1,9 @@
 """The plug-ins against the real libraries (skipped where a library is missing)."""
 
 import pathlib
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -85,3 +88,102 @@ def test_the_quick_start_runs(gpu):
     example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
     out = run_in_new_process(example.read_text())
     assert out.endswith("done"), out
+
+
+TORCH_HOOKS = (
+    "import ctypes, cumempool as cm, cumempool.torch as cmt\n"
+    "lib = ctypes.CDLL(cm.native_library_path())\n"
+    "lib.cumempool_torch_alloc.restype = ctypes.c_void_p\n"
+    "lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+    "lib.cumempool_torch_free.restype = None\n"
+    "lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+)
+
+
+def test_an_out_of_memory_callback_may_stop_the_torch_plugin(gpu):
+    # An out-of-memory callback may stop the plug-in (or serve another resource) from inside
+    # the plug-in's allocation: no lock is held while the resource runs.
+    code = TORCH_HOOKS + (
+        "pool = cm.MemPool(cm.Route.device(0))\n"
+        "def on_oom(requested, attempt):\n"
+        "    cmt.stop()\n"
+        "    return False\n"
+        "cmt.serve(cm.OnOutOfMemory(cm.Limit(cm.PoolResource(pool), 1 << 20), on_oom))\n"
+        "s = cm.Stream(0)\n"
+        "print(lib.cumempool_torch_alloc(2 << 20, 0, s.handle))\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("cumempool_torch_alloc deadlocked when its out-of-memory callback called stop()")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+
+
+def test_torch_hooks_key_streams_by_handle_and_device(gpu):
+    # PyTorch's default stream is handle 0 on every device and means each device's own legacy
+    # stream: the plug-in keys streams by (handle, device).
+    if cm.Device.count() < 2:
+        pytest.skip("needs two GPUs")
+    code = TORCH_HOOKS + (
+        "cuda = ctypes.CDLL('libcuda.so.1')\n"
+        "def make_current(ordinal):\n"
+        "    dev, ctx = ctypes.c_int(), ctypes.c_void_p()\n"
+        "    assert cuda.cuDeviceGet(ctypes.byref(dev), ordinal) == 0\n"
+        "    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0\n"
+        "    assert cuda.cuCtxSetCurrent(ctx) == 0\n"
+        "cmt.serve(cm.MemPool(cm.Route.device(0)))\n"
+        "p = lib.cumempool_torch_alloc(1 << 20, 0, None); assert p\n"
+        "lib.cumempool_torch_free(p, 1 << 20, 0, None)\n"
+        "cmt.serve(cm.MemPool(cm.Route.device(1)))\n"
+        "make_current(1)\n"
+        "p = lib.cumempool_torch_alloc(1 << 20, 1, None); assert p\n"
+        "d = ctypes.c_int(-1); cuda.cuCtxGetDevice(ctypes.byref(d))\n"
+        "lib.cumempool_torch_free(p, 1 << 20, 1, None)\n"
+        "print(d.value)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1", "device 1's legacy-stream allocation ran in device 0's context"
+
+
+def test_cuda_core_deallocate_frees_on_the_stream_it_is_given(gpu):
+    # deallocate(ptr, size, stream) frees on `stream`: work queued there before (what cuda.core's
+    # Buffer.close(stream) promises to wait for) finishes before the memory is handed out again.
+    library("cuda.core")
+    cupy = library("cupy")
+    import cumempool.cuda_core as cmcc
+
+    try:
+        from cuda.core import Device
+    except ImportError:
+        from cuda.core.experimental import Device
+    device = Device(0)
+    device.set_current()
+    a = device.create_stream()
+    b = cupy.cuda.Stream(non_blocking=True)
+
+    class Lent:
+        def __cuda_stream__(self):
+            return (0, b.ptr)
+
+    b_core = device.create_stream(Lent())
+    pool = cm.MemPool(cm.Route.device(0))
+    mr = cmcc.MemoryResource(pool)
+    n = 1 << 20
+    buf = mr.allocate(n, stream=a)
+    ptr = int(buf.handle)
+    gate = threading.Event()
+    b.launch_host_func(lambda _: gate.wait(10), None)
+    cupy.cuda.runtime.memsetAsync(ptr, 7, n, b.ptr)  # queued behind the gate on b
+    try:
+        mr.deallocate(ptr, n, stream=b_core)
+        a_cm = cm.Stream.borrow(a)
+        again = pool.alloc(n, a_cm)
+        if again.ptr != ptr:
+            pytest.skip("the pool did not hand the freed block out again on its stream")
+        again.fill(1)
+    finally:
+        threading.Timer(0.3, gate.set).start()
+    b.synchronize()
+    assert again.to_bytes(16) == b"\x01" * 16, "b's memset landed in memory freed before it ran"

@@ -12,6 +12,7 @@ current pool, which ``cumempool.set_current_pool`` sets.
 from __future__ import annotations
 
 from ._native import MemPool, PoolResource, Resource, Stream
+from .errors import StreamNotBorrowableError
 
 
 def _base():
@@ -48,8 +49,17 @@ def _make_class():
             return _buffer_type().from_handle(buffer.ptr, size, mr=self)
 
         def deallocate(self, ptr, size, stream=None):
+            # Freed on `stream`: the memory is free only once the work queued there is done
+            # (what cuda.core's Buffer.close(stream) promises).
             buffer = self._live.pop(int(ptr), None)
-            if buffer is not None:
+            if buffer is None:
+                return
+            try:
+                buffer.close(stream)
+            except StreamNotBorrowableError:
+                # The per-thread default stream names another stream on every thread: its
+                # work is waited for here instead.
+                stream.sync()
                 buffer.close()
 
         @property

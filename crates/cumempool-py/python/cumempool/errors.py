@@ -143,6 +143,21 @@ class LanesUnreachableError(CumempoolError):
     """A cache could not take back the blocks threads keep in their lanes."""
 
 
+class StreamCapturingError(CumempoolError):
+    """An operation refused because its stream is capturing into a CUDA graph (torch.cuda.graph,
+    CuPy or cuda.core graph capture, say); the capture was left intact. Do it before the capture
+    begins or after it ends."""
+
+
+class CaptureRefusedError(CumempoolError):
+    """The driver refused a capture or graph operation (a ``CUDA_ERROR_STREAM_CAPTURE_*``
+    answer); ``code`` and ``name`` say which."""
+
+
+class MappingsHeldError(CumempoolError):
+    """An arena that cannot be let go of while mappings of its memory are still held."""
+
+
 class ClosedError(CumempoolError, ValueError):
     """A pool, buffer, stream or resource used after ``close()``."""
 

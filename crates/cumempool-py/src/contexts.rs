@@ -1,0 +1,67 @@
+//! The calling thread's current context around a binding's driver calls: made what the calls
+//! need, then put back. Python code around the bindings (CuPy, the runtime's `cudaSetDevice`
+//! state, a context of the caller's own) reads the current context, so a binding must not leave
+//! another device's there.
+
+use crate::errors::{Failure, Outcome};
+use cumempool::sys;
+
+/// Runs `call` with `context` current on the calling thread, then makes current again whatever
+/// was before (no context included). `call`'s failure wins over a failure to restore.
+pub fn while_current<R>(context: &cumempool::Context, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
+    let previous = current()?;
+    if previous == context.as_raw() {
+        return call();
+    }
+    context.make_current()?;
+    let outcome = call();
+    let restored = set_current(previous);
+    let value = outcome?;
+    restored.map(|()| value)
+}
+
+/// Runs `call` on the stream `handle` and puts back the caller's context if `call` changed
+/// it: work queued on a legacy stream makes the stream's context current first. Ordinary
+/// streams carry their context, so they cost nothing here.
+pub fn restored_after<R>(handle: usize, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
+    if !matches!(handle, 0 | LEGACY_HANDLE) {
+        return call();
+    }
+    let previous = current()?;
+    let outcome = call();
+    let restored = match current() {
+        Ok(now) if now == previous => Ok(()),
+        Ok(_) => set_current(previous),
+        Err(error) => Err(error),
+    };
+    let value = outcome?;
+    restored.map(|()| value)
+}
+
+/// `CU_STREAM_LEGACY`, which names the legacy stream like `0`.
+const LEGACY_HANDLE: usize = 1;
+
+/// The calling thread's current context (null for none).
+fn current() -> Outcome<sys::CUcontext> {
+    let get = sys::driver().and_then(|d| d.cuCtxGetCurrent()).map_err(cumempool::Error::from)?;
+    let mut context = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    check("cuCtxGetCurrent", unsafe { get(&mut context) })?;
+    Ok(context)
+}
+
+/// Makes `context` (a context that was current, so live, or null) current again.
+fn set_current(context: sys::CUcontext) -> Outcome<()> {
+    let set = sys::driver().and_then(|d| d.cuCtxSetCurrent()).map_err(cumempool::Error::from)?;
+    // SAFETY: the context was current on this thread a moment ago (its holder keeps it), or null,
+    // which unbinds the thread's context.
+    check("cuCtxSetCurrent", unsafe { set(context) })
+}
+
+/// A driver answer as an outcome.
+pub fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
+    if code == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(Failure::Core(cumempool::Error::Driver(cumempool::DriverError::new(function, code))))
+}
