@@ -349,15 +349,17 @@ fn optional_attr<'py>(obj: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> O
 }
 
 /// The device of a torch (`device.index`), CuPy (`device_id`) or cuda.core (`device.device_id`)
-/// stream.
+/// stream. A negative id names no device (CuPy's null stream answers -1, "the current device"):
+/// the caller's default applies.
 fn device_of(obj: &Bound<'_, PyAny>) -> Option<i32> {
     let py = obj.py();
-    if let Some(Ok(id)) = optional_attr(obj, intern!(py, "device_id")).map(|v| v.extract::<i32>()) {
+    let named = |value: Bound<'_, PyAny>| value.extract::<i32>().ok().filter(|id| *id >= 0);
+    if let Some(id) = optional_attr(obj, intern!(py, "device_id")).and_then(named) {
         return Some(id);
     }
     let device = optional_attr(obj, intern!(py, "device"))?;
     for attribute in [intern!(py, "index"), intern!(py, "device_id")] {
-        if let Some(Ok(id)) = optional_attr(&device, attribute).map(|v| v.extract::<i32>()) {
+        if let Some(id) = optional_attr(&device, attribute).and_then(named) {
             return Some(id);
         }
     }

@@ -62,6 +62,23 @@ def test_cupy_allocator_on_the_current_stream(gpu):
     assert int(cupy.asarray(b).sum()) == 16
 
 
+def test_cupy_allocator_on_cupys_null_stream(gpu):
+    # CuPy's null stream names its device -1 ("the current device"): the allocation goes to the
+    # resource's device, on that device's legacy stream.
+    cupy = library("cupy")
+    import cumempool.cupy as cmc
+
+    stats = cm.Statistics(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
+    assert cupy.cuda.get_current_stream().ptr == 0
+    with cupy.cuda.using_allocator(cmc.Allocator(stats)):
+        a = cupy.arange(1 << 16, dtype=cupy.float32)
+        assert float(a.sum()) == float(sum(range(1 << 16)))
+        assert stats.usage()["current_bytes"] >= 1 << 18
+        del a
+    cupy.cuda.Device(0).synchronize()
+    assert stats.usage()["current_bytes"] == 0
+
+
 def test_cuda_core_memory_resource(gpu):
     library("cuda.core")
     import cumempool.cuda_core as cmcc

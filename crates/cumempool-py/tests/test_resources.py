@@ -56,7 +56,9 @@ def test_a_host_cache_keeps_the_host_kind(gpu, stream):
 def test_an_out_of_memory_callback_may_release_the_cache_above_it(gpu, stream):
     # The callback runs inside the cache's allocation, with the GIL held; release() releases
     # the GIL for its driver calls. The pool below must not release it a second time.
-    pool = cm.MemPool(cm.Route.device(0), max_size=8 << 20)
+    # The driver rounds a device pool's maximum up to its granularity (32 MiB on an H200), so
+    # the sizes are chosen against 32 MiB.
+    pool = cm.MemPool(cm.Route.device(0), max_size=32 << 20)
     calls = []
 
     def on_oom(requested, attempt):
@@ -65,10 +67,10 @@ def test_an_out_of_memory_callback_may_release_the_cache_above_it(gpu, stream):
         return attempt < 2
 
     cache = cm.CachingResource(cm.OnOutOfMemory(cm.PoolResource(pool), on_oom))
-    cache.alloc(6 << 20, stream).close()
-    assert cache.stats()["cached_bytes"] >= 6 << 20
-    buffer = cache.alloc(3 << 20, stream)  # cannot fit beside the cached block
-    assert calls and buffer.size == 3 << 20
+    cache.alloc(24 << 20, stream).close()
+    assert cache.stats()["cached_bytes"] >= 24 << 20
+    buffer = cache.alloc(12 << 20, stream)  # cannot fit beside the cached block
+    assert calls and buffer.size == 12 << 20
     assert cache.stats()["cached_bytes"] == 0
 
 
