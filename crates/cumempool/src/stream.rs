@@ -238,12 +238,17 @@ impl Stream {
 
     /// Waits until all work queued on the stream has finished.
     ///
+    /// A host wait cannot be recorded into a graph: on a stream that captures (a capture begun
+    /// by any code) it is refused before the driver, which would invalidate the capture.
+    ///
     /// # Errors
-    /// The driver's answer (`cuStreamSynchronize`), which includes errors of earlier
-    /// asynchronous work on the stream.
+    /// [`Error::StreamCapturing`] while the stream captures (the capture is left intact); the
+    /// driver's answer (`cuStreamSynchronize`), which includes errors of earlier asynchronous
+    /// work on the stream.
     ///
     /// See [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn synchronize(&self) -> Result<()> {
+        self.ensure_not_capturing("waiting for a stream (Stream::synchronize)")?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
         unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) }
@@ -251,8 +256,16 @@ impl Stream {
 
     /// Whether all queued work has finished, without waiting.
     ///
+    /// Refused, like [`Stream::synchronize`], on a stream that captures: the driver's query
+    /// would invalidate the capture.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] while the stream captures (the capture is left intact); the
+    /// driver's answer (`cuStreamQuery`).
+    ///
     /// See [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn is_idle(&self) -> Result<bool> {
+        self.ensure_not_capturing("asking whether a stream is idle (Stream::is_idle)")?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
         let answer = unsafe { driver_answer!(cuStreamQuery(self.as_raw())) }?;
