@@ -329,8 +329,9 @@ impl<'env> Capture<'env> {
     /// and pinned host pool memory.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than `dst`; [`Error::InvalidArgument`] for a
-    /// buffer of another capture; the driver's answer.
+    /// [`Error::DoesNotFit`] when `src` is longer than `dst`; [`Error::OverlappingCopy`] when the
+    /// ranges overlap (the same buffer as both, say), which the driver's copy leaves undefined;
+    /// [`Error::InvalidArgument`] for a buffer of another capture; the driver's answer.
     ///
     /// See [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
     pub fn copy(&self, dst: &CapturedBuffer<'_>, src: &CapturedBuffer<'_>) -> Result<()> {
@@ -342,6 +343,10 @@ impl<'env> Capture<'env> {
         }
         if src.len == 0 {
             return Ok(());
+        }
+        // One buffer of `Capture::buffer` may be passed as both ends.
+        if ranges_overlap(dst.ptr, src.ptr, src.len) {
+            return Err(Error::OverlappingCopy { what: WHAT, dst: dst.ptr, src: src.ptr, len: src.len });
         }
         // Copies that involve host memory need the context current (see `Stream::bind_context`).
         self.stream.bind_context()?;
@@ -378,6 +383,12 @@ impl Drop for Capture<'_> {
         // Unwinding out of the closure: free nodes before the capture ends.
         self.finish();
     }
+}
+
+/// Whether `len` bytes at `a` and `len` bytes at `b` share a byte (`len` > 0).
+fn ranges_overlap(a: sys::CUdeviceptr, b: sys::CUdeviceptr, len: usize) -> bool {
+    let len = len as u64;
+    a < b.saturating_add(len) && b < a.saturating_add(len)
 }
 
 /// Records the free of a captured allocation (a free node); a failure is logged, as in a drop.
@@ -599,5 +610,41 @@ impl Drop for GraphExec<'_> {
         if let Err(error) = result {
             tracing::warn!(%error, "destroying an executable graph failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A capture over a stream no driver sees: only what is refused before the driver is tested.
+    fn capture_without_a_driver() -> Capture<'static> {
+        // SAFETY: never given to a driver by the calls below, which refuse first.
+        let stream = unsafe { Stream::borrow_raw(0x5000 as sys::CUstream, None) }.unwrap_or_else(|e| panic!("{e}"));
+        Capture { stream, id: 9, live: RefCell::new(Vec::new()), outside: RefCell::new(Vec::new()), _env: PhantomData }
+    }
+
+    fn outside(ptr: sys::CUdeviceptr, len: usize) -> CapturedBuffer<'static> {
+        CapturedBuffer { ptr, len, route: Some(Route::device(0)), capture: 9, owner: None }
+    }
+
+    #[test]
+    fn a_captured_copy_between_overlapping_ranges_is_refused_before_the_driver() {
+        let capture = capture_without_a_driver();
+        let buffer = outside(0x10_0000, 4096);
+        let same = capture.copy(&buffer, &buffer);
+        assert!(matches!(same, Err(Error::OverlappingCopy { len: 4096, .. })), "{same:?}");
+        let shifted = capture.copy(&outside(0x10_0800, 4096), &outside(0x10_0000, 4096));
+        assert!(matches!(shifted, Err(Error::OverlappingCopy { .. })), "{shifted:?}");
+        let backwards = capture.copy(&outside(0x10_0008, 4096), &outside(0x10_0000, 16));
+        assert!(matches!(backwards, Err(Error::OverlappingCopy { .. })), "{backwards:?}");
+    }
+
+    #[test]
+    fn ranges_that_only_touch_do_not_overlap() {
+        assert!(!ranges_overlap(0x1000, 0x2000, 0x1000));
+        assert!(!ranges_overlap(0x2000, 0x1000, 0x1000));
+        assert!(ranges_overlap(0x1000, 0x1fff, 0x1000));
+        assert!(ranges_overlap(u64::MAX - 4, u64::MAX - 8, 8), "no overflow near the top");
     }
 }
