@@ -220,7 +220,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         // below.
         unsafe { driver_call!(cuMemcpyAsync(self.ptr, src.ptr, src.len, self.on().as_raw())) }?;
         if !same_stream {
-            src.on().order_after(self.on())?;
+            if let Err(error) = src.on().order_after(self.on()) {
+                // The copy is queued and `src`'s stream is not ordered after it: its free could
+                // release memory the copy still reads. Wait for the copy on the host instead.
+                self.on().wait_or_warn("a copy whose source's stream could not be ordered after it");
+                return Err(error);
+            }
         }
         Ok(())
     }

@@ -563,12 +563,21 @@ impl GraphExec<'_> {
         unsafe { driver_call!(cuGraphLaunch(self.raw.0, stream.as_raw())) }?;
         self.launched = true;
         if let Err(error) = self.done.record(stream) {
-            // Without the event, Drop could not wait for this launch: wait now.
-            stream.synchronize()?;
+            // Without the event, neither Drop nor the outside streams could wait for this
+            // launch: wait on the host now.
+            stream.wait_or_warn("a graph launch whose completion event could not be recorded");
             return Err(error);
         }
         for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
-            other.wait(&self.done)?;
+            if let Err(error) = other.wait(&self.done) {
+                // `other` is not ordered after the launch, and its next free (even of a leaked
+                // executable's buffer) could release memory the launch still uses: wait for the
+                // launch on the host before saying so.
+                if let Err(wait) = self.done.synchronize() {
+                    tracing::warn!(%wait, "waiting for a graph launch whose buffers' streams could not be ordered after it failed");
+                }
+                return Err(error);
+            }
         }
         Ok(())
     }

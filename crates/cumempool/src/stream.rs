@@ -393,6 +393,14 @@ impl Stream {
         }
     }
 
+    /// Waits on the host for the work queued so far, where an ordering between streams could not
+    /// be set up after work was queued; a failure is logged, as nothing safer is left to do.
+    pub(crate) fn wait_or_warn(&self, what: &'static str) {
+        if let Err(error) = self.synchronize() {
+            tracing::warn!(%error, what, "waiting on the host for queued work failed");
+        }
+    }
+
     /// Whether two handles name the same driver stream: the same handle in the same context.
     pub fn same_as(&self, other: &Stream) -> bool {
         self.id() == other.id()
