@@ -7,7 +7,7 @@ use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use crate::location::{AllocationType, Route};
 use crate::pool::Pool;
-use crate::stream::{Event, Stream};
+use crate::stream::{CaptureStatus, Event, Stream, ThreadCapture};
 use cumempool_sys as sys;
 use std::borrow::Borrow;
 use std::cell::{Cell, RefCell};
@@ -20,50 +20,102 @@ type Invariant<'env> = PhantomData<Cell<&'env ()>>;
 impl Stream {
     /// Captures the work `record` queues through its [`Capture`] into a [`Graph`].
     ///
+    /// The capture runs on a private stream of this stream's context, made for it (or kept from
+    /// an earlier capture of this stream that nobody else held a handle to), never on this
+    /// stream: [`Stream`] is `Sync`, and work another thread queues on this stream could
+    /// otherwise land in the graph between its "not capturing" check and its driver call.
+    /// **Invariant:** only work queued on [`Capture::stream`] during `record` is recorded, and
+    /// nothing else holds that stream when the capture begins. Work queued on this stream
+    /// inside `record` is not captured: it runs in this stream's order, as outside a capture.
+    /// Nothing recorded runs until a launch, which orders itself after the work queued on the
+    /// streams of the buffers the graph uses ([`GraphExec::launch`]), so the private stream
+    /// needs no ordering with this one.
+    ///
     /// The capture is begun in `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL` mode, so other threads'
     /// CUDA calls are not disturbed, and is always ended: when `record` returns, fails or
     /// panics. Captured allocations that `record` left alive are freed in the graph before it
-    /// ends. Frees deferred by the capture (buffers from outside it dropped meanwhile) run on
-    /// the stream afterwards. The stream is marked as one that may capture
-    /// ([`Stream::may_be_capturing`]).
+    /// ends. Frees deferred by the capture (memory from outside it freed on
+    /// [`Capture::stream`] meanwhile) run on the private stream once it has ended.
     ///
     /// # Errors
-    /// [`Error::StreamCapturing`] on a stream that already captures; [`Error::CaptureRefused`]
-    /// for the driver's capture refusals (the legacy stream cannot be captured, and a capture
-    /// invalidated by other code fails when it ends); `record`'s own error (the graph is then
-    /// destroyed); the driver's answer.
+    /// [`Error::StreamCapturing`] on a stream other code captures; [`Error::StreamNotBorrowable`]
+    /// for a stream borrowed without its context (the private stream is made in it);
+    /// [`Error::CaptureRefused`] for the driver's capture refusals (a capture invalidated by
+    /// an operation it could not record fails when it ends); `record`'s own error (the graph is
+    /// then destroyed); the driver's answer.
     ///
     /// See [cuStreamBeginCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture<'env>(&self, record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>) -> Result<Graph<'env>> {
-        const WHAT: &str = "beginning a capture (Stream::capture)";
-        self.ensure_not_capturing(WHAT)?;
-        self.bind()?;
-        self.note_capture_possible();
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        // SAFETY: a live stream that does not capture, bound.
-        let begun = unsafe { driver_answer!(cuStreamBeginCapture(self.as_raw(), mode)) }?;
-        refused_capture(begun, WHAT)?;
-        let ending = Ending { stream: self, ended: false };
-        let id = self.capture_status()?.id().unwrap_or_default();
-        let capture = Capture {
-            stream: self.clone(),
-            id,
-            live: RefCell::new(Vec::new()),
-            outside: RefCell::new(Vec::new()),
-            _env: PhantomData,
+        self.ensure_not_capturing(BEGIN)?;
+        let Some(context) = self.context() else {
+            return Err(Error::StreamNotBorrowable {
+                reason: "a capture runs on a private stream made in the stream's context, and this stream was borrowed without it; borrow it with Stream::borrow_raw(raw, Some(&context))",
+            });
         };
-        let recorded = record(&capture);
-        let outside = capture.finish();
-        match (recorded, ending.end()) {
-            (Ok(()), Ok(graph)) => {
-                Ok(Graph { raw: DriverHandle(graph), context: self.context().cloned(), outside, _env: PhantomData })
-            }
-            (Ok(()), Err(error)) => Err(error),
-            (Err(error), graph) => {
-                // The closure's error says more than the end's (which it may have caused).
-                graph.map(destroy_graph).ok();
-                Err(error)
-            }
+        let private = CaptureStream { owner: self, stream: Some(self.take_capture_stream(context)?) };
+        capture_on(private.stream(), record)
+    }
+}
+
+const BEGIN: &str = "beginning a capture (Stream::capture)";
+
+/// The capture of [`Stream::capture`] on `stream`, a private stream no other code holds.
+fn capture_on<'env>(
+    stream: &Stream,
+    record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>,
+) -> Result<Graph<'env>> {
+    stream.note_capture_possible();
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a live ordinary stream that does not capture (private to this capture).
+    let begun = unsafe { driver_answer!(cuStreamBeginCapture(stream.as_raw(), mode)) }?;
+    refused_capture(begun, BEGIN)?;
+    let ending = Ending { stream, ended: false };
+    let id = stream.capture_status()?.id().unwrap_or_default();
+    // Host waits on this thread, on any stream, would invalidate the capture: refused until it ends.
+    let on_this_thread = ThreadCapture::enter(id);
+    let capture = Capture {
+        stream: stream.clone(),
+        id,
+        live: RefCell::new(Vec::new()),
+        outside: RefCell::new(Vec::new()),
+        _env: PhantomData,
+    };
+    let recorded = record(&capture);
+    let outside = capture.finish();
+    drop(capture); // its clone of the private stream, which is kept for reuse only if unshared
+    let ended = ending.end();
+    drop(on_this_thread);
+    match (recorded, ended) {
+        (Ok(()), Ok(graph)) => {
+            Ok(Graph { raw: DriverHandle(graph), context: stream.context().cloned(), outside, _env: PhantomData })
+        }
+        (Ok(()), Err(error)) => Err(error),
+        (Err(error), graph) => {
+            // The closure's error says more than the end's (which it may have caused).
+            graph.map(destroy_graph).ok();
+            Err(error)
+        }
+    }
+}
+
+/// The private stream of one [`Stream::capture`], given back to its owner when the capture is
+/// over (returned, failed or unwound).
+struct CaptureStream<'s> {
+    owner: &'s Stream,
+    stream: Option<Stream>,
+}
+
+impl CaptureStream<'_> {
+    fn stream(&self) -> &Stream {
+        // Taken only by Drop.
+        self.stream.as_ref().unwrap_or(self.owner)
+    }
+}
+
+impl Drop for CaptureStream<'_> {
+    fn drop(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            self.owner.give_back_capture_stream(stream);
         }
     }
 }
@@ -104,7 +156,21 @@ fn run_deferred_frees_once_ended(stream: &Stream) {
     let _still_capturing = stream.ensure_not_capturing("ending a capture");
 }
 
+/// Ends the capture on `stream`. A failed end that left the capture underway (the driver
+/// normally ends it even when it refuses) is ended once more and its graph destroyed: a capture
+/// left underway would refuse this thread's later CUDA calls.
 fn end_capture(stream: &Stream) -> Result<sys::CUgraph> {
+    let ended = end_capture_once(stream);
+    if ended.is_err() && stream.capture_status().is_ok_and(|status| status != CaptureStatus::None) {
+        match end_capture_once(stream) {
+            Ok(graph) => destroy_graph(graph),
+            Err(error) => tracing::warn!(%error, "ending a capture after a failed end failed too"),
+        }
+    }
+    ended
+}
+
+fn end_capture_once(stream: &Stream) -> Result<sys::CUgraph> {
     let mut graph = std::ptr::null_mut();
     // SAFETY: a stream capturing on this thread (the capture began here); a valid out-pointer.
     let answer = unsafe { driver_answer!(cuStreamEndCapture(stream.as_raw(), &mut graph)) }?;
@@ -162,9 +228,15 @@ fn refused_capture(answer: Answer, what: &'static str) -> Result<()> {
 ///   pools of captured allocations: [`Graph<'env>`] and [`GraphExec<'env>`] keep them borrowed,
 ///   so they can be neither dropped nor touched while the graph can run.
 ///
+/// The capture runs on a private stream ([`Capture::stream`]) that no other code holds when it
+/// begins, so another thread's work on the stream `capture` was called on never lands in the
+/// graph, and that stream never captures: its buffers keep working (in stream order, not
+/// recorded) inside the closure.
+///
 /// Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
-/// [`Error::StreamCapturing`], before the driver: on driver 580 (CUDA 13.0) a host wait on a
-/// capturing stream (`cuStreamSynchronize`, as the waiting copies and host slices do) answers
+/// [`Error::StreamCapturing`], before the driver, and so is every host wait on the capturing
+/// thread ([`Stream::synchronize`], the waiting copies, host slices, [`Event::synchronize`]):
+/// on driver 580 (CUDA 13.0) a host wait on the capturing thread, on any stream, answers
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
 /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.
 ///
@@ -250,7 +322,9 @@ impl<'env> Capture<'env> {
         self.id
     }
 
-    /// The capturing stream.
+    /// The capturing stream: a private stream of this capture (see [`Stream::capture`]), not the
+    /// stream `capture` was called on. Work queued on it during the closure, through the raw
+    /// driver or another library too, is recorded into the graph.
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
