@@ -52,8 +52,11 @@ impl Stream {
                 reason: "a capture runs on a private stream made in the stream's context, and this stream was borrowed without it; borrow it with Stream::borrow_raw(raw, Some(&context))",
             });
         };
-        let private = CaptureStream { owner: self, stream: Some(self.take_capture_stream(context)?) };
-        capture_on(private.stream(), record)
+        let private = self.take_capture_stream(context)?;
+        // Unwinding out of `record` drops the private stream instead (its capture was ended).
+        let graph = capture_on(&private, record);
+        self.give_back_capture_stream(private);
+        graph
     }
 }
 
@@ -94,28 +97,6 @@ fn capture_on<'env>(
             // The closure's error says more than the end's (which it may have caused).
             graph.map(destroy_graph).ok();
             Err(error)
-        }
-    }
-}
-
-/// The private stream of one [`Stream::capture`], given back to its owner when the capture is
-/// over (returned, failed or unwound).
-struct CaptureStream<'s> {
-    owner: &'s Stream,
-    stream: Option<Stream>,
-}
-
-impl CaptureStream<'_> {
-    fn stream(&self) -> &Stream {
-        // Taken only by Drop.
-        self.stream.as_ref().unwrap_or(self.owner)
-    }
-}
-
-impl Drop for CaptureStream<'_> {
-    fn drop(&mut self) {
-        if let Some(stream) = self.stream.take() {
-            self.owner.give_back_capture_stream(stream);
         }
     }
 }

@@ -590,18 +590,21 @@ impl Drop for StreamInner {
         if !self.owned && frees.is_empty() {
             return;
         }
-        // The last clone is gone, so no capture begun here is underway (a capture's Stream
-        // borrow ends with it); frees run before the stream is destroyed.
+        // Frees run before the stream is destroyed. A capture begun by `Stream::capture` is
+        // over by now; one begun by other code is asked about below.
         let raw = self.raw.0;
         let owned = self.owned;
         let may_capture = self.capture_possible.load(Relaxed);
         let destroy = || {
-            if !frees.is_empty() && may_capture && capture_info(raw)? != CaptureStatus::None {
-                // Code that lent the stream still captures on it: a free now would be recorded
-                // into its graph. The memory (and its pools) stay alive instead.
+            if may_capture && capture_info(raw)? != CaptureStatus::None {
+                // Code that lent the stream still captures on it (or a capture's private stream
+                // could not be ended): a free now would be recorded into its graph, and a capture
+                // is not destroyed from under its owner. The memory (and its pools), and an owned
+                // stream, stay alive instead.
                 tracing::warn!(
                     count = frees.len(),
-                    "a borrowed stream dropped during a capture: its deferred frees are leaked"
+                    owned,
+                    "a stream dropped during a capture: its deferred frees (and the stream, if owned) are leaked"
                 );
                 std::mem::forget(frees);
                 return Ok(());
