@@ -86,9 +86,9 @@ fn capture_on<'env>(
     let recorded = record(&capture);
     let outside = capture.finish();
     drop(capture); // its clone of the private stream, which is kept for reuse only if unshared
-    let ended = ending.end();
+    // Before the end, which runs deferred frees (an import's unmapping waits on the host).
     drop(on_this_thread);
-    match (recorded, ended) {
+    match (recorded, ending.end()) {
         (Ok(()), Ok(graph)) => {
             Ok(Graph { raw: DriverHandle(graph), context: stream.context().cloned(), outside, _env: PhantomData })
         }
