@@ -290,3 +290,31 @@ fn a_forgotten_pending_copy_leaks_its_vector_and_nothing_else() {
     stream.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
 }
+
+/// `Stream::capture` records only work queued on `Capture::stream`: the caller's stream does
+/// not capture, so its buffers keep working inside the closure (in stream order, not recorded),
+/// and host waits on the capturing thread, on any stream, are refused before anything is
+/// queued (the driver would invalidate the thread-local capture).
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn inside_a_capture_the_callers_stream_runs_its_work_and_host_waits_are_refused() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut buffer = pool.alloc(MIB, &stream).unwrap();
+    let mut bytes = vec![7; 16];
+    let graph = stream
+        .capture(|capture| {
+            assert!(!capture.stream().same_as(&stream), "the capture runs on a private stream");
+            assert!(!stream.is_capturing()?, "the caller's stream does not capture");
+            buffer.fill(3)?; // runs, in the stream's order
+            capturing(buffer.copy_to_host(&mut bytes), "copy_to_host on the capturing thread");
+            capturing(stream.synchronize(), "Stream::synchronize on the capturing thread");
+            capturing(stream.is_idle(), "Stream::is_idle on the capturing thread");
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(graph.node_count().unwrap(), 0, "nothing from the caller's stream was recorded");
+    assert_eq!(bytes, vec![7; 16], "the refused copy wrote nothing");
+    buffer.copy_to_host(&mut bytes).unwrap();
+    assert_eq!(bytes, vec![3; 16], "the fill ran");
+}
