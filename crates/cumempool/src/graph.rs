@@ -86,7 +86,7 @@ fn capture_on<'env>(
     let recorded = record(&capture);
     let outside = capture.finish();
     drop(capture); // its clone of the private stream, which is kept for reuse only if unshared
-    // Before the end, which runs deferred frees (an import's unmapping waits on the host).
+                   // Before the end, which runs deferred frees (an import's unmapping waits on the host).
     drop(on_this_thread);
     match (recorded, ending.end()) {
         (Ok(()), Ok(graph)) => {

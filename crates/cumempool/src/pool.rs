@@ -280,8 +280,9 @@ impl Pool {
     /// On a capturing stream it is recorded as an allocation node: the address is graph memory
     /// (not the pool's: the pool's maximum size does not apply, driver 580), live while the
     /// graph runs. It is remembered ([`is_captured_allocation`](crate::is_captured_allocation)),
-    /// and [`free_async`](crate::free_async) frees it inside its capture, or leaves it to the
-    /// graph once the capture has ended.
+    /// and [`free_async`](crate::free_async) frees it inside its capture (a free node), or,
+    /// once the capture has ended, outside the graph after the launch that used it (the only
+    /// way that memory comes back: destroying the graph does not free it).
     ///
     /// # Errors
     /// As [`Pool::alloc`], without its refusal of a capturing stream.
