@@ -216,7 +216,8 @@ fn refused_capture(answer: Answer, what: &'static str) -> Result<()> {
 ///
 /// Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
 /// [`Error::StreamCapturing`], before the driver, and so is every host wait on the capturing
-/// thread ([`Stream::synchronize`], the waiting copies, host slices, [`Event::synchronize`]):
+/// thread ([`Stream::synchronize`] and [`Stream::is_idle`], the waiting copies, host slices,
+/// [`Event::synchronize`]):
 /// on driver 580 (CUDA 13.0) a host wait on the capturing thread, on any stream, answers
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
 /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.

@@ -669,11 +669,9 @@ impl Event {
     /// Whether the work before the last record has finished, without waiting.
     ///
     /// # Errors
-    /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure (the driver's query would
-    /// invalidate the capture); the driver's answer.
+    /// The driver's answer (`cuEventQuery`).
     #[inline]
     pub fn is_complete(&self) -> Result<bool> {
-        refuse_host_wait_on_capturing_thread("asking whether an event has completed (Event::is_complete)")?;
         // SAFETY: a live event.
         let answer = unsafe { driver_answer!(cuEventQuery(self.raw.0)) }?;
         match answer.code {
