@@ -196,6 +196,8 @@ impl Pool {
                 flags: access.to_raw(),
             })
             .collect();
+        // Before the driver: a refused call may have applied some of the descriptors.
+        self.mark_never_reuse();
         // SAFETY: a live pool and `len` valid descriptors.
         let answer =
             unsafe { driver_answer!(cuMemPoolSetAccess(self.raw.0, descriptors.as_ptr(), descriptors.len())) }?;
@@ -210,9 +212,7 @@ impl Pool {
                 });
             }
         }
-        answer.check()?;
-        self.mark_never_reuse();
-        Ok(())
+        answer.check()
     }
 
     /// The access `device` has to this pool's memory.
