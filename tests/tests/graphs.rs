@@ -5,7 +5,7 @@
 
 use cumempool::sys::{self, CUresult};
 use cumempool::{Device, Error, MemPool, Route, Stream};
-use cumempool_tests::{gpu, gpu_stream, pattern};
+use cumempool_tests::{gpu, gpu_stream, pattern, routing_lock};
 
 const MIB: usize = 1 << 20;
 
@@ -51,6 +51,7 @@ fn capturing(result: cumempool::Result<impl std::fmt::Debug>, what: &str) {
 #[ignore = "requires a CUDA GPU"]
 fn a_captured_allocation_fill_copy_and_drop_replays_into_pinned_host_memory() {
     let stream = gpu_stream().expect("a GPU");
+    let _lock = routing_lock(); // graph memory is per device, measured by other tests here
     let device_pool = MemPool::new(Route::device(0)).unwrap();
     let host_pool = MemPool::new(Route::host()).unwrap();
     let mut result = host_pool.alloc(MIB, &stream).unwrap();
@@ -83,6 +84,7 @@ fn a_captured_allocation_fill_copy_and_drop_replays_into_pinned_host_memory() {
 #[ignore = "requires a CUDA GPU"]
 fn a_capped_pool_serves_a_capture_from_graph_memory_which_stays_reserved_until_trimmed() {
     let stream = gpu_stream().expect("a GPU");
+    let _lock = routing_lock(); // graph memory is per device, measured by other tests here
     let device = Device::get(0).unwrap();
     let pool = MemPool::builder(Route::device(0)).max_size(64 * MIB as u64).build().unwrap();
     assert!(pool.alloc(128 * MIB, &stream).is_err_and(|e| e.is_out_of_memory()), "the cap holds outside a capture");
@@ -147,7 +149,8 @@ fn buffer_methods_on_a_stream_captured_by_other_code_are_refused_and_the_capture
 fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
     let stream = gpu_stream().expect("a GPU");
     let pool = MemPool::new(Route::device(0)).unwrap();
-    // Through the library's capture: freed when the capture ends.
+    // Through the library's capture, which runs on a private stream: `stream` does not capture,
+    // so the buffer is freed at once, in its order.
     let buffer = pool.alloc(MIB, &stream).unwrap();
     let graph = stream
         .capture(|_| {
@@ -157,7 +160,7 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
         .unwrap();
     assert_eq!(graph.node_count().unwrap(), 0, "no free node was recorded");
     stream.synchronize().unwrap();
-    assert_eq!(pool.used_mem_current().unwrap(), 0, "freed once the capture ended");
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "freed");
 
     // Through other code's capture: freed by the next capture-aware operation, or the stream's drop.
     let mut kept = pool.alloc(MIB, &stream).unwrap();
@@ -182,11 +185,19 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
     assert_eq!(pool.used_mem_current().unwrap(), 0, "the stream's drop ran its deferred free");
 }
 
+/// Every launch's raw allocation that no free node frees is freed outside the graph, after that
+/// launch and before the next: no launch relies on auto-free-on-launch (which compute-sanitizer
+/// reports as a leak of the earlier launch's allocation), and the device's graph memory in use
+/// comes back to where it was.
 #[test]
 #[ignore = "requires a CUDA GPU"]
-fn raw_allocations_in_a_capture_are_freed_in_it_or_after_a_launch() {
+fn raw_allocations_in_a_capture_are_freed_in_it_or_after_each_launch() {
     let stream = gpu_stream().expect("a GPU");
+    let _lock = routing_lock(); // graph memory is per device: no other test of this file meanwhile
+    let device = Device::get(0).unwrap();
     let pool = MemPool::new(Route::device(0)).unwrap();
+    stream.synchronize().unwrap();
+    let used_before = device.graph_memory().unwrap().used_current;
     let kept = std::cell::Cell::new(0);
     let graph = stream
         .capture(|capture| {
@@ -201,22 +212,29 @@ fn raw_allocations_in_a_capture_are_freed_in_it_or_after_a_launch() {
         .unwrap();
     assert!(cumempool::is_captured_allocation(kept.get()));
     let mut exec = graph.instantiate().unwrap();
-    exec.launch(&stream).unwrap();
-    exec.launch(&stream).unwrap(); // auto-free-on-launch reclaims the first launch's allocation
-    exec.synchronize().unwrap();
-    // SAFETY: the last launch's allocation, which no free node frees; freed once, here, after
-    // the launch in the stream's order.
-    unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
-    assert!(!cumempool::is_captured_allocation(kept.get()), "its free forgets the address");
+    for launch in 0..2 {
+        exec.launch(&stream).unwrap();
+        exec.synchronize().unwrap();
+        assert!(device.graph_memory().unwrap().used_current > used_before, "launch {launch}'s allocation is live");
+        // SAFETY: this launch's allocation, which no free node frees; freed once, after the
+        // launch in the stream's order and before the next launch.
+        unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
+        assert!(!cumempool::is_captured_allocation(kept.get()), "its free forgets the address");
+    }
     drop(exec);
+    drop(graph);
     stream.synchronize().unwrap();
+    device.trim_graph_memory().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
+    let after = device.graph_memory().unwrap();
+    assert_eq!(after.used_current, used_before, "every launch's graph memory was freed ({after:?})");
 }
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_closure_that_fails_or_panics_ends_its_capture() {
     let stream = gpu_stream().expect("a GPU");
+    let _lock = routing_lock(); // graph memory is per device, measured by other tests here
     let pool = MemPool::new(Route::device(0)).unwrap();
     let failed = stream.capture(|capture| {
         let _scratch = capture.alloc(&pool, 4096)?;
@@ -271,4 +289,32 @@ fn a_forgotten_pending_copy_leaks_its_vector_and_nothing_else() {
     drop(buffer);
     stream.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
+}
+
+/// `Stream::capture` records only work queued on `Capture::stream`: the caller's stream does
+/// not capture, so its buffers keep working inside the closure (in stream order, not recorded),
+/// and host waits on the capturing thread, on any stream, are refused before anything is
+/// queued (the driver would invalidate the thread-local capture).
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn inside_a_capture_the_callers_stream_runs_its_work_and_host_waits_are_refused() {
+    let stream = gpu_stream().expect("a GPU");
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut buffer = pool.alloc(MIB, &stream).unwrap();
+    let mut bytes = vec![7; 16];
+    let graph = stream
+        .capture(|capture| {
+            assert!(!capture.stream().same_as(&stream), "the capture runs on a private stream");
+            assert!(!stream.is_capturing()?, "the caller's stream does not capture");
+            buffer.fill(3)?; // runs, in the stream's order
+            capturing(buffer.copy_to_host(&mut bytes), "copy_to_host on the capturing thread");
+            capturing(stream.synchronize(), "Stream::synchronize on the capturing thread");
+            capturing(stream.is_idle(), "Stream::is_idle on the capturing thread");
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(graph.node_count().unwrap(), 0, "nothing from the caller's stream was recorded");
+    assert_eq!(bytes, vec![7; 16], "the refused copy wrote nothing");
+    buffer.copy_to_host(&mut bytes).unwrap();
+    assert_eq!(bytes, vec![3; 16], "the fill ran");
 }

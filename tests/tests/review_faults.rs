@@ -104,3 +104,25 @@ fn a_failed_launch_still_orders_its_outside_buffers_stream_after_the_launch() {
     drop(target);
     assert!(ordered, "the buffer's free (on its stream) could run while the launch still writes it");
 }
+
+/// A capture whose end fails without ending it (an injected failure never reaches the driver)
+/// must not leave the capture underway: in thread-local mode it would refuse this thread's later
+/// host waits on any stream (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) for good.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_capture_whose_end_fails_leaves_no_capture_underway_on_the_thread() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = Stream::new(&suite.context).unwrap();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    suite.faults.set_plan(&format!("cuStreamEndCapture:nth=1:code={UNKNOWN}")).unwrap();
+    let captured = stream.capture(|capture| {
+        let scratch = capture.alloc(&pool, MIB)?;
+        capture.fill(&scratch, 1)
+    });
+    suite.faults.clear();
+    assert!(captured.is_err(), "the injected failure was not reached");
+    let other = Stream::new(&suite.context).unwrap();
+    other.synchronize().expect("a host wait on this thread after the failed end");
+    assert!(!stream.is_capturing().unwrap());
+    stream.capture(|_| Ok(())).expect("a later capture on the same stream");
+}

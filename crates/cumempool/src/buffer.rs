@@ -220,7 +220,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         // below.
         unsafe { driver_call!(cuMemcpyAsync(self.ptr, src.ptr, src.len, self.on().as_raw())) }?;
         if !same_stream {
-            src.on().order_after(self.on())?;
+            if let Err(error) = src.on().order_after(self.on()) {
+                // The copy is queued and `src`'s stream is not ordered after it: its free could
+                // release memory the copy still reads. Wait for the copy on the host instead.
+                self.on().wait_or_warn("a copy whose source's stream could not be ordered after it");
+                return Err(error);
+            }
         }
         Ok(())
     }
@@ -270,6 +275,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// # Safety
     /// Both ranges must be valid for `len` bytes until the copy has finished.
     unsafe fn copy_unified(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Result<()> {
+        // Before the copy is queued: a wait refused after it would leave the copy running into
+        // memory the caller may release.
+        crate::stream::refuse_host_wait_on_capturing_thread(
+            "a copy that waits (Buffer::copy_*), on a thread capturing with Stream::capture",
+        )?;
         // Unlike allocation and free, a copy that involves host memory needs the stream's
         // context current (driver 580 crashes without one), whatever the stream's handle.
         self.on().bind_context()?;

@@ -4,7 +4,8 @@
 //! the address belongs to the graph's memory (driver 580: not the pool's, whatever its cap), and
 //! is live only while the graph runs. Allocator layers that keep their own books (such as
 //! `cumempool-alloc`'s pool resource) free such addresses through [`free_async`](crate::free_async),
-//! which looks them up here to decide between a free node, a deferred free and no free at all.
+//! which looks them up here to decide between a free node, a deferred free and a free outside
+//! the graph.
 
 use crate::stream::CaptureStatus;
 use cumempool_sys as sys;
@@ -93,7 +94,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_free_is_recorded_in_its_own_capture_deferred_in_another_and_left_to_the_graph_after() {
+    fn a_free_is_recorded_in_its_own_capture_deferred_in_another_and_freed_as_asked_after() {
         let active = |id| CaptureStatus::Active { id };
         assert_eq!(free_action(CaptureStatus::None, None), FreeAction::Free, "no capture: an ordinary free");
         assert_eq!(free_action(active(7), Some(7)), FreeAction::Free, "a free node of its own capture");

@@ -156,6 +156,25 @@ pub enum Error {
     #[error("the pool was not destroyed: driver 580 crashes in cuMemPoolDestroy on a pool whose fabric export it refused, so it is left alive (leaked) for the rest of the process")]
     UnsafeToDestroy,
 
+    /// `MemPool::into_raw` refused for a pool that was a route's current pool (a retired pool
+    /// made anew by the builder included): another thread may still allocate from it through
+    /// the route, so the caller must not destroy it. The pool is retired, as a drop would.
+    #[error("MemPool::into_raw refused: the pool was a route's current pool (or is a retired pool made anew for this owner), so another thread may still allocate from it through the route, and destroying it with cuMemPoolDestroy could crash the process; it was retired instead (as dropping it does). Keep the MemPool, or build one that is never made current, and call destroy_retired_pools where no thread allocates through a route")]
+    PoolWasCurrent,
+
+    /// A copy whose source and destination overlap: undefined for the driver's copies.
+    #[error("{what}: the source (address {src:#x}) and the destination (address {dst:#x}) overlap over the {len} bytes copied, and the driver's copies are undefined for overlapping ranges; copy through a separate buffer")]
+    OverlappingCopy {
+        /// What was being done.
+        what: &'static str,
+        /// The destination's address.
+        dst: u64,
+        /// The source's address.
+        src: u64,
+        /// How many bytes were to be copied.
+        len: usize,
+    },
+
     /// A pool creation the driver refused, with the likeliest reason.
     #[error("cannot create a pool for {route}: {reason}")]
     PoolCreation {

@@ -7,7 +7,7 @@ use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use crate::location::{AllocationType, Route};
 use crate::pool::Pool;
-use crate::stream::{Event, Stream};
+use crate::stream::{CaptureStatus, Event, Stream, ThreadCapture};
 use cumempool_sys as sys;
 use std::borrow::Borrow;
 use std::cell::{Cell, RefCell};
@@ -20,50 +20,83 @@ type Invariant<'env> = PhantomData<Cell<&'env ()>>;
 impl Stream {
     /// Captures the work `record` queues through its [`Capture`] into a [`Graph`].
     ///
+    /// The capture runs on a private stream of this stream's context, made for it (or kept from
+    /// an earlier capture of this stream that nobody else held a handle to), never on this
+    /// stream: [`Stream`] is `Sync`, and work another thread queues on this stream could
+    /// otherwise land in the graph between its "not capturing" check and its driver call.
+    /// **Invariant:** only work queued on [`Capture::stream`] during `record` is recorded, and
+    /// nothing else holds that stream when the capture begins. Work queued on this stream
+    /// inside `record` is not captured: it runs in this stream's order, as outside a capture.
+    /// Nothing recorded runs until a launch, which orders itself after the work queued on the
+    /// streams of the buffers the graph uses ([`GraphExec::launch`]), so the private stream
+    /// needs no ordering with this one.
+    ///
     /// The capture is begun in `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL` mode, so other threads'
     /// CUDA calls are not disturbed, and is always ended: when `record` returns, fails or
     /// panics. Captured allocations that `record` left alive are freed in the graph before it
-    /// ends. Frees deferred by the capture (buffers from outside it dropped meanwhile) run on
-    /// the stream afterwards. The stream is marked as one that may capture
-    /// ([`Stream::may_be_capturing`]).
+    /// ends. Frees deferred by the capture (memory from outside it freed on
+    /// [`Capture::stream`] meanwhile) run on the private stream once it has ended.
     ///
     /// # Errors
-    /// [`Error::StreamCapturing`] on a stream that already captures; [`Error::CaptureRefused`]
-    /// for the driver's capture refusals (the legacy stream cannot be captured, and a capture
-    /// invalidated by other code fails when it ends); `record`'s own error (the graph is then
-    /// destroyed); the driver's answer.
+    /// [`Error::StreamCapturing`] on a stream other code captures; [`Error::StreamNotBorrowable`]
+    /// for a stream borrowed without its context (the private stream is made in it);
+    /// [`Error::CaptureRefused`] for the driver's capture refusals (a capture invalidated by
+    /// an operation it could not record fails when it ends); `record`'s own error (the graph is
+    /// then destroyed); the driver's answer.
     ///
     /// See [cuStreamBeginCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture<'env>(&self, record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>) -> Result<Graph<'env>> {
-        const WHAT: &str = "beginning a capture (Stream::capture)";
-        self.ensure_not_capturing(WHAT)?;
-        self.bind()?;
-        self.note_capture_possible();
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        // SAFETY: a live stream that does not capture, bound.
-        let begun = unsafe { driver_answer!(cuStreamBeginCapture(self.as_raw(), mode)) }?;
-        refused_capture(begun, WHAT)?;
-        let ending = Ending { stream: self, ended: false };
-        let id = self.capture_status()?.id().unwrap_or_default();
-        let capture = Capture {
-            stream: self.clone(),
-            id,
-            live: RefCell::new(Vec::new()),
-            outside: RefCell::new(Vec::new()),
-            _env: PhantomData,
+        self.ensure_not_capturing(BEGIN)?;
+        let Some(context) = self.context() else {
+            return Err(Error::StreamNotBorrowable {
+                reason: "a capture runs on a private stream made in the stream's context, and this stream was borrowed without it; borrow it with Stream::borrow_raw(raw, Some(&context))",
+            });
         };
-        let recorded = record(&capture);
-        let outside = capture.finish();
-        match (recorded, ending.end()) {
-            (Ok(()), Ok(graph)) => {
-                Ok(Graph { raw: DriverHandle(graph), context: self.context().cloned(), outside, _env: PhantomData })
-            }
-            (Ok(()), Err(error)) => Err(error),
-            (Err(error), graph) => {
-                // The closure's error says more than the end's (which it may have caused).
-                graph.map(destroy_graph).ok();
-                Err(error)
-            }
+        let private = self.take_capture_stream(context)?;
+        // Unwinding out of `record` drops the private stream instead (its capture was ended).
+        let graph = capture_on(&private, record);
+        self.give_back_capture_stream(private);
+        graph
+    }
+}
+
+const BEGIN: &str = "beginning a capture (Stream::capture)";
+
+/// The capture of [`Stream::capture`] on `stream`, a private stream no other code holds.
+fn capture_on<'env>(
+    stream: &Stream,
+    record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>,
+) -> Result<Graph<'env>> {
+    stream.note_capture_possible();
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a live ordinary stream that does not capture (private to this capture).
+    let begun = unsafe { driver_answer!(cuStreamBeginCapture(stream.as_raw(), mode)) }?;
+    refused_capture(begun, BEGIN)?;
+    let ending = Ending { stream, ended: false };
+    let id = stream.capture_status()?.id().unwrap_or_default();
+    // Host waits on this thread, on any stream, would invalidate the capture: refused until it ends.
+    let on_this_thread = ThreadCapture::enter(id);
+    let capture = Capture {
+        stream: stream.clone(),
+        id,
+        live: RefCell::new(Vec::new()),
+        outside: RefCell::new(Vec::new()),
+        _env: PhantomData,
+    };
+    let recorded = record(&capture);
+    let outside = capture.finish();
+    drop(capture); // its clone of the private stream, which is kept for reuse only if unshared
+                   // Before the end, which runs deferred frees (an import's unmapping waits on the host).
+    drop(on_this_thread);
+    match (recorded, ending.end()) {
+        (Ok(()), Ok(graph)) => {
+            Ok(Graph { raw: DriverHandle(graph), context: stream.context().cloned(), outside, _env: PhantomData })
+        }
+        (Ok(()), Err(error)) => Err(error),
+        (Err(error), graph) => {
+            // The closure's error says more than the end's (which it may have caused).
+            graph.map(destroy_graph).ok();
+            Err(error)
         }
     }
 }
@@ -104,7 +137,21 @@ fn run_deferred_frees_once_ended(stream: &Stream) {
     let _still_capturing = stream.ensure_not_capturing("ending a capture");
 }
 
+/// Ends the capture on `stream`. A failed end that left the capture underway (the driver
+/// normally ends it even when it refuses) is ended once more and its graph destroyed: a capture
+/// left underway would refuse this thread's later CUDA calls.
 fn end_capture(stream: &Stream) -> Result<sys::CUgraph> {
+    let ended = end_capture_once(stream);
+    if ended.is_err() && stream.capture_status().is_ok_and(|status| status != CaptureStatus::None) {
+        match end_capture_once(stream) {
+            Ok(graph) => destroy_graph(graph),
+            Err(error) => tracing::warn!(%error, "ending a capture after a failed end failed too"),
+        }
+    }
+    ended
+}
+
+fn end_capture_once(stream: &Stream) -> Result<sys::CUgraph> {
     let mut graph = std::ptr::null_mut();
     // SAFETY: a stream capturing on this thread (the capture began here); a valid out-pointer.
     let answer = unsafe { driver_answer!(cuStreamEndCapture(stream.as_raw(), &mut graph)) }?;
@@ -162,9 +209,16 @@ fn refused_capture(answer: Answer, what: &'static str) -> Result<()> {
 ///   pools of captured allocations: [`Graph<'env>`] and [`GraphExec<'env>`] keep them borrowed,
 ///   so they can be neither dropped nor touched while the graph can run.
 ///
+/// The capture runs on a private stream ([`Capture::stream`]) that no other code holds when it
+/// begins, so another thread's work on the stream `capture` was called on never lands in the
+/// graph, and that stream never captures: its buffers keep working (in stream order, not
+/// recorded) inside the closure.
+///
 /// Work queued on the capturing stream through [`BufferOn`]'s own methods is refused with
-/// [`Error::StreamCapturing`], before the driver: on driver 580 (CUDA 13.0) a host wait on a
-/// capturing stream (`cuStreamSynchronize`, as the waiting copies and host slices do) answers
+/// [`Error::StreamCapturing`], before the driver, and so is every host wait on the capturing
+/// thread ([`Stream::synchronize`] and [`Stream::is_idle`], the waiting copies, host slices,
+/// [`Event::synchronize`]):
+/// on driver 580 (CUDA 13.0) a host wait on the capturing thread, on any stream, answers
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture, whose end then answers
 /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`. Refused here, the capture stays intact.
 ///
@@ -250,7 +304,9 @@ impl<'env> Capture<'env> {
         self.id
     }
 
-    /// The capturing stream.
+    /// The capturing stream: a private stream of this capture (see [`Stream::capture`]), not the
+    /// stream `capture` was called on. Work queued on it during the closure, through the raw
+    /// driver or another library too, is recorded into the graph.
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
@@ -329,8 +385,9 @@ impl<'env> Capture<'env> {
     /// and pinned host pool memory.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than `dst`; [`Error::InvalidArgument`] for a
-    /// buffer of another capture; the driver's answer.
+    /// [`Error::DoesNotFit`] when `src` is longer than `dst`; [`Error::OverlappingCopy`] when the
+    /// ranges overlap (the same buffer as both, say), which the driver's copy leaves undefined;
+    /// [`Error::InvalidArgument`] for a buffer of another capture; the driver's answer.
     ///
     /// See [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
     pub fn copy(&self, dst: &CapturedBuffer<'_>, src: &CapturedBuffer<'_>) -> Result<()> {
@@ -342,6 +399,10 @@ impl<'env> Capture<'env> {
         }
         if src.len == 0 {
             return Ok(());
+        }
+        // One buffer of `Capture::buffer` may be passed as both ends.
+        if ranges_overlap(dst.ptr, src.ptr, src.len) {
+            return Err(Error::OverlappingCopy { what: WHAT, dst: dst.ptr, src: src.ptr, len: src.len });
         }
         // Copies that involve host memory need the context current (see `Stream::bind_context`).
         self.stream.bind_context()?;
@@ -378,6 +439,12 @@ impl Drop for Capture<'_> {
         // Unwinding out of the closure: free nodes before the capture ends.
         self.finish();
     }
+}
+
+/// Whether `len` bytes at `a` and `len` bytes at `b` share a byte (`len` > 0).
+fn ranges_overlap(a: sys::CUdeviceptr, b: sys::CUdeviceptr, len: usize) -> bool {
+    let len = len as u64;
+    a < b.saturating_add(len) && b < a.saturating_add(len)
 }
 
 /// Records the free of a captured allocation (a free node); a failure is logged, as in a drop.
@@ -552,12 +619,21 @@ impl GraphExec<'_> {
         unsafe { driver_call!(cuGraphLaunch(self.raw.0, stream.as_raw())) }?;
         self.launched = true;
         if let Err(error) = self.done.record(stream) {
-            // Without the event, Drop could not wait for this launch: wait now.
-            stream.synchronize()?;
+            // Without the event, neither Drop nor the outside streams could wait for this
+            // launch: wait on the host now.
+            stream.wait_or_warn("a graph launch whose completion event could not be recorded");
             return Err(error);
         }
         for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
-            other.wait(&self.done)?;
+            if let Err(error) = other.wait(&self.done) {
+                // `other` is not ordered after the launch, and its next free (even of a leaked
+                // executable's buffer) could release memory the launch still uses: wait for the
+                // launch on the host before saying so.
+                if let Err(wait) = self.done.synchronize() {
+                    tracing::warn!(%wait, "waiting for a graph launch whose buffers' streams could not be ordered after it failed");
+                }
+                return Err(error);
+            }
         }
         Ok(())
     }
@@ -599,5 +675,41 @@ impl Drop for GraphExec<'_> {
         if let Err(error) = result {
             tracing::warn!(%error, "destroying an executable graph failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A capture over a stream no driver sees: only what is refused before the driver is tested.
+    fn capture_without_a_driver() -> Capture<'static> {
+        // SAFETY: never given to a driver by the calls below, which refuse first.
+        let stream = unsafe { Stream::borrow_raw(0x5000 as sys::CUstream, None) }.unwrap_or_else(|e| panic!("{e}"));
+        Capture { stream, id: 9, live: RefCell::new(Vec::new()), outside: RefCell::new(Vec::new()), _env: PhantomData }
+    }
+
+    fn outside(ptr: sys::CUdeviceptr, len: usize) -> CapturedBuffer<'static> {
+        CapturedBuffer { ptr, len, route: Some(Route::device(0)), capture: 9, owner: None }
+    }
+
+    #[test]
+    fn a_captured_copy_between_overlapping_ranges_is_refused_before_the_driver() {
+        let capture = capture_without_a_driver();
+        let buffer = outside(0x10_0000, 4096);
+        let same = capture.copy(&buffer, &buffer);
+        assert!(matches!(same, Err(Error::OverlappingCopy { len: 4096, .. })), "{same:?}");
+        let shifted = capture.copy(&outside(0x10_0800, 4096), &outside(0x10_0000, 4096));
+        assert!(matches!(shifted, Err(Error::OverlappingCopy { .. })), "{shifted:?}");
+        let backwards = capture.copy(&outside(0x10_0008, 4096), &outside(0x10_0000, 16));
+        assert!(matches!(backwards, Err(Error::OverlappingCopy { .. })), "{backwards:?}");
+    }
+
+    #[test]
+    fn ranges_that_only_touch_do_not_overlap() {
+        assert!(!ranges_overlap(0x1000, 0x2000, 0x1000));
+        assert!(!ranges_overlap(0x2000, 0x1000, 0x1000));
+        assert!(ranges_overlap(0x1000, 0x1fff, 0x1000));
+        assert!(ranges_overlap(u64::MAX - 4, u64::MAX - 8, 8), "no overflow near the top");
     }
 }

@@ -86,9 +86,10 @@ pub(crate) struct Owner {
     /// How the pool was built, for pools `PoolBuilder` made: once retired, such a pool can serve
     /// a new pool with the same recipe.
     recipe: OnceLock<crate::pool::Recipe>,
-    /// Set once access was granted or changed: a new pool must not inherit it, so the pool is
-    /// never reused.
-    access_changed: AtomicBool,
+    /// Set once the pool was given something a new owner must not inherit: access granted or
+    /// changed for other devices, or an export to other processes (which hold its handle for
+    /// good and can import allocations from it). Such a pool is never made anew.
+    never_reuse: AtomicBool,
 }
 
 /// What happens to a pool when its last holder lets go.
@@ -104,6 +105,15 @@ enum Fate {
 }
 
 impl Fate {
+    /// Whether a pool with this fate may be handed to a caller who will destroy it.
+    fn check_give_away(self) -> Result<()> {
+        match self {
+            Fate::Leak => Err(Error::UnsafeToDestroy),
+            Fate::Retire => Err(Error::PoolWasCurrent),
+            Fate::Destroy => Ok(()),
+        }
+    }
+
     fn of(unsafe_to_destroy: bool, ever_current: bool) -> Self {
         match (unsafe_to_destroy, ever_current) {
             (true, _) => Fate::Leak,
@@ -123,8 +133,7 @@ impl Owner {
             // was refused. Leaking the pool is the lesser harm.
             Fate::Leak => Err(Error::UnsafeToDestroy),
             Fate::Retire => {
-                let reusable = if self.access_changed.load(Relaxed) { None } else { self.recipe.get().copied() };
-                crate::retirement::retire(raw, reusable);
+                crate::retirement::retire(raw, self.reusable_recipe());
                 Ok(())
             }
             Fate::Destroy => {
@@ -162,7 +171,7 @@ impl Owner {
             imported,
             unsafe_to_destroy: AtomicBool::new(false),
             recipe: OnceLock::new(),
-            access_changed: AtomicBool::new(false),
+            never_reuse: AtomicBool::new(false),
         }
     }
 
@@ -171,8 +180,25 @@ impl Owner {
         let _ = self.recipe.set(recipe);
     }
 
-    pub(crate) fn note_access_changed(&self) {
-        self.access_changed.store(true, Relaxed);
+    /// Records that the pool's access was changed or that it was exported to other processes:
+    /// once retired, it never serves a new owner.
+    pub(crate) fn mark_never_reuse(&self) {
+        self.never_reuse.store(true, Relaxed);
+    }
+
+    /// The recipe a retired pool may serve again: `None` for a pool that must never be made anew.
+    fn reusable_recipe(&self) -> Option<crate::pool::Recipe> {
+        if self.never_reuse.load(Relaxed) {
+            return None;
+        }
+        self.recipe.get().copied()
+    }
+
+    /// Whether the caller may take the pool to destroy it itself (`MemPool::into_raw`): only a
+    /// pool that would be destroyed here. A pool that was ever a route's current pool (a retired
+    /// pool made anew included, whose handle stays marked) must be retired instead.
+    pub(crate) fn check_give_away(&self) -> Result<()> {
+        Fate::of(self.is_unsafe_to_destroy(), crate::retirement::was_ever_current(self.raw.0)).check_give_away()
     }
 
     pub(crate) fn raw(&self) -> sys::CUmemoryPool {
@@ -199,6 +225,29 @@ mod tests {
         assert_eq!(Fate::of(false, true), Fate::Retire);
         assert_eq!(Fate::of(true, true), Fate::Leak, "never destroyed, not even by destroy_retired_pools");
         assert_eq!(Fate::of(true, false), Fate::Leak);
+    }
+
+    #[test]
+    fn only_a_pool_that_would_be_destroyed_here_is_given_away() {
+        assert!(Fate::of(false, false).check_give_away().is_ok());
+        assert!(matches!(Fate::of(false, true).check_give_away(), Err(Error::PoolWasCurrent)));
+        assert!(matches!(Fate::of(true, false).check_give_away(), Err(Error::UnsafeToDestroy)));
+        // A pool made anew from a retired one keeps its handle's mark.
+        let raw = 0xfeed_0000 as sys::CUmemoryPool;
+        crate::retirement::note_current(raw);
+        let owner = Owner::new(raw, false);
+        assert!(matches!(owner.check_give_away(), Err(Error::PoolWasCurrent)));
+        std::mem::forget(owner); // not a real pool: no release
+    }
+
+    #[test]
+    fn a_pool_exported_or_given_access_never_serves_a_new_owner() {
+        let owner = Owner::new(0xfeed_1000 as sys::CUmemoryPool, false);
+        owner.set_recipe(crate::pool::Recipe::for_tests(1));
+        assert!(owner.reusable_recipe().is_some(), "built by the builder: reusable");
+        owner.mark_never_reuse();
+        assert!(owner.reusable_recipe().is_none(), "exported or given access: never made anew");
+        std::mem::forget(owner); // not a real pool: no release
     }
 
     #[test]

@@ -108,6 +108,14 @@ impl Pool {
         }
     }
 
+    /// Marks the pool as one a new owner must not inherit (access changed, exported): once
+    /// retired, it is never made anew.
+    pub(crate) fn mark_never_reuse(&self) {
+        if let Some(owner) = &self.owner {
+            owner.mark_never_reuse();
+        }
+    }
+
     pub(crate) fn owner_handle(&self) -> Option<Arc<Owner>> {
         self.owner.clone()
     }
@@ -188,6 +196,8 @@ impl Pool {
                 flags: access.to_raw(),
             })
             .collect();
+        // Before the driver: a refused call may have applied some of the descriptors.
+        self.mark_never_reuse();
         // SAFETY: a live pool and `len` valid descriptors.
         let answer =
             unsafe { driver_answer!(cuMemPoolSetAccess(self.raw.0, descriptors.as_ptr(), descriptors.len())) }?;
@@ -202,11 +212,7 @@ impl Pool {
                 });
             }
         }
-        answer.check()?;
-        if let Some(owner) = &self.owner {
-            owner.note_access_changed();
-        }
-        Ok(())
+        answer.check()
     }
 
     /// The access `device` has to this pool's memory.
@@ -274,8 +280,9 @@ impl Pool {
     /// On a capturing stream it is recorded as an allocation node: the address is graph memory
     /// (not the pool's: the pool's maximum size does not apply, driver 580), live while the
     /// graph runs. It is remembered ([`is_captured_allocation`](crate::is_captured_allocation)),
-    /// and [`free_async`](crate::free_async) frees it inside its capture, or leaves it to the
-    /// graph once the capture has ended.
+    /// and [`free_async`](crate::free_async) frees it inside its capture (a free node), or,
+    /// once the capture has ended, outside the graph after the launch that used it (the only
+    /// way that memory comes back: destroying the graph does not free it).
     ///
     /// # Errors
     /// As [`Pool::alloc`], without its refusal of a capturing stream.
@@ -383,24 +390,31 @@ impl MemPool {
 
     /// Gives up ownership: the caller must destroy the pool with `cuMemPoolDestroy`.
     ///
-    /// For a pool that was ever a route's current pool, the caller takes on the rule of
-    /// [`destroy_retired_pools`](crate::destroy_retired_pools): destroy it only when no thread
-    /// allocates through a route.
+    /// Only a pool this handle would destroy itself is given away. A pool that was ever a
+    /// route's current pool (including a retired pool that [`PoolBuilder::build`] made anew for
+    /// this owner, which the caller cannot tell apart) may still be read by another thread's
+    /// allocation through the route, so no caller may destroy it: it is refused, and retired.
     ///
     /// # Errors
-    /// [`Error::PoolInUse`] while other holders remain, and [`Error::UnsafeToDestroy`] for a
-    /// pool no one can destroy safely (it stays owned here, and is never destroyed).
+    /// [`Error::PoolInUse`] while other holders remain; [`Error::PoolWasCurrent`] for a pool
+    /// that was a route's current pool (retired here, as a drop would); and
+    /// [`Error::UnsafeToDestroy`] for a pool no one can destroy safely (it stays owned here, and
+    /// is never destroyed).
     pub fn into_raw(self) -> Result<sys::CUmemoryPool> {
         match self.into_sole_owner()? {
-            Ok(owner) if owner.is_unsafe_to_destroy() => {
-                std::mem::forget(owner);
-                Err(Error::UnsafeToDestroy)
-            }
-            Ok(owner) => {
-                let raw = owner.raw();
-                std::mem::forget(owner);
-                Ok(raw)
-            }
+            Ok(owner) => match owner.check_give_away() {
+                Ok(()) => {
+                    let raw = owner.raw();
+                    std::mem::forget(owner);
+                    Ok(raw)
+                }
+                Err(refused @ Error::UnsafeToDestroy) => {
+                    std::mem::forget(owner);
+                    Err(refused)
+                }
+                // The owner drops here: the pool is retired.
+                Err(refused) => Err(refused),
+            },
             Err(raw) => Ok(raw),
         }
     }
@@ -674,8 +688,9 @@ impl PoolBuilder {
 }
 
 /// The properties a pool was created with. A retired pool (see `retirement`) made with the same
-/// recipe, whose access was never changed, serves a new pool made the same way: the driver holds
-/// a bounded number of pools, and a retired one is never destroyed by the library.
+/// recipe, never exported and whose access was never changed, serves a new pool made the same
+/// way: the driver holds a bounded number of pools, and a retired one is never destroyed by the
+/// library.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Recipe {
     route: Route,
@@ -699,7 +714,7 @@ impl Recipe {
 
 /// Gives a retired pool the state of a new one: the driver's default release threshold and reuse
 /// policies, and fresh high-water marks. Its memory was trimmed when it was retired, and its
-/// access was never changed (or it would not have been reused).
+/// access was never changed and it was never exported (or it would not have been reused).
 fn reset_for_reuse(pool: &Pool) -> Result<()> {
     pool.set_release_threshold(0)?;
     for policy in [

@@ -164,6 +164,8 @@ impl Pool {
     #[cfg(unix)]
     pub fn export_fd(&self) -> Result<OwnedFd> {
         self.require_export(HandleTypes::POSIX_FILE_DESCRIPTOR, "exporting a pool as a file descriptor")?;
+        // Before the driver: once another process may hold the handle, no new owner inherits it.
+        self.mark_never_reuse();
         let mut fd: std::ffi::c_int = -1;
         let kind = HandleTypes::POSIX_FILE_DESCRIPTOR.to_raw();
         // SAFETY: for POSIX_FILE_DESCRIPTOR the handle is an int.
@@ -209,6 +211,8 @@ impl Pool {
             }
         }
         crate::vmm::require_imex_channel("exporting a pool as a fabric handle")?;
+        // As in `export_fd`.
+        self.mark_never_reuse();
         let mut handle = sys::CUmemFabricHandle::default();
         // SAFETY: for FABRIC the handle is a CUmemFabricHandle.
         let answer = unsafe {

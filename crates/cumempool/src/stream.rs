@@ -37,6 +37,9 @@ struct StreamInner {
     /// Frees of memory allocated outside a capture, asked for while the stream was capturing:
     /// run on the stream once it no longer captures (see [`Stream::defer_free`]).
     deferred_frees: Mutex<Vec<DeferredFree>>,
+    /// A private stream a finished [`Stream::capture`] left that nobody else holds, kept for
+    /// the next capture of this stream (see [`Stream::take_capture_stream`]).
+    spare_capture_stream: Mutex<Option<Stream>>,
     /// What keeps a borrowed stream alive: the other library's own handle (a cudarc
     /// `Arc<CudaStream>`), dropped after the last clone of this `Stream`.
     _keep_alive: KeepAlive,
@@ -97,6 +100,7 @@ impl Stream {
             id: StreamId::next(),
             capture_possible: AtomicBool::new(capture_possible),
             deferred_frees: Mutex::new(Vec::new()),
+            spare_capture_stream: Mutex::new(None),
             _keep_alive: keep_alive,
         }))
     }
@@ -238,12 +242,19 @@ impl Stream {
 
     /// Waits until all work queued on the stream has finished.
     ///
+    /// A host wait cannot be recorded into a graph: on a stream that captures (a capture begun
+    /// by any code) it is refused before the driver, which would invalidate the capture.
+    ///
     /// # Errors
-    /// The driver's answer (`cuStreamSynchronize`), which includes errors of earlier
-    /// asynchronous work on the stream.
+    /// [`Error::StreamCapturing`] while the stream captures (the capture is left intact); the
+    /// driver's answer (`cuStreamSynchronize`), which includes errors of earlier asynchronous
+    /// work on the stream.
     ///
     /// See [cuStreamSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn synchronize(&self) -> Result<()> {
+        const WHAT: &str = "waiting for a stream (Stream::synchronize)";
+        refuse_host_wait_on_capturing_thread(WHAT)?;
+        self.ensure_not_capturing(WHAT)?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
         unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) }
@@ -251,8 +262,18 @@ impl Stream {
 
     /// Whether all queued work has finished, without waiting.
     ///
+    /// Refused, like [`Stream::synchronize`], on a stream that captures: the driver's query
+    /// would invalidate the capture.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] while the stream captures (the capture is left intact); the
+    /// driver's answer (`cuStreamQuery`).
+    ///
     /// See [cuStreamQuery](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn is_idle(&self) -> Result<bool> {
+        const WHAT: &str = "asking whether a stream is idle (Stream::is_idle)";
+        refuse_host_wait_on_capturing_thread(WHAT)?;
+        self.ensure_not_capturing(WHAT)?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
         let answer = unsafe { driver_answer!(cuStreamQuery(self.as_raw())) }?;
@@ -380,11 +401,88 @@ impl Stream {
         }
     }
 
+    /// Waits on the host for the work queued so far, where an ordering between streams could not
+    /// be set up after work was queued; a failure is logged, as nothing safer is left to do.
+    pub(crate) fn wait_or_warn(&self, what: &'static str) {
+        if let Err(error) = self.synchronize() {
+            tracing::warn!(%error, what, "waiting on the host for queued work failed");
+        }
+    }
+
+    /// The private stream for a capture of this stream ([`Stream::capture`]): the spare one an
+    /// earlier capture left, or a new one in `context`. Only the caller holds it.
+    pub(crate) fn take_capture_stream(&self, context: &Context) -> Result<Stream> {
+        let spare = self.0.spare_capture_stream.lock().unwrap_or_else(PoisonError::into_inner).take();
+        match spare {
+            Some(stream) => Ok(stream),
+            None => Stream::new(context),
+        }
+    }
+
+    /// Gives back the private stream of a capture that is over. It is kept for the next capture
+    /// only if nothing else holds it (a clone of `Capture::stream` kept by the closure could
+    /// queue work that would land in that capture) and it no longer captures; a stream still
+    /// capturing after every attempt to end it is leaked rather than destroyed mid-capture.
+    pub(crate) fn give_back_capture_stream(&self, stream: Stream) {
+        match stream.capture_status() {
+            Ok(CaptureStatus::None) if stream.handle_count() == 1 => {
+                let mut spare = self.0.spare_capture_stream.lock().unwrap_or_else(PoisonError::into_inner);
+                if spare.is_none() {
+                    *spare = Some(stream);
+                }
+            }
+            Ok(CaptureStatus::None) => {}
+            status => {
+                tracing::warn!(
+                    ?status,
+                    "a capture's private stream may still capture after its end; it is leaked, not destroyed"
+                );
+                std::mem::forget(stream);
+            }
+        }
+    }
+
     /// Whether two handles name the same driver stream: the same handle in the same context.
     pub fn same_as(&self, other: &Stream) -> bool {
         self.id() == other.id()
             || (self.as_raw() == other.as_raw()
                 && self.context().map(Context::as_raw) == other.context().map(Context::as_raw))
+    }
+}
+
+thread_local! {
+    /// The innermost [`Stream::capture`] underway on this thread, if any (its id).
+    static THREAD_CAPTURE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Marks a [`Stream::capture`] as underway on this thread until dropped (the previous mark is
+/// restored, for captures begun inside another's closure).
+#[derive(Debug)]
+pub(crate) struct ThreadCapture {
+    previous: Option<u64>,
+}
+
+impl ThreadCapture {
+    pub(crate) fn enter(id: u64) -> Self {
+        Self { previous: THREAD_CAPTURE.with(|c| c.replace(Some(id))) }
+    }
+}
+
+impl Drop for ThreadCapture {
+    fn drop(&mut self) {
+        THREAD_CAPTURE.with(|c| c.set(self.previous));
+    }
+}
+
+/// Refuses a host wait or query on a thread where a [`Stream::capture`] is underway, whatever
+/// the stream: in thread-local mode the driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED for
+/// `cuStreamSynchronize`, `cuStreamQuery` and `cuEventSynchronize` even on a stream that does
+/// not capture, and invalidates the capture (docs/driver-behaviour.md). Host waits are not hot
+/// paths: one thread-local read.
+pub(crate) fn refuse_host_wait_on_capturing_thread(operation: &'static str) -> Result<()> {
+    match THREAD_CAPTURE.with(std::cell::Cell::get) {
+        Some(id) => Err(Error::StreamCapturing { operation, capture: Some(id) }),
+        None => Ok(()),
     }
 }
 
@@ -476,8 +574,10 @@ fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
         }
     }
     if !imported.is_empty() {
-        // SAFETY: a live stream.
-        match unsafe { driver_call!(cuStreamSynchronize(stream)) } {
+        let waited = refuse_host_wait_on_capturing_thread("waiting for deferred unmappings")
+            // SAFETY: a live stream.
+            .and_then(|()| unsafe { driver_call!(cuStreamSynchronize(stream)) });
+        match waited {
             Ok(()) => imported.into_iter().for_each(crate::owner::forget_mapping),
             Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
         }
@@ -490,18 +590,21 @@ impl Drop for StreamInner {
         if !self.owned && frees.is_empty() {
             return;
         }
-        // The last clone is gone, so no capture begun here is underway (a capture's Stream
-        // borrow ends with it); frees run before the stream is destroyed.
+        // Frees run before the stream is destroyed. A capture begun by `Stream::capture` is
+        // over by now; one begun by other code is asked about below.
         let raw = self.raw.0;
         let owned = self.owned;
         let may_capture = self.capture_possible.load(Relaxed);
         let destroy = || {
-            if !frees.is_empty() && may_capture && capture_info(raw)? != CaptureStatus::None {
-                // Code that lent the stream still captures on it: a free now would be recorded
-                // into its graph. The memory (and its pools) stay alive instead.
+            if may_capture && capture_info(raw)? != CaptureStatus::None {
+                // Code that lent the stream still captures on it (or a capture's private stream
+                // could not be ended): a free now would be recorded into its graph, and a capture
+                // is not destroyed from under its owner. The memory (and its pools), and an owned
+                // stream, stay alive instead.
                 tracing::warn!(
                     count = frees.len(),
-                    "a borrowed stream dropped during a capture: its deferred frees are leaked"
+                    owned,
+                    "a stream dropped during a capture: its deferred frees (and the stream, if owned) are leaked"
                 );
                 std::mem::forget(frees);
                 return Ok(());
@@ -564,6 +667,9 @@ impl Event {
     }
 
     /// Whether the work before the last record has finished, without waiting.
+    ///
+    /// # Errors
+    /// The driver's answer (`cuEventQuery`).
     #[inline]
     pub fn is_complete(&self) -> Result<bool> {
         // SAFETY: a live event.
@@ -576,7 +682,12 @@ impl Event {
     }
 
     /// Waits on the host until the work before the last record has finished.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure (the driver's wait would
+    /// invalidate the capture); the driver's answer.
     pub fn synchronize(&self) -> Result<()> {
+        refuse_host_wait_on_capturing_thread("waiting for an event (Event::synchronize)")?;
         // SAFETY: a live event.
         unsafe { driver_call!(cuEventSynchronize(self.raw.0)) }
     }
@@ -637,6 +748,21 @@ mod tests {
         drop(taken);
         assert_eq!(Arc::strong_count(&pool), 1);
         std::mem::forget(Arc::try_unwrap(pool).unwrap()); // not a real pool: no destroy
+    }
+
+    #[test]
+    fn host_waits_are_refused_on_a_thread_while_its_capture_is_underway() {
+        // SAFETY: never given to a driver: refused first.
+        let stream = unsafe { Stream::borrow_raw(0x6000 as sys::CUstream, None) }.unwrap();
+        let outer = ThreadCapture::enter(5);
+        let inner = ThreadCapture::enter(6);
+        assert!(matches!(stream.synchronize(), Err(Error::StreamCapturing { capture: Some(6), .. })));
+        drop(inner);
+        assert!(matches!(stream.is_idle(), Err(Error::StreamCapturing { capture: Some(5), .. })));
+        let elsewhere = std::thread::spawn(|| refuse_host_wait_on_capturing_thread("testing").is_ok());
+        assert!(elsewhere.join().unwrap(), "other threads are not capturing");
+        drop(outer);
+        assert!(refuse_host_wait_on_capturing_thread("testing").is_ok(), "over with the capture");
     }
 
     #[test]
