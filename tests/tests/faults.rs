@@ -317,27 +317,44 @@ fn an_event_whose_destroy_fails_says_so_once() {
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
-fn a_free_inside_a_capture_closure_that_fails_says_so_once() {
+fn a_free_deferred_by_a_capture_that_fails_says_so_once() {
     let Some((_lock, suite)) = suite() else { return };
     let stream = suite.stream();
     let pool = MemPool::new(Route::device(0)).unwrap();
     let buffer = pool.alloc(1 << 20, &stream).unwrap();
     let ptr = buffer.as_raw();
-    // The capture records on a stream of its own: the buffer's stream is not capturing, so the
-    // drop inside the closure frees at once, and the free fails.
-    let graph = suite.failing("cuMemFreeAsync", 1, UNKNOWN, || {
-        stream.capture(|_| {
-            drop(buffer);
-            Ok(())
-        })
-    });
-    drop(graph.unwrap());
+    // Other code (cudarc's begin_capture) captures the buffer's stream: the drop defers the free
+    // until the stream no longer captures.
+    stream.note_capture_possible();
+    let driver = cumempool::sys::driver().unwrap();
+    let mode = cumempool::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a live stream that does not capture.
+    assert_eq!(
+        unsafe { driver.cuStreamBeginCapture().unwrap()(stream.as_raw(), mode) },
+        cumempool::sys::CUresult::CUDA_SUCCESS
+    );
+    drop(buffer);
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: the capture begun on this thread above; the graph it hands back is destroyed once.
+    unsafe {
+        assert_eq!(
+            driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph),
+            cumempool::sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(driver.cuGraphDestroy().unwrap()(graph), cumempool::sys::CUresult::CUDA_SUCCESS);
+    }
+    // The next allocation on the stream runs the deferred free, which fails.
+    let next = suite.failing("cuMemFreeAsync", 1, UNKNOWN, || pool.alloc_raw(4096, &stream)).unwrap();
     let log = logged().clone();
     assert!(log.len() == 1 && log[0].contains("cuMemFreeAsync") && log[0].contains(&format!("ptr={ptr}")), "{log:?}");
     stream.synchronize().unwrap();
-    assert_eq!(pool.used_mem_current().unwrap(), 1 << 20, "the refused free left the memory allocated");
-    // SAFETY: the allocation whose deferred free was failed above; freed once, here.
-    unsafe { cumempool::free_async(ptr, &stream) }.expect("the driver accepts the only real free");
+    assert!(pool.used_mem_current().unwrap() >= (1 << 20) + 4096, "the refused free left the memory allocated");
+    // SAFETY: the allocation whose deferred free was failed above, and the one just made; each
+    // freed once, here.
+    unsafe {
+        cumempool::free_async(ptr, &stream).expect("the driver accepts the only real free");
+        cumempool::free_async(next, &stream).unwrap();
+    }
     nothing_used(&pool, &stream);
 }
 
