@@ -1,7 +1,8 @@
 //! The crate's one error type, and the driver's answer it carries when the driver refused.
 
 use crate::access::Access;
-use crate::location::{InvalidLocation, InvalidRoute, Route};
+use crate::location::InvalidLocation;
+use crate::route::{InvalidRoute, Route};
 use crate::unknown_value::UnknownValue;
 use cumempool_sys as sys;
 use cumempool_sys::DriverVersion;
