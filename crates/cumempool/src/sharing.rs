@@ -13,7 +13,7 @@
 
 use crate::buffer::{Buffer, BufferOn};
 use crate::driver::{driver_answer, driver_call, Answer};
-use crate::error::{Error, Result};
+use crate::error::{Error, NotShareableReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
@@ -103,7 +103,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if self.is_empty() {
             return Err(Error::NotShareable {
                 what: "exporting an allocation",
-                reason: "an empty buffer has no memory to share".into(),
+                reason: NotShareableReason::EmptyBuffer,
             });
         }
         let mut data = sys::CUmemPoolPtrExportData::default();
@@ -138,16 +138,13 @@ pub(crate) fn refused_unless_success(answer: Answer, what: &'static str, hint: &
 impl Pool {
     fn require_export(&self, wanted: HandleTypes, what: &'static str) -> Result<()> {
         if self.is_imported() {
-            return Err(Error::NotShareable {
-                what,
-                reason: "this pool was imported; only the process that created it can export it".into(),
-            });
+            return Err(Error::NotShareable { what, reason: NotShareableReason::ImportedPool });
         }
         if let Some(created) = self.created_handle_types() {
             if !created.contains(wanted) {
                 return Err(Error::NotShareable {
                     what,
-                    reason: format!("the pool was created with export handle types {created}; create it with MemPool::builder(..).export_handle_types(HandleTypes::{wanted}) to share it"),
+                    reason: NotShareableReason::PoolWithoutHandleType { created, wanted },
                 });
             }
         }
@@ -180,7 +177,7 @@ impl Pool {
         if fd < 0 {
             return Err(Error::NotShareable {
                 what: "exporting a pool as a file descriptor",
-                reason: format!("the driver reported success but handed out descriptor {fd}"),
+                reason: NotShareableReason::DriverGaveInvalidDescriptor { descriptor: fd },
             });
         }
         // SAFETY: the driver hands over a new descriptor that we now own.
@@ -204,7 +201,7 @@ impl Pool {
             if !supported.contains(HandleTypes::FABRIC) {
                 return Err(Error::NotShareable {
                     what: "exporting a pool as a fabric handle",
-                    reason: format!("device {ordinal} does not support fabric handles (it supports {supported})"),
+                    reason: NotShareableReason::NoFabricSupport { device: ordinal, supported },
                 });
             }
         }
@@ -243,7 +240,7 @@ impl Pool {
         if !self.is_imported() {
             return Err(Error::NotShareable {
                 what: "importing an allocation",
-                reason: "allocations are imported into a pool imported from the exporting process (MemPool::import_fd), not into one of this process's own".into(),
+                reason: NotShareableReason::NotAnImportedPool,
             });
         }
         // The mapping is made in the current context (no stream is involved).
@@ -336,7 +333,7 @@ impl MemPool {
         if unsafe { libc::fcntl(raw, libc::F_GETFD) } == -1 {
             return Err(Error::NotShareable {
                 what: "importing a pool",
-                reason: format!("descriptor {raw} is not open"),
+                reason: NotShareableReason::DescriptorNotOpen { descriptor: raw },
             });
         }
         let mut pool = std::ptr::null_mut();
