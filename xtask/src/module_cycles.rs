@@ -6,10 +6,10 @@
 //! `super::` or `self::` paths, or such a path (or one through a child module) in its code.
 //! Paths are followed through `pub use` re-exports to the module that defines the item, and a
 //! re-export itself is no dependency: a facade that re-exports its children does not depend on
-//! them. The crate root is the exception: it declares and wires every module, so what it names
-//! is no dependency (a module that uses an item defined in the root still depends on the root,
-//! which is harmless as long as nothing else closes a loop). Inline modules (`mod tests { .. }`) count as part of their file's module. Paths inside
-//! macro invocations are not seen.
+//! them. The crate root declares and wires every module, so what it names is no dependency
+//! either; a module that uses an item the root defines does depend on the root. Inline modules
+//! (`mod tests { .. }`) count as part of their file's module. A macro invocation's path is seen,
+//! the tokens inside it are not.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
