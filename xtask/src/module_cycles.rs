@@ -38,7 +38,6 @@ pub const PENDING: &[(&str, &[&str], &str)] = &[
         &["attributes", "buffer", "capture_registry", "owner", "pool", "retirement", "stream"],
         "not yet split",
     ),
-    ("cumempool", &["sharing", "vmm"], "not yet split"),
     ("cumempool-py", &["buffers", "dlpack", "pools", "resources", "routes", "sharing"], "not yet split"),
 ];
 
@@ -420,7 +419,7 @@ pub fn run(root: &Path) -> Result<(), String> {
     if failing > 0 {
         return Err(format!("{failing} module cycle(s); docs/decisions.md promises none"));
     }
-    println!("no module cycles (pending: {})", cycles.len());
+    println!("no module cycles but the {} pending ones", cycles.len());
     Ok(())
 }
 

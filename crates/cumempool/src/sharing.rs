@@ -115,15 +115,24 @@ impl<S: Borrow<Stream>> BufferOn<S> {
 }
 
 /// Where the NVIDIA driver exposes IMEX channels, which fabric handles need.
-pub(crate) const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
 
 /// Whether an IMEX channel exists. Checked before a fabric export because driver 580 refuses the
 /// export without one and then crashes when the pool is destroyed.
-pub(crate) fn imex_channel_present() -> bool {
+fn imex_channel_present() -> bool {
     if !cfg!(target_os = "linux") {
         return true;
     }
     std::fs::read_dir(IMEX_CHANNELS).is_ok_and(|mut entries| entries.next().is_some())
+}
+
+/// Refuses a fabric export or import where no IMEX channel exists (driver 580 refuses the call
+/// then; the check names the missing service instead).
+pub(crate) fn require_imex_channel(what: &'static str) -> Result<()> {
+    if imex_channel_present() {
+        return Ok(());
+    }
+    Err(Error::NotShareable { what, reason: NotShareableReason::NoImexChannel { channels: IMEX_CHANNELS } })
 }
 
 /// `Ok` for `CUDA_SUCCESS`, else [`Error::SharingRefused`] with the driver's answer and `hint`.
@@ -205,7 +214,7 @@ impl Pool {
                 });
             }
         }
-        crate::vmm::require_imex_channel("exporting a pool as a fabric handle")?;
+        require_imex_channel("exporting a pool as a fabric handle")?;
         let mut handle = sys::CUmemFabricHandle::default();
         // SAFETY: for FABRIC the handle is a CUmemFabricHandle.
         let answer = unsafe {
@@ -365,7 +374,7 @@ impl MemPool {
     /// See [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn import_fabric(handle: &[u8; 64]) -> Result<Self> {
         const WHAT: &str = "importing a pool from a fabric handle";
-        crate::vmm::require_imex_channel(WHAT)?;
+        require_imex_channel(WHAT)?;
         let mut fabric = sys::CUmemFabricHandle { data: *handle };
         let mut pool = std::ptr::null_mut();
         let kind = HandleTypes::FABRIC.to_raw();

@@ -28,7 +28,7 @@ use crate::driver::driver_call;
 use crate::error::{Error, NotShareableReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::Location;
-use crate::sharing::{imex_channel_present, refused_unless_success, IMEX_CHANNELS};
+use crate::sharing::{refused_unless_success, require_imex_channel};
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -335,15 +335,6 @@ impl Drop for PhysicalAllocation {
             tracing::warn!(%error, handle = self.handle, "releasing physical memory failed");
         }
     }
-}
-
-/// Refuses a fabric export or import where no IMEX channel exists (driver 580 refuses the call
-/// then; the check names the missing service instead).
-pub(crate) fn require_imex_channel(what: &'static str) -> Result<()> {
-    if imex_channel_present() {
-        return Ok(());
-    }
-    Err(Error::NotShareable { what, reason: NotShareableReason::NoImexChannel { channels: IMEX_CHANNELS } })
 }
 
 /// A reserved range of virtual addresses (`cuMemAddressReserve`). Unmaps whatever is still
