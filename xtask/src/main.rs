@@ -5,6 +5,8 @@
 //! - `cargo xtask bindgen --nccl [--check]`: the same for `cumempool-nccl`, from the pinned nccl.h.
 //! - `cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]`: build the GPU suite to run on a GPU host
 //!   without Rust, the Python wheel and its tests included.
+//! - `cargo xtask module-cycles`: fails when modules of a crate depend on each other
+//!   (docs/decisions.md promises none).
 //! - `cargo xtask test [--python-only]`: the README's test command: `cargo test --workspace`,
 //!   then the Python wheel built with maturin and its pytest suite.
 
@@ -12,6 +14,7 @@ mod bindgen;
 mod gpu_pack;
 mod headers;
 mod libclang;
+mod module_cycles;
 mod nccl;
 mod python;
 
@@ -25,6 +28,7 @@ fn main() -> ExitCode {
         Some("bindgen") => bindgen::Options::parse(&args[1..]).and_then(|o| bindgen::run(&o)),
         Some("gpu-pack") => gpu_pack::Options::parse(&args[1..]).and_then(|o| gpu_pack::run(&o)),
         Some("test") => python::test(&args[1..]),
+        Some("module-cycles") => module_cycles::run(&workspace_root()),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -44,6 +48,7 @@ const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--
        cargo xtask bindgen --nccl [--check]
        cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
        cargo xtask test [--python-only]
+       cargo xtask module-cycles
 
 bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (needs libclang)
   --cuda V      only this CUDA version (default: every pinned version)
@@ -56,6 +61,10 @@ gpu-pack: build every test binary and executable in release mode into DIR (defau
   run.sh, to copy to a GPU host without Rust and run there: `bash DIR/run.sh` (docs/gpu-suite.md).
   CARGO_ARGS go to cargo, e.g. `-- --no-default-features --features cuda-13000`. The Python
   wheel (maturin) goes into DIR/wheels and run.sh runs the Python GPU tests too.
+
+module-cycles: list the modules of each crate that depend on each other (a parent and a child,
+  siblings, or through others) and fail unless every one is listed as pending in
+  xtask/src/module_cycles.rs.
 
 test: `cargo test --workspace`, then the Python wheel built into target/wheels with maturin and
   installed into target/py-venv (created, with maturin, pytest and numpy, when missing), then

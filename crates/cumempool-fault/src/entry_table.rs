@@ -2,10 +2,11 @@
 //! (`cumempool_sys::for_each_entry_point!`), so a function added there is covered here without
 //! code written for it.
 //!
-//! Each wrapper is the same generic function, instantiated per entry (`const I`) and per
-//! signature (one impl of [`Wrap`] per arity): it asks the plan whether this call fails and
-//! otherwise calls the real driver's pointer for entry `I`.
+//! Each wrapper is the same generic function, instantiated per entry (`const I`, its index in
+//! [`crate::entry_points`]) and per signature (one impl of [`Wrap`] per arity): it asks the plan
+//! whether this call fails and otherwise calls the real driver's pointer for entry `I`.
 
+use crate::entry_points::COUNT;
 use crate::injection;
 use cumempool_sys::CUresult;
 use std::ffi::c_void;
@@ -14,13 +15,11 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 macro_rules! entry_table {
     ($($name:ident: $pfn:ty = $since:literal,)*) => {
-        /// Every entry point of the bindings, in their order; `Entry::x as usize` indexes the tables.
+        /// Every entry point of the bindings, in their order, so `Entry::x as usize` is x's
+        /// index in [`crate::entry_points::NAMES`].
         #[allow(non_camel_case_types, dead_code)]
         #[derive(Clone, Copy)]
         enum Entry { $($name,)* }
-
-        /// The entry points' names, indexed like [`Entry`].
-        pub(crate) const NAMES: &[&str] = &[$(stringify!($name),)*];
 
         /// The wrapper of the entry point `name`, as the untyped pointer `cuGetProcAddress` hands out.
         fn wrapper_of(name: &[u8]) -> Option<(usize, *mut c_void)> {
@@ -34,14 +33,6 @@ macro_rules! entry_table {
     };
 }
 cumempool_sys::for_each_entry_point!(entry_table);
-
-/// How many entry points the bindings declare.
-pub(crate) const COUNT: usize = NAMES.len();
-
-/// The index of the entry point `name`.
-pub(crate) fn index_of(name: &str) -> Option<usize> {
-    NAMES.iter().position(|n| *n == name)
-}
 
 /// The real driver's pointer for each entry, as first handed out; null until resolved.
 static REAL: [AtomicPtr<c_void>; COUNT] = [const { AtomicPtr::new(ptr::null_mut()) }; COUNT];
@@ -107,12 +98,21 @@ wrap_arity!(a: A, b: B, c: C, d: D, e: E, f: F, g: G, h: H);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::entry_points::index_of;
 
     #[test]
     fn every_entry_point_of_the_bindings_has_a_wrapper() {
         assert_eq!(COUNT, cumempool_sys::ENTRY_POINTS.len());
         for entry in cumempool_sys::ENTRY_POINTS {
             assert!(wrapper_of(entry.name.as_bytes()).is_some(), "{} has no wrapper", entry.name);
+        }
+    }
+
+    #[test]
+    fn each_wrapper_counts_under_its_own_entry_points_index() {
+        for entry in cumempool_sys::ENTRY_POINTS {
+            let wrapped = wrapper_of(entry.name.as_bytes()).map(|(index, _)| index);
+            assert_eq!(wrapped, index_of(entry.name), "{}", entry.name);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The plan in force and what it did: per entry point, the calls seen and the failures injected.
 
-use crate::entry_table::{index_of, COUNT};
+use crate::entry_points::{index_of, COUNT};
 use crate::plan::{Plan, PlanError};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, Once, OnceLock, PoisonError};

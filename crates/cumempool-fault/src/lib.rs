@@ -13,6 +13,7 @@
 //! error path and the resolution of every other function go through them.
 
 mod control;
+mod entry_points;
 mod entry_table;
 mod injection;
 mod plan;

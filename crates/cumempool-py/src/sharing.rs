@@ -92,7 +92,7 @@ impl MemPool {
         if fd < 0 {
             return Err(cumempool::Error::NotShareable {
                 what: "importing a pool",
-                reason: format!("descriptor {fd} is not open; pass the descriptor export_fd() gave"),
+                reason: cumempool::NotShareableReason::DescriptorNotOpen { descriptor: fd },
             }
             .into());
         }
@@ -149,7 +149,7 @@ pub(crate) fn export_allocation(py: Python<'_>, core: &Core) -> Outcome<SharedAl
         Some(buffer) => Ok(SharedAllocation(crate::gil::detach(py, || buffer.export())?)),
         None => Err(Failure::Core(cumempool::Error::NotShareable {
             what: "exporting an allocation",
-            reason: "only buffers of MemPool.alloc can be exported (a resource's or an imported buffer cannot); allocate it from a pool created with handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR".into(),
+            reason: cumempool::NotShareableReason::NotPoolMemory,
         })),
     }
 }

@@ -8,8 +8,9 @@
 use crate::capture_registry::{self, FreeAction};
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
-use crate::location::{AllocationType, Location, Route};
+use crate::location::{AllocationType, Location};
 use crate::owner::Owner;
+use crate::route::Route;
 use crate::stream::{CaptureStatus, DeferredFree, Event, Stream};
 use cumempool_sys as sys;
 use std::borrow::Borrow;

@@ -19,8 +19,9 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::location::{AllocationType, Location, Route};
+use crate::location::{AllocationType, Location};
 use crate::pool::{MemPool, Pool};
+use crate::route::Route;
 use crate::sharing::SharedAllocation;
 use cumempool_sys as sys;
 use rustix::net::{

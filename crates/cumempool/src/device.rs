@@ -5,7 +5,8 @@ use crate::driver::driver_call;
 use crate::driver::require;
 use crate::error::{Error, Result};
 use crate::export_handles::HandleTypes;
-use crate::location::{Location, Route};
+#[cfg(feature = "cuda-13040")]
+use crate::location::Location;
 use cumempool_sys as sys;
 #[cfg(feature = "cuda-13040")]
 use cumempool_sys::DriverVersion;
@@ -97,14 +98,24 @@ impl Device {
     ///
     /// See [cuDeviceGet](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__DEVICE.html).
     pub fn get(ordinal: i32) -> Result<Self> {
-        let count = Self::count()?;
-        if !(0..count).contains(&ordinal) {
-            return Err(Error::InvalidDevice { ordinal, count });
-        }
+        Self::check_ordinal(ordinal)?;
         let mut raw = 0;
         // SAFETY: valid out-pointer; the ordinal is in range.
         unsafe { driver_call!(cuDeviceGet(&mut raw, ordinal)) }?;
         Ok(Self { ordinal, raw })
+    }
+
+    /// Fails unless this machine has a device with this ordinal: the check of
+    /// [`Device::get`] without its `cuDeviceGet` (the count is asked of the driver once).
+    ///
+    /// # Errors
+    /// [`Error::InvalidDevice`] naming the valid range; a driver that cannot be loaded.
+    pub(crate) fn check_ordinal(ordinal: i32) -> Result<()> {
+        let count = Self::count()?;
+        if !(0..count).contains(&ordinal) {
+            return Err(Error::InvalidDevice { ordinal, count });
+        }
+        Ok(())
     }
 
     /// Every device, in ordinal order.
@@ -313,38 +324,6 @@ impl Device {
         // SAFETY: valid out-pointer.
         unsafe { driver_call!(cuDeviceCanAccessPeer(&mut can, self.raw, peer.raw)) }?;
         Ok(can != 0)
-    }
-}
-
-/// Routes are checked against this machine's devices here, where the device count is known.
-impl Route {
-    /// Refuses, before any driver call, a route that cannot exist: `Unspecified` with pinned
-    /// memory, `Invisible` or `Unknown` as an input, negative ids ([`Route::check_shape`]),
-    /// device ordinals this machine lacks, and locality domains the device lacks.
-    ///
-    /// # Errors
-    /// [`Error::InvalidRoute`], [`Error::InvalidDevice`] or `Error::InvalidLocalityDomain`,
-    /// saying what would work; `Error::DriverTooOld` for a locality domain on a driver older
-    /// than 13.4.
-    pub fn validate(&self) -> Result<()> {
-        self.check_shape()?;
-        match self.location {
-            Location::Device(ordinal) => {
-                Device::get(ordinal)?;
-            }
-            #[cfg(feature = "cuda-13040")]
-            Location::DeviceLocalityDomain { device, domain } => {
-                Device::get(device)?.locality_domain(domain)?;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// The driver's form of the location and the allocation type, after [`Route::validate`].
-    pub(crate) fn to_raw(self) -> Result<(sys::CUmemLocation, sys::CUmemAllocationType)> {
-        self.validate()?;
-        Ok((self.location.to_raw()?, self.allocation_type.to_raw()))
     }
 }
 

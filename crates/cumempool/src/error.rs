@@ -1,7 +1,9 @@
 //! The crate's one error type, and the driver's answer it carries when the driver refused.
 
 use crate::access::Access;
-use crate::location::{InvalidLocation, InvalidRoute, Route};
+use crate::export_handles::HandleTypes;
+use crate::location::InvalidLocation;
+use crate::route::{InvalidRoute, Route};
 use crate::unknown_value::UnknownValue;
 use cumempool_sys as sys;
 use cumempool_sys::DriverVersion;
@@ -242,8 +244,8 @@ pub enum Error {
     NotShareable {
         /// What was being done.
         what: &'static str,
-        /// Why, and what would work.
-        reason: String,
+        /// Why, and what would work: a program can `match` it; its text is the message's.
+        reason: NotShareableReason,
     },
 
     /// The driver refused to export or import a pool or an allocation.
@@ -404,10 +406,100 @@ pub fn error_name(code: sys::CUresult) -> String {
     describe(code).0
 }
 
+/// Why a pool, an allocation or a descriptor cannot be shared as asked
+/// ([`Error::NotShareable`]). Its `Display` is the reason's part of the error's message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotShareableReason {
+    /// An empty buffer (address 0) has no memory to export.
+    #[error("an empty buffer has no memory to share")]
+    EmptyBuffer,
+    /// A pool imported from another process cannot be exported again.
+    #[error("this pool was imported; only the process that created it can export it")]
+    ImportedPool,
+    /// A pool created without the handle type the export needs.
+    #[error("the pool was created with export handle types {created}; create it with MemPool::builder(..).export_handle_types(HandleTypes::{wanted}) to share it")]
+    PoolWithoutHandleType {
+        /// The handle types the pool was created with.
+        created: HandleTypes,
+        /// The one the export needs.
+        wanted: HandleTypes,
+    },
+    /// Physical memory (`vmm`) created without the handle type the export needs.
+    #[error("the memory was created with export handle types {created}; create it with AllocationProperties::handle_types(HandleTypes::{wanted})")]
+    MemoryWithoutHandleType {
+        /// The handle types the memory was created with.
+        created: HandleTypes,
+        /// The one the export needs.
+        wanted: HandleTypes,
+    },
+    /// The driver reported success but handed out no valid descriptor.
+    #[error("the driver reported success but handed out descriptor {descriptor}")]
+    DriverGaveInvalidDescriptor {
+        /// What the driver handed out.
+        descriptor: i32,
+    },
+    /// A device without fabric-handle support.
+    #[error("device {device} does not support fabric handles (it supports {supported})")]
+    NoFabricSupport {
+        /// The pool's device.
+        device: i32,
+        /// The handle types it supports.
+        supported: HandleTypes,
+    },
+    /// Allocations are imported into a pool imported from their exporter, not into a pool of
+    /// this process.
+    #[error("allocations are imported into a pool imported from the exporting process (MemPool::import_fd), not into one of this process's own")]
+    NotAnImportedPool,
+    /// A descriptor that is not open in this process.
+    #[error("descriptor {descriptor} is not open")]
+    DescriptorNotOpen {
+        /// The descriptor given.
+        descriptor: i32,
+    },
+    /// No IMEX channel, which fabric handles need.
+    #[error("no IMEX channel on this system ({channels} is missing or empty): fabric handles need the IMEX service; within one node share with HandleTypes::POSIX_FILE_DESCRIPTOR")]
+    NoImexChannel {
+        /// The device directory the channels are looked for in.
+        channels: &'static str,
+    },
+    /// A buffer that was not allocated from a pool this process can export from (a resource's,
+    /// or an imported one).
+    #[error("only buffers allocated from a pool can be exported (a resource's or an imported buffer cannot); allocate it from a pool created with the POSIX_FILE_DESCRIPTOR handle type")]
+    NotPoolMemory,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::error::Error as _;
+
+    #[test]
+    fn why_a_share_is_refused_can_be_matched_and_reads_as_before() {
+        let error = Error::NotShareable {
+            what: "exporting a pool as a fabric handle",
+            reason: NotShareableReason::PoolWithoutHandleType {
+                created: HandleTypes::POSIX_FILE_DESCRIPTOR,
+                wanted: HandleTypes::FABRIC,
+            },
+        };
+        assert!(matches!(error, Error::NotShareable { reason: NotShareableReason::PoolWithoutHandleType { .. }, .. }));
+        assert_eq!(
+            error.to_string(),
+            "exporting a pool as a fabric handle: the pool was created with export handle types POSIX_FILE_DESCRIPTOR; \
+             create it with MemPool::builder(..).export_handle_types(HandleTypes::FABRIC) to share it"
+        );
+        let closed = Error::NotShareable {
+            what: "importing a pool",
+            reason: NotShareableReason::DescriptorNotOpen { descriptor: 987 },
+        };
+        assert_eq!(closed.to_string(), "importing a pool: descriptor 987 is not open");
+        let imex = NotShareableReason::NoImexChannel { channels: "/dev/nvidia-caps-imex-channels" }.to_string();
+        assert!(
+            imex.starts_with("no IMEX channel on this system (/dev/nvidia-caps-imex-channels is missing"),
+            "{imex}"
+        );
+    }
 
     #[test]
     fn driver_refusals_keep_their_code_and_chain_their_cause() {

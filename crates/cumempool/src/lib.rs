@@ -64,6 +64,7 @@ mod location_info;
 mod owner;
 mod pool;
 mod retirement;
+mod route;
 mod route_table;
 mod routing;
 mod sharing;
@@ -79,18 +80,18 @@ pub use context::Context;
 pub use cumempool_sys::DriverVersion;
 pub use device::{require_concurrent_managed_access, Device, GraphMemory};
 pub use driver::{bindings_version, driver_version, init, library_path};
-pub use error::{error_name, DriverError, Error, Result};
+pub use error::{error_name, DriverError, Error, NotShareableReason, Result};
 pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use graph::{Capture, CapturedBuffer, Graph, GraphExec};
 pub use location::{
-    raw_location, AllocationType, InvalidLocation, InvalidRoute, Location, Route, UNMAPPED_ALLOCATION_TYPES,
-    UNMAPPED_LOCATION_TYPES,
+    raw_location, AllocationType, InvalidLocation, Location, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
 };
 #[cfg(feature = "cuda-13040")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
 pub use location_info::location_info;
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
 pub use retirement::{destroy_retired_pools, retired_pools, RetiredPools};
+pub use route::{InvalidRoute, Route};
 pub use route_table::{all_routes, route_table, RouteEntry, RouteTable};
 pub use routing::{
     current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,

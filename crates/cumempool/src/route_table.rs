@@ -6,8 +6,9 @@
 use crate::attributes::PoolAttribute;
 use crate::device::Device;
 use crate::error::Result;
-use crate::location::{AllocationType, Location, Route};
+use crate::location::{AllocationType, Location};
 use crate::pool::Pool;
+use crate::route::Route;
 use crate::routing::{current_pool, default_pool};
 use std::collections::BTreeMap;
 use std::fmt;

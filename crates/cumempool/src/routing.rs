@@ -13,8 +13,8 @@
 use crate::driver::{driver_answer, Answer};
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
-use crate::location::Route;
 use crate::pool::{Pool, PoolRef};
+use crate::route::{Route, ValidRoute};
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -106,27 +106,34 @@ impl RouteStack {
 ///
 /// See [cuMemGetDefaultMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn default_pool(route: Route) -> Result<PoolRef> {
-    let (mut location, allocation_type) = route.to_raw()?;
-    let mut raw = std::ptr::null_mut();
-    // SAFETY: valid out-pointer and location.
-    route_answer(route, unsafe { driver_answer!(cuMemGetDefaultMemPool(&mut raw, &mut location, allocation_type)) }?)?;
+    let raw = default_raw(route.validated()?)?;
     Ok(PoolRef::new(Pool::borrowed(raw, Some(route))))
 }
 
-fn current_raw(route: Route) -> Result<sys::CUmemoryPool> {
-    let (mut location, allocation_type) = route.to_raw()?;
+fn default_raw(route: ValidRoute) -> Result<sys::CUmemoryPool> {
+    let (mut location, allocation_type) = route.to_raw();
     let mut raw = std::ptr::null_mut();
     // SAFETY: valid out-pointer and location.
-    route_answer(route, unsafe { driver_answer!(cuMemGetMemPool(&mut raw, &mut location, allocation_type)) }?)?;
+    let answer = unsafe { driver_answer!(cuMemGetDefaultMemPool(&mut raw, &mut location, allocation_type)) }?;
+    route_answer(route.route(), answer)?;
+    Ok(raw)
+}
+
+fn current_raw(route: ValidRoute) -> Result<sys::CUmemoryPool> {
+    let (mut location, allocation_type) = route.to_raw();
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and location.
+    let answer = unsafe { driver_answer!(cuMemGetMemPool(&mut raw, &mut location, allocation_type)) }?;
+    route_answer(route.route(), answer)?;
     // Seen current: other threads may allocate from it, so it must never be destroyed by this crate.
     crate::retirement::note_current(raw);
     Ok(raw)
 }
 
-fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
-    let (mut location, allocation_type) = route.to_raw()?;
+fn set_raw(route: ValidRoute, pool: sys::CUmemoryPool) -> Result<()> {
+    let (mut location, allocation_type) = route.to_raw();
     // SAFETY: valid location and a live pool.
-    route_answer(route, unsafe { driver_answer!(cuMemSetMemPool(&mut location, allocation_type, pool)) }?)
+    route_answer(route.route(), unsafe { driver_answer!(cuMemSetMemPool(&mut location, allocation_type, pool)) }?)
 }
 
 /// The current pool of `route`: the last one set for it, else its default pool.
@@ -143,13 +150,14 @@ fn set_raw(route: Route, pool: sys::CUmemoryPool) -> Result<()> {
 ///
 /// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn current_pool(route: Route) -> Result<Pool> {
+    let valid = route.validated()?;
     let map = routed();
-    let raw = current_raw(route)?;
+    let raw = current_raw(valid)?;
     if let Some(pool) = map.get(&route).and_then(|stack| stack.holding(raw)) {
         return Ok(pool.clone());
     }
     drop(map);
-    if raw == default_raw(route)? {
+    if raw == default_raw(valid)? {
         return Ok(Pool::borrowed(raw, Some(route)));
     }
     Err(Error::ForeignCurrentPool { route, handle: raw as usize as u64 })
@@ -162,7 +170,7 @@ pub fn current_pool(route: Route) -> Result<Pool> {
 /// # Errors
 /// As [`current_pool`], except that a foreign pool is answered.
 pub fn current_pool_handle(route: Route) -> Result<sys::CUmemoryPool> {
-    current_raw(route)
+    current_raw(route.validated()?)
 }
 
 /// Whether `route`'s current pool is its default pool.
@@ -170,7 +178,8 @@ pub fn current_pool_handle(route: Route) -> Result<sys::CUmemoryPool> {
 /// # Errors
 /// As [`current_pool`].
 pub fn is_default(route: Route) -> Result<bool> {
-    Ok(current_raw(route)? == default_pool(route)?.as_raw())
+    let valid = route.validated()?;
+    Ok(current_raw(valid)? == default_raw(valid)?)
 }
 
 static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
@@ -213,13 +222,14 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
             return Err(Error::PoolRouteMismatch { pool: served, route });
         }
     }
+    let valid = route.validated()?;
     let mut map = routed();
-    let current = current_raw(route)?;
+    let current = current_raw(valid)?;
     // Everything that can fail is asked before the route changes, so a refusal changes nothing.
-    let base = base_of(route, current)?;
+    let base = base_of(valid, current)?;
     // Before the route shows it: from then on a thread may read it, so it is never destroyed.
     crate::retirement::note_current(pool.as_raw());
-    set_raw(route, pool.as_raw())?;
+    set_raw(valid, pool.as_raw())?;
     let stack = map.entry(route).or_insert_with(|| RouteStack::new(base));
     if stack.expected() != current {
         // Changes made outside this crate since it last looked end this crate's changes.
@@ -230,7 +240,7 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     stack.entries.push(Entry { guard, pool: pool.clone().with_route(Some(route)) });
     drop(map);
     tracing::info!(%route, pool = ?pool.as_raw(), previous = ?current, "current pool changed (process-wide)");
-    Ok(RouteGuard { route, id: guard })
+    Ok(RouteGuard { route: valid, id: guard })
 }
 
 /// Makes `route`'s default pool current again, for the whole process, and forgets every change
@@ -239,9 +249,10 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
 /// # Errors
 /// An invalid route, or the driver's refusal; the route is unchanged then.
 pub fn reset_current_pool(route: Route) -> Result<()> {
-    let default = default_raw(route)?;
+    let valid = route.validated()?;
+    let default = default_raw(valid)?;
     let mut map = routed();
-    set_raw(route, default)?;
+    set_raw(valid, default)?;
     let released = map.remove(&route);
     drop(map);
     // Pools kept alive only by the route are released (retired) here, after the route moved on.
@@ -250,12 +261,8 @@ pub fn reset_current_pool(route: Route) -> Result<()> {
     Ok(())
 }
 
-fn default_raw(route: Route) -> Result<sys::CUmemoryPool> {
-    Ok(default_pool(route)?.as_raw())
-}
-
 /// What `current`, the pool a route shows, is as the base of this crate's changes.
-fn base_of(route: Route, current: sys::CUmemoryPool) -> Result<Base> {
+fn base_of(route: ValidRoute, current: sys::CUmemoryPool) -> Result<Base> {
     Ok(if current == default_raw(route)? {
         Base::Default(DriverHandle(current))
     } else {
@@ -267,7 +274,8 @@ fn base_of(route: Route, current: sys::CUmemoryPool) -> Result<Base> {
 #[derive(Debug)]
 #[must_use = "dropping the guard at once puts the previous pool back; call .keep() to make the change last"]
 pub struct RouteGuard {
-    route: Route,
+    /// Checked when the change was made: undoing it checks nothing again.
+    route: ValidRoute,
     /// Its entry's id; [`KEPT`] once it has let go.
     id: u64,
 }
@@ -275,14 +283,16 @@ pub struct RouteGuard {
 impl RouteGuard {
     /// The route whose current pool was changed.
     pub fn route(&self) -> Route {
-        self.route
+        self.route.route()
     }
 
     /// Makes the change last: it stays on the route's stack (keeping its pool alive) until
     /// [`reset_current_pool`] or a change outside this crate.
     pub fn keep(mut self) {
         let mut map = routed();
-        if let Some(entry) = map.get_mut(&self.route).and_then(|s| s.entries.iter_mut().find(|e| e.guard == self.id)) {
+        if let Some(entry) =
+            map.get_mut(&self.route.route()).and_then(|s| s.entries.iter_mut().find(|e| e.guard == self.id))
+        {
             entry.guard = KEPT;
         }
         self.id = KEPT;
@@ -303,7 +313,7 @@ impl RouteGuard {
             return Ok(());
         }
         let mut map = routed();
-        let Some(stack) = map.get_mut(&self.route) else {
+        let Some(stack) = map.get_mut(&self.route.route()) else {
             return Ok(()); // reset, or detached by a change outside this crate
         };
         let Some(index) = stack.entries.iter().position(|e| e.guard == id) else {
@@ -311,7 +321,7 @@ impl RouteGuard {
         };
         let current = current_raw(self.route)?;
         if current != stack.expected() {
-            tracing::warn!(route = %self.route, found = ?current, "the current pool was changed outside cumempool; leaving it as it is");
+            tracing::warn!(route = %self.route.route(), found = ?current, "the current pool was changed outside cumempool; leaving it as it is");
             let base = base_of(self.route, current)?;
             stack.detach(base);
             return Ok(());
@@ -322,7 +332,7 @@ impl RouteGuard {
             (Some((_, entry)), _) => entry.pool.as_raw(),
             (None, Base::Default(raw)) => raw.0,
             (None, Base::Foreign(raw)) => {
-                tracing::warn!(route = %self.route, foreign = ?raw.0, "restoring the default pool, not the pool another library had made current: it may have been destroyed since");
+                tracing::warn!(route = %self.route.route(), foreign = ?raw.0, "restoring the default pool, not the pool another library had made current: it may have been destroyed since");
                 default_raw(self.route)?
             }
         };
@@ -335,12 +345,12 @@ impl RouteGuard {
             }
         }
         if stack.entries.is_empty() && stack.forgotten.is_empty() {
-            map.remove(&self.route);
+            map.remove(&self.route.route());
         }
         drop(map);
         // A pool that was only kept alive by its route is released (retired) here, after the route moved on.
         drop(removed);
-        tracing::info!(route = %self.route, "a route change was undone (process-wide)");
+        tracing::info!(route = %self.route.route(), "a route change was undone (process-wide)");
         Ok(())
     }
 }
@@ -348,7 +358,7 @@ impl RouteGuard {
 impl Drop for RouteGuard {
     fn drop(&mut self) {
         if let Err(error) = self.remove() {
-            tracing::warn!(%error, route = %self.route, "undoing a route change failed; the route keeps its pool");
+            tracing::warn!(%error, route = %self.route.route(), "undoing a route change failed; the route keeps its pool");
         }
     }
 }

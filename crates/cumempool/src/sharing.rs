@@ -13,7 +13,7 @@
 
 use crate::buffer::{Buffer, BufferOn};
 use crate::driver::{driver_answer, driver_call, Answer};
-use crate::error::{Error, Result};
+use crate::error::{Error, NotShareableReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
@@ -103,7 +103,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if self.is_empty() {
             return Err(Error::NotShareable {
                 what: "exporting an allocation",
-                reason: "an empty buffer has no memory to share".into(),
+                reason: NotShareableReason::EmptyBuffer,
             });
         }
         let mut data = sys::CUmemPoolPtrExportData::default();
@@ -115,15 +115,24 @@ impl<S: Borrow<Stream>> BufferOn<S> {
 }
 
 /// Where the NVIDIA driver exposes IMEX channels, which fabric handles need.
-pub(crate) const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
+const IMEX_CHANNELS: &str = "/dev/nvidia-caps-imex-channels";
 
 /// Whether an IMEX channel exists. Checked before a fabric export because driver 580 refuses the
 /// export without one and then crashes when the pool is destroyed.
-pub(crate) fn imex_channel_present() -> bool {
+fn imex_channel_present() -> bool {
     if !cfg!(target_os = "linux") {
         return true;
     }
     std::fs::read_dir(IMEX_CHANNELS).is_ok_and(|mut entries| entries.next().is_some())
+}
+
+/// Refuses a fabric export or import where no IMEX channel exists (driver 580 refuses the call
+/// then; the check names the missing service instead).
+pub(crate) fn require_imex_channel(what: &'static str) -> Result<()> {
+    if imex_channel_present() {
+        return Ok(());
+    }
+    Err(Error::NotShareable { what, reason: NotShareableReason::NoImexChannel { channels: IMEX_CHANNELS } })
 }
 
 /// `Ok` for `CUDA_SUCCESS`, else [`Error::SharingRefused`] with the driver's answer and `hint`.
@@ -138,16 +147,13 @@ pub(crate) fn refused_unless_success(answer: Answer, what: &'static str, hint: &
 impl Pool {
     fn require_export(&self, wanted: HandleTypes, what: &'static str) -> Result<()> {
         if self.is_imported() {
-            return Err(Error::NotShareable {
-                what,
-                reason: "this pool was imported; only the process that created it can export it".into(),
-            });
+            return Err(Error::NotShareable { what, reason: NotShareableReason::ImportedPool });
         }
         if let Some(created) = self.created_handle_types() {
             if !created.contains(wanted) {
                 return Err(Error::NotShareable {
                     what,
-                    reason: format!("the pool was created with export handle types {created}; create it with MemPool::builder(..).export_handle_types(HandleTypes::{wanted}) to share it"),
+                    reason: NotShareableReason::PoolWithoutHandleType { created, wanted },
                 });
             }
         }
@@ -182,7 +188,7 @@ impl Pool {
         if fd < 0 {
             return Err(Error::NotShareable {
                 what: "exporting a pool as a file descriptor",
-                reason: format!("the driver reported success but handed out descriptor {fd}"),
+                reason: NotShareableReason::DriverGaveInvalidDescriptor { descriptor: fd },
             });
         }
         // SAFETY: the driver hands over a new descriptor that we now own.
@@ -206,11 +212,11 @@ impl Pool {
             if !supported.contains(HandleTypes::FABRIC) {
                 return Err(Error::NotShareable {
                     what: "exporting a pool as a fabric handle",
-                    reason: format!("device {ordinal} does not support fabric handles (it supports {supported})"),
+                    reason: NotShareableReason::NoFabricSupport { device: ordinal, supported },
                 });
             }
         }
-        crate::vmm::require_imex_channel("exporting a pool as a fabric handle")?;
+        require_imex_channel("exporting a pool as a fabric handle")?;
         // As in `export_fd`.
         self.mark_never_reuse();
         let mut handle = sys::CUmemFabricHandle::default();
@@ -247,7 +253,7 @@ impl Pool {
         if !self.is_imported() {
             return Err(Error::NotShareable {
                 what: "importing an allocation",
-                reason: "allocations are imported into a pool imported from the exporting process (MemPool::import_fd), not into one of this process's own".into(),
+                reason: NotShareableReason::NotAnImportedPool,
             });
         }
         // The mapping is made in the current context (no stream is involved).
@@ -340,7 +346,7 @@ impl MemPool {
         if unsafe { libc::fcntl(raw, libc::F_GETFD) } == -1 {
             return Err(Error::NotShareable {
                 what: "importing a pool",
-                reason: format!("descriptor {raw} is not open"),
+                reason: NotShareableReason::DescriptorNotOpen { descriptor: raw },
             });
         }
         let mut pool = std::ptr::null_mut();
@@ -372,7 +378,7 @@ impl MemPool {
     /// See [cuMemPoolImportFromShareableHandle](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn import_fabric(handle: &[u8; 64]) -> Result<Self> {
         const WHAT: &str = "importing a pool from a fabric handle";
-        crate::vmm::require_imex_channel(WHAT)?;
+        require_imex_channel(WHAT)?;
         let mut fabric = sys::CUmemFabricHandle { data: *handle };
         let mut pool = std::ptr::null_mut();
         let kind = HandleTypes::FABRIC.to_raw();

@@ -25,10 +25,10 @@
 
 use crate::access::Access;
 use crate::driver::driver_call;
-use crate::error::{Error, Result};
+use crate::error::{Error, NotShareableReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::Location;
-use crate::sharing::{imex_channel_present, refused_unless_success, IMEX_CHANNELS};
+use crate::sharing::{refused_unless_success, require_imex_channel};
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -192,10 +192,7 @@ impl PhysicalAllocation {
         }
         Err(Error::NotShareable {
             what,
-            reason: format!(
-                "the memory was created with export handle types {}; create it with AllocationProperties::handle_types(HandleTypes::{wanted})",
-                self.props.handle_types
-            ),
+            reason: NotShareableReason::MemoryWithoutHandleType { created: self.props.handle_types, wanted },
         })
     }
 
@@ -225,7 +222,7 @@ impl PhysicalAllocation {
         if fd < 0 {
             return Err(Error::NotShareable {
                 what: WHAT,
-                reason: format!("the driver reported success but handed out descriptor {fd}"),
+                reason: NotShareableReason::DriverGaveInvalidDescriptor { descriptor: fd },
             });
         }
         // SAFETY: the driver hands over a new descriptor that we now own.
@@ -279,7 +276,10 @@ impl PhysicalAllocation {
         let raw = fd.as_fd().as_raw_fd();
         // SAFETY: F_GETFD only reads the descriptor's flags.
         if unsafe { libc::fcntl(raw, libc::F_GETFD) } == -1 {
-            return Err(Error::NotShareable { what: WHAT, reason: format!("descriptor {raw} is not open") });
+            return Err(Error::NotShareable {
+                what: WHAT,
+                reason: NotShareableReason::DescriptorNotOpen { descriptor: raw },
+            });
         }
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // The driver takes the descriptor's value smuggled in the pointer argument.
@@ -335,18 +335,6 @@ impl Drop for PhysicalAllocation {
             tracing::warn!(%error, handle = self.handle, "releasing physical memory failed");
         }
     }
-}
-
-/// Refuses a fabric export or import where no IMEX channel exists (driver 580 refuses the call
-/// then; the check names the missing service instead).
-pub(crate) fn require_imex_channel(what: &'static str) -> Result<()> {
-    if imex_channel_present() {
-        return Ok(());
-    }
-    Err(Error::NotShareable {
-        what,
-        reason: format!("no IMEX channel on this system ({IMEX_CHANNELS} is missing or empty): fabric handles need the IMEX service; within one node share with HandleTypes::POSIX_FILE_DESCRIPTOR"),
-    })
 }
 
 /// A reserved range of virtual addresses (`cuMemAddressReserve`). Unmaps whatever is still

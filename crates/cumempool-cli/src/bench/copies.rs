@@ -1,7 +1,7 @@
 //! Device-to-device copies that do not wait: `BufferOn::copy_from_async` against a raw
 //! `cuMemcpyAsync` between the same two buffers on the same stream, in interleaved rounds.
 
-use super::{median, time, Options};
+use super::harness::{median, time, Options};
 use crate::error::Result;
 use crate::table::{bytes, Table};
 use cumempool::sys::CUresult;

@@ -2,14 +2,14 @@
 //! pool (feature `cudarc`): cudarc's `CudaStream::alloc` calls `cuMemAllocAsync`, which draws
 //! from the device's current pool, so routing a pool there makes both draw from it.
 
-use super::{median, time};
+use super::harness::{median, time};
 use crate::error::{Error, Result};
 use cumempool::cudarc::driver::{CudaContext, CudaStream};
 use cumempool::{set_current_pool, Context, MemPool, Route, Stream};
 use serde::Serialize;
 use std::sync::Arc;
 
-/// The size of the pairs, as in the measurement.
+/// The size of the pairs: 1 MiB, as in the thread-scaling rows.
 const SIZE: usize = 1 << 20;
 
 #[derive(Serialize)]

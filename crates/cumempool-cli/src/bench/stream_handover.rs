@@ -1,15 +1,15 @@
-//! The stream handover of issue 9: threads fill the cache on a stream each, drop those streams,
-//! then share one new stream. A cache that strands its budget on the dropped streams misses in
-//! the second phase and falls below the driver it is meant to beat.
+//! The stream handover: threads fill the cache on a stream each, drop those streams, then share
+//! one new stream. A cache that strands its budget on the dropped streams misses in the second
+//! phase and falls below the driver it is meant to beat.
 
-use super::{on_threads, raw_pool_pair};
+use super::harness::{cached_pair, hit_rate, on_threads, raw_pool_pair};
 use crate::error::Result;
 use crate::table::Table;
 use cumempool::{Context, MemPool, Route, Stream};
-use cumempool_alloc::{CacheStats, CachingResource, DeviceMemory, PoolResource, StreamOrderedResource};
+use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource};
 use serde::Serialize;
 
-/// Threads in both phases, as in the issue.
+/// Threads in both phases: more than most machines have cores, so streams are contended.
 const THREADS: usize = 16;
 pub(super) const MIN_SIZE: usize = 256;
 pub(super) const MAX_SIZE: usize = 4 << 20;
@@ -47,24 +47,14 @@ fn run_threads(streams: &[Stream], pairs: usize, pair: &(dyn Fn(&Stream, usize) 
     on_threads(&spread, 0, pairs, &|stream, thread, step| pair(stream, size(thread, step)))
 }
 
-/// Hits over allocations between two snapshots of a cache's counters.
-pub(super) fn hit_rate(before: CacheStats, after: CacheStats) -> f64 {
-    let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
-    hits as f64 / (hits + misses).max(1) as f64
-}
-
 /// Runs both phases through the raw driver, then through a cache, on one device pool.
-/// `pairs_per_thread` is 20,000 for the issue's sequence.
+/// `pairs_per_thread` is 20,000 at the default `--pairs`.
 pub fn measure(context: &Context, pairs_per_thread: usize) -> Result<Report> {
     let pool = MemPool::new(Route::device(0))?;
     pool.set_release_threshold(u64::MAX)?;
     let raw = raw_pool_pair(&pool)?;
     let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool)?);
-    let cached = |stream: &Stream, bytes: usize| match cache.allocate(bytes, 256, stream) {
-        // SAFETY: just allocated with these arguments; nothing used it.
-        Ok(ptr) => unsafe { cache.deallocate(ptr, bytes, 256, stream) }.is_ok(),
-        Err(_) => false,
-    };
+    let cached = |stream: &Stream, bytes: usize| cached_pair(&cache, stream, bytes);
     let own_streams = || (0..THREADS).map(|_| Stream::new(context)).collect::<cumempool::Result<Vec<_>>>();
 
     let raw_own = run_threads(&own_streams()?, pairs_per_thread, &raw)?;
@@ -100,7 +90,7 @@ pub fn measure(context: &Context, pairs_per_thread: usize) -> Result<Report> {
 
 pub fn render(report: &Report) -> String {
     let mut out = format!(
-        "stream handover (issue 9): {} threads x {} pairs of {} to {} (even spread), one device pool; \
+        "stream handover: {} threads x {} pairs of {} to {} (even spread), one device pool; \
          the first phase's streams are dropped before the second\n",
         report.threads,
         report.pairs_per_thread,
