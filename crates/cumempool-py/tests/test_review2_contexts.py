@@ -77,6 +77,30 @@ def test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_the_callers_con
         assert own.is_current(), "the capsule's free left the primary context current"
 
 
+def test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context(gpu):
+    # Defect: blocks a CachingResource keeps for the legacy stream go back to the pool on that
+    # stream outside any `restored_after` (which only wraps the call's own stream): in
+    # `release()`, when the cache is collected, and when an allocation on another stream makes
+    # the cache give blocks back (out of memory, eviction). Each free makes the primary
+    # context current and leaves it so.
+    # Fix: restore at the bottom of the stack, where the driver is called: `gil::DriverLink`
+    # puts back the caller's context after a call on a legacy stream (that also covers the
+    # torch functions and the DLPack deleter), or wrap each such path in a restore that does
+    # not depend on the call's stream.
+    with _OwnContext() as own:
+        pool = cm.MemPool(cm.Route.device(0))
+        cache = cm.CachingResource(cm.PoolResource(pool))
+        cache.alloc(4096).close()  # cached for the legacy stream of device 0
+        assert pool.used_mem_current > 0, "the cache kept no block"
+        assert own.is_current()
+        cache.release()
+        assert own.is_current(), "release() left the primary context current"
+        cache.alloc(4096).close()
+        assert own.is_current()
+        del cache  # the cache gives its block back when collected
+        assert own.is_current(), "collecting the cache left the primary context current"
+
+
 TORCH_HOOKS = (
     "import ctypes, cumempool as cm, cumempool.torch as cmt\n"
     "lib = ctypes.CDLL(cm.native_library_path())\n"
