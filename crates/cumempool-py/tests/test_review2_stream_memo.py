@@ -96,7 +96,8 @@ def test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer(gpu):
     # directly: the memo keeps the lender's object (and so its CUDA stream) until 64 other
     # streams or 8 other objects push it out.
     # Fix: have the deleter hand the core to `Core::release` when it can take the GIL (the
-    # interpreter is alive), so the memo entry is let go of as for close().
+    # interpreter is alive), so the memo entry is let go of as for close(); or prune unused
+    # entries on a memo miss (see the next test).
     own = cm.Stream(0)
 
     class Borrowed:
@@ -111,6 +112,30 @@ def test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer(gpu):
     buffer.close()  # the capsule holds the memory now
     del buffer, lender
     del capsule  # no consumer took it: its destructor gives the memory back
-    gc.collect()
     assert stats.usage()["current_count"] == 0
+    _lend_another()
+    gc.collect()
     assert lent() is None, "the memo still holds the lender after the capsule gave the memory back"
+
+
+def test_a_stream_borrowed_and_dropped_lets_go_of_its_lender(gpu):
+    # Defect: `Stream.borrow(obj)` memoizes the lent stream and nothing lets go of the entry
+    # when the caller drops the Stream: no buffer passes through `let_go`. The lender's object
+    # (and its CUDA stream) lives on until 64 other streams or 8 other objects push it out,
+    # against "the lending library's object lives as long as its stream is used here, and no
+    # longer".
+    # Fix: prune entries nothing else uses (`streams::prune_unused`) on a memo miss, before a
+    # new entry is added (at most 64 entries to look at, only when a new stream is lent).
+    lender = Lender(cm.Stream(0))
+    lent = weakref.ref(lender)
+    cm.Stream.borrow(lender)
+    del lender
+    _lend_another()
+    gc.collect()
+    assert lent() is None, "the memo still holds a lender whose Stream was dropped"
+
+
+def _lend_another():
+    """Lends the memo one more stream (a miss), for a fix that prunes on a miss."""
+    other = Lender(cm.Stream(0))
+    cm.Stream.borrow(other)
