@@ -1,0 +1,268 @@
+"""The defects of test_review2_contexts.py and test_review2_stream_memo.py, shown on a host
+without a GPU: each scenario runs in a process whose driver is a small stand-in for libcuda
+(`CUMEMPOOL_LIBCUDA`), compiled here from C. It keeps a current context per thread, hands out
+heap pointers as streams (so a destroyed stream's handle comes back at once, as the driver's
+often does) and answers every function it does not model with success. Each scenario checks
+first that the path the bindings already guard behaves, so a failure is the defect's, not the
+stand-in's."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+FAKE_LIBCUDA = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef int CUresult;
+typedef void *CUcontext, *CUstream;
+static int primary_storage;
+static CUcontext primary = &primary_storage;
+static __thread CUcontext current;
+static CUresult generic(void) { return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+CUresult cuInit(unsigned flags) { return 0; }
+static CUresult error_name(CUresult e, const char **s) { *s = "CUDA_ERROR_FAKE"; return 0; }
+static CUresult device_count(int *n) { *n = 1; return 0; }
+CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
+static CUresult device_attribute(int *v, int attribute, int d) { *v = 1; return 0; }
+static CUresult primary_retain(CUcontext *c, int d) { *c = primary; return 0; }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
+CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
+CUresult cuCtxCreate_v2(CUcontext *c, unsigned flags, int d) { *c = malloc(8); current = *c; return 0; }
+CUresult cuCtxDestroy_v2(CUcontext c) { if (current == c) current = 0; free(c); return 0; }
+static CUresult stream_create(CUstream *s, unsigned flags) { if (!current) return 201; *s = malloc(16); return 0; }
+static CUresult stream_destroy(CUstream s) { free(s); return 0; }
+static CUresult stream_context(CUstream s, CUcontext *c) { *c = primary; return 0; }
+static CUresult pool_create(void **pool, const void *props) { *pool = malloc(8); return 0; }
+static int legacy(CUstream s) { return s == 0 || s == (CUstream)1; }
+static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, CUstream s) {
+    if (legacy(s) && !current) return 201;
+    *p = (uint64_t)(uintptr_t)malloc(n ? n : 1); return 0;
+}
+static CUresult free_async(uint64_t p, CUstream s) {
+    if (legacy(s) && !current) return 201;
+    free((void *)(uintptr_t)p); return 0;
+}
+static CUresult event_create(void **e, unsigned flags) { if (!current) return 201; *e = malloc(8); return 0; }
+static const struct { const char *name; void *fn; } table[] = {
+    {"cuGetErrorName", error_name}, {"cuGetErrorString", error_name},
+    {"cuDeviceGetCount", device_count}, {"cuDeviceGet", cuDeviceGet},
+    {"cuDeviceGetAttribute", device_attribute}, {"cuDevicePrimaryCtxRetain", primary_retain},
+    {"cuCtxGetCurrent", cuCtxGetCurrent}, {"cuCtxSetCurrent", cuCtxSetCurrent},
+    {"cuStreamCreate", stream_create}, {"cuStreamDestroy", stream_destroy},
+    {"cuStreamGetCtx", stream_context}, {"cuMemPoolCreate", pool_create},
+    {"cuMemAllocFromPoolAsync", alloc_from_pool}, {"cuMemFreeAsync", free_async},
+    {"cuEventCreate", event_create},
+};
+CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
+    *fn = (void *)generic;
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (!strcmp(symbol, table[i].name)) *fn = table[i].fn;
+    if (status) *status = 0;
+    return 0;
+}
+"""
+
+# What every scenario starts with: the stand-in's own context functions, and a context of the
+# caller's own made current (what CuPy or a runtime user on another device looks like).
+PRELUDE = """
+import ctypes, gc, os, weakref
+import cumempool as cm
+cuda = ctypes.CDLL(os.environ["CUMEMPOOL_LIBCUDA"])
+def current():
+    c = ctypes.c_void_p(); assert cuda.cuCtxGetCurrent(ctypes.byref(c)) == 0; return c.value
+device, mine = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert cuda.cuCtxCreate_v2(ctypes.byref(mine), 0, device) == 0
+def mine_current():
+    return current() == mine.value
+class Lender:
+    def __init__(self, stream): self.stream = stream
+    def close(self): self.stream = None
+    def __cuda_stream__(self):
+        if self.stream is None: raise RuntimeError("this stream is closed")
+        return (0, self.stream.handle)
+pool = cm.MemPool(cm.Route.device(0))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler for the stand-in driver")
+    directory = tmp_path_factory.mktemp("fake_libcuda")
+    source = directory / "fake.c"
+    source.write_text(FAKE_LIBCUDA)
+    library = directory / "libfakecuda.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return str(library)
+
+
+def _run(fake_libcuda, scenario):
+    """Runs `scenario` after PRELUDE on the stand-in driver; its stdout lines."""
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=fake_libcuda)
+    code = PRELUDE + textwrap.dedent(scenario)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
+    # test_review2_contexts.py::test_creating_a_stream_puts_back_the_callers_context
+    lines = _run(
+        fake_libcuda,
+        """
+        pool.alloc(64).close()
+        print(mine_current())  # control: a legacy-stream alloc and free put it back
+        cm.Stream(0)
+        print(mine_current())
+        """,
+    )
+    assert lines[0] == "True"
+    assert lines[1] == "True", "Stream(0) left the primary context current"
+
+
+def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
+    # test_review2_contexts.py::test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_...
+    lines = _run(
+        fake_libcuda,
+        """
+        buffer = pool.alloc(4096)
+        capsule = buffer.__dlpack__(stream=-1)
+        buffer.close()
+        print(mine_current())  # control
+        del capsule
+        print(mine_current())
+        """,
+    )
+    assert lines[0] == "True"
+    assert lines[1] == "True", "the capsule's free left the primary context current"
+
+
+def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
+    # test_review2_contexts.py::test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context
+    lines = _run(
+        fake_libcuda,
+        """
+        cache = cm.CachingResource(cm.PoolResource(pool))
+        cache.alloc(4096).close()
+        print(cache.stats()["cached_blocks"], mine_current())  # control
+        cache.release()
+        print(mine_current())
+        """,
+    )
+    assert lines[:2] == ["1", "True"]
+    assert lines[2] == "True", "release() left the primary context current"
+
+
+def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcuda):
+    # test_review2_contexts.py::test_the_torch_functions_put_back_the_callers_context
+    lines = _run(
+        fake_libcuda,
+        """
+        import cumempool.torch as cmt
+        lib = ctypes.CDLL(cm.native_library_path())
+        lib.cumempool_torch_alloc.restype = ctypes.c_void_p
+        lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        cmt.serve(pool)
+        p = lib.cumempool_torch_alloc(1 << 20, 0, None)
+        print(bool(p), mine_current())
+        cuda.cuCtxSetCurrent(mine)
+        lib.cumempool_torch_free(p, 1 << 20, 0, None)
+        print(cmt.statistics()["current_count"], mine_current())
+        """,
+    )
+    assert lines[0] == "True" and lines[2] == "0"  # control: served and given back
+    assert (lines[1], lines[3]) == ("True", "True"), "(after alloc, after free) the caller's context was current"
+
+
+def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
+    # test_review2_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
+    lines = _run(
+        fake_libcuda,
+        """
+        first = Lender(cm.Stream(0))
+        handle = first.stream.handle
+        kept = cm.Stream.borrow(first)
+        first.close()
+        fresh = cm.Stream(0)
+        print(fresh.handle == handle)  # control: the stand-in gave the handle out again
+        second = Lender(fresh)
+        buffer = pool.alloc(4096, second)
+        print(buffer.stream.owner is second)
+        buffer.close()
+        """,
+    )
+    assert lines[0] == "True"
+    assert lines[1] == "True", "the buffer holds the closed stream's object, not its own stream's"
+
+
+def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
+    # test_review2_stream_memo.py::test_a_closed_stream_object_passed_again_is_asked_for_its_handle
+    lines = _run(
+        fake_libcuda,
+        """
+        first = Lender(cm.Stream(0))
+        kept = cm.Stream.borrow(first)
+        first.close()
+        fresh = cm.Stream(0)  # takes the closed stream's handle
+        try:
+            pool.alloc(4096, Lender(None))
+        except RuntimeError:
+            print("raised")  # control: a closed object the memo does not know raises
+        try:
+            pool.alloc(4096, first).close()
+            print("allocated")
+        except RuntimeError:
+            print("raised")
+        """,
+    )
+    assert lines[0] == "raised"
+    assert lines[1] == "raised", "a closed stream object was answered with its old Stream"
+
+
+def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
+    # test_review2_stream_memo.py::test_a_stream_borrowed_and_dropped_lets_go_of_its_lender
+    lines = _run(
+        fake_libcuda,
+        """
+        stats = cm.Statistics(cm.PoolResource(pool))
+        lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
+        stats.alloc(256, lender).close(); del lender; gc.collect()
+        print(lent() is None)  # control: a buffer's close lets go of it
+        lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
+        cm.Stream.borrow(lender); del lender
+        cm.Stream.borrow(Lender(cm.Stream(0)))  # another lend (a miss)
+        gc.collect()
+        print(lent() is None)
+        """,
+    )
+    assert lines[0] == "True"
+    assert lines[1] == "True", "the memo still holds a lender whose Stream was dropped"
+
+
+def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
+    # test_review2_stream_memo.py::test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer
+    lines = _run(
+        fake_libcuda,
+        """
+        stats = cm.Statistics(cm.PoolResource(pool))
+        lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
+        buffer = stats.alloc(256, lender)
+        capsule = buffer.__dlpack__(stream=-1)
+        buffer.close(); del buffer, lender, capsule
+        print(stats.usage()["current_count"])  # control: the capsule gave the memory back
+        cm.Stream.borrow(Lender(cm.Stream(0)))  # another lend (a miss)
+        gc.collect()
+        print(lent() is None)
+        """,
+    )
+    assert lines[0] == "0"
+    assert lines[1] == "True", "the memo still holds the lender after the capsule gave the memory back"
