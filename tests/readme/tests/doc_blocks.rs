@@ -2,6 +2,8 @@
 //! build.rs). Each block runs in a process of its own: examples change process-global routes
 //! and count retired pools, which other blocks running beside them would disturb.
 
+// The pages show the API of the default features (the newest CUDA declarations).
+#![cfg(feature = "cuda-13050")]
 #![allow(clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
