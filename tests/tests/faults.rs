@@ -289,6 +289,30 @@ fn stream_and_event_calls_name_the_call_that_failed() {
     assert!(event.is_complete().unwrap() && stream.is_idle().unwrap(), "usable afterwards");
 }
 
+/// Host waits run in relaxed capture mode: a refused switch fails the wait before it begins, and
+/// a refused restore is logged while the wait's own answer stands.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_host_wait_whose_capture_mode_change_fails_names_it_or_says_so_once() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let exchange = "cuThreadExchangeStreamCaptureMode";
+    refused_by(suite.failing(exchange, 1, UNKNOWN, || stream.synchronize()), exchange, UNKNOWN);
+    assert!(logged().is_empty(), "nothing to restore: {:?}", logged());
+    suite.failing(exchange, 2, UNKNOWN, || stream.synchronize()).expect("the wait itself succeeded");
+    warned_once(exchange);
+    let driver = cumempool::sys::driver().unwrap();
+    let mut mode = cumempool::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: a valid in/out pointer; puts back the default mode the failed restore left relaxed.
+    assert_eq!(
+        unsafe { driver.cuThreadExchangeStreamCaptureMode().unwrap()(&mut mode) },
+        cumempool::sys::CUresult::CUDA_SUCCESS
+    );
+    assert_eq!(mode, cumempool::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED, "left relaxed");
+    stream.synchronize().unwrap();
+    assert!(stream.is_idle().unwrap(), "usable afterwards");
+}
+
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_stream_whose_destroy_fails_says_so_once() {

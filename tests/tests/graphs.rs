@@ -279,6 +279,30 @@ fn copy_from_async_orders_both_streams_and_frees_after_the_copy() {
     }
 }
 
+/// A wait refused inside a capture's closure (before any driver call) hands the copy back,
+/// still pending, instead of keeping its vector for good; it is waited for after the capture.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_pending_copy_waited_for_inside_a_capture_is_handed_back_intact() {
+    let context = gpu().expect("a GPU");
+    let stream = Stream::new(&context).unwrap();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut buffer = pool.alloc(MIB, &stream).unwrap();
+    buffer.fill(4).unwrap();
+    let pending = buffer.copy_to_host_async(vec![0; MIB]).unwrap();
+    let mut handed_back = None;
+    let graph = stream.capture(|capture| {
+        let scratch = capture.alloc(&pool, MIB)?;
+        let refused = pending.wait().unwrap_err();
+        assert!(matches!(refused.error(), Error::StreamCapturing { .. }), "{refused}");
+        handed_back = refused.into_pending();
+        capture.fill(&scratch, 1)
+    });
+    assert_eq!(graph.expect("the capture survives the refused wait").node_count().unwrap(), 3);
+    let pending = handed_back.expect("the refused wait handed the copy back");
+    assert!(pending.wait().unwrap().iter().all(|b| *b == 4), "the copied bytes, not a leaked vector");
+}
+
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_forgotten_pending_copy_leaks_its_vector_and_nothing_else() {

@@ -542,20 +542,79 @@ impl PendingCopy {
     /// to the host).
     ///
     /// # Errors
-    /// The copy's failure; the vector is then kept (leaked) if the stream cannot be waited for,
-    /// since the device may still use it.
-    pub fn wait(mut self) -> Result<Vec<u8>> {
-        self.finish()?;
-        Ok(self.host.take().unwrap_or_default())
+    /// A [`PendingCopyError`] with the cause. Inside [`Stream::capture`]'s closure the wait is
+    /// refused before the driver ([`Error::StreamCapturing`]) and the error hands the copy back,
+    /// still pending, to wait for once the capture is over. A copy that failed hands nothing
+    /// back: its vector is released once the stream has been waited for, or kept (leaked) if
+    /// even that fails, since the device may still use it.
+    pub fn wait(mut self) -> std::result::Result<Vec<u8>, PendingCopyError> {
+        if let Err(error) = crate::stream::refuse_host_wait_on_capturing_thread(WAIT) {
+            return Err(PendingCopyError { error, pending: Some(Box::new(self)) });
+        }
+        match self.finish() {
+            Ok(()) => Ok(self.host.take().unwrap_or_default()),
+            Err(error) => Err(PendingCopyError { error, pending: None }),
+        }
     }
 
+    /// Waits for the copy; on failure, releases the vector only once the stream is idle. Clears
+    /// `host` either way, so a failed copy is waited for once.
     fn finish(&mut self) -> Result<()> {
         self.done.synchronize().inspect_err(|_| {
+            let host = self.host.take();
             if self.stream.synchronize().is_err() {
                 // Neither can be waited for: the device may still use the memory, so keep it.
-                std::mem::forget(self.host.take());
+                std::mem::forget(host);
             }
         })
+    }
+}
+
+const WAIT: &str = "waiting for a pending copy (PendingCopy::wait)";
+
+/// Why [`PendingCopy::wait`] did not hand the vector back, with the copy itself where the wait
+/// was refused before it began (as `BufWriter::into_inner` hands its writer back).
+///
+/// Converts into [`Error`] for `?`; the copy it holds is then dropped, which waits for it (or,
+/// inside a capture's closure, keeps its vector, since the device may still use it).
+#[derive(Debug)]
+pub struct PendingCopyError {
+    error: Error,
+    pending: Option<Box<PendingCopy>>,
+}
+
+impl PendingCopyError {
+    /// The cause.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The copy, still pending, when the wait was refused before it began.
+    pub fn into_pending(self) -> Option<PendingCopy> {
+        self.pending.map(|pending| *pending)
+    }
+
+    /// The cause and the copy, if it was handed back.
+    pub fn into_parts(self) -> (Error, Option<PendingCopy>) {
+        (self.error, self.pending.map(|pending| *pending))
+    }
+}
+
+impl std::fmt::Display for PendingCopyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for PendingCopyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.source()
+    }
+}
+
+impl From<PendingCopyError> for Error {
+    fn from(refused: PendingCopyError) -> Self {
+        refused.error
     }
 }
 

@@ -76,7 +76,7 @@ impl Stream {
         let Some(context) = self.context() else {
             return Err(Error::InvalidArgument {
                 what: "handing a stream to cudarc",
-                reason: "cudarc needs the stream's context; borrow the stream with its context (Stream::borrow_raw(raw, Some(&context)))".into(),
+                reason: "cudarc needs the stream's context, and this stream was borrowed without one; a stream of a device's primary context can be borrowed with it (Stream::borrow_raw(raw, Some(&context))), while a stream of any other context cannot be handed to cudarc here".into(),
             });
         };
         let cudarc_context = context.to_cudarc()?;

@@ -47,12 +47,12 @@ impl Stream {
     ///
     /// See [cuStreamBeginCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture<'env>(&self, record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>) -> Result<Graph<'env>> {
-        self.ensure_not_capturing(BEGIN)?;
         let Some(context) = self.context() else {
             return Err(Error::StreamNotBorrowable {
-                reason: "a capture runs on a private stream made in the stream's context, and this stream was borrowed without it; borrow it with Stream::borrow_raw(raw, Some(&context))",
+                reason: "a capture runs on a private stream made in the stream's context, and this stream was borrowed without one; a stream of a device's primary context can be borrowed with it (Stream::borrow_raw(raw, Some(&context))), while a stream of any other context cannot be captured with Stream::capture (capture it through the driver, after Stream::note_capture_possible)",
             });
         };
+        self.ensure_not_capturing(BEGIN)?;
         let private = self.take_capture_stream(context)?;
         // Unwinding out of `record` drops the private stream instead (its capture was ended).
         let graph = capture_on(&private, record);
@@ -704,6 +704,16 @@ mod tests {
         assert!(matches!(shifted, Err(Error::OverlappingCopy { .. })), "{shifted:?}");
         let backwards = capture.copy(&outside(0x10_0008, 4096), &outside(0x10_0000, 16));
         assert!(matches!(backwards, Err(Error::OverlappingCopy { .. })), "{backwards:?}");
+    }
+
+    #[test]
+    fn a_stream_borrowed_without_a_context_cannot_be_captured_and_is_told_what_would_work() {
+        // SAFETY: refused before any driver call.
+        let stream = unsafe { Stream::borrow_raw(0x5000 as sys::CUstream, None) }.unwrap_or_else(|e| panic!("{e}"));
+        let refused = stream.capture(|_| Ok(())).map(|_| ());
+        let Err(Error::StreamNotBorrowable { reason }) = refused else { panic!("{refused:?}") };
+        assert!(reason.contains("primary context") && reason.contains("any other context cannot"), "{reason}");
+        assert!(!reason.contains("borrow it with"), "no advice that a non-primary context cannot follow");
     }
 
     #[test]

@@ -44,6 +44,7 @@
 mod access;
 mod attributes;
 mod buffer;
+mod capture_mode;
 mod capture_registry;
 mod context;
 #[cfg(feature = "cudarc")]
@@ -74,7 +75,7 @@ pub mod vmm;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
-pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer, PendingCopy};
+pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer, PendingCopy, PendingCopyError};
 pub use capture_registry::is_captured_allocation;
 pub use context::Context;
 pub use cumempool_sys::DriverVersion;

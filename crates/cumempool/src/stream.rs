@@ -160,7 +160,12 @@ impl Stream {
     /// # Safety
     /// `raw` must be a valid stream (of `context`, if given) and must outlive every clone of the
     /// result and every buffer allocated on it. Caches (such as `cumempool-alloc`'s) may hold a
-    /// clone until they are released.
+    /// clone until they are released. Buffers dropped while other code captures the stream are
+    /// freed on it once the capture is over; if the last clone drops before that, the stream
+    /// must stay valid until those frees have run (on the next capture-aware use of a `Stream`
+    /// of the same handle, or [`Stream::run_orphaned_frees`]): end the capture and use the
+    /// stream once more here before destroying it. [`Stream::borrow_raw_keeping`] (and
+    /// `Stream::from_cudarc`) keep the lender's handle until then.
     pub unsafe fn borrow_raw(raw: sys::CUstream, context: Option<&Context>) -> Result<Self> {
         check_borrowable(raw, context)?;
         Ok(Self::from_parts(raw, context.cloned(), false))
@@ -222,7 +227,7 @@ impl Stream {
         match &self.0.context {
             Some(context) => context.ensure_current(),
             None => Err(Error::StreamNotBorrowable {
-                reason: "copies need the stream's context current, and this stream was borrowed without it; borrow it with Stream::borrow_raw(raw, Some(&context))",
+                reason: "copies need the stream's context current, and this stream was borrowed without one; a stream of a device's primary context can be borrowed with it (Stream::borrow_raw(raw, Some(&context))), while a stream of any other context cannot copy host memory here",
             }),
         }
     }
@@ -257,7 +262,7 @@ impl Stream {
         self.ensure_not_capturing(WHAT)?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
-        unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) }
+        crate::capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) })
     }
 
     /// Whether all queued work has finished, without waiting.
@@ -276,7 +281,7 @@ impl Stream {
         self.ensure_not_capturing(WHAT)?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
-        let answer = unsafe { driver_answer!(cuStreamQuery(self.as_raw())) }?;
+        let answer = crate::capture_mode::relaxed(|| unsafe { driver_answer!(cuStreamQuery(self.as_raw())) })?;
         match answer.code {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -381,10 +386,46 @@ impl Stream {
         std::mem::take(&mut *self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Runs the deferred frees (call only when the stream does not capture). Failures are
-    /// logged: like a buffer's drop, nobody is left to hand them to.
+    /// Runs the deferred frees (call only when the stream does not capture), and those that
+    /// earlier `Stream` values of the same driver stream left behind when they dropped during a
+    /// capture. Failures are logged: like a buffer's drop, nobody is left to hand them to.
     pub(crate) fn run_deferred_frees(&self) {
         run_frees(self.as_raw(), self.take_deferred_frees());
+        for orphan in take_orphans(self.as_raw(), self.context().map(Context::as_raw)) {
+            run_frees(self.as_raw(), orphan.frees);
+        }
+    }
+
+    /// Runs the frees that `Stream` values dropped during a capture left behind (see
+    /// [`Stream::borrow_raw`]) on each of their streams that no longer captures, and answers how
+    /// many frees still wait for a capture to end.
+    ///
+    /// Any capture-aware operation on a `Stream` of the same driver stream (a synchronize, a
+    /// free, a capture) runs them too; this is for programs that never use that stream here again.
+    /// Failures are logged, and the frees of a stream whose capture state cannot be read wait on.
+    pub fn run_orphaned_frees() -> usize {
+        let mut waiting = 0;
+        for orphan in take_orphans_where(|_| true) {
+            let raw = orphan.raw.0;
+            let ended = || capture_info(raw).map(|status| status == CaptureStatus::None);
+            let ended = match &orphan.context {
+                Some(context) => context.while_current(ended),
+                None => ended(),
+            };
+            match ended {
+                Ok(true) => run_frees(raw, orphan.frees),
+                Ok(false) => {
+                    waiting += orphan.frees.len();
+                    adopt(orphan);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "asking whether a dropped stream still captures failed; its frees wait");
+                    waiting += orphan.frees.len();
+                    adopt(orphan);
+                }
+            }
+        }
+        waiting
     }
 
     /// Makes later work on this stream wait for the work queued on `other` so far: an event
@@ -558,6 +599,51 @@ fn capture_info(stream: sys::CUstream) -> Result<CaptureStatus> {
     CaptureStatus::from_raw(status, id)
 }
 
+/// Frees deferred by a capture whose `Stream` values all dropped before it ended, with what
+/// keeps their stream valid until they run (the lender's handle; an owned stream is leaked).
+///
+/// Invariant: every entry's stream is valid (by [`Stream::borrow_raw`]'s contract, the keep-alive,
+/// or the leak) and names the same driver stream until its frees have run, so they run on it, in
+/// its order after the capture, by the first capture-aware operation on a `Stream` with the same
+/// handle that finds it not capturing, by that `Stream`'s drop, or by [`Stream::run_orphaned_frees`].
+#[derive(Debug)]
+struct Orphan {
+    raw: DriverHandle<sys::CUstream>,
+    context: Option<Context>,
+    frees: Vec<DeferredFree>,
+    _keep_alive: KeepAlive,
+}
+
+static ORPHANS: Mutex<Vec<Orphan>> = Mutex::new(Vec::new());
+
+/// How many entries [`ORPHANS`] holds: read (one relaxed load) before taking the lock.
+static ORPHAN_COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn adopt(orphan: Orphan) {
+    let mut orphans = ORPHANS.lock().unwrap_or_else(PoisonError::into_inner);
+    orphans.push(orphan);
+    ORPHAN_COUNT.store(orphans.len(), Relaxed);
+}
+
+fn take_orphans_where(mut matches: impl FnMut(&Orphan) -> bool) -> Vec<Orphan> {
+    if ORPHAN_COUNT.load(Relaxed) == 0 {
+        return Vec::new();
+    }
+    let mut orphans = ORPHANS.lock().unwrap_or_else(PoisonError::into_inner);
+    let (taken, kept) = std::mem::take(&mut *orphans).into_iter().partition(|o| matches(o));
+    *orphans = kept;
+    ORPHAN_COUNT.store(orphans.len(), Relaxed);
+    taken
+}
+
+/// The orphans of the driver stream `raw` (in `context`, where both sides know it: an ordinary
+/// stream's handle names one stream whatever the context, and the legacy handles never capture).
+fn take_orphans(raw: sys::CUstream, context: Option<sys::CUcontext>) -> Vec<Orphan> {
+    take_orphans_where(|o| {
+        o.raw.0 == raw && (context.is_none() || o.context.as_ref().is_none_or(|c| Some(c.as_raw()) == context))
+    })
+}
+
 /// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
 /// mapped once their unmapping has run.
 fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
@@ -575,8 +661,8 @@ fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
     }
     if !imported.is_empty() {
         let waited = refuse_host_wait_on_capturing_thread("waiting for deferred unmappings")
-            // SAFETY: a live stream.
-            .and_then(|()| unsafe { driver_call!(cuStreamSynchronize(stream)) });
+            // SAFETY: a live stream that no longer captures.
+            .and_then(|()| crate::capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(stream)) }));
         match waited {
             Ok(()) => imported.into_iter().for_each(crate::owner::forget_mapping),
             Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
@@ -586,30 +672,41 @@ fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        let frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
-        if !self.owned && frees.is_empty() {
+        let raw = self.raw.0;
+        let owned = self.owned;
+        let may_capture = self.capture_possible.load(Relaxed);
+        let mut frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if may_capture {
+            // Earlier values of this driver stream left frees; they run (or wait) with these.
+            for orphan in take_orphans(raw, self.context.as_ref().map(Context::as_raw)) {
+                frees.extend(orphan.frees);
+            }
+        }
+        if !owned && frees.is_empty() {
             return;
         }
         // Frees run before the stream is destroyed. A capture begun by `Stream::capture` is
         // over by now; one begun by other code is asked about below.
-        let raw = self.raw.0;
-        let owned = self.owned;
-        let may_capture = self.capture_possible.load(Relaxed);
+        let keep_alive = std::mem::replace(&mut self._keep_alive, KeepAlive(None));
+        let context = self.context.clone();
         let destroy = || {
-            if may_capture && capture_info(raw)? != CaptureStatus::None {
+            let capturing = may_capture && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
+            if capturing {
                 // Code that lent the stream still captures on it (or a capture's private stream
-                // could not be ended): a free now would be recorded into its graph, and a capture
-                // is not destroyed from under its owner. The memory (and its pools), and an owned
-                // stream, stay alive instead.
-                tracing::warn!(
-                    count = frees.len(),
-                    owned,
-                    "a stream dropped during a capture: its deferred frees (and the stream, if owned) are leaked"
-                );
-                std::mem::forget(frees);
+                // could not be ended, or the driver cannot say): a free now would be recorded
+                // into its graph, and a capture is not destroyed from under its owner. The frees
+                // wait for the capture's end with what keeps the stream valid; an owned stream
+                // is leaked (never destroyed) for them.
+                if owned {
+                    tracing::warn!("a stream dropped during a capture is leaked, not destroyed");
+                }
+                if !frees.is_empty() {
+                    adopt(Orphan { raw: DriverHandle(raw), context, frees, _keep_alive: keep_alive });
+                }
                 return Ok(());
             }
             run_frees(raw, frees);
+            drop(keep_alive);
             if owned {
                 // SAFETY: an owned stream, destroyed once.
                 unsafe { driver_call!(cuStreamDestroy(raw)) }?;
@@ -668,12 +765,17 @@ impl Event {
 
     /// Whether the work before the last record has finished, without waiting.
     ///
+    /// A status query, like a host wait, is refused inside [`Stream::capture`]'s closure (the
+    /// driver would invalidate the capture), and runs in relaxed capture mode otherwise, so
+    /// captures other code runs are left intact.
+    ///
     /// # Errors
-    /// The driver's answer (`cuEventQuery`).
-    #[inline]
+    /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure; the driver's answer
+    /// (`cuEventQuery`).
     pub fn is_complete(&self) -> Result<bool> {
+        refuse_host_wait_on_capturing_thread("asking whether an event is complete (Event::is_complete)")?;
         // SAFETY: a live event.
-        let answer = unsafe { driver_answer!(cuEventQuery(self.raw.0)) }?;
+        let answer = crate::capture_mode::relaxed(|| unsafe { driver_answer!(cuEventQuery(self.raw.0)) })?;
         match answer.code {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -683,13 +785,18 @@ impl Event {
 
     /// Waits on the host until the work before the last record has finished.
     ///
+    /// Runs in relaxed capture mode, so captures other code runs (on this thread, or in global
+    /// mode on any thread) are left intact.
+    ///
     /// # Errors
     /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure (the driver's wait would
     /// invalidate the capture); the driver's answer.
+    ///
+    /// See [cuEventSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
     pub fn synchronize(&self) -> Result<()> {
         refuse_host_wait_on_capturing_thread("waiting for an event (Event::synchronize)")?;
         // SAFETY: a live event.
-        unsafe { driver_call!(cuEventSynchronize(self.raw.0)) }
+        crate::capture_mode::relaxed(|| unsafe { driver_call!(cuEventSynchronize(self.raw.0)) })
     }
 }
 
@@ -747,6 +854,28 @@ mod tests {
         assert!(stream.take_deferred_frees().is_empty(), "taken once");
         drop(taken);
         assert_eq!(Arc::strong_count(&pool), 1);
+        std::mem::forget(Arc::try_unwrap(pool).unwrap()); // not a real pool: no destroy
+    }
+
+    #[test]
+    fn frees_left_by_a_stream_dropped_during_a_capture_wait_for_the_next_value_of_its_handle() {
+        // No driver here: the drop cannot learn that the capture is over, which it must treat as
+        // a capture still underway.
+        let raw = 0x7000 as sys::CUstream;
+        let pool = Arc::new(Owner::new(0x8000 as sys::CUmemoryPool, false));
+        let lender: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+        // SAFETY: never given to a driver that exists.
+        let stream = unsafe { Stream::borrow_raw_keeping(raw, None, lender.clone()) }.unwrap();
+        stream.defer_free(DeferredFree { ptr: 0x30, pool: Some(pool.clone()) });
+        drop(stream);
+        assert_eq!(Arc::strong_count(&pool), 2, "the free (and its pool) outlive the stream's last value");
+        assert_eq!(Arc::strong_count(&lender), 2, "so does the lender's handle, which keeps the stream valid");
+        assert!(take_orphans(0x7100 as sys::CUstream, None).is_empty(), "another stream's values do not run them");
+        let orphans = take_orphans(raw, None);
+        assert_eq!(orphans.iter().flat_map(|o| o.frees.iter().map(|f| f.ptr)).collect::<Vec<_>>(), [0x30]);
+        assert!(take_orphans(raw, None).is_empty(), "taken once");
+        drop(orphans);
+        assert_eq!((Arc::strong_count(&pool), Arc::strong_count(&lender)), (1, 1));
         std::mem::forget(Arc::try_unwrap(pool).unwrap()); // not a real pool: no destroy
     }
 

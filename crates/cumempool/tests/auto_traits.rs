@@ -20,6 +20,7 @@ fn public_handles_are_send_and_sync() {
     send_sync::<cumempool_sys::Driver>();
     send_sync::<cumempool_sys::LoadError>();
     send_sync::<cumempool::PendingCopy>();
+    send_sync::<cumempool::PendingCopyError>();
     send_sync::<cumempool::GraphMemory>();
 }
 
@@ -36,5 +37,6 @@ fn graphs_move_between_threads() {
 fn errors_are_static_std_errors() {
     fn error<E: std::error::Error + Send + Sync + 'static>() {}
     error::<cumempool::Error>();
+    error::<cumempool::PendingCopyError>();
     error::<cumempool_sys::LoadError>();
 }
