@@ -533,7 +533,9 @@ impl PendingCopy {
     /// Whether the copy has finished, without waiting.
     ///
     /// # Errors
-    /// The driver's answer (`cuEventQuery`), which includes errors of the copy.
+    /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure (as
+    /// [`Event::is_complete`]); the driver's answer (`cuEventQuery`), which includes errors of
+    /// the copy.
     pub fn is_complete(&self) -> Result<bool> {
         self.done.is_complete()
     }

@@ -248,7 +248,9 @@ impl Stream {
     /// Waits until all work queued on the stream has finished.
     ///
     /// A host wait cannot be recorded into a graph: on a stream that captures (a capture begun
-    /// by any code) it is refused before the driver, which would invalidate the capture.
+    /// by any code) it is refused before the driver, which would invalidate the capture. On a
+    /// stream that does not capture it runs in relaxed capture mode, so captures other code runs
+    /// on other streams (on this thread, or in global mode on any thread) are left intact.
     ///
     /// # Errors
     /// [`Error::StreamCapturing`] while the stream captures (the capture is left intact); the
