@@ -373,7 +373,10 @@ impl Stream {
     #[pyo3(signature = (device = 0))]
     fn new(py: Python<'_>, device: i32) -> Outcome<Self> {
         let context = Self::context(py, device)?;
-        let stream = crate::gil::detach(py, || cumempool::Stream::new(&context))?;
+        // `cuStreamCreate` needs the context current: the caller's is put back after.
+        let stream = crate::gil::detach(py, || {
+            crate::contexts::while_current(&context, || Ok(cumempool::Stream::new(&context)?))
+        })?;
         Ok(Self { stream, owner: None, device })
     }
 
@@ -426,13 +429,13 @@ impl Stream {
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
         let s = &self.stream;
-        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.synchronize()?)))
+        Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.synchronize()))?)
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
         let s = &self.stream;
-        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.is_idle()?)))
+        Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.is_idle()))?)
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.
