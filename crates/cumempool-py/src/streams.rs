@@ -107,6 +107,26 @@ impl Stream {
         }))
     }
 
+    /// Whether this memo entry still stands for the stream `obj` names as `raw` (on the same
+    /// device). A held object does not keep its stream alive (cuda.core's `Stream.close()`
+    /// destroys it), and the driver gives a destroyed stream's handle to the next new stream:
+    /// the entry's own object is asked again which handle it names. An entry an int made
+    /// answers for ints (which promise validity themselves), and gives way to a library
+    /// object, which is then held.
+    fn still_lent_as(&self, obj: &Bound<'_, PyAny>, raw: usize, is_int: bool) -> bool {
+        let Some(owner) = self.owner.as_ref().map(|o| o.bind(obj.py())) else {
+            return false;
+        };
+        if owner.is(obj) {
+            return true;
+        }
+        if owner.is_instance_of::<PyInt>() {
+            return is_int;
+        }
+        // The entry's object raising (closed) or naming another handle: a stale entry.
+        handle_of(owner).is_ok_and(|handle| handle == raw)
+    }
+
     /// Whether another library lent the stream (its object is held).
     pub(crate) fn is_lent(&self) -> bool {
         self.owner.is_some()
@@ -171,9 +191,14 @@ impl Stream {
         if let Ok(stream) = obj.cast::<Self>() {
             return Ok(stream.clone().unbind());
         }
-        let recent = |lent: &Lent| lent.objects.iter().find(|(o, _)| o.is(obj)).map(|(_, s)| s.clone_ref(py));
-        if let Some(known) = recent(&lock(&LENT)) {
-            return Ok(known);
+        let recent = lock(&LENT).objects.iter().find(|(o, _)| o.is(obj)).map(|(_, s)| s.clone_ref(py));
+        if let Some(known) = recent {
+            // Asked again: the object may have closed its stream since (cuda.core's
+            // `Stream.close()`), and the handle may name another stream by now. A closed
+            // object's own error surfaces; one that names another stream is looked up anew.
+            if handle_of(obj)? == known.get().handle() {
+                return Ok(known);
+            }
         }
         let (raw, device) = foreign_handle(obj, default_device)?;
         // `0` and `CU_STREAM_LEGACY` name the legacy stream of whichever context is current:
@@ -184,13 +209,8 @@ impl Stream {
         let is_int = obj.is_instance_of::<PyInt>();
         let known =
             lock(&LENT).streams.iter().find(|(r, d, _)| (*r, *d) == (raw, device)).map(|(_, _, s)| s.clone_ref(py));
-        // A stream first named by an int holds no library object: an object of it replaces it.
         let stream = match known {
-            Some(stream)
-                if is_int || stream.get().owner.as_ref().is_some_and(|o| !o.bind(py).is_instance_of::<PyInt>()) =>
-            {
-                stream
-            }
+            Some(stream) if stream.get().still_lent_as(obj, raw, is_int) => stream,
             _ => Py::new(py, Self::borrow_handle(py, raw, device, Some(obj.clone().unbind()))?)?,
         };
         // Let go of outside the lock: dropping a library's object may run its code, which may
@@ -198,6 +218,9 @@ impl Stream {
         let mut evicted: Vec<Py<PyAny>> = Vec::new();
         let mut lent = lock(&LENT);
         if !lent.streams.iter().any(|(_, _, s)| s.is(&stream)) {
+            // A miss: entries nothing uses any more (a `Stream.borrow` result dropped, memory
+            // a DLPack consumer gave back without the GIL) go now, not when pushed out.
+            evicted.extend(unused_entries(py, &mut lent));
             if let Some(at) = lent.streams.iter().position(|(r, d, _)| (*r, *d) == (raw, device)) {
                 evicted.extend(lent.streams.remove(at).map(|(_, _, s)| s.into_any()));
             }
@@ -207,6 +230,12 @@ impl Stream {
             lent.streams.push_back((raw, device, stream.clone_ref(py)));
         }
         if !is_int {
+            // An object that names another stream now keeps one entry, for that stream.
+            while let Some(at) = lent.objects.iter().position(|(o, _)| o.is(obj)) {
+                if let Some((object, stream)) = lent.objects.remove(at) {
+                    evicted.extend([object, stream.into_any()]);
+                }
+            }
             if lent.objects.len() >= RECENT_KEPT {
                 if let Some((object, stream)) = lent.objects.pop_front() {
                     evicted.extend([object, stream.into_any()]);
@@ -239,16 +268,23 @@ pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
 /// Lets go of every memo entry whose stream nothing else uses (after a cache gave its blocks
 /// back, say).
 pub(crate) fn prune_unused(py: Python<'_>) {
-    let mut evicted = Vec::new();
     let mut lent = lock(&LENT);
-    let streams: Vec<Py<Stream>> = lent.streams.iter().map(|(_, _, s)| s.clone_ref(py)).collect();
-    for stream in &streams {
-        // `streams` holds one more reference.
-        evicted.extend(evict(&mut lent, stream, 1));
-    }
+    let evicted = unused_entries(py, &mut lent);
     drop(lent);
     drop(evicted);
-    drop(streams);
+}
+
+/// Takes out of the memo every entry whose stream nothing else uses; what was taken, to be
+/// dropped outside the lock.
+fn unused_entries(py: Python<'_>, lent: &mut Lent) -> Vec<Py<PyAny>> {
+    let streams: Vec<Py<Stream>> = lent.streams.iter().map(|(_, _, s)| s.clone_ref(py)).collect();
+    let mut evicted = Vec::new();
+    for stream in &streams {
+        // `streams` holds one more reference.
+        evicted.extend(evict(lent, stream, 1));
+    }
+    evicted.extend(streams.into_iter().map(Py::into_any));
+    evicted
 }
 
 /// Takes `stream`'s entries out of the memo when its references are the memo's and `others`
@@ -291,15 +327,18 @@ const RECENT_KEPT: usize = 8;
 /// A stream another library lent (or an int handle), kept so that passing its object, another
 /// object of the same stream (each `torch.cuda.current_stream()` is a new one) or its handle
 /// again finds the same `Stream`: no conversion, and one stream to a cache, which keys blocks
-/// by the `Stream`. The handle's value is the key, as PyTorch's caching allocator keys streams:
-/// a held object keeps its stream alive, so no other stream has its handle meanwhile; and a
-/// destroyed stream's handle is released only once the work queued on it has finished, so a
-/// new stream that gets the same value cannot overlap work ordered on the old one.
+/// by the `Stream`. The handle's value is the key, as PyTorch's caching allocator keys streams.
+/// A held object does not always keep its stream alive (cuda.core's `Stream.close()` destroys
+/// it), and the driver hands a destroyed stream's handle to the next new stream: so a hit is
+/// confirmed by asking the entry's object which handle it names now
+/// (`Stream::still_lent_as`), and a stale entry gives way to the new stream's object. Entries
+/// nothing uses any more are let go of when a buffer lets go of its stream, on a miss, and
+/// when a cache is released.
 struct Lent {
     /// `(handle, device, stream)`, the oldest first.
     streams: VecDeque<(usize, i32, Py<Stream>)>,
     /// The objects passed last, held (so their identity stays theirs) with their stream: the
-    /// same object again needs no attribute lookup.
+    /// same object again is asked only for its handle (it may have closed its stream since).
     objects: VecDeque<(Py<PyAny>, Py<Stream>)>,
 }
 
@@ -313,8 +352,14 @@ fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize
     if obj.is_instance_of::<PyInt>() {
         return Ok((obj.extract::<usize>()?, default_device));
     }
+    let handle = handle_of(obj)?;
+    Ok((handle, device_of(obj).unwrap_or(default_device)))
+}
+
+/// The raw handle a library's stream object (not an int) names now: `__cuda_stream__()`, a
+/// PyTorch stream's `cuda_stream` or a CuPy stream's `ptr`.
+fn handle_of(obj: &Bound<'_, PyAny>) -> Outcome<usize> {
     let py = obj.py();
-    let device = device_of(obj).unwrap_or(default_device);
     if optional_attr(obj, intern!(py, "__cuda_stream__")).is_some() {
         let answer = obj.call_method0(intern!(py, "__cuda_stream__"))?;
         let pair = answer
@@ -323,12 +368,12 @@ fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize
         if pair.len() != 2 {
             return Err(PyValueError::new_err("__cuda_stream__() must return a (version, handle) tuple").into());
         }
-        return Ok((pair.get_item(1)?.extract::<usize>()?, device));
+        return Ok(pair.get_item(1)?.extract::<usize>()?);
     }
     for attribute in [intern!(py, "cuda_stream"), intern!(py, "ptr")] {
         if let Some(value) = optional_attr(obj, attribute) {
             if let Ok(raw) = value.extract::<usize>() {
-                return Ok((raw, device));
+                return Ok(raw);
             }
         }
     }
