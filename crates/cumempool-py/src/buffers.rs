@@ -606,7 +606,8 @@ impl Buffer {
     }
 
     /// Copies all of `other` (a Buffer) into the start of this one, ordered after the work on
-    /// both streams, and waits for the copy.
+    /// both streams, and waits for the copy. Overlapping ranges (a buffer into itself) raise
+    /// OverlappingCopyError.
     fn copy_from_buffer(slf: &Bound<'_, Self>, other: &Bound<'_, Buffer>) -> Outcome<()> {
         let py = slf.py();
         // Both memories are held until the copy has finished, whatever closes meanwhile.
@@ -618,6 +619,13 @@ impl Buffer {
                 capacity: dst.len(),
             }
             .into());
+        }
+        // A buffer copied into itself, say: the driver's copies are undefined there.
+        let (to, from, len) = (dst.ptr(), src.ptr(), src.len());
+        if len > 0 && to < from.saturating_add(len as u64) && from < to.saturating_add(len as u64) {
+            return Err(
+                cumempool::Error::OverlappingCopy { what: "copying between buffers", dst: to, src: from, len }.into()
+            );
         }
         crate::gil::detach(py, || {
             src.order_before(dst.stream())?;

@@ -266,3 +266,77 @@ def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
     )
     assert lines[0] == "0"
     assert lines[1] == "True", "the memo still holds the lender after the capsule gave the memory back"
+
+
+def test_a_buffer_copied_into_itself_is_refused_on_any_host(fake_libcuda):
+    # test_buffers.py::test_a_buffer_copied_into_itself_is_refused_before_the_driver
+    lines = _run(
+        fake_libcuda,
+        """
+        buffer, other = pool.alloc(64), pool.alloc(64)
+        other.copy_from_buffer(buffer)
+        print("copied")  # control: separate buffers copy
+        try:
+            buffer.copy_from_buffer(buffer)
+            print("copied")
+        except cm.OverlappingCopyError as error:
+            print("refused", isinstance(error, ValueError))
+        """,
+    )
+    assert lines[0] == "copied"
+    assert lines[1:] == ["refused", "True"], "an overlapping copy reached the driver"
+
+
+# A DLPack consumer that took the tensor (renamed the capsule) and calls its deleter without
+# the GIL (a ctypes CFUNCTYPE call releases it), as PyTorch may from any thread.
+CONSUMER = """
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+USED = b"used_dltensor"
+def consume(capsule):
+    managed = api.PyCapsule_GetPointer(capsule, b"dltensor")
+    assert api.PyCapsule_SetName(capsule, USED) == 0
+    # DLManagedTensor: a 48-byte DLTensor, manager_ctx, then the deleter.
+    address = ctypes.c_void_p.from_address(managed + 56).value
+    return lambda: ctypes.CFUNCTYPE(None, ctypes.c_void_p)(address)(managed)
+"""
+
+
+def test_a_consumers_deleter_without_the_gil_puts_back_the_callers_context(fake_libcuda):
+    lines = _run(
+        fake_libcuda,
+        CONSUMER
+        + """
+buffer = pool.alloc(4096)
+delete = consume(buffer.__dlpack__(stream=-1))
+buffer.close()
+print(mine_current())  # control
+delete()
+print(mine_current())
+""",
+    )
+    assert lines[0] == "True"
+    assert lines[1] == "True", "the consumer's deleter left the primary context current"
+
+
+def test_a_consumers_deleter_without_the_gil_lets_go_of_the_lender(fake_libcuda):
+    lines = _run(
+        fake_libcuda,
+        CONSUMER
+        + """
+stats = cm.Statistics(cm.PoolResource(pool))
+lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
+buffer = stats.alloc(256, lender)
+delete = consume(buffer.__dlpack__(stream=-1))
+buffer.close(); del buffer, lender
+delete()
+print(stats.usage()["current_count"])  # control: the deleter gave the memory back
+cm.Stream.borrow(Lender(cm.Stream(0)))  # another lend (a miss)
+gc.collect()
+print(lent() is None)
+""",
+    )
+    assert lines[0] == "0"
+    assert lines[1] == "True", "the memo still holds the lender after a consumer gave the memory back"
