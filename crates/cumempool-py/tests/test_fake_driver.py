@@ -1,9 +1,9 @@
-"""The defects of test_review2_contexts.py and test_review2_stream_memo.py, shown on a host
-without a GPU: each scenario runs in a process whose driver is a small stand-in for libcuda
+"""What test_contexts.py and test_stream_memo.py check, and more, shown on a host without a
+GPU: each scenario runs in a process whose driver is a small stand-in for libcuda
 (`CUMEMPOOL_LIBCUDA`), compiled here from C. It keeps a current context per thread, hands out
 heap pointers as streams (so a destroyed stream's handle comes back at once, as the driver's
 often does) and answers every function it does not model with success. Each scenario checks
-first that the path the bindings already guard behaves, so a failure is the defect's, not the
+first that the path the bindings already guard behaves, so a failure is the bindings', not the
 stand-in's."""
 
 import os
@@ -114,7 +114,7 @@ def _run(fake_libcuda, scenario):
 
 
 def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
-    # test_review2_contexts.py::test_creating_a_stream_puts_back_the_callers_context
+    # test_contexts.py::test_creating_a_stream_puts_back_the_callers_context
     lines = _run(
         fake_libcuda,
         """
@@ -129,7 +129,7 @@ def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
 
 
 def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
-    # test_review2_contexts.py::test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_...
+    # test_contexts.py::test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_...
     lines = _run(
         fake_libcuda,
         """
@@ -146,7 +146,7 @@ def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
 
 
 def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
-    # test_review2_contexts.py::test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context
+    # test_contexts.py::test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context
     lines = _run(
         fake_libcuda,
         """
@@ -162,7 +162,7 @@ def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
 
 
 def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcuda):
-    # test_review2_contexts.py::test_the_torch_functions_put_back_the_callers_context
+    # test_contexts.py::test_the_torch_functions_put_back_the_callers_context
     lines = _run(
         fake_libcuda,
         """
@@ -184,7 +184,7 @@ def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcu
 
 
 def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
+    # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(
         fake_libcuda,
         """
@@ -205,7 +205,7 @@ def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
 
 
 def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_closed_stream_object_passed_again_is_asked_for_its_handle
+    # test_stream_memo.py::test_a_closed_stream_object_passed_again_is_asked_for_its_handle
     lines = _run(
         fake_libcuda,
         """
@@ -229,7 +229,7 @@ def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
 
 
 def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_stream_borrowed_and_dropped_lets_go_of_its_lender
+    # test_stream_memo.py::test_a_stream_borrowed_and_dropped_lets_go_of_its_lender
     lines = _run(
         fake_libcuda,
         """
@@ -249,7 +249,7 @@ def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
 
 
 def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer
+    # test_stream_memo.py::test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer
     lines = _run(
         fake_libcuda,
         """
