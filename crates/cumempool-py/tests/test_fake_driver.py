@@ -161,6 +161,32 @@ def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
     assert lines[2] == "True", "release() left the primary context current"
 
 
+def test_a_cache_giving_legacy_blocks_back_for_another_stream_puts_back_the_callers_context(fake_libcuda):
+    # The blocks go back inside an allocation on another (ordinary) stream: the limit below
+    # refuses it, and the cache gives its legacy-stream block back to make room; later the
+    # cache is collected with a block kept.
+    lines = _run(
+        fake_libcuda,
+        """
+        cache = cm.CachingResource(cm.Limit(cm.PoolResource(pool), 4096))
+        stream = cm.Stream(0)
+        cuda.cuCtxSetCurrent(mine)
+        cache.alloc(4096).close()
+        print(cache.stats()["cached_blocks"], mine_current())  # control
+        buffer = cache.alloc(4096, stream)
+        print(cache.stats()["cached_blocks"], mine_current())
+        buffer.close()
+        cache.alloc(4096).close()
+        del cache, buffer
+        gc.collect()
+        print(mine_current())
+        """,
+    )
+    assert lines[:2] == ["1", "True"]
+    assert lines[2:4] == ["0", "True"], "making room for another stream left the primary context current"
+    assert lines[4] == "True", "collecting the cache left the primary context current"
+
+
 def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcuda):
     # test_contexts.py::test_the_torch_functions_put_back_the_callers_context
     lines = _run(
