@@ -51,31 +51,38 @@ pub enum Memory {
 }
 
 impl Memory {
-    /// Gives the memory back with the GIL released for driver calls only: none for an empty
-    /// buffer, around the pool's free, or where a resource stack reaches the driver. A free on
-    /// a legacy stream makes its context current: the caller's is put back after.
+    /// Gives the memory back from a binding, with the GIL released for driver calls only: none
+    /// for an empty buffer, around the pool's free, or where a resource stack reaches the
+    /// driver.
     fn give_back(self, py: Python<'_>) {
-        let (handle, resource) = match &self {
-            Self::Pool(buffer) if buffer.is_empty() => return,
-            Self::Pool(buffer) => (buffer.stream().as_raw() as usize, false),
-            Self::Imported { mapping, .. } => (mapping.stream().as_raw() as usize, false),
-            Self::Resource { stream, .. } => (stream.as_raw() as usize, true),
-        };
-        let give_back = move || {
-            crate::contexts::restored_after(handle, || {
+        match &self {
+            // No driver call.
+            Self::Pool(buffer) if buffer.is_empty() => drop(self),
+            // The bottom of the stack releases the GIL and puts the caller's context back
+            // (`gil::DriverLink`).
+            Self::Resource { .. } => {
+                let _held = Held::new(py);
                 drop(self);
-                Ok(())
-            })
+            }
+            _ => crate::gil::detach(py, || self.free()),
+        }
+    }
+
+    /// Gives the memory back on the calling thread as it is (with the GIL or without it). A
+    /// free on a legacy stream makes its context current: the caller's is put back after.
+    fn free(self) {
+        let handle = match &self {
+            // Through the resource stack, whose bottom puts the caller's context back.
+            Self::Resource { .. } => return drop(self),
+            Self::Pool(buffer) => buffer.stream().as_raw() as usize,
+            Self::Imported { mapping, .. } => mapping.stream().as_raw() as usize,
         };
-        let outcome = if resource {
-            // The resource releases the GIL around its driver calls (`gil`).
-            let _held = Held::new(py);
-            give_back()
-        } else {
-            crate::gil::detach(py, give_back)
-        };
-        if let Err(error) = outcome {
-            tracing::warn!(?error, "putting the caller's context back after a free failed");
+        let freed = crate::contexts::restored_after(handle, || {
+            drop(self);
+            Ok::<(), cumempool::Error>(())
+        });
+        if let Err(error) = freed {
+            tracing::warn!(%error, "putting the caller's context back after a free failed");
         }
     }
 }
@@ -126,6 +133,19 @@ impl Core {
         // The memory first: it is freed on the stream the Python object keeps alive.
         memory.give_back(py);
         crate::streams::let_go(py, stream);
+    }
+
+    /// Lets go of `core` where the GIL may not be held (a DLPack consumer's deleter, on any
+    /// thread): the last holder gives the memory back here, as [`Memory::free`] says. The
+    /// stream's Python object is let go of when Python next runs bindings (PyO3's deferred
+    /// references), and the memo forgets an unused lent stream at its next miss
+    /// (`streams::prune_unused`).
+    pub(crate) fn release_unattached(core: Arc<Core>) {
+        if let Ok(Self { memory, stream, .. }) = Arc::try_unwrap(core) {
+            // The memory first: it is freed on the stream the Python object keeps alive.
+            memory.free();
+            drop(stream);
+        }
     }
 
     /// The pool allocation behind this core, where it is one (not a resource's, not imported).
@@ -586,7 +606,8 @@ impl Buffer {
     }
 
     /// Copies all of `other` (a Buffer) into the start of this one, ordered after the work on
-    /// both streams, and waits for the copy.
+    /// both streams, and waits for the copy. Overlapping ranges (a buffer into itself) raise
+    /// OverlappingCopyError.
     fn copy_from_buffer(slf: &Bound<'_, Self>, other: &Bound<'_, Buffer>) -> Outcome<()> {
         let py = slf.py();
         // Both memories are held until the copy has finished, whatever closes meanwhile.
@@ -598,6 +619,13 @@ impl Buffer {
                 capacity: dst.len(),
             }
             .into());
+        }
+        // A buffer copied into itself, say: the driver's copies are undefined there.
+        let (to, from, len) = (dst.ptr(), src.ptr(), src.len());
+        if len > 0 && to < from.saturating_add(len as u64) && from < to.saturating_add(len as u64) {
+            return Err(
+                cumempool::Error::OverlappingCopy { what: "copying between buffers", dst: to, src: from, len }.into()
+            );
         }
         crate::gil::detach(py, || {
             src.order_before(dst.stream())?;

@@ -3,7 +3,7 @@
 //! state, a context of the caller's own) reads the current context, so a binding must not leave
 //! another device's there.
 
-use crate::errors::{Failure, Outcome};
+use crate::errors::Outcome;
 use cumempool::sys;
 
 /// Runs `call` with `context` current on the calling thread, then makes current again whatever
@@ -17,13 +17,18 @@ pub fn while_current<R>(context: &cumempool::Context, call: impl FnOnce() -> Out
     let outcome = call();
     let restored = set_current(previous);
     let value = outcome?;
-    restored.map(|()| value)
+    restored?;
+    Ok(value)
 }
 
 /// Runs `call` on the stream `handle` and puts back the caller's context if `call` changed
 /// it: work queued on a legacy stream makes the stream's context current first. Ordinary
-/// streams carry their context, so they cost nothing here.
-pub fn restored_after<R>(handle: usize, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
+/// streams carry their context, so they cost nothing here. `call`'s failure wins over a
+/// failure to restore.
+pub fn restored_after<R, E: From<cumempool::Error>>(
+    handle: usize,
+    call: impl FnOnce() -> Result<R, E>,
+) -> Result<R, E> {
     if !matches!(handle, 0 | LEGACY_HANDLE) {
         return call();
     }
@@ -35,33 +40,38 @@ pub fn restored_after<R>(handle: usize, call: impl FnOnce() -> Outcome<R>) -> Ou
         Err(error) => Err(error),
     };
     let value = outcome?;
-    restored.map(|()| value)
+    restored?;
+    Ok(value)
 }
 
 /// `CU_STREAM_LEGACY`, which names the legacy stream like `0`.
 const LEGACY_HANDLE: usize = 1;
 
 /// The calling thread's current context (null for none).
-fn current() -> Outcome<sys::CUcontext> {
-    let get = sys::driver().and_then(|d| d.cuCtxGetCurrent()).map_err(cumempool::Error::from)?;
+fn current() -> cumempool::Result<sys::CUcontext> {
+    let get = sys::driver().and_then(|d| d.cuCtxGetCurrent())?;
     let mut context = std::ptr::null_mut();
     // SAFETY: a valid out-pointer.
-    check("cuCtxGetCurrent", unsafe { get(&mut context) })?;
+    driver_answer("cuCtxGetCurrent", unsafe { get(&mut context) })?;
     Ok(context)
 }
 
 /// Makes `context` (a context that was current, so live, or null) current again.
-fn set_current(context: sys::CUcontext) -> Outcome<()> {
-    let set = sys::driver().and_then(|d| d.cuCtxSetCurrent()).map_err(cumempool::Error::from)?;
+fn set_current(context: sys::CUcontext) -> cumempool::Result<()> {
+    let set = sys::driver().and_then(|d| d.cuCtxSetCurrent())?;
     // SAFETY: the context was current on this thread a moment ago (its holder keeps it), or null,
     // which unbinds the thread's context.
-    check("cuCtxSetCurrent", unsafe { set(context) })
+    driver_answer("cuCtxSetCurrent", unsafe { set(context) })
 }
 
 /// A driver answer as an outcome.
 pub fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
+    Ok(driver_answer(function, code)?)
+}
+
+fn driver_answer(function: &'static str, code: sys::CUresult) -> cumempool::Result<()> {
     if code == sys::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
-    Err(Failure::Core(cumempool::Error::Driver(cumempool::DriverError::new(function, code))))
+    Err(cumempool::Error::Driver(cumempool::DriverError::new(function, code)))
 }

@@ -2,7 +2,7 @@
 //! unversioned form), whose deleters keep only Rust state alive and may run on any thread, after
 //! the buffer object is gone or during interpreter shutdown.
 
-use crate::buffers::{Core, Kind};
+use crate::buffers::{Core, Kind, Slot};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
@@ -72,7 +72,19 @@ struct DLManagedTensorVersioned {
 /// buffer's core is held until the consumer's deleter runs.
 struct Context {
     shape: [i64; 1],
-    _core: Arc<Core>,
+    core: Arc<Core>,
+}
+
+impl Context {
+    /// Lets go of the core: through [`Core::release`] where the caller holds the GIL (`py`), so
+    /// the memo of lent streams forgets a stream nothing uses any more, else without touching
+    /// Python.
+    fn release(self, py: Option<Python<'_>>) {
+        match py {
+            Some(py) => Core::release(Slot::Shared(self.core), py),
+            None => Core::release_unattached(self.core),
+        }
+    }
 }
 
 /// `(device type, device id)` of a buffer, as DLPack numbers them.
@@ -99,11 +111,11 @@ fn tensor(core: &Core, shape: *mut i64, (device_type, device_id): (i32, i32)) ->
 /// A capsule over `core`'s memory as DLPack device `device`: versioned
 /// (`"dltensor_versioned"`) or not (`"dltensor"`).
 pub fn capsule(py: Python<'_>, core: Arc<Core>, versioned: bool, device: (i32, i32)) -> PyResult<Bound<'_, PyCapsule>> {
-    let context = Box::into_raw(Box::new(Context { shape: [core.len() as i64], _core: core }));
+    let context = Box::into_raw(Box::new(Context { shape: [core.len() as i64], core }));
     // SAFETY: `context` was just boxed; the shape stays put inside the box until it is freed.
     let shape = unsafe { (*context).shape.as_mut_ptr() };
     // SAFETY: as above; the tensor only reads the core.
-    let dl_tensor = tensor(unsafe { &(*context)._core }, shape, device);
+    let dl_tensor = tensor(unsafe { &(*context).core }, shape, device);
     let (pointer, name, destructor): (*mut c_void, &'static CStr, ffi::PyCapsule_Destructor) = if versioned {
         let managed = Box::new(DLManagedTensorVersioned {
             version: DLPackVersion { major: 1, minor: 0 },
@@ -141,35 +153,54 @@ pub fn capsule(py: Python<'_>, core: Arc<Core>, versioned: bool, device: (i32, i
 /// Python object (the core's stream reference is released lazily), so any thread may call it,
 /// with or without the GIL, during shutdown too.
 unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    // SAFETY: forwarded under DLPack's rule (made by `capsule`, deleted once).
+    unsafe { free_versioned(managed, None) }
+}
+
+unsafe extern "C" fn delete_unversioned(managed: *mut DLManagedTensor) {
+    // SAFETY: as in `delete_versioned`.
+    unsafe { free_unversioned(managed, None) }
+}
+
+/// Frees a tensor `capsule` made, and lets go of its core (with the GIL when `py` is given).
+///
+/// # Safety
+/// `managed` is null or a tensor of `capsule`, not freed before.
+unsafe fn free_versioned(managed: *mut DLManagedTensorVersioned, py: Option<Python<'_>>) {
     if managed.is_null() {
         return;
     }
-    // The consumer may call in holding the GIL or not: the GIL is left as it is.
+    // The caller may hold the GIL or not: the GIL is left as it is.
     let _unmarked = crate::gil::Unmarked::new();
     // SAFETY: made by `capsule` with Box::into_raw, deleted once (DLPack's rule).
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: the context box belongs to this tensor.
-    drop(unsafe { Box::from_raw(managed.manager_ctx.cast::<Context>()) });
+    unsafe { Box::from_raw(managed.manager_ctx.cast::<Context>()) }.release(py);
 }
 
-unsafe extern "C" fn delete_unversioned(managed: *mut DLManagedTensor) {
+/// As [`free_versioned`], for the unversioned tensor.
+///
+/// # Safety
+/// As for [`free_versioned`].
+unsafe fn free_unversioned(managed: *mut DLManagedTensor, py: Option<Python<'_>>) {
     if managed.is_null() {
         return;
     }
-    // The consumer may call in holding the GIL or not: the GIL is left as it is.
     let _unmarked = crate::gil::Unmarked::new();
-    // SAFETY: as in `delete_versioned`.
+    // SAFETY: as in `free_versioned`.
     let managed = unsafe { Box::from_raw(managed) };
-    // SAFETY: as in `delete_versioned`.
-    drop(unsafe { Box::from_raw(managed.manager_ctx.cast::<Context>()) });
+    // SAFETY: as in `free_versioned`.
+    unsafe { Box::from_raw(managed.manager_ctx.cast::<Context>()) }.release(py);
 }
 
-/// A capsule collected while still named as made: no consumer took the tensor, so it is freed.
+/// A capsule collected while still named as made: no consumer took the tensor, so it is freed,
+/// with the GIL Python holds while it runs a capsule's destructor.
 unsafe extern "C" fn drop_versioned_capsule(capsule: *mut ffi::PyObject) {
     // SAFETY: called by Python with a live capsule, holding the GIL.
     unsafe {
         if ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {
-            delete_versioned(ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()).cast());
+            let py = Python::assume_attached();
+            free_versioned(ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()).cast(), Some(py));
         }
     }
 }
@@ -178,7 +209,8 @@ unsafe extern "C" fn drop_unversioned_capsule(capsule: *mut ffi::PyObject) {
     // SAFETY: as in `drop_versioned_capsule`.
     unsafe {
         if ffi::PyCapsule_IsValid(capsule, UNVERSIONED.as_ptr()) == 1 {
-            delete_unversioned(ffi::PyCapsule_GetPointer(capsule, UNVERSIONED.as_ptr()).cast());
+            let py = Python::assume_attached();
+            free_unversioned(ffi::PyCapsule_GetPointer(capsule, UNVERSIONED.as_ptr()).cast(), Some(py));
         }
     }
 }

@@ -155,6 +155,8 @@ fn core_class(error: &cumempool::Error) -> &'static str {
         E::PoolRouteMismatch { .. } => "PoolRouteMismatchError",
         E::PoolInUse { .. } => "PoolInUseError",
         E::UnsafeToDestroy => "UnsafeToDestroyError",
+        E::PoolWasCurrent => "PoolWasCurrentError",
+        E::OverlappingCopy { .. } => "OverlappingCopyError",
         E::PoolCreation { .. } => "PoolCreationError",
         E::NotHostAccessible { .. } | E::ManagedMemoryNotHostAccessible { .. } => "NotHostAccessibleError",
         E::DoesNotFit { .. } => "DoesNotFitError",

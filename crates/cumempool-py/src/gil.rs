@@ -86,7 +86,11 @@ fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
 }
 
 /// The bottom of a stack of resources (a pool): its driver calls release the GIL when a
-/// binding marked the thread.
+/// binding marked the thread, and put back the caller's context after a call on a legacy
+/// stream (which makes the stream's context current). So every path that reaches the driver
+/// through a resource leaves the caller's context as it was: an allocation, a cache giving
+/// blocks back (on release, collection, or to make room for another stream's allocation), and
+/// the PyTorch plug-in's C functions.
 pub struct DriverLink<R>(pub R);
 
 // SAFETY: forwards every call to `R`, which keeps the promise.
@@ -95,7 +99,7 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
 
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        released(|| self.0.allocate(bytes, align, stream))
+        released(|| crate::contexts::restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream)))
     }
 
     #[inline]
@@ -107,6 +111,10 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
         stream: &cumempool::Stream,
     ) -> cumempool_alloc::Result<()> {
         // SAFETY: forwarded under the caller's promise.
-        released(|| unsafe { self.0.deallocate(ptr, bytes, align, stream) })
+        released(|| {
+            crate::contexts::restored_after(stream.as_raw() as usize, || unsafe {
+                self.0.deallocate(ptr, bytes, align, stream)
+            })
+        })
     }
 }

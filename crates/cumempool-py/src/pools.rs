@@ -141,7 +141,7 @@ impl MemPool {
         let buffer = {
             let s = &stream.get().stream;
             // An empty buffer makes no driver call; any other may wait on the driver.
-            let alloc = || crate::contexts::restored_after(s.as_raw() as usize, || Ok(pool.alloc_owned(size, s)?));
+            let alloc = || crate::contexts::restored_after(s.as_raw() as usize, || pool.alloc_owned(size, s));
             match size {
                 0 => alloc()?,
                 _ => crate::gil::detach(py, alloc)?,

@@ -112,12 +112,11 @@ impl ResourceBase {
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let stream = Stream::from_object(py, stream, self.device)?;
-        // The GIL is released only around driver calls, at the bottom of the stack (a cache
-        // hit makes none).
+        // The GIL is released, and the caller's context put back, only around driver calls, at
+        // the bottom of the stack (a cache hit makes none).
         let ptr = {
             let _held = Held::new(py);
-            let s = &stream.get().stream;
-            crate::contexts::restored_after(s.as_raw() as usize, || Ok(self.inner.allocate(size, s)?))?
+            self.inner.allocate(size, &stream.get().stream)?
         };
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };

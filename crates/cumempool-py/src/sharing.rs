@@ -130,9 +130,16 @@ impl MemPool {
         // The mapping borrows its stream: an `Arc` keeps that stream at one address for as long
         // as the mapping lives (it is dropped after the mapping, see `Memory::Imported`).
         let borrowed = Arc::new(stream.get().stream.clone());
+        let context = match borrowed.context() {
+            Some(context) => context.clone(),
+            None => Stream::context(py, stream.get().device)?,
+        };
+        // The import makes the stream's context current: the caller's is put back after.
         let mapping = {
             let s: &cumempool::Stream = &borrowed;
-            crate::gil::detach(py, || pool.import_pointer(&shared.0, s))?
+            crate::gil::detach(py, || {
+                crate::contexts::while_current(&context, || Ok(pool.import_pointer(&shared.0, s)?))
+            })?
         };
         // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and
         // drops after it; the `Arc`'s heap value does not move when the `Arc` does.

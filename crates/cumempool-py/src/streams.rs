@@ -82,8 +82,9 @@ impl Device {
 #[pyclass(frozen, module = "cumempool")]
 pub struct Stream {
     pub(crate) stream: cumempool::Stream,
-    /// The lending library's stream object, held so its stream outlives every use here.
-    owner: Option<Py<PyAny>>,
+    /// The lending library's stream object, held so its stream outlives every use here, and
+    /// how it names the stream.
+    owner: Option<(Py<PyAny>, Naming)>,
     pub(crate) device: i32,
 }
 
@@ -105,6 +106,28 @@ impl Stream {
             contexts.push((device, context.clone()));
             context
         }))
+    }
+
+    /// Whether this memo entry still stands for the stream `obj` names as `raw` (on the same
+    /// device). A held object does not keep its stream alive (cuda.core's `Stream.close()`
+    /// destroys it), and the driver gives a destroyed stream's handle to the next new stream:
+    /// the entry's own object is asked again which handle it names. An entry an int made
+    /// answers for ints (which promise validity themselves), and gives way to a library
+    /// object, which is then held.
+    fn still_lent_as(&self, obj: &Bound<'_, PyAny>, raw: usize, naming: Naming) -> bool {
+        let Some((owner, owner_naming)) = &self.owner else {
+            return false;
+        };
+        let owner = owner.bind(obj.py());
+        if owner.is(obj) {
+            return true;
+        }
+        match owner_naming {
+            Naming::Int => naming == Naming::Int,
+            Naming::Attribute => true,
+            // The entry's object raising (closed) or naming another handle: a stale entry.
+            Naming::Protocol => protocol_handle(owner).is_ok_and(|handle| handle == raw),
+        }
     }
 
     /// Whether another library lent the stream (its object is held).
@@ -141,13 +164,18 @@ impl Stream {
     /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as any clone of the
     /// Rust stream: this object's, a buffer's, or one a cache keeps with its blocks (which may
     /// outlive every Python object here).
-    pub(crate) fn borrow_handle(py: Python<'_>, raw: usize, device: i32, owner: Option<Py<PyAny>>) -> Outcome<Self> {
+    pub(crate) fn borrow_handle(
+        py: Python<'_>,
+        raw: usize,
+        device: i32,
+        owner: Option<(Py<PyAny>, Naming)>,
+    ) -> Outcome<Self> {
         let context = Self::context(py, device)?;
         let raw_stream = raw as cumempool::sys::CUstream;
         let stream = match &owner {
             // SAFETY: `raw` is the lending library's stream of `device`, and its Python object
             // (held by every clone of the result) keeps it alive.
-            Some(object) => unsafe {
+            Some((object, _)) => unsafe {
                 cumempool::Stream::borrow_raw_keeping(raw_stream, Some(&context), Arc::new(object.clone_ref(py)))
             },
             // SAFETY: a bare int: the caller promised (`Stream.borrow`) that it stays valid while
@@ -171,33 +199,37 @@ impl Stream {
         if let Ok(stream) = obj.cast::<Self>() {
             return Ok(stream.clone().unbind());
         }
-        let recent = |lent: &Lent| lent.objects.iter().find(|(o, _)| o.is(obj)).map(|(_, s)| s.clone_ref(py));
-        if let Some(known) = recent(&lock(&LENT)) {
-            return Ok(known);
+        let recent =
+            lock(&LENT).objects.iter().find(|(o, _, _)| o.is(obj)).map(|(_, s, naming)| (s.clone_ref(py), *naming));
+        if let Some((known, naming)) = recent {
+            // `__cuda_stream__` is asked again: the object may have closed its stream since
+            // (cuda.core's `Stream.close()`), and the handle may name another stream by now. A
+            // closed object's own error surfaces; one that names another stream is looked up
+            // anew.
+            if naming != Naming::Protocol || protocol_handle(obj)? == known.get().handle() {
+                return Ok(known);
+            }
         }
-        let (raw, device) = foreign_handle(obj, default_device)?;
+        let (raw, device, naming) = foreign_handle(obj, default_device)?;
         // `0` and `CU_STREAM_LEGACY` name the legacy stream of whichever context is current:
         // the device's own object, so two devices' legacy streams are never one stream.
         if raw == 0 || raw == LEGACY_HANDLE {
             return Self::shared_legacy(py, device);
         }
-        let is_int = obj.is_instance_of::<PyInt>();
         let known =
             lock(&LENT).streams.iter().find(|(r, d, _)| (*r, *d) == (raw, device)).map(|(_, _, s)| s.clone_ref(py));
-        // A stream first named by an int holds no library object: an object of it replaces it.
         let stream = match known {
-            Some(stream)
-                if is_int || stream.get().owner.as_ref().is_some_and(|o| !o.bind(py).is_instance_of::<PyInt>()) =>
-            {
-                stream
-            }
-            _ => Py::new(py, Self::borrow_handle(py, raw, device, Some(obj.clone().unbind()))?)?,
+            Some(stream) if stream.get().still_lent_as(obj, raw, naming) => stream,
+            _ => Py::new(py, Self::borrow_handle(py, raw, device, Some((obj.clone().unbind(), naming)))?)?,
         };
         // Let go of outside the lock: dropping a library's object may run its code, which may
         // lend a stream again.
         let mut evicted: Vec<Py<PyAny>> = Vec::new();
         let mut lent = lock(&LENT);
         if !lent.streams.iter().any(|(_, _, s)| s.is(&stream)) {
+            // A miss: entries nothing uses any more (a `Stream.borrow` result dropped, memory
+            // a DLPack consumer gave back without the GIL) go now, not when pushed out.
+            evicted.extend(unused_entries(py, &mut lent));
             if let Some(at) = lent.streams.iter().position(|(r, d, _)| (*r, *d) == (raw, device)) {
                 evicted.extend(lent.streams.remove(at).map(|(_, _, s)| s.into_any()));
             }
@@ -206,13 +238,19 @@ impl Stream {
             }
             lent.streams.push_back((raw, device, stream.clone_ref(py)));
         }
-        if !is_int {
-            if lent.objects.len() >= RECENT_KEPT {
-                if let Some((object, stream)) = lent.objects.pop_front() {
+        if naming != Naming::Int {
+            // An object that names another stream now keeps one entry, for that stream.
+            while let Some(at) = lent.objects.iter().position(|(o, _, _)| o.is(obj)) {
+                if let Some((object, stream, _)) = lent.objects.remove(at) {
                     evicted.extend([object, stream.into_any()]);
                 }
             }
-            lent.objects.push_back((obj.clone().unbind(), stream.clone_ref(py)));
+            if lent.objects.len() >= RECENT_KEPT {
+                if let Some((object, stream, _)) = lent.objects.pop_front() {
+                    evicted.extend([object, stream.into_any()]);
+                }
+            }
+            lent.objects.push_back((obj.clone().unbind(), stream.clone_ref(py), naming));
         }
         drop(lent);
         drop(evicted);
@@ -239,16 +277,23 @@ pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
 /// Lets go of every memo entry whose stream nothing else uses (after a cache gave its blocks
 /// back, say).
 pub(crate) fn prune_unused(py: Python<'_>) {
-    let mut evicted = Vec::new();
     let mut lent = lock(&LENT);
-    let streams: Vec<Py<Stream>> = lent.streams.iter().map(|(_, _, s)| s.clone_ref(py)).collect();
-    for stream in &streams {
-        // `streams` holds one more reference.
-        evicted.extend(evict(&mut lent, stream, 1));
-    }
+    let evicted = unused_entries(py, &mut lent);
     drop(lent);
     drop(evicted);
-    drop(streams);
+}
+
+/// Takes out of the memo every entry whose stream nothing else uses; what was taken, to be
+/// dropped outside the lock.
+fn unused_entries(py: Python<'_>, lent: &mut Lent) -> Vec<Py<PyAny>> {
+    let streams: Vec<Py<Stream>> = lent.streams.iter().map(|(_, _, s)| s.clone_ref(py)).collect();
+    let mut evicted = Vec::new();
+    for stream in &streams {
+        // `streams` holds one more reference.
+        evicted.extend(evict(lent, stream, 1));
+    }
+    evicted.extend(streams.into_iter().map(Py::into_any));
+    evicted
 }
 
 /// Takes `stream`'s entries out of the memo when its references are the memo's and `others`
@@ -256,7 +301,7 @@ pub(crate) fn prune_unused(py: Python<'_>) {
 /// outside the lock.
 fn evict(lent: &mut Lent, stream: &Py<Stream>, others: usize) -> Vec<Py<PyAny>> {
     let in_memo = lent.streams.iter().filter(|(_, _, s)| s.is(stream)).count()
-        + lent.objects.iter().filter(|(_, s)| s.is(stream)).count();
+        + lent.objects.iter().filter(|(_, s, _)| s.is(stream)).count();
     // SAFETY: a live object, held by the caller, who holds the GIL.
     let references = unsafe { ffi::Py_REFCNT(stream.as_ptr()) };
     let unused = references == (in_memo + others) as isize && stream.get().stream.handle_count() == 1;
@@ -267,8 +312,8 @@ fn evict(lent: &mut Lent, stream: &Py<Stream>, others: usize) -> Vec<Py<PyAny>> 
     while let Some(at) = lent.streams.iter().position(|(_, _, s)| s.is(stream)) {
         evicted.extend(lent.streams.remove(at).map(|(_, _, s)| s.into_any()));
     }
-    while let Some(at) = lent.objects.iter().position(|(_, s)| s.is(stream)) {
-        if let Some((object, s)) = lent.objects.remove(at) {
+    while let Some(at) = lent.objects.iter().position(|(_, s, _)| s.is(stream)) {
+        if let Some((object, s, _)) = lent.objects.remove(at) {
             evicted.extend([object, s.into_any()]);
         }
     }
@@ -291,44 +336,60 @@ const RECENT_KEPT: usize = 8;
 /// A stream another library lent (or an int handle), kept so that passing its object, another
 /// object of the same stream (each `torch.cuda.current_stream()` is a new one) or its handle
 /// again finds the same `Stream`: no conversion, and one stream to a cache, which keys blocks
-/// by the `Stream`. The handle's value is the key, as PyTorch's caching allocator keys streams:
-/// a held object keeps its stream alive, so no other stream has its handle meanwhile; and a
-/// destroyed stream's handle is released only once the work queued on it has finished, so a
-/// new stream that gets the same value cannot overlap work ordered on the old one.
+/// by the `Stream`. The handle's value is the key, as PyTorch's caching allocator keys streams.
+/// A held object does not always keep its stream alive (cuda.core's `Stream.close()` destroys
+/// it), and the driver hands a destroyed stream's handle to the next new stream: so a hit is
+/// confirmed by asking the entry's object which handle it names now
+/// (`Stream::still_lent_as`), and a stale entry gives way to the new stream's object. Entries
+/// nothing uses any more are let go of when a buffer lets go of its stream, on a miss, and
+/// when a cache is released.
 struct Lent {
     /// `(handle, device, stream)`, the oldest first.
     streams: VecDeque<(usize, i32, Py<Stream>)>,
-    /// The objects passed last, held (so their identity stays theirs) with their stream: the
-    /// same object again needs no attribute lookup.
-    objects: VecDeque<(Py<PyAny>, Py<Stream>)>,
+    /// The objects passed last, held (so their identity stays theirs) with their stream and
+    /// how they name it: the same object again needs no lookup, but for `__cuda_stream__`,
+    /// which is asked again (the object may have closed its stream since).
+    objects: VecDeque<(Py<PyAny>, Py<Stream>, Naming)>,
 }
 
 static LENT: Mutex<Lent> = Mutex::new(Lent { streams: VecDeque::new(), objects: VecDeque::new() });
 
-/// The raw handle and device of another library's stream object.
-fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize, i32)> {
+/// How a lender names its stream, which says whether the name can change while it lives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Naming {
+    /// An int handle: the caller promised it stays valid; there is nothing to ask again.
+    Int,
+    /// A PyTorch (`cuda_stream`) or CuPy (`ptr`) stream: the handle is fixed for the object's
+    /// life, and the object keeps its stream alive.
+    Attribute,
+    /// `__cuda_stream__()` (cuda.core and others): an object may close its stream while it
+    /// lives (cuda.core's `Stream.close()`), so a remembered answer is confirmed by asking again.
+    Protocol,
+}
+
+/// The raw handle and device of another library's stream object, and how it names the stream.
+fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize, i32, Naming)> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyTypeError::new_err("a stream is a Stream, an object with __cuda_stream__, a torch or CuPy stream, or an int handle; got a bool").into());
     }
     if obj.is_instance_of::<PyInt>() {
-        return Ok((obj.extract::<usize>()?, default_device));
+        return Ok((obj.extract::<usize>()?, default_device, Naming::Int));
     }
+    let (handle, naming) = handle_of(obj)?;
+    Ok((handle, device_of(obj).unwrap_or(default_device), naming))
+}
+
+/// The raw handle a library's stream object (not an int) names now: `__cuda_stream__()`, a
+/// PyTorch stream's `cuda_stream` or a CuPy stream's `ptr`.
+fn handle_of(obj: &Bound<'_, PyAny>) -> Outcome<(usize, Naming)> {
     let py = obj.py();
-    let device = device_of(obj).unwrap_or(default_device);
     if optional_attr(obj, intern!(py, "__cuda_stream__")).is_some() {
-        let answer = obj.call_method0(intern!(py, "__cuda_stream__"))?;
-        let pair = answer
-            .cast::<PyTuple>()
-            .map_err(|_| PyValueError::new_err("__cuda_stream__() must return a (version, handle) tuple"))?;
-        if pair.len() != 2 {
-            return Err(PyValueError::new_err("__cuda_stream__() must return a (version, handle) tuple").into());
-        }
-        return Ok((pair.get_item(1)?.extract::<usize>()?, device));
+        return Ok((protocol_handle(obj)?, Naming::Protocol));
     }
     for attribute in [intern!(py, "cuda_stream"), intern!(py, "ptr")] {
         if let Some(value) = optional_attr(obj, attribute) {
             if let Ok(raw) = value.extract::<usize>() {
-                return Ok((raw, device));
+                return Ok((raw, Naming::Attribute));
             }
         }
     }
@@ -336,6 +397,18 @@ fn foreign_handle(obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<(usize
         "cannot use a {} as a stream: pass a cumempool.Stream, an object with __cuda_stream__ (cuda.core), a torch.cuda.Stream, a cupy.cuda.Stream, or an int handle",
         obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
     ))))
+}
+
+/// The handle `obj.__cuda_stream__()` answers now.
+fn protocol_handle(obj: &Bound<'_, PyAny>) -> Outcome<usize> {
+    let answer = obj.call_method0(intern!(obj.py(), "__cuda_stream__"))?;
+    let pair = answer
+        .cast::<PyTuple>()
+        .map_err(|_| PyValueError::new_err("__cuda_stream__() must return a (version, handle) tuple"))?;
+    if pair.len() != 2 {
+        return Err(PyValueError::new_err("__cuda_stream__() must return a (version, handle) tuple").into());
+    }
+    Ok(pair.get_item(1)?.extract::<usize>()?)
 }
 
 /// `obj.name`, or `None` where it has no such attribute or reading it fails. Asked with
@@ -373,7 +446,10 @@ impl Stream {
     #[pyo3(signature = (device = 0))]
     fn new(py: Python<'_>, device: i32) -> Outcome<Self> {
         let context = Self::context(py, device)?;
-        let stream = crate::gil::detach(py, || cumempool::Stream::new(&context))?;
+        // `cuStreamCreate` needs the context current: the caller's is put back after.
+        let stream = crate::gil::detach(py, || {
+            crate::contexts::while_current(&context, || Ok(cumempool::Stream::new(&context)?))
+        })?;
         Ok(Self { stream, owner: None, device })
     }
 
@@ -420,19 +496,19 @@ impl Stream {
     /// The borrowed library object, if any.
     #[getter]
     fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owner.as_ref().map(|o| o.clone_ref(py))
+        self.owner.as_ref().map(|(o, _)| o.clone_ref(py))
     }
 
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
         let s = &self.stream;
-        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.synchronize()?)))
+        Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.synchronize()))?)
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
         let s = &self.stream;
-        crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || Ok(s.is_idle()?)))
+        Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.is_idle()))?)
     }
 
     /// cuda.core's stream protocol: `(0, handle)`.

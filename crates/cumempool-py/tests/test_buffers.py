@@ -23,6 +23,19 @@ def test_copy_from_refuses_what_is_not_bytes_like(gpu, stream):
     assert buffer.to_bytes(3) == b"XYc"
 
 
+def test_a_buffer_copied_into_itself_is_refused_before_the_driver(gpu, stream):
+    # cuMemcpyAsync is undefined for overlapping ranges: the copy is refused, the bytes untouched.
+    buffer = cm.MemPool(cm.Route.device(0)).alloc(64, stream)
+    buffer.copy_from(b"a" * 64)
+    with pytest.raises(cm.OverlappingCopyError, match="overlap") as caught:
+        buffer.copy_from_buffer(buffer)
+    assert isinstance(caught.value, ValueError)
+    assert buffer.to_bytes() == b"a" * 64
+    other = cm.MemPool(cm.Route.device(0)).alloc(64, stream)
+    other.copy_from_buffer(buffer)  # separate buffers still copy
+    assert other.to_bytes() == b"a" * 64
+
+
 def test_dlpack_refuses_stream_zero(gpu, stream):
     # DLPack forbids stream=0 for CUDA memory (it could mean None, 1 or 2).
     buffer = cm.MemPool(cm.Route.device(0)).alloc(16, stream)

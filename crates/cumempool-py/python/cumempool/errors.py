@@ -71,6 +71,11 @@ class UnsafeToDestroyError(CumempoolError):
     """A pool the driver cannot destroy safely; it stays alive for the rest of the process."""
 
 
+class PoolWasCurrentError(CumempoolError):
+    """A pool that was a route's current pool cannot be given away (its raw handle taken):
+    another thread may still allocate from it through the route. It was retired instead."""
+
+
 class PoolCreationError(CumempoolError):
     """The driver refused to create a pool, with the likeliest reason."""
 
@@ -81,6 +86,11 @@ class NotHostAccessibleError(CumempoolError):
 
 class DoesNotFitError(CumempoolError, ValueError):
     """More bytes than a buffer holds."""
+
+
+class OverlappingCopyError(CumempoolError, ValueError):
+    """A copy whose source and destination overlap (a buffer copied into itself, say): the
+    driver's copies are undefined there. Copy through a separate buffer."""
 
 
 class AccessNotGrantableError(CumempoolError):

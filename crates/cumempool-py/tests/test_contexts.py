@@ -1,7 +1,7 @@
-"""The caller's current context on paths the context fix did not reach: a new Stream, a DLPack
-capsule that frees the last of a buffer, the PyTorch plug-in's C functions and the mapping of
-another process's allocation. Each must leave current what the caller had (its own context,
-another device's, or none), as the bindings' other calls do."""
+"""The caller's current context on the paths beyond a binding's own call: a new Stream, a DLPack
+capsule that frees the last of a buffer, a cache giving blocks back, the PyTorch plug-in's C
+functions and the mapping of another process's allocation. Each must leave current what the
+caller had (its own context, another device's, or none), as the bindings' other calls do."""
 
 import ctypes
 import multiprocessing
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import cumempool as cm
+import test_plugins
 
 
 def _libcuda():
@@ -48,11 +49,8 @@ class _OwnContext:
 
 
 def test_creating_a_stream_puts_back_the_callers_context(gpu):
-    # Defect: `Stream(device)` calls cumempool::Stream::new, which makes the device's primary
-    # context current (cuStreamCreate needs one) and never puts the caller's back: code around
-    # the bindings (CuPy, the runtime's current device) then works in the wrong context.
-    # Fix: in streams.rs `Stream::new`, run the creation in
-    # `contexts::while_current(&context, ...)`.
+    # cuStreamCreate needs the device's context current; code around the bindings (CuPy, the
+    # runtime's current device) reads what is current, so the caller's must be put back.
     with _OwnContext() as own:
         stream = cm.Stream(0)
         assert own.is_current(), "Stream(0) left the device's primary context current"
@@ -60,14 +58,9 @@ def test_creating_a_stream_puts_back_the_callers_context(gpu):
 
 
 def test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_the_callers_context(gpu):
-    # Defect: when a DLPack capsule (or the consumer that took its tensor) is the last holder of
-    # a buffer's memory, the deleter drops the core directly instead of through
-    # `Core::release`: a free on the legacy stream makes the stream's context current
-    # (`Stream::bind`) and nothing puts the caller's back (`Memory::give_back` does, for
-    # close() and collection). The deleter runs wherever the consumer lets go: any thread, any
-    # context.
-    # Fix: have the deleter give the core back through the same path as `Core::release` (the
-    # memory's free in `contexts::restored_after`; with the GIL, `streams::let_go` too).
+    # A DLPack capsule (or the consumer that took its tensor) may be the last holder of a buffer's
+    # memory: its free on the legacy stream makes the stream's context current, wherever the
+    # consumer lets go (any thread, any context).
     with _OwnContext() as own:
         buffer = cm.MemPool(cm.Route.device(0)).alloc(4096)  # the legacy stream of device 0
         capsule = buffer.__dlpack__(stream=-1)
@@ -78,15 +71,9 @@ def test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_the_callers_con
 
 
 def test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context(gpu):
-    # Defect: blocks a CachingResource keeps for the legacy stream go back to the pool on that
-    # stream outside any `restored_after` (which only wraps the call's own stream): in
-    # `release()`, when the cache is collected, and when an allocation on another stream makes
-    # the cache give blocks back (out of memory, eviction). Each free makes the primary
-    # context current and leaves it so.
-    # Fix: restore at the bottom of the stack, where the driver is called: `gil::DriverLink`
-    # puts back the caller's context after a call on a legacy stream (that also covers the
-    # torch functions and the DLPack deleter), or wrap each such path in a restore that does
-    # not depend on the call's stream.
+    # Blocks a cache keeps for the legacy stream go back on that stream in release(), when the
+    # cache is collected, and when another stream's allocation makes it give blocks back (out of
+    # memory, eviction): each free makes the stream's context current.
     with _OwnContext() as own:
         pool = cm.MemPool(cm.Route.device(0))
         cache = cm.CachingResource(cm.PoolResource(pool))
@@ -101,13 +88,7 @@ def test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context(gpu):
         assert own.is_current(), "collecting the cache left the primary context current"
 
 
-TORCH_HOOKS = (
-    "import ctypes, cumempool as cm, cumempool.torch as cmt\n"
-    "lib = ctypes.CDLL(cm.native_library_path())\n"
-    "lib.cumempool_torch_alloc.restype = ctypes.c_void_p\n"
-    "lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
-    "lib.cumempool_torch_free.restype = None\n"
-    "lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+TORCH_HOOKS = test_plugins.TORCH_HOOKS + (
     "cuda = ctypes.CDLL('libcuda.so.1')\n"
     "def current():\n"
     "    c = ctypes.c_void_p(); assert cuda.cuCtxGetCurrent(ctypes.byref(c)) == 0; return c.value\n"
@@ -115,12 +96,9 @@ TORCH_HOOKS = (
 
 
 def test_the_torch_functions_put_back_the_callers_context(gpu):
-    # Defect: cumempool_torch_alloc / cumempool_torch_free on PyTorch's default stream (handle
-    # 0, the legacy stream) make the device's primary context current and leave it so.
-    # PyTorch frees without a device guard: freeing a cuda:1 tensor while cuda:0 is current
-    # switches the thread's current device (torch.cuda.current_device() reads it) to 1.
-    # Fix: wrap the resource call in both functions in `contexts::restored_after(raw, ...)`,
-    # as `ResourceBase.alloc` and `Memory::give_back` do.
+    # PyTorch's default stream is handle 0, the legacy stream, and PyTorch frees without a device
+    # guard: a free that left cuda:1's context current while cuda:0 was would switch the thread's
+    # current device (torch.cuda.current_device() reads it).
     if getattr(_libcuda(), "cuCtxCreate_v2", None) is None:
         pytest.skip("libcuda lacks cuCtxCreate_v2")
     code = TORCH_HOOKS + (
@@ -169,11 +147,8 @@ def import_with_a_context_of_its_own(conn):
 
 
 def test_mapping_another_processs_allocation_puts_back_the_callers_context(gpu, stream):
-    # Defect: `MemPool.import_buffer` calls `Pool::import_pointer`, which makes the stream's
-    # context current for cuMemPoolImportPointer (on any stream, not only the legacy one) and
-    # leaves it so.
-    # Fix: in sharing.rs `import_allocation`, run the import in
-    # `contexts::while_current(context of the stream, ...)`.
+    # cuMemPoolImportPointer needs the stream's context current, on any stream (not only the
+    # legacy one).
     if getattr(_libcuda(), "cuCtxCreate_v2", None) is None:
         pytest.skip("libcuda lacks cuCtxCreate_v2")
     pool = cm.MemPool(cm.Route.device(0), handle_types=cm.HandleTypes.POSIX_FILE_DESCRIPTOR)

@@ -1,9 +1,9 @@
-"""The defects of test_review2_contexts.py and test_review2_stream_memo.py, shown on a host
-without a GPU: each scenario runs in a process whose driver is a small stand-in for libcuda
+"""What test_contexts.py and test_stream_memo.py check, and more, shown on a host without a
+GPU: each scenario runs in a process whose driver is a small stand-in for libcuda
 (`CUMEMPOOL_LIBCUDA`), compiled here from C. It keeps a current context per thread, hands out
 heap pointers as streams (so a destroyed stream's handle comes back at once, as the driver's
 often does) and answers every function it does not model with success. Each scenario checks
-first that the path the bindings already guard behaves, so a failure is the defect's, not the
+first that the path the bindings already guard behaves, so a failure is the bindings', not the
 stand-in's."""
 
 import os
@@ -114,7 +114,7 @@ def _run(fake_libcuda, scenario):
 
 
 def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
-    # test_review2_contexts.py::test_creating_a_stream_puts_back_the_callers_context
+    # test_contexts.py::test_creating_a_stream_puts_back_the_callers_context
     lines = _run(
         fake_libcuda,
         """
@@ -129,7 +129,7 @@ def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
 
 
 def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
-    # test_review2_contexts.py::test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_...
+    # test_contexts.py::test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_...
     lines = _run(
         fake_libcuda,
         """
@@ -146,7 +146,7 @@ def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
 
 
 def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
-    # test_review2_contexts.py::test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context
+    # test_contexts.py::test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context
     lines = _run(
         fake_libcuda,
         """
@@ -161,8 +161,34 @@ def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
     assert lines[2] == "True", "release() left the primary context current"
 
 
+def test_a_cache_giving_legacy_blocks_back_for_another_stream_puts_back_the_callers_context(fake_libcuda):
+    # The blocks go back inside an allocation on another (ordinary) stream: the limit below
+    # refuses it, and the cache gives its legacy-stream block back to make room; later the
+    # cache is collected with a block kept.
+    lines = _run(
+        fake_libcuda,
+        """
+        cache = cm.CachingResource(cm.Limit(cm.PoolResource(pool), 4096))
+        stream = cm.Stream(0)
+        cuda.cuCtxSetCurrent(mine)
+        cache.alloc(4096).close()
+        print(cache.stats()["cached_blocks"], mine_current())  # control
+        buffer = cache.alloc(4096, stream)
+        print(cache.stats()["cached_blocks"], mine_current())
+        buffer.close()
+        cache.alloc(4096).close()
+        del cache, buffer
+        gc.collect()
+        print(mine_current())
+        """,
+    )
+    assert lines[:2] == ["1", "True"]
+    assert lines[2:4] == ["0", "True"], "making room for another stream left the primary context current"
+    assert lines[4] == "True", "collecting the cache left the primary context current"
+
+
 def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcuda):
-    # test_review2_contexts.py::test_the_torch_functions_put_back_the_callers_context
+    # test_contexts.py::test_the_torch_functions_put_back_the_callers_context
     lines = _run(
         fake_libcuda,
         """
@@ -184,7 +210,7 @@ def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcu
 
 
 def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
+    # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(
         fake_libcuda,
         """
@@ -205,7 +231,7 @@ def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
 
 
 def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_closed_stream_object_passed_again_is_asked_for_its_handle
+    # test_stream_memo.py::test_a_closed_stream_object_passed_again_is_asked_for_its_handle
     lines = _run(
         fake_libcuda,
         """
@@ -229,7 +255,7 @@ def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
 
 
 def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_stream_borrowed_and_dropped_lets_go_of_its_lender
+    # test_stream_memo.py::test_a_stream_borrowed_and_dropped_lets_go_of_its_lender
     lines = _run(
         fake_libcuda,
         """
@@ -249,7 +275,7 @@ def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
 
 
 def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
-    # test_review2_stream_memo.py::test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer
+    # test_stream_memo.py::test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer
     lines = _run(
         fake_libcuda,
         """
@@ -266,3 +292,77 @@ def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
     )
     assert lines[0] == "0"
     assert lines[1] == "True", "the memo still holds the lender after the capsule gave the memory back"
+
+
+def test_a_buffer_copied_into_itself_is_refused_on_any_host(fake_libcuda):
+    # test_buffers.py::test_a_buffer_copied_into_itself_is_refused_before_the_driver
+    lines = _run(
+        fake_libcuda,
+        """
+        buffer, other = pool.alloc(64), pool.alloc(64)
+        other.copy_from_buffer(buffer)
+        print("copied")  # control: separate buffers copy
+        try:
+            buffer.copy_from_buffer(buffer)
+            print("copied")
+        except cm.OverlappingCopyError as error:
+            print("refused", isinstance(error, ValueError))
+        """,
+    )
+    assert lines[0] == "copied"
+    assert lines[1:] == ["refused", "True"], "an overlapping copy reached the driver"
+
+
+# A DLPack consumer that took the tensor (renamed the capsule) and calls its deleter without
+# the GIL (a ctypes CFUNCTYPE call releases it), as PyTorch may from any thread.
+CONSUMER = """
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+USED = b"used_dltensor"
+def consume(capsule):
+    managed = api.PyCapsule_GetPointer(capsule, b"dltensor")
+    assert api.PyCapsule_SetName(capsule, USED) == 0
+    # DLManagedTensor: a 48-byte DLTensor, manager_ctx, then the deleter.
+    address = ctypes.c_void_p.from_address(managed + 56).value
+    return lambda: ctypes.CFUNCTYPE(None, ctypes.c_void_p)(address)(managed)
+"""
+
+
+def test_a_consumers_deleter_without_the_gil_puts_back_the_callers_context(fake_libcuda):
+    lines = _run(
+        fake_libcuda,
+        CONSUMER
+        + """
+buffer = pool.alloc(4096)
+delete = consume(buffer.__dlpack__(stream=-1))
+buffer.close()
+print(mine_current())  # control
+delete()
+print(mine_current())
+""",
+    )
+    assert lines[0] == "True"
+    assert lines[1] == "True", "the consumer's deleter left the primary context current"
+
+
+def test_a_consumers_deleter_without_the_gil_lets_go_of_the_lender(fake_libcuda):
+    lines = _run(
+        fake_libcuda,
+        CONSUMER
+        + """
+stats = cm.Statistics(cm.PoolResource(pool))
+lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
+buffer = stats.alloc(256, lender)
+delete = consume(buffer.__dlpack__(stream=-1))
+buffer.close(); del buffer, lender
+delete()
+print(stats.usage()["current_count"])  # control: the deleter gave the memory back
+cm.Stream.borrow(Lender(cm.Stream(0)))  # another lend (a miss)
+gc.collect()
+print(lent() is None)
+""",
+    )
+    assert lines[0] == "0"
+    assert lines[1] == "True", "the memo still holds the lender after a consumer gave the memory back"

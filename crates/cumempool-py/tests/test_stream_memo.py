@@ -1,0 +1,117 @@
+"""The memo of lent streams: a handle the driver gives to a new stream after the old one was
+closed, and memory whose last holder is a DLPack capsule."""
+
+import gc
+import weakref
+
+import pytest
+
+import cumempool as cm
+
+
+class Lender:
+    """Another library's stream object, as cuda.core's `Stream` is: `close()` destroys the
+    CUDA stream while the object lives on."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def close(self):
+        self.stream = None  # the last holder of the owned Stream: cuStreamDestroy
+
+    def __cuda_stream__(self):
+        if self.stream is None:
+            raise RuntimeError("this stream is closed")
+        return (0, self.stream.handle)
+
+
+def test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers(gpu):
+    # An object can close its stream while it is held (cuda.core's Stream.close(); a block a cache
+    # keeps or a Stream the caller keeps holds the object), and the driver hands the handle to a
+    # new stream. The new stream's buffers must hold its own object, not the closed one's, or the
+    # new stream could be destroyed (its object collected) under memory still ordered on it.
+    pool = cm.MemPool(cm.Route.device(0))
+    first, kept, fresh, spares = _closed_and_reused()
+    second = Lender(fresh)
+    del fresh
+    buffer = pool.alloc(4096, second)
+    try:
+        assert buffer.stream.owner is second, "the buffer holds the closed stream's object, not its own stream's"
+    finally:
+        buffer.close()
+        second.stream.synchronize()
+    del kept, spares
+
+
+def test_a_closed_stream_object_passed_again_is_asked_for_its_handle(gpu):
+    # An object passed again may have closed its stream since (cuda.core's Stream.close()), and the
+    # handle may name another stream by now (made below): the object's own error must surface,
+    # not an allocation ordered on its old handle.
+    pool = cm.MemPool(cm.Route.device(0))
+    first, kept, fresh, spares = _closed_and_reused()
+    # Only the destroyed stream's object is passed: it raises when asked for its handle.
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.alloc(4096, first).close()
+    fresh.synchronize()
+    del kept, spares
+
+
+def test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer(gpu):
+    # When a DLPack capsule (or its consumer) is the last holder of a buffer's memory, its free
+    # must also let the memo forget the lent stream nothing else uses, as close() does: else the
+    # lender's object (and its CUDA stream) lives until 64 other streams or 8 other objects push
+    # it out.
+    own = cm.Stream(0)
+
+    class Borrowed:
+        def __cuda_stream__(self):
+            return (0, own.handle)
+
+    stats = cm.Statistics(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
+    lender = Borrowed()
+    lent = weakref.ref(lender)
+    buffer = stats.alloc(256, lender)
+    capsule = buffer.__dlpack__(stream=-1)
+    buffer.close()  # the capsule holds the memory now
+    del buffer, lender
+    del capsule  # no consumer took it: its destructor gives the memory back
+    assert stats.usage()["current_count"] == 0
+    _lend_another()
+    gc.collect()
+    assert lent() is None, "the memo still holds the lender after the capsule gave the memory back"
+
+
+def test_a_stream_borrowed_and_dropped_lets_go_of_its_lender(gpu):
+    # `Stream.borrow(obj)` remembers the lent stream: once the caller drops the Stream and nothing
+    # else uses it, the memo lets go of the lender (at the next stream lent), so the lending
+    # library's object lives as long as its stream is used here, and no longer.
+    lender = Lender(cm.Stream(0))
+    lent = weakref.ref(lender)
+    cm.Stream.borrow(lender)
+    del lender
+    _lend_another()
+    gc.collect()
+    assert lent() is None, "the memo still holds a lender whose Stream was dropped"
+
+
+def _closed_and_reused():
+    """A lender whose stream was closed while the memo kept its entry (`kept`, as a cached
+    block would), a new Stream the driver gave the closed stream's handle, and the spare
+    streams made meanwhile (to keep alive); a skip where the driver gives the handle to none."""
+    first = Lender(cm.Stream(0))
+    handle = first.stream.handle
+    kept = cm.Stream.borrow(first)
+    first.close()
+    spares = []
+    for _ in range(256):
+        fresh = cm.Stream(0)
+        if fresh.handle == handle:
+            return first, kept, fresh, spares
+        spares.append(fresh)
+    pytest.skip("the driver did not hand the closed stream's handle out again")
+
+
+def _lend_another():
+    """Lends the memo one more stream (a miss), for a fix that prunes on a miss."""
+    other = Lender(cm.Stream(0))
+    cm.Stream.borrow(other)
