@@ -871,6 +871,10 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         // SAFETY: forwarded under the caller's promise.
         unsafe { self.deallocate_beyond_lane(ptr, bytes, align, stream) }
     }
+
+    // An adaptor: a capture is what the resource below says it is, so layers above the cache
+    // apply the same capture rules as the cache itself.
+    crate::resource::forward_capture_checks!(|this| this.inner);
 }
 
 /// The hot paths, small enough to be inlined wherever the cache is called, and the rest, kept
