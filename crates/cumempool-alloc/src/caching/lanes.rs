@@ -287,28 +287,33 @@ impl LaneState {
         let lists = self.lists.as_deref_mut()?;
         let (count, blocks) = (lists.counts.get_mut(index)?, lists.blocks.get(index)?);
         *count = count.checked_sub(1)?;
-        blocks.get(usize::from(*count)).copied()
+        // `count` never exceeds `DEPTH`, so the remainder is the count itself; it spares the
+        // hot path a bounds check.
+        Some(blocks[usize::from(*count) % DEPTH])
     }
 
-    /// Whether a block of size class `index` fits: the lane has its lists (see
-    /// [`give_lists_if_missing`]) and room in that class.
+    /// Keeps a block of size class `index` if the lane has its lists (see
+    /// [`give_lists_if_missing`]) and room in that class, and `claim` takes its bytes from the
+    /// lane's budget; false, with nothing changed but what `claim` did, otherwise.
     #[inline(always)]
-    pub(super) fn has_room(&self, index: usize) -> bool {
-        self.lists
-            .as_ref()
-            .is_some_and(|lists| lists.counts.get(index).is_some_and(|&count| usize::from(count) < DEPTH))
-    }
-
-    /// Keeps a block of size class `index`. The caller checked `has_room`.
-    #[inline(always)]
-    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr) {
-        let Some(lists) = self.lists.as_deref_mut() else { return };
-        if let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) {
-            if let Some(entry) = blocks.get_mut(usize::from(*count)) {
-                *entry = ptr;
-                *count += 1;
-            }
+    pub(super) fn push_claiming(
+        &mut self,
+        index: usize,
+        ptr: CUdeviceptr,
+        claim: impl FnOnce(&mut usize) -> bool,
+    ) -> bool {
+        let Some(lists) = self.lists.as_deref_mut() else { return false };
+        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
+            return false;
+        };
+        // No entry at `count` means the class is full (`count == DEPTH`).
+        let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
+        if !claim(&mut self.budget) {
+            return false;
         }
+        *entry = ptr;
+        *count += 1;
+        true
     }
 
     /// The blocks of each size class: (class, blocks).
