@@ -106,7 +106,9 @@ pub(crate) fn size_class(bytes: usize) -> Option<(usize, usize)> {
     let step = (below >> shift) + 1; // 5..=8
                                      // 1 + (log - MIN_SHIFT) * STEPS + (step - 5), with log = MIN_SHIFT - 1, step = 8 giving 0.
     let index = (log * STEPS + step as u32) - (MIN_SHIFT * STEPS + 4);
-    Some((index as usize, (step << shift) as usize))
+    // At most `CLASSES - 1` already (log < MAX_SHIFT, step <= 8); the bound, stated where the
+    // compiler can see it, spares every lookup by class a bounds check.
+    Some(((index as usize).min(CLASSES - 1), (step << shift) as usize))
 }
 
 /// The bytes of size class `index`.

@@ -174,11 +174,16 @@ fn off_home_stream(cache: &CachingResource<HostHeap>) -> Stream {
 /// One thread's warm 1 MiB pairs, `CUMEMPOOL_PAIRS` of them (default 1,000,000), for counting
 /// instructions per pair: run it under `valgrind --tool=callgrind` with two counts and divide
 /// the difference in instructions by the difference in pairs. With `CUMEMPOOL_OFF_HOME` set, on
-/// a stream whose home slot another stream holds.
+/// a stream whose home slot another stream holds; with `CUMEMPOOL_FREE_LIST` set, the plain
+/// free list's pairs instead (the reference).
 #[test]
 #[ignore = "an instruction count, not a check: run it under callgrind with --release --ignored"]
 fn pairs_for_an_instruction_count() {
     let count = std::env::var("CUMEMPOOL_PAIRS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000_000);
+    if std::env::var_os("CUMEMPOOL_FREE_LIST").is_some() {
+        (0..count).for_each(|_| free_list_pair(std::hint::black_box(1 << 20)));
+        return;
+    }
     let cache = CachingResource::new(HostHeap);
     let stream =
         if std::env::var_os("CUMEMPOOL_OFF_HOME").is_some() { off_home_stream(&cache) } else { fake_stream(1) };
