@@ -57,6 +57,7 @@ mod fence;
 mod lane_number;
 mod lanes;
 mod lock;
+mod padded;
 mod size_class;
 mod slot;
 mod stats;

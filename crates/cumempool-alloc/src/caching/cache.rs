@@ -6,6 +6,7 @@ use super::captured::CapturedBlocks;
 use super::eviction;
 use super::lanes::{give_lists_if_missing, own_lane, Lane};
 use super::lock::lock;
+use super::padded::Padded;
 use super::size_class::{class_bytes, size_class, CLASSES};
 use super::slot::{gather_from_lanes, lanes_of, pop_shared, Taken, SLOTS};
 use super::stats::CacheStats;
@@ -48,12 +49,14 @@ use std::sync::PoisonError;
 ///   slow path holds a stream's lock while it allocates host memory.
 pub struct CachingResource<R: StreamOrderedResource> {
     inner: R,
+    /// What the hot path reads, beside `inner`; what slow paths write (below) sits on cache
+    /// lines of its own.
     table: SlotTable,
-    bound: Bound,
+    bound: Padded<Bound>,
     /// Misses of streams that found no slot.
-    overflow_misses: AtomicU64,
-    timers: Timers,
-    captured: CapturedBlocks,
+    overflow_misses: Padded<AtomicU64>,
+    timers: Padded<Timers>,
+    captured: Padded<CapturedBlocks>,
 }
 
 impl<R: StreamOrderedResource> std::fmt::Debug for CachingResource<R> {
@@ -81,10 +84,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         Self {
             inner,
             table: SlotTable::new(),
-            bound: Bound::new(max_cached, SLOTS),
-            overflow_misses: AtomicU64::new(0),
-            timers: Timers::new(),
-            captured: CapturedBlocks::default(),
+            bound: Padded(Bound::new(max_cached, SLOTS)),
+            overflow_misses: Padded(AtomicU64::new(0)),
+            timers: Padded(Timers::new()),
+            captured: Padded(CapturedBlocks::default()),
         }
     }
 

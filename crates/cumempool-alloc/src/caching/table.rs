@@ -5,6 +5,7 @@ use super::bound::Bound;
 use super::fence::{prepare_fences, Fences};
 use super::lanes::{claim, own_lane, ClaimedLanes, Unreachable};
 use super::lock::lock;
+use super::padded::Padded;
 use super::size_class::CLASSES;
 use super::slot::{home_of, lanes_of, Slot, SlotState, Taken, EMPTY, RELEASED, SLOTS};
 use cumempool::sys::CUdeviceptr;
@@ -19,10 +20,10 @@ pub(super) struct SlotTable {
     /// A fixed-size array, so that indexing it with a probe index needs no bounds check.
     pub(super) slots: Box<[Slot; SLOTS]>,
     /// Held to change slot keys (register, reclaim, evict, release); never on the hot path.
-    registry: Mutex<()>,
+    registry: Padded<Mutex<()>>,
     /// A coarse clock for least-recently-used eviction: advanced on slow paths only, read by
     /// the hot path.
-    clock: AtomicU64,
+    clock: Padded<AtomicU64>,
     /// How lanes fence (the process's decision).
     pub(super) fences: Fences,
     /// The process that made the cache: a forked child cannot claim lanes.
@@ -38,7 +39,13 @@ impl SlotTable {
             lanes: OnceLock::new(),
             state: Mutex::new(SlotState::default()),
         }));
-        Self { slots, registry: Mutex::new(()), clock: AtomicU64::new(0), fences, made_in: std::process::id() }
+        Self {
+            slots,
+            registry: Padded(Mutex::new(())),
+            clock: Padded(AtomicU64::new(0)),
+            fences,
+            made_in: std::process::id(),
+        }
     }
 
     /// The registry lock, under which slot keys change.
