@@ -18,8 +18,10 @@ use std::sync::atomic::{
 };
 use std::sync::OnceLock;
 
-/// Why the slow path's half of the fence cannot be had.
+/// Why the slow path's half of the fence cannot be had. Only `membarrier` fails: without it
+/// (other systems, Miri) this is never made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(all(target_os = "linux", not(miri))), allow(dead_code))]
 pub(super) enum Unavailable {
     /// `membarrier` failed for good after the process had chosen it.
     ForGood,
@@ -95,6 +97,7 @@ fn register_membarrier() -> bool {
 }
 
 /// Tries of one `membarrier` that fails with an error that passes, before the claim gives up.
+#[cfg(all(target_os = "linux", not(miri)))]
 const MEMBARRIER_TRIES: u32 = 4;
 
 /// Makes every running thread of the process execute a full memory barrier. Owners already
