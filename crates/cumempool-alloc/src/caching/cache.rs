@@ -34,9 +34,9 @@ use std::sync::PoisonError;
 ///   at once; later ones use the slot's shared lists); the bound counts cached bytes exactly and
 ///   is claimed in chunks, so the hot path (a hit, or a free with room and budget in the thread's
 ///   lane) enters only the thread's own lane, with no read-modify-write, and writes no shared
-///   counter. Once warm, a cached pair allocates no
-///   heap memory. A thread that exits leaves its lanes to the next thread that starts; release,
-///   eviction, the no-memory retry and drop take every lane's blocks, from any thread.
+///   counter. Once warm, a cached pair allocates no heap memory. A thread that exits leaves its
+///   lanes to the next thread that starts; release, eviction, the no-memory retry and drop take
+///   every lane's blocks, from any thread.
 /// - When the bound is reached or the slots run out, the blocks of streams nobody else holds any
 ///   more are given back, then those of the least recently used streams.
 /// - If the resource below answers with a no-memory error, the cache gives back what it holds
