@@ -15,6 +15,9 @@ use std::sync::atomic::{
 };
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+/// How far along its probe path the hot path looks for a stream's slot.
+const NEAR: usize = 8;
+
 /// The slots of a cache, with what finds and changes them.
 pub(super) struct SlotTable {
     /// A fixed-size array, so that indexing it with a probe index needs no bounds check.
@@ -66,13 +69,15 @@ impl SlotTable {
         if self.slots[home].key.load(Acquire) == key {
             return Some(home);
         }
-        self.probe(home, key)
+        self.probe(home, key, SLOTS)
     }
 
-    /// The slot of the stream with `key`, if it has one: the hot path's lookup. Its home slot
-    /// first, in line; a stream further along the probe path (its home slot was taken when it
-    /// registered) pays one call more, not the slow paths (2.3 times the instructions of a
-    /// pair at home, measured).
+    /// The slot of the stream with `key` if it is within [`NEAR`] slots of its home: the hot
+    /// path's lookup. The home slot first, in line; a stream further along the probe path (its
+    /// home slot was taken when it registered) pays one call more, not the slow paths (2.3
+    /// times the instructions of a pair at home, measured). Only that far, so that a stream
+    /// without a slot, which the slow paths look up again, does not scan the whole table twice
+    /// per call once released slots have filled it.
     #[inline(always)]
     pub(super) fn slot_of(&self, key: u64) -> Option<&Slot> {
         let home = home_of(key);
@@ -80,13 +85,13 @@ impl SlotTable {
         if slot.key.load(Acquire) == key {
             return Some(slot);
         }
-        self.probe(home, key).map(|index| &self.slots[index])
+        self.probe(home, key, NEAR).map(|index| &self.slots[index])
     }
 
-    /// `find` past the home slot.
+    /// `find` past the home slot, over at most `length` slots of the probe path.
     #[inline(never)]
-    fn probe(&self, home: usize, key: u64) -> Option<usize> {
-        for i in 0..SLOTS {
+    fn probe(&self, home: usize, key: u64, length: usize) -> Option<usize> {
+        for i in 0..length {
             let index = (home + i) % SLOTS;
             match self.slots[index].key.load(Acquire) {
                 k if k == key => return Some(index),
