@@ -3,40 +3,31 @@
 //!
 //! Threads sharing one stream would otherwise serialise on the stream's one lock, and even a
 //! lock nobody else takes costs a locked instruction to take (about 10 ns on the H200 node's
-//! Xeon, twice per pair). So each thread gets a lane number for its life, and lane `n` of every
-//! stream belongs to the thread holding number `n`: its *owner*. A number is given back when its
-//! thread exits, and the next thread to start takes it, with the blocks the lane holds. Threads
-//! beyond the first [`LANES`] have no lane and use the stream's shared lists.
+//! Xeon, twice per pair). So lane `n` of every stream belongs to the thread holding lane number
+//! `n` (see [`lane_number`](super::lane_number)): its *owner*. Threads beyond the first
+//! [`LANES`](super::lane_number::LANES) have no lane and use the stream's shared lists.
 //!
 //! The owner enters its lane by storing `busy` and reading `claimed`; a slow path of any thread
 //! (release, reclaim, eviction, the no-memory retry, stats, drop, a miss once the bound is
-//! spent) claims a lane by storing `claimed` and reading `busy`, waiting for the owner to leave.
-//! That is Dekker's mutual exclusion, which needs a full fence between each side's store and
-//! load. The owner's side runs on every hot path, so it gets the free half of an asymmetric
-//! fence (a compiler fence), and the slow path the expensive half: a `membarrier` system call
-//! that makes every running thread of the process execute a full fence (Linux 4.14 and later).
-//! Where that call cannot be registered (other systems, a kernel or sandbox without it, Miri),
-//! both sides use an ordinary sequentially consistent fence, which costs the owner about what a
-//! lock would. Should the call fail later, claims are refused, never made without the fence:
-//! for good when the failure is permanent (a seccomp filter installed after the first cache:
-//! EPERM; ENOSYS; a command the kernel no longer accepts), or in a child forked after the cache
-//! was made (a lane the parent's other threads were in stays busy there); for that claim only
-//! when it passes (ENOMEM, EINTR, EAGAIN: retried a few times first). The owners' hot path goes
+//! spent) claims a lane by storing `claimed` and reading `busy`, waiting for the owner to leave,
+//! with the two halves of the fence of [`fence`] between. Where the slow path's
+//! half cannot be had, claims are refused, never made without it: the owners' hot path goes
 //! on, and what their lanes hold stays cached until a claim succeeds or the cache is dropped,
-//! which needs no claim. A child forked while other threads were inside the cache must not use it at all (as
-//! with any lock: a slot lock or lane another thread held at the fork is held for ever there).
+//! which needs no claim. In a child forked after the cache was made, claims are refused too (a
+//! lane the parent's other threads were in stays busy there). A child forked while other
+//! threads were inside the cache must not use it at all (as with any lock: a slot lock or lane
+//! another thread held at the fork is held for ever there).
 
-use super::{class_bytes, CLASSES};
+use super::fence::{self, Fences};
+use super::lane_number::lane_number;
+use super::size_class::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
-use std::cell::{Cell, UnsafeCell};
+use std::cell::UnsafeCell;
 use std::sync::atomic::{
-    compiler_fence, fence, AtomicBool, AtomicUsize,
-    Ordering::{Acquire, Relaxed, Release, SeqCst},
+    AtomicBool,
+    Ordering::{Acquire, Relaxed, Release},
 };
-use std::sync::{Mutex, OnceLock};
 
-/// Lanes per stream: up to this many threads share a stream without sharing a lock.
-pub(super) const LANES: usize = 64;
 /// Blocks a lane holds per size class; further frees go to the stream's shared lists.
 const DEPTH: usize = 8;
 
@@ -125,7 +116,7 @@ pub(super) struct OwnedLane<'a> {
 }
 
 /// The calling thread's own lane among a stream's `lanes`, unless it has none (a thread beyond
-/// the first [`LANES`], or one whose thread-locals are being destroyed), a slow path holds it,
+/// the first [`LANES`](super::lane_number::LANES), or one whose thread-locals are being destroyed), a slow path holds it,
 /// or the thread is in it already (a re-entrant call from inside the cache).
 #[inline(always)]
 pub(super) fn own_lane(lanes: &[Lane], fences: Fences) -> Option<OwnedLane<'_>> {
@@ -230,7 +221,7 @@ pub(super) fn claim(groups: Vec<&[Lane]>, made_in: u32) -> Result<ClaimedLanes<'
         return Err(Unreachable::ForkedChild);
     }
     // Once `membarrier` has failed for good, without taking and giving back every claim first.
-    if MEMBARRIER_FAILED.load(Relaxed) {
+    if fence::failed_for_good() {
         return Err(Unreachable::Membarrier);
     }
     for lane in lanes() {
@@ -241,7 +232,10 @@ pub(super) fn claim(groups: Vec<&[Lane]>, made_in: u32) -> Result<ClaimedLanes<'
     }
     // Dropping the claims gives them back, whatever happens next.
     let claimed = ClaimedLanes { groups };
-    heavy_fence()?;
+    fence::heavy_fence().map_err(|why| match why {
+        fence::Unavailable::ForGood => Unreachable::Membarrier,
+        fence::Unavailable::ForNow => Unreachable::MembarrierBusy,
+    })?;
     for lane in claimed.groups.iter().flat_map(|group| group.iter()) {
         let mut spins = 0u32;
         while lane.busy.load(Acquire) {
@@ -287,28 +281,33 @@ impl LaneState {
         let lists = self.lists.as_deref_mut()?;
         let (count, blocks) = (lists.counts.get_mut(index)?, lists.blocks.get(index)?);
         *count = count.checked_sub(1)?;
-        blocks.get(usize::from(*count)).copied()
+        // `count` never exceeds `DEPTH`, so the remainder is the count itself; it spares the
+        // hot path a bounds check.
+        Some(blocks[usize::from(*count) % DEPTH])
     }
 
-    /// Whether a block of size class `index` fits: the lane has its lists (see
-    /// [`give_lists_if_missing`]) and room in that class.
+    /// Keeps a block of size class `index` if the lane has its lists (see
+    /// [`give_lists_if_missing`]) and room in that class, and `claim` takes its bytes from the
+    /// lane's budget; false, with nothing changed but what `claim` did, otherwise.
     #[inline(always)]
-    pub(super) fn has_room(&self, index: usize) -> bool {
-        self.lists
-            .as_ref()
-            .is_some_and(|lists| lists.counts.get(index).is_some_and(|&count| usize::from(count) < DEPTH))
-    }
-
-    /// Keeps a block of size class `index`. The caller checked `has_room`.
-    #[inline(always)]
-    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr) {
-        let Some(lists) = self.lists.as_deref_mut() else { return };
-        if let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) {
-            if let Some(entry) = blocks.get_mut(usize::from(*count)) {
-                *entry = ptr;
-                *count += 1;
-            }
+    pub(super) fn push_claiming(
+        &mut self,
+        index: usize,
+        ptr: CUdeviceptr,
+        claim: impl FnOnce(&mut usize) -> bool,
+    ) -> bool {
+        let Some(lists) = self.lists.as_deref_mut() else { return false };
+        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
+            return false;
+        };
+        // No entry at `count` means the class is full (`count == DEPTH`).
+        let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
+        if !claim(&mut self.budget) {
+            return false;
         }
+        *entry = ptr;
+        *count += 1;
+        true
     }
 
     /// The blocks of each size class: (class, blocks).
@@ -358,237 +357,12 @@ impl LaneState {
     }
 }
 
-/// Set when `membarrier` failed for good after it had been chosen (nothing lifts a seccomp
-/// filter).
-static MEMBARRIER_FAILED: AtomicBool = AtomicBool::new(false);
-
-/// Set once a claim was refused for a `membarrier` failure that passes, so that only the first
-/// is logged as a warning.
-#[cfg(all(target_os = "linux", not(miri)))]
-static MEMBARRIER_BUSY_LOGGED: AtomicBool = AtomicBool::new(false);
-
-/// Which fences pair up: decided once, before any cache exists, and never changed after.
-static FENCES: OnceLock<Fences> = OnceLock::new();
-
-/// How lanes fence, as decided for the process; each cache keeps a copy, so that the hot path
-/// reads it next to the cache's other fields rather than from a static.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Fences {
-    /// The owner uses a compiler fence; slow paths `membarrier`.
-    Asymmetric,
-    /// Both sides use a full fence.
-    Symmetric,
-}
-
-/// Decides how lanes fence, registering this process for `membarrier` if it can. Called by
-/// every cache's constructor: owners use the decision only through a cache, made after it.
-pub(super) fn prepare_fences() -> Fences {
-    *FENCES.get_or_init(|| if register_membarrier() { Fences::Asymmetric } else { Fences::Symmetric })
-}
-
-impl Fences {
-    /// The owner's half of the fence between storing `busy` and reading `claimed`.
-    #[inline]
-    fn light(self) {
-        match self {
-            Fences::Asymmetric => compiler_fence(SeqCst),
-            Fences::Symmetric => fence(SeqCst),
-        }
-    }
-}
-
-/// A slow path's half of the fence between storing `claimed` and reading `busy`; why not when
-/// it cannot be had.
-fn heavy_fence() -> Result<(), Unreachable> {
-    if FENCES.get() == Some(&Fences::Asymmetric) {
-        expedited_membarrier()
-    } else {
-        fence(SeqCst);
-        Ok(())
-    }
-}
-
-#[cfg(all(target_os = "linux", not(miri)))]
-fn register_membarrier() -> bool {
-    use rustix::thread::{membarrier, MembarrierCommand};
-    membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
-        && membarrier(MembarrierCommand::PrivateExpedited).is_ok()
-}
-
-#[cfg(not(all(target_os = "linux", not(miri))))]
-fn register_membarrier() -> bool {
-    false
-}
-
-/// Tries of one `membarrier` that fails with an error that passes, before the claim gives up.
-const MEMBARRIER_TRIES: u32 = 4;
-
-/// Makes every running thread of the process execute a full memory barrier. Owners already
-/// chose the compiler fence, so nothing else will do: a call that fails with an error that
-/// passes (ENOMEM, EINTR, EAGAIN) is tried again a few times, one that says the process is not
-/// registered (EINVAL: not expected once registered, but cheap to answer) registers again, and
-/// if none of that helps the claim is refused rather than made without the fence; for every
-/// later claim too when the error is permanent.
-#[cfg(all(target_os = "linux", not(miri)))]
-fn expedited_membarrier() -> Result<(), Unreachable> {
-    use rustix::io::Errno;
-    use rustix::thread::{membarrier, MembarrierCommand};
-    let mut last = Errno::AGAIN;
-    for _ in 0..MEMBARRIER_TRIES {
-        let error = match membarrier(MembarrierCommand::PrivateExpedited) {
-            Ok(()) => return Ok(()),
-            Err(Errno::INVAL) => match membarrier(MembarrierCommand::RegisterPrivateExpedited) {
-                Ok(()) => continue,
-                Err(error) => error,
-            },
-            Err(error) => error,
-        };
-        last = error;
-        if membarrier_failure_is_permanent(error) {
-            if !MEMBARRIER_FAILED.swap(true, Relaxed) {
-                tracing::error!(%error, "membarrier(PRIVATE_EXPEDITED) fails: cached blocks in threads' lanes are out of reach");
-            }
-            return Err(Unreachable::Membarrier);
-        }
-        std::thread::yield_now();
-    }
-    // Once at warning level: sweeps may run every millisecond while the failures last.
-    if MEMBARRIER_BUSY_LOGGED.swap(true, Relaxed) {
-        tracing::debug!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused");
-    } else {
-        tracing::warn!(error = %last, tries = MEMBARRIER_TRIES, "membarrier(PRIVATE_EXPEDITED) failed: this claim of lanes is refused (logged once)");
-    }
-    Err(Unreachable::MembarrierBusy)
-}
-
-/// Whether a `membarrier` failure will not pass: forbidden (EPERM: a seccomp filter), missing
-/// (ENOSYS), or a command the kernel refuses even after registering again (EINVAL).
-#[cfg(all(target_os = "linux", not(miri)))]
-fn membarrier_failure_is_permanent(error: rustix::io::Errno) -> bool {
-    use rustix::io::Errno;
-    matches!(error, Errno::PERM | Errno::NOSYS | Errno::INVAL)
-}
-
-#[cfg(not(all(target_os = "linux", not(miri))))]
-fn expedited_membarrier() -> Result<(), Unreachable> {
-    // Never chosen here: `register_membarrier` answers false.
-    fence(SeqCst);
-    Ok(())
-}
-
-/// Lane numbers of exited threads, for the next threads to take (with what they left).
-static FREE_LANES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-static NEXT_LANE: AtomicUsize = AtomicUsize::new(0);
-/// How many numbers below [`LANES`] `FREE_LANES` holds: a thread with a higher number trades it
-/// for one of them (read without the lock on such a thread's every call).
-static LOW_FREE: AtomicUsize = AtomicUsize::new(0);
-
-/// Gives a number back to `FREE_LANES`.
-fn give_back_number(free: &mut Vec<usize>, number: usize) {
-    free.push(number);
-    if number < LANES {
-        LOW_FREE.fetch_add(1, Relaxed);
-    }
-}
-
-/// Takes the lowest free number, if any.
-fn take_lowest(free: &mut Vec<usize>) -> Option<usize> {
-    let (at, _) = free.iter().enumerate().min_by_key(|&(_, &number)| number)?;
-    let number = free.swap_remove(at);
-    if number < LANES {
-        LOW_FREE.fetch_sub(1, Relaxed);
-    }
-    Some(number)
-}
-
-/// `LANE_NUMBER` before the thread's first use of a cache.
-const UNASSIGNED: usize = usize::MAX;
-/// `LANE_NUMBER` once the thread has given its number back (its thread-locals are being
-/// destroyed): no lane any more, the shared lists serve it.
-const GIVEN_BACK: usize = usize::MAX - 1;
-
-thread_local! {
-    /// The thread's lane number: read on every hot path, so a plain `Cell` with a constant
-    /// initial value (no lazy state, nothing to destroy), readable even while the thread's
-    /// other locals are destroyed. Unique among live threads: lane `n` of every stream has one
-    /// owner at a time.
-    static LANE_NUMBER: Cell<usize> = const { Cell::new(UNASSIGNED) };
-    /// Gives the number back when the thread exits; made with the number.
-    static LANE_RETURN: LaneReturn = const { LaneReturn };
-}
-
-struct LaneReturn;
-
-impl Drop for LaneReturn {
-    fn drop(&mut self) {
-        let number = LANE_NUMBER.with(|cell| cell.replace(GIVEN_BACK));
-        if number < GIVEN_BACK {
-            give_back_number(&mut super::lock(&FREE_LANES), number);
-        }
-    }
-}
-
-/// The calling thread's lane number, taking one on first use.
-#[inline(always)]
-fn lane_number() -> usize {
-    let number = LANE_NUMBER.with(Cell::get);
-    if number >= LANES {
-        return lane_number_beyond(number);
-    }
-    number
-}
-
-/// A thread without a lane: takes its first number, or trades a number beyond [`LANES`] for a
-/// lower one that an exited thread gave back (found by review: a thread that started while 64
-/// others held numbers kept number 64, and no lane, for life). The thread is in no lane here.
-#[cold]
-fn lane_number_beyond(number: usize) -> usize {
-    match number {
-        UNASSIGNED => take_lane_number(),
-        GIVEN_BACK => GIVEN_BACK,
-        _ if LOW_FREE.load(Relaxed) == 0 => number,
-        _ => {
-            let mut free = super::lock(&FREE_LANES);
-            match take_lowest(&mut free) {
-                Some(low) if low < number => {
-                    give_back_number(&mut free, number);
-                    LANE_NUMBER.with(|cell| cell.set(low));
-                    low
-                }
-                Some(other) => {
-                    give_back_number(&mut free, other);
-                    number
-                }
-                None => number,
-            }
-        }
-    }
-}
-
-/// Takes the lowest free number, so that numbers stay below [`LANES`] while few threads live,
-/// and arranges for it to be given back. A thread whose locals are being destroyed gets none.
-#[cold]
-fn take_lane_number() -> usize {
-    // Registering the destructor first: if that is refused (the thread is exiting), no number
-    // is taken, so none can leak.
-    if LANE_RETURN.try_with(|_| ()).is_err() {
-        LANE_NUMBER.with(|cell| cell.set(GIVEN_BACK));
-        return GIVEN_BACK;
-    }
-    let number = take_lowest(&mut super::lock(&FREE_LANES))
-        .unwrap_or_else(|| NEXT_LANE.fetch_add(1, Relaxed).min(GIVEN_BACK - 1));
-    LANE_NUMBER.with(|cell| cell.set(number));
-    number
-}
-
-/// Held by unit tests that need a lane number below [`LANES`] or that take more than [`LANES`]
-/// numbers at once: lane numbers are process-wide, shared by the test threads.
-#[cfg(test)]
-pub(super) static TEST_LANE_NUMBERS: Mutex<()> = Mutex::new(());
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::caching::fence::prepare_fences;
+    use crate::caching::lane_number::{LANES, TEST_LANE_NUMBERS};
+    use crate::caching::lock::lock;
 
     fn lanes() -> Vec<Lane> {
         (0..LANES).map(|_| Lane::new()).collect()
@@ -596,7 +370,7 @@ mod tests {
 
     #[test]
     fn a_thread_inside_its_lane_cannot_enter_it_again() {
-        let _numbers = super::super::lock(&TEST_LANE_NUMBERS);
+        let _numbers = lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let inside = own_lane(&lanes, prepare_fences());
         assert!(inside.is_some());
@@ -607,7 +381,7 @@ mod tests {
 
     #[test]
     fn a_claimed_lane_turns_its_owner_away_until_given_back() {
-        let _numbers = super::super::lock(&TEST_LANE_NUMBERS);
+        let _numbers = lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let mut claimed = claim(vec![&lanes[..]], std::process::id()).expect("claimed");
         assert!(own_lane(&lanes, prepare_fences()).is_none());
@@ -619,7 +393,7 @@ mod tests {
 
     #[test]
     fn no_two_living_threads_own_one_lane_and_threads_beyond_the_lanes_own_none() {
-        let _numbers = super::super::lock(&TEST_LANE_NUMBERS);
+        let _numbers = lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let threads = LANES + 6;
         let barrier = std::sync::Barrier::new(threads);

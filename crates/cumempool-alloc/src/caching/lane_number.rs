@@ -1,0 +1,123 @@
+//! Lane numbers: each thread gets one for its life, and lane `n` of every stream belongs to the
+//! thread holding number `n`. A number is given back when its thread exits, and the next thread
+//! to start takes it, with the blocks the lanes of that number hold. Numbers stay as low as the
+//! threads alive at once allow, so that the first [`LANES`] threads have lanes.
+
+use super::lock::lock;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+
+/// Lanes per stream: up to this many threads share a stream without sharing a lock.
+pub(super) const LANES: usize = 64;
+
+/// Lane numbers of exited threads, for the next threads to take (with what they left).
+static FREE_LANES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static NEXT_LANE: AtomicUsize = AtomicUsize::new(0);
+/// How many numbers below [`LANES`] `FREE_LANES` holds: a thread with a higher number trades it
+/// for one of them (read without the lock on such a thread's every call).
+static LOW_FREE: AtomicUsize = AtomicUsize::new(0);
+
+/// Gives a number back to `FREE_LANES`.
+fn give_back_number(free: &mut Vec<usize>, number: usize) {
+    free.push(number);
+    if number < LANES {
+        LOW_FREE.fetch_add(1, Relaxed);
+    }
+}
+
+/// Takes the lowest free number, if any.
+fn take_lowest(free: &mut Vec<usize>) -> Option<usize> {
+    let (at, _) = free.iter().enumerate().min_by_key(|&(_, &number)| number)?;
+    let number = free.swap_remove(at);
+    if number < LANES {
+        LOW_FREE.fetch_sub(1, Relaxed);
+    }
+    Some(number)
+}
+
+/// `LANE_NUMBER` before the thread's first use of a cache.
+const UNASSIGNED: usize = usize::MAX;
+/// `LANE_NUMBER` once the thread has given its number back (its thread-locals are being
+/// destroyed): no lane any more, the shared lists serve it.
+const GIVEN_BACK: usize = usize::MAX - 1;
+
+thread_local! {
+    /// The thread's lane number: read on every hot path, so a plain `Cell` with a constant
+    /// initial value (no lazy state, nothing to destroy), readable even while the thread's
+    /// other locals are destroyed. Unique among live threads: lane `n` of every stream has one
+    /// owner at a time.
+    static LANE_NUMBER: Cell<usize> = const { Cell::new(UNASSIGNED) };
+    /// Gives the number back when the thread exits; made with the number.
+    static LANE_RETURN: LaneReturn = const { LaneReturn };
+}
+
+struct LaneReturn;
+
+impl Drop for LaneReturn {
+    fn drop(&mut self) {
+        let number = LANE_NUMBER.with(|cell| cell.replace(GIVEN_BACK));
+        if number < GIVEN_BACK {
+            give_back_number(&mut lock(&FREE_LANES), number);
+        }
+    }
+}
+
+/// The calling thread's lane number, taking one on first use; [`LANES`] or more for a thread
+/// without a lane.
+#[inline(always)]
+pub(super) fn lane_number() -> usize {
+    let number = LANE_NUMBER.with(Cell::get);
+    if number >= LANES {
+        return lane_number_beyond(number);
+    }
+    number
+}
+
+/// A thread without a lane: takes its first number, or trades a number beyond [`LANES`] for a
+/// lower one that an exited thread gave back, so that a thread that started while 64 others
+/// held numbers does not stay without a lane for life. The thread is in no lane here.
+#[cold]
+fn lane_number_beyond(number: usize) -> usize {
+    match number {
+        UNASSIGNED => take_lane_number(),
+        GIVEN_BACK => GIVEN_BACK,
+        _ if LOW_FREE.load(Relaxed) == 0 => number,
+        _ => {
+            let mut free = lock(&FREE_LANES);
+            match take_lowest(&mut free) {
+                Some(low) if low < number => {
+                    give_back_number(&mut free, number);
+                    LANE_NUMBER.with(|cell| cell.set(low));
+                    low
+                }
+                Some(other) => {
+                    give_back_number(&mut free, other);
+                    number
+                }
+                None => number,
+            }
+        }
+    }
+}
+
+/// Takes the lowest free number, so that numbers stay below [`LANES`] while few threads live,
+/// and arranges for it to be given back. A thread whose locals are being destroyed gets none.
+#[cold]
+fn take_lane_number() -> usize {
+    // Registering the destructor first: if that is refused (the thread is exiting), no number
+    // is taken, so none can leak.
+    if LANE_RETURN.try_with(|_| ()).is_err() {
+        LANE_NUMBER.with(|cell| cell.set(GIVEN_BACK));
+        return GIVEN_BACK;
+    }
+    let number =
+        take_lowest(&mut lock(&FREE_LANES)).unwrap_or_else(|| NEXT_LANE.fetch_add(1, Relaxed).min(GIVEN_BACK - 1));
+    LANE_NUMBER.with(|cell| cell.set(number));
+    number
+}
+
+/// Held by unit tests that need a lane number below [`LANES`] or that take more than [`LANES`]
+/// numbers at once: lane numbers are process-wide, shared by the test threads.
+#[cfg(test)]
+pub(super) static TEST_LANE_NUMBERS: Mutex<()> = Mutex::new(());
