@@ -115,7 +115,9 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
     exec.synchronize().unwrap();
     drop(exec);
     drop(graph);
-    assert!(device.graph_memory().unwrap().used_current > used_before, "the launch's allocation is live");
+    // Graph memory is counted in whole chunks (32 MiB on an H200), which another live graph
+    // allocation may share: the library's own record says the allocation is live.
+    assert!(cumempool::is_captured_allocation(kept), "the launch's allocation is live");
     // SAFETY: the launch's allocation, which no free node frees; freed once, here, after it ran.
     unsafe { cumempool::free_async(kept, &stream) }.unwrap();
     stream.synchronize().unwrap();

@@ -32,8 +32,11 @@ impl Stream {
     /// streams of the buffers the graph uses ([`GraphExec::launch`]), so the private stream
     /// needs no ordering with this one.
     ///
-    /// The capture is begun in `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL` mode, so other threads'
-    /// CUDA calls are not disturbed, and is always ended: when `record` returns, fails or
+    /// The capture is begun in `CU_STREAM_CAPTURE_MODE_RELAXED` mode: other threads' CUDA calls
+    /// are not disturbed, and this thread's calls on other streams inside `record` (a buffer of
+    /// this stream dropped there frees it at once) do not invalidate it, which the driver does
+    /// in thread-local mode. Host waits inside `record` are refused by the library instead
+    /// ([`Error::StreamCapturing`]). The capture is always ended: when `record` returns, fails or
     /// panics. Captured allocations that `record` left alive are freed in the graph before it
     /// ends. Frees deferred by the capture (memory from outside it freed on
     /// [`Capture::stream`] meanwhile) run on the private stream once it has ended.
@@ -69,7 +72,7 @@ fn capture_on<'env>(
     record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>,
 ) -> Result<Graph<'env>> {
     stream.note_capture_possible();
-    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: a live ordinary stream that does not capture (private to this capture).
     let begun = unsafe { driver_answer!(cuStreamBeginCapture(stream.as_raw(), mode)) }?;
     refused_capture(begun, BEGIN)?;

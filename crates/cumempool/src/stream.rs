@@ -862,7 +862,10 @@ mod tests {
     #[test]
     fn frees_left_by_a_stream_dropped_during_a_capture_wait_for_the_next_value_of_its_handle() {
         // No driver here: the drop cannot learn that the capture is over, which it must treat as
-        // a capture still underway.
+        // a capture still underway. With a driver, the drop would ask it about a made-up handle.
+        if sys::driver().is_ok() {
+            return;
+        }
         let raw = 0x7000 as sys::CUstream;
         let pool = Arc::new(Owner::new(0x8000 as sys::CUmemoryPool, false));
         let lender: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
