@@ -6,12 +6,34 @@ use cumempool::sys::{self, CUresult, CUstreamCaptureMode};
 use cumempool::{Context, Device, MemPool, Route, Stream};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
-/// The stand-in's C source, as `capture_modes.rs` holds it (one copy of the model).
-fn stand_in_source() -> &'static str {
+/// The stand-in's C source, as `capture_modes.rs` holds it (one copy of the model), counting
+/// the streams alive in `live_streams`.
+fn stand_in_source() -> String {
     let file = include_str!("capture_modes.rs");
     let start = file.find("r#\"").expect("the stand-in's source") + 3;
     let end = file[start..].find("\"#;").expect("the stand-in's end") + start;
-    &file[start..end]
+    let counted = [
+        ("*s = calloc(1, sizeof **s); return 0;", "*s = calloc(1, sizeof **s); live_streams++; return 0;"),
+        ("{ free(s); return 0; }", "{ free(s); live_streams--; return 0; }"),
+        ("typedef int CUresult;", "typedef int CUresult;\nint live_streams;"),
+    ];
+    counted.iter().fold(file[start..end].to_owned(), |source, (from, to)| {
+        assert!(source.contains(from), "the stand-in changed: {from}");
+        source.replace(from, to)
+    })
+}
+
+/// Where the stand-in was compiled to.
+static LIBRARY: OnceLock<std::path::PathBuf> = OnceLock::new();
+
+/// How many streams the stand-in has made and not destroyed.
+fn live_streams() -> i32 {
+    // SAFETY: the stand-in, already loaded; `live_streams` is an `int` it exports.
+    unsafe {
+        let library = libloading::Library::new(LIBRARY.get().unwrap()).unwrap();
+        let count = library.get::<*const i32>(b"live_streams\0").unwrap();
+        **count
+    }
 }
 
 /// The stand-in compiled and loaded, and its device's context; `None` (skipped, said why)
@@ -25,6 +47,7 @@ fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
         std::fs::create_dir_all(&directory).unwrap();
         let (source, library) = (directory.join("stand_in.c"), directory.join("libstandin.so"));
         std::fs::write(&source, stand_in_source()).unwrap();
+        LIBRARY.set(library.clone()).unwrap();
         let compiled = std::process::Command::new("cc")
             .args(["-shared", "-fPIC", "-pthread", "-o"])
             .arg(&library)
@@ -108,4 +131,35 @@ fn a_second_value_dropped_mid_capture_keeps_the_first_values_lender_alive() {
         kept,
         "the first value's free still waits on the stream, but the lender's handle that keeps the stream valid was dropped"
     );
+}
+
+/// What goes wrong: an owned stream (`Stream::new`) that other code captures (after
+/// `note_capture_possible`), dropped during that capture with a free deferred to it, is leaked
+/// so that the free can run on it later, and it is never destroyed, not even once the capture
+/// is over and the free has run (`run_orphaned_frees`, or a later use of its handle): the
+/// orphan forgets that it owns its stream. Every such drop leaks a driver stream for the
+/// process's life. (Dropped mid-capture without a deferred free, it is leaked with no record
+/// at all.)
+///
+/// Fix: an orphan records that it owns its stream, and is adopted even without frees; once its
+/// stream no longer captures and its frees have run, the stream is destroyed.
+#[test]
+fn an_owned_stream_leaked_for_a_capture_is_destroyed_once_its_frees_have_run() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let before = live_streams();
+    let owned = Stream::new(&context).unwrap();
+    let raw = owned.as_raw();
+    let buffer = pool.alloc(4096, &owned).unwrap();
+    begin_foreign_capture(&owned);
+    drop(buffer); // deferred: its stream captures
+    drop(owned); // leaked for the free, rightly: it still captures
+    assert_eq!(live_streams(), before + 1, "control: not destroyed mid-capture");
+    // SAFETY: the leaked stream is valid; this value is forgotten, never destroyed here.
+    let ender = unsafe { Stream::borrow_raw(raw, Some(&context)) }.unwrap();
+    assert_eq!(end_foreign_capture(&ender), CUresult::CUDA_SUCCESS);
+    drop(ender);
+    assert_eq!(Stream::run_orphaned_frees(), 0, "nothing left waiting");
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "the deferred free ran");
+    assert_eq!(live_streams(), before, "the owned stream is never destroyed, though its capture and frees are over");
 }
