@@ -182,3 +182,60 @@ fn under_eviction_release_and_reclaim_every_block_stays_on_its_stream() {
     assert!(ledger.faults.is_empty(), "{} faults, first: {shown:#?}", ledger.faults.len());
     assert!(ledger.freed_on.is_empty(), "blocks the cache never gave back: {}", ledger.freed_on.len());
 }
+
+/// The cache's home slot of a stream (the same hash as the cache's `home_of`).
+fn home(stream: &Stream) -> u64 {
+    (stream.id().get().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) % 256
+}
+
+/// Small enough for Miri (`cargo +nightly miri test`, whose data-race detector and weak-memory
+/// emulation check the key-in-lane protocol): two threads hit and free on two streams with the
+/// same home slot (the second found by the hot path off its home), while a third releases
+/// their slots and a new stream of that home takes one, so a slot's key changes under a
+/// thread that found it.
+#[test]
+fn a_slot_found_off_home_and_taken_over_meanwhile_serves_only_its_own_stream() {
+    let recording = Recording::default();
+    let cache = CachingResource::with_max_cached(recording.clone(), 1 << 20);
+    let first = fake_stream(0);
+    let same_home =
+        |from: usize| (from..).map(fake_stream).find(|s| home(s) == home(&first)).expect("a stream with the same home");
+    let second = same_home(1);
+    let rounds = if cfg!(miri) { 12 } else { 2000 };
+    std::thread::scope(|scope| {
+        for stream in [&first, &second] {
+            let (cache, recording) = (&cache, &recording);
+            scope.spawn(move || {
+                for _ in 0..rounds {
+                    let ptrs = [(); 3].map(|()| cache.allocate(4096, 256, stream).unwrap());
+                    for ptr in ptrs {
+                        recording.handed_out(ptr, stream);
+                    }
+                    for ptr in ptrs {
+                        recording.freeing(ptr, stream);
+                        // SAFETY: allocated above with these arguments, freed once.
+                        unsafe { cache.deallocate(ptr, 4096, 256, stream) }.unwrap();
+                    }
+                }
+            });
+        }
+        let (cache, recording, first) = (&cache, &recording, &first);
+        scope.spawn(move || {
+            for round in 0..rounds {
+                let _ = cache.release_stream(first);
+                // A newcomer of the same home takes the slot just released, then goes.
+                let newcomer = same_home(1000 + round);
+                let ptr = cache.allocate(4096, 256, &newcomer).unwrap();
+                recording.handed_out(ptr, &newcomer);
+                recording.freeing(ptr, &newcomer);
+                // SAFETY: allocated just above with these arguments, freed once.
+                unsafe { cache.deallocate(ptr, 4096, 256, &newcomer) }.unwrap();
+                let _ = cache.release_stream(&newcomer);
+            }
+        });
+    });
+    drop(cache);
+    let ledger = recording.ledger.lock().unwrap();
+    assert!(ledger.faults.is_empty(), "{:#?}", &ledger.faults[..ledger.faults.len().min(10)]);
+    assert!(ledger.freed_on.is_empty(), "blocks the cache never gave back: {}", ledger.freed_on.len());
+}
