@@ -161,5 +161,5 @@ fn an_owned_stream_leaked_for_a_capture_is_destroyed_once_its_frees_have_run() {
     drop(ender);
     assert_eq!(Stream::run_orphaned_frees(), 0, "nothing left waiting");
     assert_eq!(pool.used_mem_current().unwrap(), 0, "the deferred free ran");
-    assert_eq!(live_streams(), before, "the owned stream is never destroyed, though its capture and frees are over");
+    assert_eq!(live_streams(), before, "the owned stream is destroyed once its capture and frees are over");
 }

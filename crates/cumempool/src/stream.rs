@@ -393,8 +393,12 @@ impl Stream {
     /// capture. Failures are logged: like a buffer's drop, nobody is left to hand them to.
     pub(crate) fn run_deferred_frees(&self) {
         run_frees(self.as_raw(), self.take_deferred_frees());
-        for orphan in take_orphans(self.as_raw(), self.context().map(Context::as_raw)) {
-            run_frees(self.as_raw(), orphan.frees);
+        for mut orphan in take_orphans(self.as_raw(), self.context().map(Context::as_raw)) {
+            run_frees(self.as_raw(), std::mem::take(&mut orphan.frees));
+            if orphan.owned {
+                // This value borrows the leaked stream: its drop destroys it, not this call.
+                adopt(orphan);
+            }
         }
     }
 
@@ -415,7 +419,12 @@ impl Stream {
                 None => ended(),
             };
             match ended {
-                Ok(true) => run_frees(raw, orphan.frees),
+                Ok(true) => {
+                    run_frees(raw, orphan.frees);
+                    if orphan.owned {
+                        destroy_leaked(raw, orphan.context.as_ref());
+                    }
+                }
                 Ok(false) => {
                     waiting += orphan.frees.len();
                     adopt(orphan);
@@ -608,12 +617,17 @@ fn capture_info(stream: sys::CUstream) -> Result<CaptureStatus> {
 /// or the leak) and names the same driver stream until its frees have run, so they run on it, in
 /// its order after the capture, by the first capture-aware operation on a `Stream` with the same
 /// handle that finds it not capturing, by that `Stream`'s drop, or by [`Stream::run_orphaned_frees`].
+/// Every keep-alive of the values that left frees for the stream stays with them (any one of
+/// them may be what keeps the stream valid), and an owned stream leaked for a capture is
+/// destroyed once the capture is over and its frees have run.
 #[derive(Debug)]
 struct Orphan {
     raw: DriverHandle<sys::CUstream>,
     context: Option<Context>,
     frees: Vec<DeferredFree>,
-    _keep_alive: KeepAlive,
+    /// The stream was the library's own (made by `Stream::new`): destroy it after the frees.
+    owned: bool,
+    _keep_alive: Vec<KeepAlive>,
 }
 
 static ORPHANS: Mutex<Vec<Orphan>> = Mutex::new(Vec::new());
@@ -646,6 +660,21 @@ fn take_orphans(raw: sys::CUstream, context: Option<sys::CUcontext>) -> Vec<Orph
     })
 }
 
+/// Destroys an owned stream that was leaked because other code captured it when its last value
+/// dropped, now that the capture is over and its frees have run.
+fn destroy_leaked(raw: sys::CUstream, context: Option<&Context>) {
+    // SAFETY: an owned stream, leaked (never destroyed) for its capture; its orphan is gone,
+    // so this is its one destroy.
+    let destroy = || unsafe { driver_call!(cuStreamDestroy(raw)) };
+    let destroyed = match context {
+        Some(context) => context.while_current(destroy),
+        None => destroy(),
+    };
+    if let Err(error) = destroyed {
+        tracing::warn!(%error, "destroying a stream leaked for a capture failed");
+    }
+}
+
 /// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
 /// mapped once their unmapping has run.
 fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
@@ -675,13 +704,17 @@ fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
 impl Drop for StreamInner {
     fn drop(&mut self) {
         let raw = self.raw.0;
-        let owned = self.owned;
+        let mut owned = self.owned;
         let may_capture = self.capture_possible.load(Relaxed);
         let mut frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let mut keep_alive = vec![std::mem::replace(&mut self._keep_alive, KeepAlive(None))];
         if may_capture {
-            // Earlier values of this driver stream left frees; they run (or wait) with these.
+            // Earlier values of this driver stream left frees (and what keeps it valid, and
+            // whether it is a leaked stream of the library's); they run (or wait) with these.
             for orphan in take_orphans(raw, self.context.as_ref().map(Context::as_raw)) {
                 frees.extend(orphan.frees);
+                keep_alive.extend(orphan._keep_alive);
+                owned |= orphan.owned;
             }
         }
         if !owned && frees.is_empty() {
@@ -689,7 +722,6 @@ impl Drop for StreamInner {
         }
         // Frees run before the stream is destroyed. A capture begun by `Stream::capture` is
         // over by now; one begun by other code is asked about below.
-        let keep_alive = std::mem::replace(&mut self._keep_alive, KeepAlive(None));
         let context = self.context.clone();
         let destroy = || {
             let capturing = may_capture && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
@@ -702,8 +734,8 @@ impl Drop for StreamInner {
                 if owned {
                     tracing::warn!("a stream dropped during a capture is leaked, not destroyed");
                 }
-                if !frees.is_empty() {
-                    adopt(Orphan { raw: DriverHandle(raw), context, frees, _keep_alive: keep_alive });
+                if !frees.is_empty() || owned {
+                    adopt(Orphan { raw: DriverHandle(raw), context, frees, owned, _keep_alive: keep_alive });
                 }
                 return Ok(());
             }
