@@ -672,9 +672,13 @@ impl Drop for GraphExec<'_> {
             }
         }
         let raw = self.raw.0;
+        // In relaxed mode, as the wait above: other code's capture on this thread (or a global
+        // one) must not be invalidated by the destroy.
         let result = self.context.while_current(|| {
-            // SAFETY: an executable this crate owns, destroyed once, after its last launch.
-            unsafe { driver_call!(cuGraphExecDestroy(raw)) }
+            crate::capture_mode::relaxed(|| {
+                // SAFETY: an executable this crate owns, destroyed once, after its last launch.
+                unsafe { driver_call!(cuGraphExecDestroy(raw)) }
+            })
         });
         if let Err(error) = result {
             tracing::warn!(%error, "destroying an executable graph failed");
