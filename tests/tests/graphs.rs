@@ -169,11 +169,10 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
     drop(dropped);
     let (ended, nodes) = end_foreign_capture(&stream);
     assert_eq!((ended, nodes), (CUresult::CUDA_SUCCESS, 0));
-    stream.synchronize().unwrap();
-    assert_eq!(pool.used_mem_current().unwrap(), 2 * MIB as u64, "still deferred");
-    kept.fill(0).unwrap();
+    // The synchronize is capture-aware: it finds the capture over and runs the deferred free.
     stream.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), MIB as u64, "the deferred free ran");
+    kept.fill(0).unwrap();
     drop(kept);
     let last = pool.alloc_owned(MIB, &stream).unwrap();
     begin_foreign_capture(&stream);
@@ -230,7 +229,8 @@ fn raw_allocations_in_a_capture_are_freed_in_it_or_after_each_launch() {
     device.trim_graph_memory().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
     let after = device.graph_memory().unwrap();
-    assert_eq!(after.used_current, used_before, "every launch's graph memory was freed ({after:?})");
+    // Other tests of this binary may hold graph memory of their own: none of ours is left.
+    assert!(after.used_current <= used_before, "every launch's graph memory was freed ({after:?})");
 }
 
 #[test]

@@ -71,6 +71,12 @@ fn another_threads_work_on_the_stream_never_lands_in_a_capture() {
                 }
             }
         });
+        // The captures start once the other thread is queuing work (a loaded machine may start
+        // it late), so the two interleave.
+        let started = std::time::Instant::now();
+        while queued.load(Relaxed) == 0 && started.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::yield_now();
+        }
         let mut foreign_nodes = Ok(0);
         for _ in 0..5_000 {
             // A capture the other thread's work disturbed is a defect too: reported below.
@@ -123,7 +129,8 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
     stream.synchronize().unwrap();
     device.trim_graph_memory().unwrap();
     let after = device.graph_memory().unwrap();
-    assert_eq!(after.used_current, used_before, "graph memory leaked: the one free freed nothing ({after:?})");
+    // Other tests of this binary may hold graph memory of their own: none of ours is left.
+    assert!(after.used_current <= used_before, "graph memory leaked: the one free freed nothing ({after:?})");
 }
 
 /// The same allocation with an executable instantiated without auto-free-on-launch (cudarc's
