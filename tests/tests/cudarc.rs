@@ -82,6 +82,8 @@ fn a_cudarc_stream_serves_cumempool_and_stays_alive_as_long_as_needed() {
 #[ignore = "requires a CUDA GPU"]
 fn contexts_convert_both_ways_and_streams_go_to_cudarc_unsafely() {
     let context: Context = gpu().expect("a GPU");
+    // cudarc allocates through device 0's route, which another test of this file routes.
+    let _lock = routing_lock();
     let cudarc_context = context.to_cudarc().unwrap();
     assert!(cudarc_context.is_primary());
     assert_eq!(cudarc_context.cu_ctx() as usize, context.as_raw() as usize);
