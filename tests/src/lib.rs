@@ -5,6 +5,11 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 pub mod device_bytes;
 pub mod fault_library;
+mod foreign_capture;
+
+pub use foreign_capture::{
+    begin_foreign_capture, begin_foreign_capture_in, end_foreign_capture, end_foreign_capture_counting,
+};
 
 /// The device-0 primary context, or `None` (with a note) where no driver is present.
 ///

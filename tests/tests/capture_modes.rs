@@ -12,6 +12,7 @@
 
 use cumempool::sys::{self, CUresult, CUstreamCaptureMode};
 use cumempool::{Context, Device, Error, Event, MemPool, Route, Stream};
+use cumempool_tests::{begin_foreign_capture_in, end_foreign_capture};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 const STAND_IN: &str = r#"
@@ -154,29 +155,6 @@ fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
     context.clone().map(|context| (serial, context))
 }
 
-/// Begins a capture in `mode` on `stream` as other code would (cudarc's `begin_capture`).
-fn begin_foreign_capture(stream: &Stream, mode: CUstreamCaptureMode) {
-    stream.note_capture_possible();
-    // SAFETY: a live stream that does not capture.
-    assert_eq!(
-        unsafe { sys::driver().unwrap().cuStreamBeginCapture().unwrap()(stream.as_raw(), mode) },
-        CUresult::CUDA_SUCCESS
-    );
-}
-
-/// Ends the capture begun by [`begin_foreign_capture`]: the driver's answer.
-fn end_foreign_capture(stream: &Stream) -> CUresult {
-    let driver = sys::driver().unwrap();
-    let mut graph = std::ptr::null_mut();
-    // SAFETY: the capture begun on this thread; a valid out-pointer.
-    let ended = unsafe { driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph) };
-    if !graph.is_null() {
-        // SAFETY: the graph just handed back, destroyed once.
-        assert_eq!(unsafe { driver.cuGraphDestroy().unwrap()(graph) }, CUresult::CUDA_SUCCESS);
-    }
-    ended
-}
-
 #[test]
 fn host_waits_leave_a_capture_other_code_runs_on_the_thread_intact() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -184,7 +162,7 @@ fn host_waits_leave_a_capture_other_code_runs_on_the_thread_intact() {
     let stream = Stream::new(&context).unwrap();
     let event = Event::new(&context).unwrap();
     event.record(&stream).unwrap();
-    begin_foreign_capture(&foreign, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+    begin_foreign_capture_in(&foreign, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
     stream.synchronize().unwrap();
     assert!(stream.is_idle().unwrap());
     event.synchronize().unwrap();
@@ -195,7 +173,7 @@ fn host_waits_leave_a_capture_other_code_runs_on_the_thread_intact() {
     );
     assert_eq!(end_foreign_capture(&foreign), CUresult::CUDA_SUCCESS, "a host wait invalidated the capture");
     // The thread's own mode is back: a wait the library does not make is still refused.
-    begin_foreign_capture(&foreign, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+    begin_foreign_capture_in(&foreign, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
     // SAFETY: a live stream.
     let raw_wait = unsafe { sys::driver().unwrap().cuStreamSynchronize().unwrap()(stream.as_raw()) };
     assert_eq!(
@@ -215,7 +193,7 @@ fn a_host_wait_on_another_thread_leaves_a_global_capture_intact() {
     let (waited, on_waited) = mpsc::channel::<()>();
     let (wait, ended) = std::thread::scope(|scope| {
         let other_code = scope.spawn(move || {
-            begin_foreign_capture(&capturing, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL);
+            begin_foreign_capture_in(&capturing, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL);
             begun.send(()).unwrap();
             let _ = on_waited.recv();
             end_foreign_capture(&capturing)
@@ -254,7 +232,7 @@ fn a_stream_dropped_during_other_codes_capture_still_frees_what_was_deferred_to_
         // SAFETY: `lender` outlives the result (the keep-alive holds a clone).
         let stream = unsafe { Stream::borrow_raw_keeping(lender.as_raw(), Some(&context), keep_alive) }.unwrap();
         let buffer = pool.alloc(4096, &stream).unwrap();
-        begin_foreign_capture(&stream, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        begin_foreign_capture_in(&stream, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
         drop(buffer); // deferred: its stream captures
         drop(stream); // the last handle of it here
         assert_eq!(end_foreign_capture(&lender), CUresult::CUDA_SUCCESS);

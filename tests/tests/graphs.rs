@@ -3,42 +3,11 @@
 //! of a capture, graph memory beside a pool's cap, and copies that do not wait.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::sys::{self, CUresult};
+use cumempool::sys::CUresult;
 use cumempool::{Device, Error, MemPool, Route, Stream};
-use cumempool_tests::{gpu, gpu_stream, pattern, routing_lock};
+use cumempool_tests::{begin_foreign_capture, end_foreign_capture_counting, gpu, gpu_stream, pattern, routing_lock};
 
 const MIB: usize = 1 << 20;
-
-/// Begins a capture on `stream` as other code would (cudarc's `begin_capture`, say): through the
-/// driver, after marking the stream as one that may capture.
-fn begin_foreign_capture(stream: &Stream) {
-    stream.note_capture_possible();
-    let begin = sys::driver().unwrap().cuStreamBeginCapture().unwrap();
-    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-    // SAFETY: a live stream that does not capture.
-    assert_eq!(unsafe { begin(stream.as_raw(), mode) }, CUresult::CUDA_SUCCESS);
-}
-
-/// Ends the capture begun by [`begin_foreign_capture`]: the driver's answer (not invalidated, if
-/// nothing here disturbed it) and the graph's node count; the graph is destroyed.
-fn end_foreign_capture(stream: &Stream) -> (CUresult, usize) {
-    let driver = sys::driver().unwrap();
-    let mut graph = std::ptr::null_mut();
-    // SAFETY: the capture begun on this thread; a valid out-pointer.
-    let ended = unsafe { driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph) };
-    let mut nodes = 0;
-    if !graph.is_null() {
-        // SAFETY: the graph just handed back, destroyed once.
-        unsafe {
-            assert_eq!(
-                driver.cuGraphGetNodes().unwrap()(graph, std::ptr::null_mut(), &mut nodes),
-                CUresult::CUDA_SUCCESS
-            );
-            assert_eq!(driver.cuGraphDestroy().unwrap()(graph), CUresult::CUDA_SUCCESS);
-        }
-    }
-    (ended, nodes)
-}
 
 fn capturing(result: cumempool::Result<impl std::fmt::Debug>, what: &str) {
     match result {
@@ -137,7 +106,7 @@ fn buffer_methods_on_a_stream_captured_by_other_code_are_refused_and_the_capture
     capturing(device_pool.alloc(4096, &stream), "Pool::alloc");
     capturing(device_pool.alloc_owned(4096, &stream), "Pool::alloc_owned");
     capturing(stream.capture(|_| Ok(())), "a second capture");
-    let (ended, nodes) = end_foreign_capture(&stream);
+    let (ended, nodes) = end_foreign_capture_counting(&stream);
     assert_eq!(ended, CUresult::CUDA_SUCCESS, "the capture was not invalidated");
     assert_eq!(nodes, 0, "nothing was recorded");
     host.fill(2).unwrap();
@@ -167,7 +136,7 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
     let dropped = pool.alloc(MIB, &stream).unwrap();
     begin_foreign_capture(&stream);
     drop(dropped);
-    let (ended, nodes) = end_foreign_capture(&stream);
+    let (ended, nodes) = end_foreign_capture_counting(&stream);
     assert_eq!((ended, nodes), (CUresult::CUDA_SUCCESS, 0));
     // The synchronize is capture-aware: it finds the capture over and runs the deferred free.
     stream.synchronize().unwrap();
@@ -177,7 +146,7 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
     let last = pool.alloc_owned(MIB, &stream).unwrap();
     begin_foreign_capture(&stream);
     drop(last);
-    assert_eq!(end_foreign_capture(&stream).0, CUresult::CUDA_SUCCESS);
+    assert_eq!(end_foreign_capture_counting(&stream).0, CUresult::CUDA_SUCCESS);
     let context = stream.context().unwrap().clone();
     drop(stream); // runs the deferred free before destroying the stream
     context.synchronize().unwrap();

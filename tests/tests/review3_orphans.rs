@@ -2,8 +2,9 @@
 //! host without a GPU: the stand-in libcuda of `capture_modes.rs`, compiled here from C.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::sys::{self, CUresult, CUstreamCaptureMode};
+use cumempool::sys::CUresult;
 use cumempool::{Context, Device, MemPool, Route, Stream};
+use cumempool_tests::{begin_foreign_capture, end_foreign_capture};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 /// The stand-in's C source, as `capture_modes.rs` holds it (one copy of the model), counting
@@ -63,28 +64,6 @@ fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
         Some(Device::get(0).unwrap().primary_context().unwrap())
     });
     context.clone().map(|context| (serial, context))
-}
-
-/// Begins a capture on `stream` as other code would (cudarc's `begin_capture`).
-fn begin_foreign_capture(stream: &Stream) {
-    stream.note_capture_possible();
-    let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-    // SAFETY: a live stream that does not capture.
-    let begun = unsafe { sys::driver().unwrap().cuStreamBeginCapture().unwrap()(stream.as_raw(), mode) };
-    assert_eq!(begun, CUresult::CUDA_SUCCESS);
-}
-
-/// Ends the capture begun by [`begin_foreign_capture`]: the driver's answer.
-fn end_foreign_capture(stream: &Stream) -> CUresult {
-    let driver = sys::driver().unwrap();
-    let mut graph = std::ptr::null_mut();
-    // SAFETY: the capture begun on this thread; a valid out-pointer.
-    let ended = unsafe { driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph) };
-    if !graph.is_null() {
-        // SAFETY: the graph just handed back, destroyed once.
-        assert_eq!(unsafe { driver.cuGraphDestroy().unwrap()(graph) }, CUresult::CUDA_SUCCESS);
-    }
-    ended
 }
 
 /// What goes wrong: a `Stream` dropped during other code's capture takes the orphans earlier

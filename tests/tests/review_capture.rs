@@ -4,32 +4,10 @@
 
 use cumempool::sys::{self, CUresult};
 use cumempool::{Device, Error, Graph, MemPool, Route, Stream};
-use cumempool_tests::{gpu_stream, routing_lock};
+use cumempool_tests::{begin_foreign_capture, end_foreign_capture, gpu_stream, routing_lock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 const MIB: usize = 1 << 20;
-
-/// Begins a thread-local capture on `stream` as other code would (cudarc's `begin_capture`).
-fn begin_foreign_capture(stream: &Stream) {
-    stream.note_capture_possible();
-    let begin = sys::driver().unwrap().cuStreamBeginCapture().unwrap();
-    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-    // SAFETY: a live stream that does not capture.
-    assert_eq!(unsafe { begin(stream.as_raw(), mode) }, CUresult::CUDA_SUCCESS);
-}
-
-/// Ends the capture of [`begin_foreign_capture`]: the driver's answer; the graph is destroyed.
-fn end_foreign_capture(stream: &Stream) -> CUresult {
-    let driver = sys::driver().unwrap();
-    let mut graph = std::ptr::null_mut();
-    // SAFETY: the capture begun on this thread; a valid out-pointer.
-    let ended = unsafe { driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph) };
-    if !graph.is_null() {
-        // SAFETY: the graph just handed back, destroyed once.
-        assert_eq!(unsafe { driver.cuGraphDestroy().unwrap()(graph) }, CUresult::CUDA_SUCCESS);
-    }
-    ended
-}
 
 /// A graph captured on `stream` that allocates 1 MiB from `pool` (raw) and does not free it,
 /// with the allocation's address.
