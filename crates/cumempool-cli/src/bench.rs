@@ -5,10 +5,12 @@
 //! This module runs the measurements in order and renders their report; each measurement is a
 //! child module built from [`harness`], and none of them uses this one.
 
+mod cache_ratios;
 mod cache_targets;
 mod copies;
 #[cfg(feature = "cudarc")]
 mod cudarc_pairs;
+mod free_list;
 mod harness;
 mod route_pairs;
 mod stream_handover;
@@ -35,6 +37,9 @@ pub struct Report {
     pub threads: Vec<thread_scaling::Row>,
     pub stream_handover: stream_handover::Report,
     pub cache_targets: cache_targets::Report,
+    /// The cache against the thread-local free list, as ratios from interleaved rounds, and what
+    /// its capture checks cost.
+    pub cache_ratios: cache_ratios::Report,
     /// Device-to-device copies through `copy_from_async` against raw `cuMemcpyAsync`.
     pub copies: copies::Report,
     /// cudarc's alloc+free against the safe layer's; only in a command built with `cudarc`.
@@ -56,7 +61,7 @@ pub fn run(options: &Options) -> Result<Report> {
         Route::managed(Location::Unspecified),
     ];
     let mut progress =
-        Progress::new(routes.len() * sizes.len() + options.threads.len() + 4 + usize::from(cfg!(feature = "cudarc")));
+        Progress::new(routes.len() * sizes.len() + options.threads.len() + 5 + usize::from(cfg!(feature = "cudarc")));
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -77,6 +82,8 @@ pub fn run(options: &Options) -> Result<Report> {
     let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
     progress.tick("cache targets: one thread, 16 threads on their own streams, then on one stream");
     let cache_targets = cache_targets::measure(&context, options)?;
+    progress.tick("the cache against the free list, with and without capture checks, interleaved");
+    let cache_ratios = cache_ratios::measure(&context, options)?;
     progress.tick("device-to-device copies: copy_from_async against raw cuMemcpyAsync");
     let copies = copies::measure(&context, options)?;
     #[cfg(feature = "cudarc")]
@@ -98,6 +105,7 @@ pub fn run(options: &Options) -> Result<Report> {
         threads,
         stream_handover,
         cache_targets,
+        cache_ratios,
         copies,
         #[cfg(feature = "cudarc")]
         cudarc,
@@ -119,6 +127,8 @@ pub fn render(report: &Report) -> String {
     out.push_str(&stream_handover::render(&report.stream_handover));
     out.push('\n');
     out.push_str(&cache_targets::render(&report.cache_targets));
+    out.push('\n');
+    out.push_str(&cache_ratios::render(&report.cache_ratios));
     out.push('\n');
     out.push_str(&copies::render(&report.copies));
     #[cfg(feature = "cudarc")]
@@ -161,6 +171,7 @@ mod tests {
                 rows: Vec::new(),
                 reference: Vec::new(),
             },
+            cache_ratios: cache_ratios::Report { rounds: 7, pairs_per_thread_per_round: 100_000, rows: Vec::new() },
             copies: copies::Report { copies_per_measurement: 200, rows: Vec::new() },
             #[cfg(feature = "cudarc")]
             cudarc: cudarc_pairs::Report { size: 1 << 20, cudarc_ns: 1.0, cudarc_untracked_ns: 1.0, safe_ns: 1.0 },
@@ -177,5 +188,6 @@ mod tests {
         }
         assert!(text.contains("stream handover: 16 threads x 2000 pairs"), "{text}");
         assert!(text.contains("cache targets: one device pool; 20000 cache pairs"), "{text}");
+        assert!(text.contains("free list, on the same threads in interleaved rounds: 7 rounds"), "{text}");
     }
 }

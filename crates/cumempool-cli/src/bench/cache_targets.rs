@@ -5,18 +5,18 @@
 //! held to (a pair from a thread-local free list costs a few nanoseconds).
 
 use super::harness::{cached_pair, hit_rate, median, min, on_threads, raw_pool_pair, time, Options};
+use super::free_list::free_list_pair;
 use super::stream_handover;
 use crate::error::Result;
 use crate::table::Table;
 use cumempool::{Context, MemPool, Route, Stream};
 use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource};
 use serde::Serialize;
-use std::cell::RefCell;
 
 /// Threads of the multi-threaded rows, as in the stream handover.
 const THREADS: usize = 16;
 /// Sizes each thread cycles through, drawn before timing so that drawing them costs nothing.
-const SEQUENCE: usize = 4096;
+pub(super) const SEQUENCE: usize = 4096;
 const _: () = assert!(SEQUENCE.is_power_of_two());
 
 #[derive(Serialize)]
@@ -63,27 +63,8 @@ pub struct Row {
 }
 
 /// The sizes thread `thread` cycles through: all 1 MiB, or the handover's even spread.
-fn sequence(thread: usize, mixed: bool) -> Vec<usize> {
+pub(super) fn sequence(thread: usize, mixed: bool) -> Vec<usize> {
     (0..SEQUENCE).map(|step| if mixed { stream_handover::size(thread, step) } else { 1 << 20 }).collect()
-}
-
-thread_local! {
-    /// The reference's free lists: one per power of two, each thread its own, no lock.
-    static FREE_LISTS: RefCell<Vec<Vec<u64>>> = RefCell::new((0..64).map(|_| Vec::with_capacity(64)).collect());
-}
-
-/// One allocation+free pair from this thread's plain free lists: pop a block of the size's
-/// class (or make one up), push it back. Blocks are numbers, never memory: only the lists'
-/// own work is timed.
-fn free_list_pair(bytes: usize) -> bool {
-    FREE_LISTS.with(|lists| {
-        let mut lists = lists.borrow_mut();
-        let class = bytes.next_power_of_two().trailing_zeros() as usize;
-        let Some(list) = lists.get_mut(class) else { return false };
-        let block = list.pop().unwrap_or(bytes as u64);
-        list.push(std::hint::black_box(block));
-        true
-    })
 }
 
 pub fn measure(context: &Context, options: &Options) -> Result<Report> {
