@@ -1,5 +1,5 @@
 //! Shared helpers of the integration tests: finding the GPU, serialising tests that change
-//! process-global routing, captures begun by other code, and a stand-in driver for
+//! process-global routing, captures begun by other code, graph memory, and a stand-in driver for
 //! the capture rules on a host without a GPU.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 pub mod device_bytes;
 pub mod fault_library;
 mod foreign_capture;
+pub mod graph_memory;
 pub mod stand_in_driver;
 
 pub use foreign_capture::{

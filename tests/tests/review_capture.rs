@@ -3,24 +3,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::sys::{self, CUresult};
-use cumempool::{Device, Error, Graph, MemPool, Route, Stream};
+use cumempool::{Error, MemPool, Route};
+use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture, gpu_stream, routing_lock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 const MIB: usize = 1 << 20;
-
-/// A graph captured on `stream` that allocates 1 MiB from `pool` (raw) and does not free it,
-/// with the allocation's address.
-fn capture_a_kept_allocation<'p>(stream: &Stream, pool: &'p MemPool) -> (Graph<'p>, sys::CUdeviceptr) {
-    let kept = std::cell::Cell::new(0);
-    let graph = stream
-        .capture(|capture| {
-            kept.set(pool.alloc_raw(MIB, capture.stream())?);
-            Ok(())
-        })
-        .unwrap();
-    (graph, kept.get())
-}
 
 /// Safe code only: one thread captures an empty closure on a stream over and over while another
 /// thread allocates, fills and frees buffers on the same stream (`Stream` is `Sync`, so both may
@@ -88,12 +76,9 @@ fn another_threads_work_on_the_stream_never_lands_in_a_capture() {
 #[ignore = "requires a CUDA GPU"]
 fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory_back() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock(); // graph memory is per device: no other test of this file meanwhile
-    let device = Device::get(0).unwrap();
+    let baseline = GraphMemoryBaseline::take(&stream);
     let pool = MemPool::new(Route::device(0)).unwrap();
-    stream.synchronize().unwrap();
-    let used_before = device.graph_memory().unwrap().used_current;
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool);
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, |_| Ok(()));
     let mut exec = graph.instantiate().unwrap();
     exec.launch(&stream).unwrap();
     exec.synchronize().unwrap();
@@ -104,11 +89,7 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
     assert!(cumempool::is_captured_allocation(kept), "the launch's allocation is live");
     // SAFETY: the launch's allocation, which no free node frees; freed once, here, after it ran.
     unsafe { cumempool::free_async(kept, &stream) }.unwrap();
-    stream.synchronize().unwrap();
-    device.trim_graph_memory().unwrap();
-    let after = device.graph_memory().unwrap();
-    // Other tests of this binary may hold graph memory of their own: none of ours is left.
-    assert!(after.used_current <= used_before, "graph memory leaked: the one free freed nothing ({after:?})");
+    baseline.assert_given_back(&stream, "graph memory leaked: the one free freed nothing");
 }
 
 /// The same allocation with an executable instantiated without auto-free-on-launch (cudarc's
@@ -121,7 +102,7 @@ fn a_raw_captured_allocation_freed_between_launches_lets_a_graph_without_auto_fr
     let stream = gpu_stream().expect("a GPU");
     let _lock = routing_lock();
     let pool = MemPool::new(Route::device(0)).unwrap();
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool);
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, |_| Ok(()));
     let driver = sys::driver().unwrap();
     let mut exec = std::ptr::null_mut();
     // SAFETY: a live graph and a valid out-pointer; flags 0, as cudarc's end_capture may use.
