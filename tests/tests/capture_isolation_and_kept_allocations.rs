@@ -1,5 +1,7 @@
-//! Adversarial review of issue 19 (captures): each test here failed when it was written, and
-//! shows a defect a fix should remove (see the review report for the suggested fixes).
+//! Captures on the real driver, beside other work: another thread's work on the capturing
+//! stream never lands in the capture; a raw allocation a capture keeps is freed by the one free
+//! its caller makes after a launch (giving its graph memory back, and letting a graph without
+//! auto-free-on-launch launch again); host waits refuse a capture other code began.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::sys::{self, CUresult};
@@ -70,8 +72,8 @@ fn another_threads_work_on_the_stream_never_lands_in_a_capture() {
 /// A raw allocation made during a capture and not freed in it (what cudarc kernels using a
 /// `CachingResource` or `PoolResource` under `begin_capture` leave) is freed once, after the
 /// graph ran and was destroyed: the driver frees graph memory only at such a free (destroying
-/// the graph does not), so that free must reach the driver. Today `free_async` answers `Ok` and
-/// frees nothing ("the graph owns it"), and the device's graph memory stays in use for good.
+/// the graph does not), so that free must reach the driver, or the device's graph memory stays
+/// in use for good.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory_back() {
@@ -94,8 +96,8 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
 
 /// The same allocation with an executable instantiated without auto-free-on-launch (cudarc's
 /// `end_capture` with flags 0, or the raw driver): CUDA needs the allocation freed outside the
-/// graph between launches. The one free the caller makes is swallowed, so the second launch
-/// fails with CUDA_ERROR_INVALID_VALUE.
+/// graph between launches. Were the one free the caller makes swallowed, the second launch
+/// would fail with CUDA_ERROR_INVALID_VALUE.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_raw_captured_allocation_freed_between_launches_lets_a_graph_without_auto_free_launch_again() {
