@@ -8,20 +8,17 @@ use cumempool_tests::stand_in_driver::{live_streams, stand_in};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture};
 use std::sync::{Arc, Weak};
 
-/// What goes wrong: a `Stream` dropped during other code's capture takes the orphans earlier
-/// values of the same handle left (their deferred frees) and, the stream still capturing,
-/// adopts them again under its own keep-alive only. The earlier values' keep-alives (the
-/// lender's handle: a cudarc `Arc<CudaStream>`, a Python stream object) are dropped at once,
-/// while their frees still wait to run on that stream. Once the lender lets go of its stream it
-/// is destroyed, its handle value can come back for a new stream, and the frees run there,
-/// unordered with the old stream's work (or `cuStreamGetCaptureInfo` is asked about a destroyed
-/// handle by `run_orphaned_frees`). In Python this needs no unsafe code: a buffer dropped on a
+/// A `Stream` dropped during other code's capture takes the orphans earlier values of the same
+/// handle left (their deferred frees) and, the stream still capturing, adopts them again with
+/// its own: it must keep the earlier values' keep-alives (the lender's handle: a cudarc
+/// `Arc<CudaStream>`, a Python stream object) too, while their frees still wait to run on that
+/// stream. Were they dropped, the lender could let go of its stream, which would be destroyed,
+/// its handle value could come back for a new stream, and the frees would run there, unordered
+/// with the old stream's work (or `cuStreamGetCaptureInfo` would be asked about a destroyed
+/// handle by `run_orphaned_frees`). In Python the case needs no unsafe code: a buffer dropped on a
 /// `Stream.borrow(obj)` mid-capture, then any short-lived borrow of the same handle without an
 /// owner (a DLPack consumer's stream in `order_before_consumer`, `Stream.borrow(int)`) dropped
 /// before the capture ends.
-///
-/// Fix: an orphan keeps every keep-alive it merged (`Vec<KeepAlive>`), or `StreamInner::drop`
-/// re-adopts the orphans it took unchanged beside its own when the stream still captures.
 #[test]
 fn a_second_value_dropped_mid_capture_keeps_the_first_values_lender_alive() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -54,16 +51,11 @@ fn a_second_value_dropped_mid_capture_keeps_the_first_values_lender_alive() {
     );
 }
 
-/// What goes wrong: an owned stream (`Stream::new`) that other code captures (after
-/// `note_capture_possible`), dropped during that capture with a free deferred to it, is leaked
-/// so that the free can run on it later, and it is never destroyed, not even once the capture
-/// is over and the free has run (`run_orphaned_frees`, or a later use of its handle): the
-/// orphan forgets that it owns its stream. Every such drop leaks a driver stream for the
-/// process's life. (Dropped mid-capture without a deferred free, it is leaked with no record
-/// at all.)
-///
-/// Fix: an orphan records that it owns its stream, and is adopted even without frees; once its
-/// stream no longer captures and its frees have run, the stream is destroyed.
+/// An owned stream (`Stream::new`) that other code captures (after `note_capture_possible`),
+/// dropped during that capture with a free deferred to it, is kept alive so that the free can
+/// run on it later; once the capture is over and the free has run (`run_orphaned_frees`, or a
+/// later use of its handle), it is destroyed, or every such drop would leak a driver stream for
+/// the process's life.
 #[test]
 fn an_owned_stream_leaked_for_a_capture_is_destroyed_once_its_frees_have_run() {
     let Some((_serial, context)) = stand_in() else { return };
