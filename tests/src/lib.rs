@@ -1,11 +1,14 @@
-//! Shared helpers of the integration tests: finding the GPU, and serialising tests that change
-//! process-global routing.
+//! Shared helpers of the integration tests: finding the GPU, serialising tests that change
+//! process-global routing, captures begun by other code, graph memory, and a stand-in driver for
+//! the capture rules on a host without a GPU.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 pub mod device_bytes;
 pub mod fault_library;
 mod foreign_capture;
+pub mod graph_memory;
+pub mod stand_in_driver;
 
 pub use foreign_capture::{
     begin_foreign_capture, begin_foreign_capture_in, end_foreign_capture, end_foreign_capture_counting,

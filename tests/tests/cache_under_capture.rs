@@ -1,4 +1,4 @@
-//! The cache under CUDA graph capture on the real driver (issue 19, item 1): a capturing stream
+//! The cache under CUDA graph capture on the real driver: a capturing stream
 //! is never served a cached block, a free during the capture never enters the cache, and a block
 //! handed out during a capture stays out of the cache when it is freed after the capture, on
 //! another stream. The capture is begun with the raw driver, as code outside the library would.

@@ -98,9 +98,9 @@ fn stream_ordered_calls_run_in_the_streams_own_context() {
     assert_eq!(pool.used_mem_current().unwrap(), 0);
 }
 
-/// Found by review: after `bind` stopped setting the context for ordinary streams, a host copy
-/// from a thread with no current context crashed inside libcuda (driver 580), and one with
-/// another device's context current was refused. Copies make the stream's context current.
+/// `bind` does not set the context for ordinary streams, yet a host copy from a thread with no
+/// current context would crash inside libcuda (driver 580), and one with another device's
+/// context current would be refused: copies make the stream's context current.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn copies_work_from_a_thread_without_the_streams_context() {

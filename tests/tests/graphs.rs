@@ -5,6 +5,7 @@
 
 use cumempool::sys::CUresult;
 use cumempool::{Device, Error, MemPool, Route, Stream};
+use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture_counting, gpu, gpu_stream, pattern, routing_lock};
 
 const MIB: usize = 1 << 20;
@@ -161,24 +162,17 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
 #[ignore = "requires a CUDA GPU"]
 fn raw_allocations_in_a_capture_are_freed_in_it_or_after_each_launch() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock(); // graph memory is per device: no other test of this file meanwhile
-    let device = Device::get(0).unwrap();
+    let baseline = GraphMemoryBaseline::take(&stream);
     let pool = MemPool::new(Route::device(0)).unwrap();
-    stream.synchronize().unwrap();
-    let used_before = device.graph_memory().unwrap().used_current;
-    let kept = std::cell::Cell::new(0);
-    let graph = stream
-        .capture(|capture| {
-            let freed = pool.alloc_raw(4096, capture.stream())?;
-            assert!(cumempool::is_captured_allocation(freed));
-            // SAFETY: allocated above in this capture, freed once (a free node).
-            unsafe { cumempool::free_async(freed, capture.stream()) }?;
-            assert!(!cumempool::is_captured_allocation(freed));
-            kept.set(pool.alloc_raw(4096, capture.stream())?);
-            Ok(())
-        })
-        .unwrap();
-    assert!(cumempool::is_captured_allocation(kept.get()));
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, 4096, |capture| {
+        let freed = pool.alloc_raw(4096, capture.stream())?;
+        assert!(cumempool::is_captured_allocation(freed));
+        // SAFETY: allocated above in this capture, freed once (a free node).
+        unsafe { cumempool::free_async(freed, capture.stream()) }?;
+        assert!(!cumempool::is_captured_allocation(freed));
+        Ok(())
+    });
+    assert!(cumempool::is_captured_allocation(kept));
     let mut exec = graph.instantiate().unwrap();
     for launch in 0..2 {
         exec.launch(&stream).unwrap();
@@ -186,20 +180,16 @@ fn raw_allocations_in_a_capture_are_freed_in_it_or_after_each_launch() {
         // Graph memory is counted in whole chunks (32 MiB on an H200), which another live graph
         // allocation may share: the library's own record says the first launch's allocation is
         // live (its free below forgets the address, which every launch allocates again).
-        assert!(launch > 0 || cumempool::is_captured_allocation(kept.get()), "launch {launch}'s allocation is live");
+        assert!(launch > 0 || cumempool::is_captured_allocation(kept), "launch {launch}'s allocation is live");
         // SAFETY: this launch's allocation, which no free node frees; freed once, after the
         // launch in the stream's order and before the next launch.
-        unsafe { cumempool::free_async(kept.get(), &stream) }.unwrap();
-        assert!(!cumempool::is_captured_allocation(kept.get()), "its free forgets the address");
+        unsafe { cumempool::free_async(kept, &stream) }.unwrap();
+        assert!(!cumempool::is_captured_allocation(kept), "its free forgets the address");
     }
     drop(exec);
     drop(graph);
-    stream.synchronize().unwrap();
-    device.trim_graph_memory().unwrap();
+    baseline.assert_given_back(&stream, "every launch's graph memory was freed");
     assert_eq!(pool.used_mem_current().unwrap(), 0);
-    let after = device.graph_memory().unwrap();
-    // Other tests of this binary may hold graph memory of their own: none of ours is left.
-    assert!(after.used_current <= used_before, "every launch's graph memory was freed ({after:?})");
 }
 
 #[test]

@@ -1,7 +1,6 @@
-//! Adversarial review of capture and teardown: host waits and queries that reach the driver while
-//! a capture is underway on the calling thread (or, in global mode, on any thread). Each test
-//! here fails on the code it was written against; its doc comment says what goes wrong and what
-//! a fix should do.
+//! Host waits and queries that reach the driver while a capture is underway on the calling
+//! thread (or, in global mode, on any thread), on the real driver: each is refused before the
+//! driver or runs without invalidating the capture.
 //!
 //! Every test holds [`serial`]: a global-mode capture restricts every thread of the process, so
 //! no other test of this binary may run beside one.
@@ -40,18 +39,13 @@ fn while_other_code_captures(stream: &Stream, mode: CUstreamCaptureMode, during:
 }
 
 /// `Event::is_complete` and `PendingCopy::is_complete` (both `cuEventQuery`) inside
-/// `Stream::capture`'s closure are not refused like the other host waits and queries
-/// (`refuse_host_wait_on_capturing_thread` guards `Stream::synchronize`, `Stream::is_idle` and
-/// `Event::synchronize`, not `Event::is_complete`). In thread-local mode the driver refuses a
-/// status query on the capturing thread with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
-/// invalidates the capture (measured for `cuStreamQuery`; `cuEventQuery` is the same kind of
-/// call, and PyTorch's caching allocator defers its event queries during captures for this
-/// reason), so a closure that polls a copy's progress loses its whole graph to a
-/// `CaptureRefused` at the end instead of getting `StreamCapturing` here.
-///
-/// Fix: `Event::is_complete` calls `refuse_host_wait_on_capturing_thread` first (or runs the query
-/// in relaxed capture mode, see the global-mode test below); either way the capture survives.
-/// Likely to fail (cuEventQuery's refusal on the capturing thread is not in the measured list).
+/// `Stream::capture`'s closure are refused like the other host waits and queries. In
+/// thread-local mode the driver refuses a status query on the capturing thread with
+/// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture (measured for
+/// `cuStreamQuery`; `cuEventQuery` is the same kind of call, and PyTorch's caching allocator
+/// defers its event queries during captures for this reason): a closure that polls a copy's
+/// progress would lose its whole graph to a `CaptureRefused` at the end instead of getting
+/// `StreamCapturing` here.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn an_event_query_inside_a_capture_is_refused_and_leaves_the_capture_intact() {
@@ -87,16 +81,14 @@ fn an_event_query_inside_a_capture_is_refused_and_leaves_the_capture_intact() {
 /// where other code captures in thread-local mode (cudarc's `begin_capture`, a framework's graph
 /// capture), that wait is refused by the driver (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
 /// docs/driver-behaviour.md) and invalidates the other code's capture: its end answers
-/// CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. The library only knows about captures it began itself
-/// (`THREAD_CAPTURE`), so every hidden host wait in a drop (`GraphExec`, `PendingCopy`, an
-/// imported buffer's unmapping) silently destroys a capture the caller never touched.
+/// CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. A drop cannot refuse, so every hidden host wait in
+/// one (`GraphExec`, `PendingCopy`, an imported buffer's unmapping) would destroy a capture the
+/// caller never touched.
 ///
-/// Fix: run the library's host waits on streams and events that do not capture in relaxed
+/// So the library's host waits on streams and events that do not capture run in relaxed
 /// capture mode (`cuThreadExchangeStreamCaptureMode(RELAXED)` before, the previous mode restored
 /// after, as PyTorch's `CUDAStreamCaptureModeGuard` does): the wait is harmless to a capture on
 /// another stream, and the driver then neither refuses it nor invalidates the capture.
-/// Sure to fail (the driver's answer to `cuEventSynchronize` on a thread-local capturing thread
-/// is measured).
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn dropping_a_launched_executable_leaves_a_capture_other_code_runs_on_the_thread_intact() {
@@ -129,15 +121,11 @@ fn dropping_a_launched_executable_leaves_a_capture_other_code_runs_on_the_thread
 /// process whose capture mode is global (the default): `cuStreamSynchronize`, `cuStreamQuery`,
 /// `cuEventSynchronize` are refused there with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and the
 /// global capture is invalidated. So any cumempool host wait on an unrelated stream, on any
-/// thread, destroys that capture: `Stream::synchronize`, the waiting copies, host slices, a
+/// thread, would destroy that capture: `Stream::synchronize`, the waiting copies, host slices, a
 /// `GraphExec`'s or `PendingCopy`'s drop, and cumempool-alloc's `ResourceAllocator::allocate`
-/// (every container growth waits on the allocator's private stream). The library gives a plain
-/// driver error to the waiting thread and the capturing thread's end fails.
-///
-/// Fix: as above, run host waits on streams that do not capture in relaxed capture mode
-/// (`cuThreadExchangeStreamCaptureMode`), restoring the thread's previous mode after.
-/// Likely to fail (the global-mode rule is the driver's documented one; only the thread-local
-/// case is measured in docs/driver-behaviour.md).
+/// (every container growth waits on the allocator's private stream); the waiting thread would
+/// get a plain driver error and the capturing thread's end would fail. The relaxed mode above
+/// keeps such a wait from touching the capture.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_host_wait_on_another_thread_leaves_a_global_capture_of_other_code_intact() {

@@ -1,85 +1,24 @@
 //! Frees deferred by other code's capture and left behind by a dropped `Stream` (orphans), on a
-//! host without a GPU: the stand-in libcuda of `capture_modes.rs`, compiled here from C.
+//! host without a GPU, through the stand-in libcuda of `cumempool_tests::stand_in_driver`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::sys::CUresult;
-use cumempool::{Context, Device, MemPool, Route, Stream};
+use cumempool::{MemPool, Route, Stream};
+use cumempool_tests::stand_in_driver::{live_streams, stand_in};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 
-/// The stand-in's C source, as `capture_modes.rs` holds it (one copy of the model), counting
-/// the streams alive in `live_streams`.
-fn stand_in_source() -> String {
-    let file = include_str!("capture_modes.rs");
-    let start = file.find("r#\"").expect("the stand-in's source") + 3;
-    let end = file[start..].find("\"#;").expect("the stand-in's end") + start;
-    let counted = [
-        ("*s = calloc(1, sizeof **s); return 0;", "*s = calloc(1, sizeof **s); live_streams++; return 0;"),
-        ("{ free(s); return 0; }", "{ free(s); live_streams--; return 0; }"),
-        ("typedef int CUresult;", "typedef int CUresult;\nint live_streams;"),
-    ];
-    counted.iter().fold(file[start..end].to_owned(), |source, (from, to)| {
-        assert!(source.contains(from), "the stand-in changed: {from}");
-        source.replace(from, to)
-    })
-}
-
-/// Where the stand-in was compiled to.
-static LIBRARY: OnceLock<std::path::PathBuf> = OnceLock::new();
-
-/// How many streams the stand-in has made and not destroyed.
-fn live_streams() -> i32 {
-    // SAFETY: the stand-in, already loaded; `live_streams` is an `int` it exports.
-    unsafe {
-        let library = libloading::Library::new(LIBRARY.get().unwrap()).unwrap();
-        let count = library.get::<*const i32>(b"live_streams\0").unwrap();
-        **count
-    }
-}
-
-/// The stand-in compiled and loaded, and its device's context; `None` (skipped, said why)
-/// without a C compiler.
-fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    static CONTEXT: OnceLock<Option<Context>> = OnceLock::new();
-    let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let context = CONTEXT.get_or_init(|| {
-        let directory = std::env::temp_dir().join(format!("cumempool-review3-orphans-{}", std::process::id()));
-        std::fs::create_dir_all(&directory).unwrap();
-        let (source, library) = (directory.join("stand_in.c"), directory.join("libstandin.so"));
-        std::fs::write(&source, stand_in_source()).unwrap();
-        LIBRARY.set(library.clone()).unwrap();
-        let compiled = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", "-pthread", "-o"])
-            .arg(&library)
-            .arg(&source)
-            .status();
-        if !compiled.is_ok_and(|status| status.success()) {
-            eprintln!("skipped: no C compiler for the stand-in driver");
-            return None;
-        }
-        // SAFETY: set before any thread of this binary reads the environment through the loader
-        // (every test takes `SERIAL` and reaches the driver only after this).
-        unsafe { std::env::set_var("CUMEMPOOL_LIBCUDA", &library) };
-        Some(Device::get(0).unwrap().primary_context().unwrap())
-    });
-    context.clone().map(|context| (serial, context))
-}
-
-/// What goes wrong: a `Stream` dropped during other code's capture takes the orphans earlier
-/// values of the same handle left (their deferred frees) and, the stream still capturing,
-/// adopts them again under its own keep-alive only. The earlier values' keep-alives (the
-/// lender's handle: a cudarc `Arc<CudaStream>`, a Python stream object) are dropped at once,
-/// while their frees still wait to run on that stream. Once the lender lets go of its stream it
-/// is destroyed, its handle value can come back for a new stream, and the frees run there,
-/// unordered with the old stream's work (or `cuStreamGetCaptureInfo` is asked about a destroyed
-/// handle by `run_orphaned_frees`). In Python this needs no unsafe code: a buffer dropped on a
+/// A `Stream` dropped during other code's capture takes the orphans earlier values of the same
+/// handle left (their deferred frees) and, the stream still capturing, adopts them again with
+/// its own: it must keep the earlier values' keep-alives (the lender's handle: a cudarc
+/// `Arc<CudaStream>`, a Python stream object) too, while their frees still wait to run on that
+/// stream. Were they dropped, the lender could let go of its stream, which would be destroyed,
+/// its handle value could come back for a new stream, and the frees would run there, unordered
+/// with the old stream's work (or `cuStreamGetCaptureInfo` would be asked about a destroyed
+/// handle by `run_orphaned_frees`). In Python the case needs no unsafe code: a buffer dropped on a
 /// `Stream.borrow(obj)` mid-capture, then any short-lived borrow of the same handle without an
 /// owner (a DLPack consumer's stream in `order_before_consumer`, `Stream.borrow(int)`) dropped
 /// before the capture ends.
-///
-/// Fix: an orphan keeps every keep-alive it merged (`Vec<KeepAlive>`), or `StreamInner::drop`
-/// re-adopts the orphans it took unchanged beside its own when the stream still captures.
 #[test]
 fn a_second_value_dropped_mid_capture_keeps_the_first_values_lender_alive() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -112,16 +51,11 @@ fn a_second_value_dropped_mid_capture_keeps_the_first_values_lender_alive() {
     );
 }
 
-/// What goes wrong: an owned stream (`Stream::new`) that other code captures (after
-/// `note_capture_possible`), dropped during that capture with a free deferred to it, is leaked
-/// so that the free can run on it later, and it is never destroyed, not even once the capture
-/// is over and the free has run (`run_orphaned_frees`, or a later use of its handle): the
-/// orphan forgets that it owns its stream. Every such drop leaks a driver stream for the
-/// process's life. (Dropped mid-capture without a deferred free, it is leaked with no record
-/// at all.)
-///
-/// Fix: an orphan records that it owns its stream, and is adopted even without frees; once its
-/// stream no longer captures and its frees have run, the stream is destroyed.
+/// An owned stream (`Stream::new`) that other code captures (after `note_capture_possible`),
+/// dropped during that capture with a free deferred to it, is kept alive so that the free can
+/// run on it later; once the capture is over and the free has run (`run_orphaned_frees`, or a
+/// later use of its handle), it is destroyed, or every such drop would leak a driver stream for
+/// the process's life.
 #[test]
 fn an_owned_stream_leaked_for_a_capture_is_destroyed_once_its_frees_have_run() {
     let Some((_serial, context)) = stand_in() else { return };

@@ -252,8 +252,8 @@ fn a_change_made_outside_the_library_is_not_overwritten() {
     let guard = set_current_pool(route, &ours).unwrap();
     let foreign = foreign_pool(route);
     raw_set(route, foreign);
-    // Before the review's fix, dropping the guard dropped our pool here: code that had saved it
-    // to restore later would have restored a destroyed pool.
+    // Dropping the guard must not drop our pool here: code that had saved it to restore later
+    // would restore a destroyed pool.
     drop(guard);
     assert_eq!(raw_current(route), foreign, "the outside change stays");
     match current_pool(route) {

@@ -1,4 +1,4 @@
-//! Teardown other threads survive (issue 19): pools that were ever a route's current pool are
+//! Teardown other threads survive: pools that were ever a route's current pool are
 //! retired, not destroyed, so threads of other libraries allocating through the route at that
 //! moment never find their pool gone; `destroy_retired_pools` destroys them when the program says.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

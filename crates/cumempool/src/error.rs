@@ -67,7 +67,7 @@ pub enum Error {
     },
 
     /// A device ordinal that does not exist on this machine.
-    #[error("there is no CUDA device {ordinal}: this machine has {count} (ordinals 0..{count})")]
+    #[error("there is no CUDA device {ordinal}: {}", devices_present(*.count))]
     InvalidDevice {
         /// The ordinal asked for.
         ordinal: i32,
@@ -352,6 +352,15 @@ fn limit_hint(limit: Option<u64>) -> String {
     }
 }
 
+/// The devices this machine has and their ordinals, in words, for [`Error::InvalidDevice`].
+fn devices_present(count: i32) -> String {
+    match count {
+        ..=0 => "this machine has none".to_owned(),
+        1 => "this machine has one (the only ordinal is 0)".to_owned(),
+        n => format!("this machine has {n} (ordinals 0 to {})", n - 1),
+    }
+}
+
 impl Error {
     /// The raw `CUresult` when the driver reported the failure.
     pub fn cuda_code(&self) -> Option<u32> {
@@ -473,6 +482,15 @@ pub enum NotShareableReason {
 mod tests {
     use super::*;
     use std::error::Error as _;
+
+    #[test]
+    fn a_missing_device_names_the_ordinals_there_are() {
+        let text = |ordinal, count| Error::InvalidDevice { ordinal, count }.to_string();
+        assert_eq!(text(0, 0), "there is no CUDA device 0: this machine has none");
+        assert_eq!(text(1, 1), "there is no CUDA device 1: this machine has one (the only ordinal is 0)");
+        assert_eq!(text(7, 4), "there is no CUDA device 7: this machine has 4 (ordinals 0 to 3)");
+        assert_eq!(text(-1, 2), "there is no CUDA device -1: this machine has 2 (ordinals 0 to 1)");
+    }
 
     #[test]
     fn why_a_share_is_refused_can_be_matched_and_reads_as_before() {

@@ -24,8 +24,8 @@ fn run(socket: &mut UnixStream) -> Result<Vec<String>, Error> {
     ));
 
     let mut mapping = pool.import_pointer(&shared, &stream)?;
-    // Found by review: a second import of the same allocation got the same mapping, which the
-    // first buffer's drop then unmapped under the second. One buffer per mapping now.
+    // A second import of the same allocation would get the same mapping, which the first
+    // buffer's drop would then unmap under the second: one buffer per mapping.
     report.push(match pool.import_pointer(&shared, &stream) {
         Err(Error::AlreadyImported { .. }) => "importing the same allocation twice: refused (already imported)".into(),
         Err(other) => format!("importing the same allocation twice: WRONG error ({other})"),

@@ -1,11 +1,11 @@
-//! Adversarial review of issue 19 (error paths after work was queued), through the
-//! fault-injecting driver: each test here failed when it was written (see the review report).
+//! Failures after work was queued, through the fault-injecting driver.
 //!
 //! `BufferOn::copy_from_async` and `GraphExec::launch` order the other buffer's stream after the
-//! work they queued with an event wait *after* queuing it. When that wait fails, they return the
-//! error with the work still running and the other stream not ordered after it: that stream's
-//! next free (the buffer's drop, or the drop after `mem::forget` of the executable, which the
-//! graph's docs promise is harmless) then releases memory the device still reads or writes.
+//! work they queued with an event wait *after* queuing it. When that wait fails, the other
+//! stream must still end up ordered after the work: otherwise that stream's next free (the
+//! buffer's drop, or the drop after `mem::forget` of the executable, which the graph's docs
+//! promise is harmless) releases memory the device still reads or writes. A capture whose end
+//! fails must not stay underway.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{Context, Event, MemPool, Route, Stream};

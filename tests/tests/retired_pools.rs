@@ -1,5 +1,5 @@
-//! Adversarial review of issue 19 (retired pools made anew): each test here failed when it was
-//! written, and shows a defect a fix should remove (see the review report).
+//! Retired pools made anew by the builder: never given away by `MemPool::into_raw`, and never
+//! made anew at all once exported to other processes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{destroy_retired_pools, retired_pools, set_current_pool, HandleTypes, MemPool, PoolBuilder, Route};
@@ -30,7 +30,7 @@ fn no_retired_pools() -> std::sync::MutexGuard<'static, ()> {
 /// caller made it current somewhere. A pool fresh from the builder may be a retired pool made
 /// anew, which *was* current (another thread may still be reading it through the route): the
 /// caller, who never routed it, cannot know, and destroying it is the crash retirement exists
-/// to prevent. `into_raw` must refuse such a pool (or the builder must never hand one out where
+/// to prevent. `into_raw` refuses such a pool (or the builder never hands one out where
 /// `into_raw` would give it away).
 #[test]
 #[ignore = "requires a CUDA GPU"]

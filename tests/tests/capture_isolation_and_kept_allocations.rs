@@ -1,26 +1,16 @@
-//! Adversarial review of issue 19 (captures): each test here failed when it was written, and
-//! shows a defect a fix should remove (see the review report for the suggested fixes).
+//! Captures on the real driver, beside other work: another thread's work on the capturing
+//! stream never lands in the capture; a raw allocation a capture keeps is freed by the one free
+//! its caller makes after a launch (giving its graph memory back, and letting a graph without
+//! auto-free-on-launch launch again); host waits refuse a capture other code began.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::sys::{self, CUresult};
-use cumempool::{Device, Error, Graph, MemPool, Route, Stream};
+use cumempool::{Error, MemPool, Route};
+use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture, gpu_stream, routing_lock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 const MIB: usize = 1 << 20;
-
-/// A graph captured on `stream` that allocates 1 MiB from `pool` (raw) and does not free it,
-/// with the allocation's address.
-fn capture_a_kept_allocation<'p>(stream: &Stream, pool: &'p MemPool) -> (Graph<'p>, sys::CUdeviceptr) {
-    let kept = std::cell::Cell::new(0);
-    let graph = stream
-        .capture(|capture| {
-            kept.set(pool.alloc_raw(MIB, capture.stream())?);
-            Ok(())
-        })
-        .unwrap();
-    (graph, kept.get())
-}
 
 /// Safe code only: one thread captures an empty closure on a stream over and over while another
 /// thread allocates, fills and frees buffers on the same stream (`Stream` is `Sync`, so both may
@@ -82,18 +72,15 @@ fn another_threads_work_on_the_stream_never_lands_in_a_capture() {
 /// A raw allocation made during a capture and not freed in it (what cudarc kernels using a
 /// `CachingResource` or `PoolResource` under `begin_capture` leave) is freed once, after the
 /// graph ran and was destroyed: the driver frees graph memory only at such a free (destroying
-/// the graph does not), so that free must reach the driver. Today `free_async` answers `Ok` and
-/// frees nothing ("the graph owns it"), and the device's graph memory stays in use for good.
+/// the graph does not), so that free must reach the driver, or the device's graph memory stays
+/// in use for good.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory_back() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock(); // graph memory is per device: no other test of this file meanwhile
-    let device = Device::get(0).unwrap();
+    let baseline = GraphMemoryBaseline::take(&stream);
     let pool = MemPool::new(Route::device(0)).unwrap();
-    stream.synchronize().unwrap();
-    let used_before = device.graph_memory().unwrap().used_current;
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool);
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, |_| Ok(()));
     let mut exec = graph.instantiate().unwrap();
     exec.launch(&stream).unwrap();
     exec.synchronize().unwrap();
@@ -104,24 +91,20 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
     assert!(cumempool::is_captured_allocation(kept), "the launch's allocation is live");
     // SAFETY: the launch's allocation, which no free node frees; freed once, here, after it ran.
     unsafe { cumempool::free_async(kept, &stream) }.unwrap();
-    stream.synchronize().unwrap();
-    device.trim_graph_memory().unwrap();
-    let after = device.graph_memory().unwrap();
-    // Other tests of this binary may hold graph memory of their own: none of ours is left.
-    assert!(after.used_current <= used_before, "graph memory leaked: the one free freed nothing ({after:?})");
+    baseline.assert_given_back(&stream, "graph memory leaked: the one free freed nothing");
 }
 
 /// The same allocation with an executable instantiated without auto-free-on-launch (cudarc's
 /// `end_capture` with flags 0, or the raw driver): CUDA needs the allocation freed outside the
-/// graph between launches. The one free the caller makes is swallowed, so the second launch
-/// fails with CUDA_ERROR_INVALID_VALUE.
+/// graph between launches. Were the one free the caller makes swallowed, the second launch
+/// would fail with CUDA_ERROR_INVALID_VALUE.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_raw_captured_allocation_freed_between_launches_lets_a_graph_without_auto_free_launch_again() {
     let stream = gpu_stream().expect("a GPU");
     let _lock = routing_lock();
     let pool = MemPool::new(Route::device(0)).unwrap();
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool);
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, |_| Ok(()));
     let driver = sys::driver().unwrap();
     let mut exec = std::ptr::null_mut();
     // SAFETY: a live graph and a valid out-pointer; flags 0, as cudarc's end_capture may use.

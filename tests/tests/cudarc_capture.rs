@@ -1,6 +1,4 @@
-//! Adversarial review of capture and teardown with cudarc (feature `cudarc`): a capture cudarc
-//! begins from safe code on a stream cumempool borrowed. Each test here fails on the code it was
-//! written against; its doc comment says what goes wrong and what a fix should do.
+//! A capture cudarc begins from safe code on a stream cumempool borrowed (feature `cudarc`).
 #![cfg(feature = "cudarc")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,18 +11,12 @@ const MIB: usize = 1 << 20;
 
 /// Safe code only. A buffer dropped while cudarc captures its stream has its free deferred to
 /// the `Stream` value's list, which runs once a capture-aware operation finds the capture over.
-/// If the last clone of that `Stream` (from `Stream::from_cudarc`) drops before cudarc ends the
-/// capture, `StreamInner::drop` finds the stream still capturing and `mem::forget`s the deferred
-/// frees: the memory is never freed, and each forgotten free holds an `Arc` of the pool's owner,
-/// so the pool is never destroyed either (`MemPool::destroy` answers `PoolInUse` for good).
-/// Nothing about this order is unusual: the cumempool handle is a temporary of the code that
-/// allocated, while cudarc's stream lives on.
-///
-/// Fix: a borrowed stream dropped mid-capture hands its deferred frees (with its keep-alive and
-/// context) to a process-wide list keyed by raw stream and context, run by the next
-/// capture-aware operation on any `Stream` of that handle once it no longer captures (and by a
-/// public sweep for programs that never touch the stream again), instead of forgetting them.
-/// Sure to fail (read from `StreamInner::drop`).
+/// The last clone of that `Stream` (from `Stream::from_cudarc`) may drop before cudarc ends the
+/// capture: nothing about this order is unusual, as the cumempool handle is a temporary of the
+/// code that allocated, while cudarc's stream lives on. Its deferred frees must not be forgotten
+/// then (the memory would never be freed, and each forgotten free holds an `Arc` of the pool's
+/// owner, so `MemPool::destroy` would answer `PoolInUse` for good): they run at the next
+/// capture-aware operation on any `Stream` of that handle once it no longer captures.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_cudarc_stream_dropped_during_cudarcs_capture_still_frees_the_buffers_dropped_in_it() {

@@ -1,0 +1,113 @@
+/* A stand-in for libcuda, loaded through CUMEMPOOL_LIBCUDA by tests/src/stand_in_driver.rs: what a
+   capture forbids, modelled on a host without a GPU (that module's documentation says what). */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef int CUresult;
+/* Streams made and not destroyed, read by the tests through the symbol. */
+int live_streams;
+typedef void *CUcontext;
+enum { GLOBAL = 0, THREAD_LOCAL = 1, RELAXED = 2 };
+enum { UNSUPPORTED = 900, INVALIDATED = 901 };
+typedef struct { int capturing, invalidated, mode; pthread_t thread; uint64_t id; } Stream;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static Stream *capturing[64];
+static uint64_t next_id = 1;
+static __thread int thread_mode = GLOBAL;
+static int primary_storage;
+static CUcontext primary = &primary_storage;
+static __thread CUcontext current;
+static size_t live_bytes;
+static CUresult generic(void) { return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+CUresult cuInit(unsigned flags) { return 0; }
+static CUresult error_name(CUresult e, const char **s) { *s = "CUDA_ERROR_FROM_THE_STAND_IN"; return 0; }
+static CUresult device_count(int *n) { *n = 1; return 0; }
+static CUresult device_get(int *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
+static CUresult device_attribute(int *v, int attribute, int d) { *v = 1; return 0; }
+static CUresult primary_retain(CUcontext *c, int d) { *c = primary; return 0; }
+static CUresult ctx_get(CUcontext *c) { *c = current; return 0; }
+static CUresult ctx_set(CUcontext c) { current = c; return 0; }
+static CUresult stream_create(Stream **s, unsigned flags) { *s = calloc(1, sizeof **s); live_streams++; return 0; }
+static CUresult stream_destroy(Stream *s) { free(s); live_streams--; return 0; }
+static CUresult pool_create(void **pool, const void *props) { *pool = malloc(8); return 0; }
+static CUresult pool_attribute(void *pool, int attribute, void *value) {
+    if (attribute >= 4) *(uint64_t *)value = live_bytes; else *(int *)value = 0;
+    return 0;
+}
+static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
+    size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
+    *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
+}
+static CUresult free_async(uint64_t p, Stream *s) {
+    if (s && (uintptr_t)s > 2 && s->capturing) return 1; /* memory from before the capture */
+    size_t *block = (size_t *)(uintptr_t)p - 1;
+    live_bytes -= *block; free(block); return 0;
+}
+static CUresult event_create(void **e, unsigned flags) { *e = malloc(8); return 0; }
+static CUresult event_destroy(void *e) { free(e); return 0; }
+/* Whether the calling thread may make a potentially unsafe call now; invalidates what forbids it. */
+static int forbidden(Stream *on) {
+    int refused = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < 64; i++) {
+        Stream *c = capturing[i];
+        if (!c) continue;
+        int mine = pthread_equal(c->thread, pthread_self());
+        int forbids = c == on
+            || (thread_mode != RELAXED && c->mode != RELAXED && mine)
+            || (thread_mode == GLOBAL && c->mode == GLOBAL);
+        if (forbids) { c->invalidated = 1; refused = 1; }
+    }
+    pthread_mutex_unlock(&lock);
+    return refused;
+}
+static CUresult stream_wait(Stream *s) { return forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0; }
+static CUresult event_wait(void *e) { return forbidden(0) ? UNSUPPORTED : 0; }
+static CUresult begin_capture(Stream *s, int mode) {
+    pthread_mutex_lock(&lock);
+    s->capturing = 1; s->invalidated = 0; s->mode = mode; s->thread = pthread_self(); s->id = next_id++;
+    for (int i = 0; i < 64; i++) if (!capturing[i]) { capturing[i] = s; break; }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+static CUresult end_capture(Stream *s, void **graph) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < 64; i++) if (capturing[i] == s) capturing[i] = 0;
+    int invalidated = s->invalidated;
+    s->capturing = 0; s->invalidated = 0;
+    pthread_mutex_unlock(&lock);
+    *graph = invalidated ? 0 : malloc(8);
+    return invalidated ? INVALIDATED : 0;
+}
+static CUresult graph_destroy(void *graph) { free(graph); return 0; }
+static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void *b, void *c, void *d) {
+    int on = (uintptr_t)s > 2 && s->capturing;
+    *status = on ? (s->invalidated ? 2 : 1) : 0;
+    if (id) *id = on ? s->id : 0;
+    return 0;
+}
+static CUresult exchange_mode(int *mode) { int old = thread_mode; thread_mode = *mode; *mode = old; return 0; }
+static const struct { const char *name; void *fn; } table[] = {
+    {"cuGetErrorName", error_name}, {"cuGetErrorString", error_name},
+    {"cuDeviceGetCount", device_count}, {"cuDeviceGet", device_get},
+    {"cuDeviceGetAttribute", device_attribute}, {"cuDevicePrimaryCtxRetain", primary_retain},
+    {"cuCtxGetCurrent", ctx_get}, {"cuCtxSetCurrent", ctx_set},
+    {"cuStreamCreate", stream_create}, {"cuStreamDestroy", stream_destroy},
+    {"cuMemPoolCreate", pool_create}, {"cuMemPoolGetAttribute", pool_attribute},
+    {"cuMemAllocFromPoolAsync", alloc_from_pool}, {"cuMemFreeAsync", free_async},
+    {"cuEventCreate", event_create}, {"cuEventDestroy", event_destroy},
+    {"cuStreamSynchronize", stream_wait}, {"cuStreamQuery", stream_wait},
+    {"cuEventSynchronize", event_wait}, {"cuEventQuery", event_wait},
+    {"cuStreamBeginCapture", begin_capture}, {"cuStreamEndCapture", end_capture},
+    {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
+    {"cuThreadExchangeStreamCaptureMode", exchange_mode},
+};
+CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
+    *fn = (void *)generic;
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (!strcmp(symbol, table[i].name)) *fn = table[i].fn;
+    if (status) *status = 0;
+    return 0;
+}

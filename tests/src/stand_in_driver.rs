@@ -1,0 +1,67 @@
+//! A small stand-in for libcuda (`stand_in_driver.c`), compiled here with the system C compiler
+//! and loaded through `CUMEMPOOL_LIBCUDA`, that models what a capture forbids, so that the
+//! capture rules can be tested on a host without a GPU.
+//!
+//! A host wait or status query (`cuStreamSynchronize`, `cuStreamQuery`, `cuEventSynchronize`,
+//! `cuEventQuery`) is refused with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture that
+//! forbade it invalidated, when the calling thread's mode is not relaxed and the thread has a
+//! capture underway, or (in global mode) any thread has a global capture underway; a wait on a
+//! capturing stream is refused whatever the mode. Pool allocations are heap blocks, counted;
+//! so are the streams alive ([`live_streams`]). Every function the stand-in does not model
+//! answers success.
+//!
+//! The stand-in replaces the driver for the whole process: a test binary that uses it uses
+//! nothing else.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::{Context, Device};
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+
+const SOURCE: &str = include_str!("stand_in_driver.c");
+
+/// Where the stand-in was compiled to.
+static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
+
+/// The stand-in compiled and loaded, and its device's context; `None` (skipped, said why)
+/// without a C compiler. The guard serialises the tests of the binary: the stand-in's state
+/// (captures, counters) is process-wide.
+pub fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    static CONTEXT: OnceLock<Option<Context>> = OnceLock::new();
+    let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let context = CONTEXT.get_or_init(|| {
+        let directory = std::env::temp_dir().join(format!("cumempool-stand-in-driver-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let (source, library) = (directory.join("stand_in_driver.c"), directory.join("libstandin.so"));
+        std::fs::write(&source, SOURCE).unwrap();
+        let compiled = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-pthread", "-o"])
+            .arg(&library)
+            .arg(&source)
+            .status();
+        if !compiled.is_ok_and(|status| status.success()) {
+            eprintln!("skipped: no C compiler for the stand-in driver");
+            return None;
+        }
+        LIBRARY.set(library.clone()).unwrap();
+        // SAFETY: set before any thread of this binary reads the environment through the loader
+        // (every test takes `SERIAL` and reaches the driver only after this).
+        unsafe { std::env::set_var("CUMEMPOOL_LIBCUDA", &library) };
+        Some(Device::get(0).unwrap().primary_context().unwrap())
+    });
+    context.clone().map(|context| (serial, context))
+}
+
+/// How many streams the stand-in has made and not destroyed. Only after [`stand_in`] answered
+/// a context.
+pub fn live_streams() -> i32 {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: the stand-in, already loaded (opening it again only counts a reference); its
+    // `live_streams` is an `int`, written only by the calls of the test that holds the guard.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let count = library.get::<*const i32>(b"live_streams\0").unwrap();
+        **count
+    }
+}
