@@ -8,20 +8,37 @@ use cumempool::sys::CUdeviceptr;
 use cumempool::{Capture, Device, Graph, MemPool, Stream};
 use std::sync::MutexGuard;
 
-/// A graph captured on `stream` that runs `first`, then allocates `bytes` from `pool` through
-/// the raw API and does not free them; with that allocation's address. Each launch allocates it
-/// again, and it must be freed outside the graph, once, after the launch.
+/// Where a graph's kept allocation comes in the capture.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Before the closure's work: the kept allocation gets an address of its own.
+    First,
+    /// After it: where the closure allocated and freed, the driver (580) gives the kept
+    /// allocation the address it freed.
+    Last,
+}
+
+/// A graph captured on `stream` that allocates `bytes` from `pool` through the raw API and does
+/// not free them, before or after running `work` ([`Kept`]); with that allocation's address.
+/// Each launch allocates it again, and it must be freed outside the graph, once, after the
+/// launch.
 pub fn capture_a_kept_allocation<'p>(
     stream: &Stream,
     pool: &'p MemPool,
     bytes: usize,
-    first: impl FnOnce(&Capture<'p>) -> cumempool::Result<()>,
+    kept_at: Kept,
+    work: impl FnOnce(&Capture<'p>) -> cumempool::Result<()>,
 ) -> (Graph<'p>, CUdeviceptr) {
     let kept = std::cell::Cell::new(0);
     let graph = stream
         .capture(|capture| {
-            first(capture)?;
-            kept.set(pool.alloc_raw(bytes, capture.stream())?);
+            if kept_at == Kept::First {
+                kept.set(pool.alloc_raw(bytes, capture.stream())?);
+            }
+            work(capture)?;
+            if kept_at == Kept::Last {
+                kept.set(pool.alloc_raw(bytes, capture.stream())?);
+            }
             Ok(())
         })
         .unwrap();

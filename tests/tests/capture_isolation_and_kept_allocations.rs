@@ -6,7 +6,7 @@
 
 use cumempool::sys::{self, CUresult};
 use cumempool::{Error, MemPool, Route};
-use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline};
+use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline, Kept};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture, gpu_stream, routing_lock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
@@ -80,7 +80,7 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
     let stream = gpu_stream().expect("a GPU");
     let baseline = GraphMemoryBaseline::take(&stream);
     let pool = MemPool::new(Route::device(0)).unwrap();
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, |_| Ok(()));
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, Kept::First, |_| Ok(()));
     let mut exec = graph.instantiate().unwrap();
     exec.launch(&stream).unwrap();
     exec.synchronize().unwrap();
@@ -104,7 +104,7 @@ fn a_raw_captured_allocation_freed_between_launches_lets_a_graph_without_auto_fr
     let stream = gpu_stream().expect("a GPU");
     let _lock = routing_lock();
     let pool = MemPool::new(Route::device(0)).unwrap();
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, |_| Ok(()));
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, Kept::First, |_| Ok(()));
     let driver = sys::driver().unwrap();
     let mut exec = std::ptr::null_mut();
     // SAFETY: a live graph and a valid out-pointer; flags 0, as cudarc's end_capture may use.

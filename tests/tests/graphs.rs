@@ -5,7 +5,7 @@
 
 use cumempool::sys::CUresult;
 use cumempool::{Device, Error, MemPool, Route, Stream};
-use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline};
+use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline, Kept};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture_counting, gpu, gpu_stream, pattern, routing_lock};
 
 const MIB: usize = 1 << 20;
@@ -157,21 +157,42 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
 /// Every launch's raw allocation that no free node frees is freed outside the graph, after that
 /// launch and before the next: no launch relies on auto-free-on-launch (which compute-sanitizer
 /// reports as a leak of the earlier launch's allocation), and the device's graph memory in use
-/// comes back to where it was.
+/// comes back to where it was. The kept allocation comes first, at an address of its own.
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn raw_allocations_in_a_capture_are_freed_in_it_or_after_each_launch() {
+    kept_and_freed_raw_allocations(Kept::First);
+}
+
+/// The same with the kept allocation last, where the driver gives it the address of the one the
+/// graph freed before it. compute-sanitizer 2025 reports one such launch allocation as leaked
+/// although every one is freed and the device's graph memory comes back (docs/driver-behaviour.md,
+/// "Graph memory"), so this test does not run under it (`CUMEMPOOL_UNDER_SANITIZER`, set by the
+/// GPU pack's sanitizer pass).
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_kept_allocation_at_an_address_the_graph_freed_is_freed_after_each_launch() {
+    if std::env::var_os("CUMEMPOOL_UNDER_SANITIZER").is_some() {
+        eprintln!("skipped under compute-sanitizer: it reports this graph's address reuse as a leak");
+        return;
+    }
+    kept_and_freed_raw_allocations(Kept::Last);
+}
+
+fn kept_and_freed_raw_allocations(kept_at: Kept) {
     let stream = gpu_stream().expect("a GPU");
     let baseline = GraphMemoryBaseline::take(&stream);
     let pool = MemPool::new(Route::device(0)).unwrap();
-    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, 4096, |capture| {
-        let freed = pool.alloc_raw(4096, capture.stream())?;
-        assert!(cumempool::is_captured_allocation(freed));
+    let freed = std::cell::Cell::new(0);
+    let (graph, kept) = capture_a_kept_allocation(&stream, &pool, 4096, kept_at, |capture| {
+        freed.set(pool.alloc_raw(4096, capture.stream())?);
+        assert!(cumempool::is_captured_allocation(freed.get()));
         // SAFETY: allocated above in this capture, freed once (a free node).
-        unsafe { cumempool::free_async(freed, capture.stream()) }?;
-        assert!(!cumempool::is_captured_allocation(freed));
+        unsafe { cumempool::free_async(freed.get(), capture.stream()) }?;
+        assert!(!cumempool::is_captured_allocation(freed.get()));
         Ok(())
     });
+    eprintln!("kept {kept:#x}, freed in the graph {:#x}", freed.get());
     assert!(cumempool::is_captured_allocation(kept));
     let mut exec = graph.instantiate().unwrap();
     for launch in 0..2 {

@@ -6,6 +6,16 @@ use cumempool::{
     default_pool, Access, Device, Error, HandleTypes, Location, MemPool, Pool, PoolAttribute, Route, Stream,
 };
 use cumempool_tests::{gpu, gpu_stream};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Held by the tests that read a pool's reserved memory and by those that have an allocation
+/// refused: the driver gives back every pool's unused reserved memory when it refuses one
+/// (`a_refused_allocation_gives_back_every_pools_unused_reservation`).
+static RESERVATIONS: Mutex<()> = Mutex::new(());
+
+fn reservations() -> MutexGuard<'static, ()> {
+    RESERVATIONS.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
@@ -33,6 +43,7 @@ fn pools_are_created_for_every_creatable_route() {
 #[ignore = "requires a CUDA GPU"]
 fn the_builder_sets_threshold_reuse_and_reserves_the_initial_size() {
     let _gpu = gpu().expect("a GPU");
+    let _reservations = reservations();
     const MIB: u64 = 1 << 20;
     for route in [Route::device(0), Route::host()] {
         let pool = MemPool::builder(route)
@@ -86,6 +97,7 @@ fn refused_pool_creations_say_why() {
 #[ignore = "requires a CUDA GPU"]
 fn the_maximum_size_turns_into_a_typed_out_of_memory() {
     let stream = gpu_stream().expect("a GPU");
+    let _reservations = reservations();
     let pool = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();
     let first = pool.alloc(512 << 20, &stream).unwrap();
     match pool.alloc(1 << 30, &stream) {
@@ -250,4 +262,42 @@ fn device_facts_are_readable() {
         device.host_numa_id().unwrap(),
         device.supported_handle_types().unwrap()
     );
+}
+
+/// When the driver refuses an allocation, for a pool's maximum size or for the device's memory,
+/// it gives back the unused reserved memory of every pool of the device, whatever their release
+/// thresholds: a reservation made with `PoolBuilder::initial_size` is a head start, not a
+/// guarantee (driver 580; docs/driver-behaviour.md).
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_refused_allocation_gives_back_every_pools_unused_reservation() {
+    let stream = gpu_stream().expect("a GPU");
+    let _reservations = reservations();
+    let kept = MemPool::builder(Route::device(0)).initial_size(64 << 20).build().unwrap();
+    let before = kept.reserved_mem_current().unwrap();
+    let capped = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();
+    let first = capped.alloc(512 << 20, &stream).unwrap();
+    assert!(capped.alloc(1 << 30, &stream).is_err(), "over the maximum size");
+    let after_cap = kept.reserved_mem_current().unwrap();
+    drop(first);
+    stream.synchronize().unwrap();
+    // Reserve again, then have the device's memory refuse an allocation.
+    let again = kept.alloc(64 << 20, &stream).unwrap();
+    drop(again);
+    stream.synchronize().unwrap();
+    let reserved_again = kept.reserved_mem_current().unwrap();
+    let total = Device::get(0).unwrap().total_memory().unwrap();
+    let unbounded = MemPool::new(Route::device(0)).unwrap();
+    assert!(unbounded.alloc(total + (1 << 30), &stream).is_err(), "more than the device has");
+    let after_device = kept.reserved_mem_current().unwrap();
+    eprintln!(
+        "reserved by a pool with a 64 MiB initial size: {before} B at build, {after_cap} B after another pool's \
+         maximum size refused an allocation; {reserved_again} B reserved again, {after_device} B after the \
+         device's memory refused one"
+    );
+    assert!(before >= 64 << 20 && reserved_again >= 64 << 20);
+    assert_eq!((after_cap, after_device), (0, 0), "the driver gave the unused reservation back");
+    for pool in [kept, capped, unbounded] {
+        pool.destroy().unwrap();
+    }
 }

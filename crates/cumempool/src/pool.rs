@@ -514,7 +514,10 @@ impl PoolBuilder {
     /// not go to the operating system (RMM's and CCCL's initial pool size). `build` allocates it
     /// on a stream of its own, frees it and waits; unless a release threshold is given, the
     /// threshold becomes what the pool reserved for it (at least this size), so it stays
-    /// reserved. A smaller explicit threshold lets the driver give it back.
+    /// reserved. A smaller explicit threshold lets the driver give it back. Whatever the
+    /// threshold, the driver gives the unused reservation of every pool of the device back when
+    /// it refuses any allocation there (a pool's maximum size, or the device's memory; driver
+    /// 580): the reservation is a head start, not a guarantee.
     pub fn initial_size(mut self, bytes: u64) -> Self {
         self.initial_size = bytes;
         self
