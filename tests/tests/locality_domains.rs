@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda-13040")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::{default_pool, Device, DriverVersion, Error, Location, MemPool, Route};
+use cumempool::{default_pool, Device, DriverVersion, Error, InvalidArgumentReason, Location, MemPool, Route};
 use cumempool_alloc::{ManagedMemory, PoolAllocator};
 use cumempool_tests::{gpu, gpu_stream};
 
@@ -108,7 +108,11 @@ fn location_info_checks_granularities_first_and_needs_13_4() {
     // Pinned memory has no residency to report.
     let device_pool = MemPool::new(Route::device(0)).unwrap();
     let pinned = device_pool.alloc(4096, &stream).unwrap();
-    assert!(matches!(pinned.location_info(4096, 0), Err(Error::InvalidArgument { .. })));
+    let refused = pinned.location_info(4096, 0);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument { reason: InvalidArgumentReason::NotManagedMemory { .. }, .. })),
+        "{refused:?}"
+    );
 }
 
 #[test]

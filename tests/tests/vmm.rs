@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::vmm::{AddressRange, AllocationProperties, PhysicalAllocation};
-use cumempool::{Access, Error, HandleTypes, Stream};
+use cumempool::{Access, Error, HandleTypes, InvalidArgumentReason as Reason, Stream};
 use cumempool_tests::device_bytes::{read, write};
 use cumempool_tests::{gpu, pattern};
 
@@ -49,19 +49,39 @@ fn bad_sizes_offsets_and_overlaps_are_refused_before_the_driver() {
     let props = AllocationProperties::device(0);
     let chunk = props.granularity().unwrap().minimum;
     let odd = PhysicalAllocation::create(&props, chunk + 1).unwrap_err();
-    assert!(matches!(odd, Error::InvalidArgument { .. }) && odd.to_string().contains("multiple"), "{odd}");
+    let Error::InvalidArgument { reason: Reason::NotGranularityMultiple { value, granularity, .. }, .. } = odd else {
+        panic!("{odd}")
+    };
+    assert_eq!((value, granularity), (chunk + 1, chunk));
+    assert!(odd.to_string().contains("multiple"), "{odd}");
     let range = AddressRange::reserve(2 * chunk, chunk).unwrap();
     let memory = PhysicalAllocation::create(&props, chunk).unwrap();
     let outside = range.map(2 * chunk, &memory).unwrap_err();
+    assert!(
+        matches!(outside, Error::InvalidArgument { reason: Reason::OutsideReservedRange { reserved, .. }, .. } if reserved == 2 * chunk),
+        "{outside}"
+    );
     assert!(outside.to_string().contains("inside the reserved"), "{outside}");
     range.map(0, &memory).unwrap();
     let overlap = range.map(0, &memory).unwrap_err();
+    assert!(
+        matches!(overlap, Error::InvalidArgument { reason: Reason::OverlapsMapping { mapped_offset: 0, .. }, .. }),
+        "{overlap}"
+    );
     assert!(overlap.to_string().contains("overlap"), "{overlap}");
     // SAFETY: nothing mapped at that offset; refused before the driver.
     let nothing = unsafe { range.unmap(chunk) }.unwrap_err();
+    assert!(matches!(nothing, Error::InvalidArgument { reason: Reason::NothingMapped { .. }, .. }), "{nothing}");
     assert!(nothing.to_string().contains("nothing is mapped"), "{nothing}");
-    assert!(range.set_access(0, chunk, &[]).is_err(), "an empty access list is refused");
-    assert!(AddressRange::reserve(0, 0).is_err() && AddressRange::reserve(chunk, 3).is_err());
+    let empty = range.set_access(0, chunk, &[]).unwrap_err();
+    assert!(matches!(empty, Error::InvalidArgument { reason: Reason::NoDevices, .. }), "{empty}");
+    let zero = AddressRange::reserve(0, 0).unwrap_err();
+    assert!(matches!(zero, Error::InvalidArgument { reason: Reason::ZeroSize, .. }), "{zero}");
+    let three = AddressRange::reserve(chunk, 3).unwrap_err();
+    assert!(
+        matches!(three, Error::InvalidArgument { reason: Reason::AlignmentNotPowerOfTwo { alignment: 3 }, .. }),
+        "{three}"
+    );
 }
 
 #[test]

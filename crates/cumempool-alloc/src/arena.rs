@@ -24,7 +24,7 @@ use crate::memory_kind::DeviceMemory;
 use crate::resource::{StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::vmm::{AddressRange, AllocationProperties, PhysicalAllocation};
-use cumempool::{Access, Context, Device, Event, HandleTypes, Stream};
+use cumempool::{Access, Context, Device, Event, HandleTypes, InvalidArgumentReason, Stream};
 use std::collections::BTreeMap;
 #[cfg(unix)]
 use std::os::fd::{AsFd, OwnedFd};
@@ -85,15 +85,17 @@ impl ArenaBuilder {
         let granularity = self.props.granularity()?;
         let chunk = self.chunk.unwrap_or(granularity.recommended);
         if chunk == 0 || !chunk.is_multiple_of(granularity.minimum) {
-            return Err(invalid(format!(
-                "chunk size {chunk} is not a positive multiple of the minimum granularity {} of device {}",
-                granularity.minimum, self.device
-            )));
+            return Err(invalid(InvalidArgumentReason::NotGranularityMultiple {
+                quantity: "the chunk size",
+                value: chunk,
+                granularity: granularity.minimum,
+            }));
         }
         check_peers(self.device, &self.peers)?;
-        let reserve = self.reserve.max(1).div_ceil(chunk).checked_mul(chunk).ok_or_else(|| {
-            invalid(format!("{} bytes rounded up to {chunk}-byte chunks overflow the address space", self.reserve))
-        })?;
+        let reserve =
+            self.reserve.max(1).div_ceil(chunk).checked_mul(chunk).ok_or_else(|| {
+                invalid(InvalidArgumentReason::RoundingOverflows { bytes: self.reserve, unit: chunk })
+            })?;
         let range = AddressRange::reserve(reserve, chunk)?;
         let mut free = BTreeMap::new();
         free.insert(0, reserve);
@@ -109,15 +111,13 @@ impl ArenaBuilder {
     }
 }
 
-fn invalid(reason: String) -> Error {
+fn invalid(reason: InvalidArgumentReason) -> Error {
     Error::Pool(cumempool::Error::InvalidArgument { what: "building a VMM arena", reason })
 }
 
 fn check_peers(owner: i32, peers: &[(i32, Access)]) -> Result<()> {
     if let Some((device, _)) = peers.iter().find(|(device, _)| *device == owner) {
-        return Err(invalid(format!(
-            "device {device} owns the arena and always has read-write access; name only peer devices"
-        )));
+        return Err(invalid(InvalidArgumentReason::OwnerNamedAsPeer { device: *device }));
     }
     Ok(())
 }
@@ -500,10 +500,7 @@ impl ArenaImport {
         if total == 0 || offset.checked_add(len).is_none_or(|end| end > total) {
             return Err(Error::Pool(cumempool::Error::InvalidArgument {
                 what: "mapping an imported arena allocation",
-                reason: format!(
-                    "{len} bytes at offset {offset} do not fit {} chunks of {chunk_size} bytes",
-                    descriptors.len()
-                ),
+                reason: InvalidArgumentReason::OutsideChunks { offset, len, chunks: descriptors.len(), chunk_size },
             }));
         }
         let props = AllocationProperties::device(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
@@ -559,6 +556,39 @@ mod tests {
         assert_eq!(state.free.len(), 1, "everything coalesced: {:?}", state.free);
         assert_eq!(state.free.get(&0), Some(&(1 << 20)));
         assert!(state.take(base, (1 << 20) + 256, 256).is_none(), "more than the range is refused");
+    }
+
+    #[test]
+    fn the_owner_named_as_a_peer_is_refused_with_a_reason_to_match() {
+        assert!(check_peers(0, &[(1, Access::ReadWrite)]).is_ok());
+        let refused = check_peers(2, &[(1, Access::ReadWrite), (2, Access::ReadWrite)]);
+        assert!(
+            matches!(
+                refused,
+                Err(Error::Pool(cumempool::Error::InvalidArgument {
+                    reason: InvalidArgumentReason::OwnerNamedAsPeer { device: 2 },
+                    ..
+                }))
+            ),
+            "{refused:?}"
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn an_import_that_does_not_fit_its_chunks_is_refused_before_the_driver() {
+        let none: [OwnedFd; 0] = [];
+        let refused = ArenaImport::map(&none, 1 << 21, 0, 256, 0).map(|_| ());
+        assert!(
+            matches!(
+                refused,
+                Err(Error::Pool(cumempool::Error::InvalidArgument {
+                    reason: InvalidArgumentReason::OutsideChunks { chunks: 0, len: 256, .. },
+                    ..
+                }))
+            ),
+            "{refused:?}"
+        );
     }
 
     #[test]

@@ -280,7 +280,10 @@ unsafe impl StreamOrderedResource for FailingFrees {
         _align: usize,
         _stream: &Stream,
     ) -> cumempool_alloc::Result<()> {
-        Err(Error::Pool(cumempool::Error::InvalidArgument { what: "freeing", reason: "the test refuses".into() }))
+        Err(Error::Pool(cumempool::Error::InvalidArgument {
+            what: "freeing",
+            reason: cumempool::InvalidArgumentReason::NothingMapped { offset: 0 },
+        }))
     }
 }
 

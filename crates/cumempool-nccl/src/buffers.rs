@@ -1,7 +1,7 @@
 //! What collectives read and write: device memory of one device, typed by element.
 
 use crate::bindings::ncclDataType_t;
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use cumempool::sys::CUdeviceptr;
 use cumempool::{AllocationType, BufferOn, Context, Device, Location, Stream};
@@ -62,12 +62,11 @@ impl<'a> DeviceSlice<'a> {
         if !arena.contains(allocation.as_raw(), allocation.len()) {
             return Err(Error::InvalidArgument {
                 what: "borrowing arena memory",
-                reason: format!(
-                    "{} bytes at {:#x} do not lie in the arena at {:#x}; pass the arena the allocation came from",
-                    allocation.len(),
-                    allocation.as_raw(),
-                    arena.base()
-                ),
+                reason: InvalidArgumentReason::OutsideArena {
+                    address: allocation.as_raw(),
+                    len: allocation.len(),
+                    arena_base: arena.base(),
+                },
             });
         }
         Ok(Self { ptr: allocation.as_raw(), len: allocation.len(), device: arena.device(), memory: PhantomData })

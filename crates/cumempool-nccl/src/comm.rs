@@ -3,7 +3,7 @@
 
 use crate::bindings::{self, ncclComm_t, ncclResult_t, ncclUniqueId};
 use crate::buffers::{DeviceBuffer, Element, ReduceOp};
-use crate::error::{result_name, Error, Result};
+use crate::error::{result_name, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use cumempool::{Context, Device, Stream};
 use std::collections::HashSet;
@@ -183,11 +183,15 @@ impl Communicator {
     /// [`Error::InvalidArgument`] for an empty or repeated device list; the CUDA errors of a
     /// device that does not exist; NCCL's refusal.
     pub fn init_all(devices: &[i32]) -> Result<Vec<Self>> {
-        let unique: HashSet<_> = devices.iter().collect();
-        if devices.is_empty() || unique.len() != devices.len() {
+        const WHAT: &str = "creating communicators";
+        if devices.is_empty() {
+            return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::NoDevices });
+        }
+        let mut seen = HashSet::new();
+        if let Some(&device) = devices.iter().find(|&&d| !seen.insert(d)) {
             return Err(Error::InvalidArgument {
-                what: "creating communicators",
-                reason: format!("devices {devices:?}: name each device once, at least one"),
+                what: WHAT,
+                reason: InvalidArgumentReason::RepeatedDevice { device },
             });
         }
         let contexts = devices
@@ -195,8 +199,8 @@ impl Communicator {
             .map(|&d| Device::get(d).and_then(Device::primary_context))
             .collect::<cumempool::Result<Vec<_>>>()?;
         let count = c_int::try_from(devices.len()).map_err(|_| Error::InvalidArgument {
-            what: "creating communicators",
-            reason: format!("{} devices do not fit a C int", devices.len()),
+            what: WHAT,
+            reason: InvalidArgumentReason::TooManyDevices { count: devices.len() },
         })?;
         let init = nccl()?.ncclCommInitAll()?;
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
@@ -567,6 +571,25 @@ pub fn group<T>(calls: impl FnOnce() -> Result<T>) -> Result<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_or_repeated_device_list_is_refused_with_a_reason_to_match() {
+        let empty = Communicator::init_all(&[]).map(|_| ());
+        assert!(
+            matches!(empty, Err(Error::InvalidArgument { reason: InvalidArgumentReason::NoDevices, .. })),
+            "{empty:?}"
+        );
+        let repeated = Communicator::init_all(&[3, 1, 3]).map(|_| ());
+        assert!(
+            matches!(
+                repeated,
+                Err(Error::InvalidArgument { reason: InvalidArgumentReason::RepeatedDevice { device: 3 }, .. })
+            ),
+            "{repeated:?}"
+        );
+        let text = repeated.err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(text, "creating communicators: device 3 is named more than once; name each device once");
+    }
 
     #[test]
     fn ids_travel_with_the_rank_count_and_a_disagreeing_count_is_refused() {

@@ -112,13 +112,15 @@ pub enum Error {
     #[error("the communicator was aborted (after a failure or timeout) and cannot be used; create a new one")]
     Aborted,
 
-    /// A request that cannot be served as asked, for a reason no other variant names.
+    /// A request that cannot be served as asked, for a reason no other variant names (checked
+    /// before NCCL).
     #[error("{what}: {reason}")]
     InvalidArgument {
         /// What was being done.
         what: &'static str,
-        /// What was wrong, and what would be right.
-        reason: String,
+        /// What was wrong, and what would be right: a program can `match` it; its text is the
+        /// message's.
+        reason: InvalidArgumentReason,
     },
 
     /// An I/O failure while exchanging the unique id.
@@ -129,6 +131,50 @@ pub enum Error {
         /// The cause.
         #[source]
         source: std::io::Error,
+    },
+}
+
+/// Why a request was refused as an invalid argument ([`Error::InvalidArgument`]), with the
+/// values a program needs to correct it. Its `Display` is the reason's part of the error's
+/// message: what was wrong, and what would be right.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidArgumentReason {
+    /// An empty buffer, which NCCL cannot register.
+    #[error("the buffer is empty; register a buffer of at least one byte")]
+    EmptyBuffer,
+    /// A window whose first address is not on the boundary NCCL requires.
+    #[error("the buffer at {address:#x} does not start on a {alignment}-byte boundary, where windows start; allocate with that alignment")]
+    Misaligned {
+        /// The buffer's first address.
+        address: u64,
+        /// The alignment required (`NCCL_WIN_REQUIRED_ALIGNMENT`).
+        alignment: u64,
+    },
+    /// An allocation that does not lie in the arena it was given with.
+    #[error("{len} bytes at {address:#x} do not lie in the arena at {arena_base:#x}; pass the arena the allocation came from")]
+    OutsideArena {
+        /// The allocation's first address.
+        address: u64,
+        /// Its length.
+        len: usize,
+        /// The arena's first address.
+        arena_base: u64,
+    },
+    /// An empty device list.
+    #[error("no device was named; name each device once, at least one")]
+    NoDevices,
+    /// A device named more than once.
+    #[error("device {device} is named more than once; name each device once")]
+    RepeatedDevice {
+        /// The first device named twice.
+        device: i32,
+    },
+    /// More devices than NCCL's C `int` count can hold.
+    #[error("{count} devices do not fit a C int; name fewer")]
+    TooManyDevices {
+        /// The number of devices given.
+        count: usize,
     },
 }
 
@@ -187,5 +233,13 @@ mod tests {
             "all-gather: 10 elements of 4 bytes times 2 ranks do not fit the buffer's 64 bytes"
         );
         assert_eq!(result_name(42), "an ncclResult_t this crate does not know");
+        let misaligned = Error::InvalidArgument {
+            what: "registering a window",
+            reason: InvalidArgumentReason::Misaligned { address: 0x1100, alignment: 4096 },
+        };
+        assert_eq!(
+            misaligned.to_string(),
+            "registering a window: the buffer at 0x1100 does not start on a 4096-byte boundary, where windows start; allocate with that alignment"
+        );
     }
 }

@@ -46,7 +46,7 @@ pub mod bindings;
 
 pub use buffers::{DeviceBuffer, DeviceSlice, Element, NcclMemory, ReduceOp};
 pub use comm::{group, Communicator, UniqueId, ID_MESSAGE_LEN};
-pub use error::{Error, Result};
+pub use error::{Error, InvalidArgumentReason, Result};
 pub use loader::{candidates, nccl, LoadError, Nccl, NcclVersion, DEFAULT_LIBRARY, LIBNCCL_ENV};
 pub use registration::{ArenaRegistration, Registration, Window};
 

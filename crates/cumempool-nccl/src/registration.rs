@@ -23,7 +23,7 @@
 use crate::bindings::{ncclWindow_t, NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_REQUIRED_ALIGNMENT};
 use crate::buffers::DeviceBuffer;
 use crate::comm::Communicator;
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use cumempool::sys::CUdeviceptr;
 use cumempool_alloc::{Arena, MappingHold};
@@ -163,7 +163,10 @@ impl Communicator {
     pub(crate) fn register_raw<'a>(&'a self, ptr: CUdeviceptr, len: usize) -> Result<Registration<'a>> {
         let raw = self.usable()?;
         if len == 0 {
-            return Err(Error::InvalidArgument { what: "registering a buffer", reason: "the buffer is empty".into() });
+            return Err(Error::InvalidArgument {
+                what: "registering a buffer",
+                reason: InvalidArgumentReason::EmptyBuffer,
+            });
         }
         let register = nccl()?.ncclCommRegister()?;
         let mut handle: *mut c_void = std::ptr::null_mut();
@@ -217,15 +220,15 @@ impl Communicator {
     pub fn register_window<'a>(&'a self, buffer: &'a impl DeviceBuffer, symmetric: bool) -> Result<Window<'a>> {
         const WHAT: &str = "registering a window";
         let ptr = self.check_buffer(WHAT, buffer)?;
-        if !buffer.device_ptr().is_multiple_of(u64::from(NCCL_WIN_REQUIRED_ALIGNMENT)) || buffer.byte_len() == 0 {
+        let alignment = u64::from(NCCL_WIN_REQUIRED_ALIGNMENT);
+        if !buffer.device_ptr().is_multiple_of(alignment) {
             return Err(Error::InvalidArgument {
                 what: WHAT,
-                reason: format!(
-                    "{} bytes at {:#x}: windows start on a {NCCL_WIN_REQUIRED_ALIGNMENT}-byte boundary and are not empty; allocate with that alignment",
-                    buffer.byte_len(),
-                    buffer.device_ptr()
-                ),
+                reason: InvalidArgumentReason::Misaligned { address: buffer.device_ptr(), alignment },
             });
+        }
+        if buffer.byte_len() == 0 {
+            return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::EmptyBuffer });
         }
         let raw = self.usable()?;
         let register = nccl()?.ncclCommWindowRegister()?;

@@ -20,7 +20,7 @@
 
 use crate::context::Context;
 use crate::device::Device;
-use crate::error::{DriverError, Error, Result};
+use crate::error::{DriverError, Error, InvalidArgumentReason, Result};
 use crate::stream::Stream;
 use cudarc::driver::{CudaContext, CudaStream};
 use cumempool_sys as sys;
@@ -76,7 +76,7 @@ impl Stream {
         let Some(context) = self.context() else {
             return Err(Error::InvalidArgument {
                 what: "handing a stream to cudarc",
-                reason: "cudarc needs the stream's context, and this stream was borrowed without one; a stream of a device's primary context can be borrowed with it (Stream::borrow_raw(raw, Some(&context))), while a stream of any other context cannot be handed to cudarc here".into(),
+                reason: InvalidArgumentReason::StreamWithoutContext,
             });
         };
         let cudarc_context = context.to_cudarc()?;
@@ -102,12 +102,12 @@ impl Context {
         if !context.is_primary() {
             return Err(Error::InvalidArgument {
                 what: "using a cudarc context",
-                reason: "only primary contexts (CudaContext::new) are supported: a cumempool Context is a retained primary context".into(),
+                reason: InvalidArgumentReason::NotPrimaryContext,
             });
         }
         let ordinal = i32::try_from(context.ordinal()).map_err(|_| Error::InvalidArgument {
             what: "using a cudarc context",
-            reason: format!("device ordinal {} does not fit a CUdevice", context.ordinal()),
+            reason: InvalidArgumentReason::OrdinalTooLarge { ordinal: context.ordinal() },
         })?;
         Device::get(ordinal)?.primary_context()
     }
@@ -120,7 +120,7 @@ impl Context {
     pub fn to_cudarc(&self) -> Result<Arc<CudaContext>> {
         let ordinal = usize::try_from(self.device().ordinal()).map_err(|_| Error::InvalidArgument {
             what: "handing a context to cudarc",
-            reason: format!("device ordinal {} is negative", self.device().ordinal()),
+            reason: InvalidArgumentReason::NegativeOrdinal { ordinal: self.device().ordinal() },
         })?;
         CudaContext::new(ordinal).map_err(|e| from_cudarc_error("cuDevicePrimaryCtxRetain", e))
     }
@@ -129,4 +129,21 @@ impl Context {
 /// cudarc's driver error as this crate's, keeping its `CUresult`.
 fn from_cudarc_error(function: &'static str, error: cudarc::driver::DriverError) -> Error {
     Error::Driver(DriverError::new(function, sys::CUresult(error.0 as u32)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_borrowed_without_its_context_is_refused_with_a_reason_to_match() {
+        // SAFETY: refused before any driver call.
+        let stream = unsafe { Stream::borrow_raw(0x5000 as sys::CUstream, None) }.unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: refused before cudarc sees the stream.
+        let refused = unsafe { stream.to_cudarc() }.map(|_| ());
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument { reason: InvalidArgumentReason::StreamWithoutContext, .. })),
+            "{refused:?}"
+        );
+    }
 }

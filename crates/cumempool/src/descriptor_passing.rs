@@ -18,7 +18,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgumentReason, Result};
 use crate::location::{AllocationType, Location};
 use crate::pool::{MemPool, Pool};
 use crate::route::Route;
@@ -64,7 +64,7 @@ pub fn send_fd(socket: &UnixStream, fd: BorrowedFd<'_>, payload: &[u8]) -> Resul
     if payload.is_empty() {
         return Err(Error::InvalidArgument {
             what: "sending a descriptor",
-            reason: "the payload must hold at least one byte".into(),
+            reason: InvalidArgumentReason::EmptyPayload,
         });
     }
     let fds = [fd];
@@ -288,6 +288,18 @@ mod tests {
         drop(a);
         let error = receive_fd(&b, &mut [0u8; 4]).expect_err("closed");
         assert!(error.to_string().contains("closed"), "{error}");
+    }
+
+    #[test]
+    fn an_empty_payload_is_refused_with_a_reason_to_match() {
+        let _lock = descriptor_lock();
+        let (a, _b) = UnixStream::pair().expect("socketpair");
+        let file = std::fs::File::open("/dev/null").expect("open");
+        let refused = send_fd(&a, file.as_fd(), b"");
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument { reason: InvalidArgumentReason::EmptyPayload, .. })),
+            "{refused:?}"
+        );
     }
 
     #[test]

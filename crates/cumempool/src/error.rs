@@ -304,13 +304,15 @@ pub enum Error {
     #[error(transparent)]
     UnknownValue(#[from] UnknownValue),
 
-    /// A request that cannot be served as asked, for a reason no other variant names.
+    /// A request that cannot be served as asked, for a reason no other variant names (checked
+    /// before the driver).
     #[error("{what}: {reason}")]
     InvalidArgument {
         /// What was being done.
         what: &'static str,
-        /// What was wrong, and what would be right.
-        reason: String,
+        /// What was wrong, and what would be right: a program can `match` it; its text is the
+        /// message's.
+        reason: InvalidArgumentReason,
     },
 
     /// An operation refused, before the driver, because its stream is capturing into a graph:
@@ -478,6 +480,146 @@ pub enum NotShareableReason {
     NotPoolMemory,
 }
 
+/// Why a request was refused as an invalid argument ([`Error::InvalidArgument`]), with the
+/// values a program needs to correct it. Its `Display` is the reason's part of the error's
+/// message: what was wrong, and what would be right.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidArgumentReason {
+    /// A size of 0 where only a positive size can be served.
+    #[error("the size is 0; give a positive size")]
+    ZeroSize,
+    /// An alignment that is neither 0 (the driver's default) nor a power of two.
+    #[error("alignment {alignment} is not a power of two; give 0 (the driver's default) or a power of two")]
+    AlignmentNotPowerOfTwo {
+        /// The alignment given.
+        alignment: usize,
+    },
+    /// A size that is not a positive multiple of the allocation granularity.
+    #[error("{quantity} {value} is not a positive multiple of {granularity} bytes (the allocation granularity); round it up")]
+    NotGranularityMultiple {
+        /// Which size it is, such as "the size" or "the chunk size".
+        quantity: &'static str,
+        /// The size given.
+        value: usize,
+        /// The granularity it must be a multiple of.
+        granularity: usize,
+    },
+    /// A span of a reserved address range that does not lie inside it (or is empty).
+    #[error("{size} bytes at offset {offset} do not lie inside the reserved {reserved} bytes; give a non-empty span inside the range")]
+    OutsideReservedRange {
+        /// The span's offset into the range.
+        offset: usize,
+        /// The span's size.
+        size: usize,
+        /// The range's size.
+        reserved: usize,
+    },
+    /// A span to map that overlaps a mapping already made in the range.
+    #[error("{size} bytes at offset {offset} overlap the mapping of {mapped_size} bytes at offset {mapped_offset}; unmap it first")]
+    OverlapsMapping {
+        /// The new mapping's offset.
+        offset: usize,
+        /// The new mapping's size.
+        size: usize,
+        /// The existing mapping's offset.
+        mapped_offset: usize,
+        /// The existing mapping's size.
+        mapped_size: usize,
+    },
+    /// An offset at which no mapping was made.
+    #[error("nothing is mapped at offset {offset}; give the offset a mapping was made at")]
+    NothingMapped {
+        /// The offset given.
+        offset: usize,
+    },
+    /// An empty list of devices where at least one must be named.
+    #[error("no device was named; name at least one")]
+    NoDevices,
+    /// The device that owns an arena named among its peers.
+    #[error("device {device} owns the arena and always has read-write access; name only peer devices")]
+    OwnerNamedAsPeer {
+        /// The owning device.
+        device: i32,
+    },
+    /// A size that overflows the address space when rounded up to whole units.
+    #[error("{bytes} bytes rounded up to {unit}-byte chunks overflow the address space; ask for less")]
+    RoundingOverflows {
+        /// The size asked for.
+        bytes: usize,
+        /// The unit it is rounded up to.
+        unit: usize,
+    },
+    /// An allocation that does not fit the chunks it is said to lie in.
+    #[error("{len} bytes at offset {offset} do not fit {chunks} chunks of {chunk_size} bytes; give the chunks, chunk size, offset and length the exporter sent")]
+    OutsideChunks {
+        /// The allocation's offset into the first chunk.
+        offset: usize,
+        /// The allocation's length.
+        len: usize,
+        /// How many chunks were given.
+        chunks: usize,
+        /// Each chunk's size.
+        chunk_size: usize,
+    },
+    /// A byte count larger than this platform's `size_t`.
+    #[error("{bytes} bytes does not fit this platform's size_t; ask for at most usize::MAX bytes")]
+    ExceedsSizeT {
+        /// The bytes asked for.
+        bytes: u64,
+    },
+    /// An allocation range the driver reported running past the end of the address space.
+    #[error("the driver reported {size} bytes from {start:#x}, past the end of the address space")]
+    RangePastAddressSpace {
+        /// The range's first address.
+        start: u64,
+        /// Its size.
+        size: usize,
+    },
+    /// Memory that is not managed, which never migrates and so has no residency to report.
+    #[error(
+        "the buffer is pinned memory of {route}, which never migrates; only managed memory has a residency to report"
+    )]
+    NotManagedMemory {
+        /// The buffer's route.
+        route: Route,
+    },
+    /// A fill of pinned host memory, which the driver's memset refuses.
+    #[error("the driver's memset refuses pinned host memory; fill a device buffer and copy it in with Capture::copy")]
+    PinnedHostFill,
+    /// A buffer allocated in one capture used in another.
+    #[error("the buffer belongs to capture {buffer_capture}, not to this capture ({capture}); each capture uses its own buffers")]
+    BufferOfAnotherCapture {
+        /// The capture the buffer was allocated in.
+        buffer_capture: u64,
+        /// The capture it was given to.
+        capture: u64,
+    },
+    /// An empty payload where at least one byte must go with a descriptor.
+    #[error("the payload must hold at least one byte")]
+    EmptyPayload,
+    /// A stream borrowed without its context, where the context is needed.
+    #[error("cudarc needs the stream's context, and this stream was borrowed without one; a stream of a device's primary context can be borrowed with it (Stream::borrow_raw(raw, Some(&context))), while a stream of any other context cannot be handed to cudarc here")]
+    StreamWithoutContext,
+    /// A context that is not a device's primary context.
+    #[error(
+        "only primary contexts (CudaContext::new) are supported: a cumempool Context is a retained primary context"
+    )]
+    NotPrimaryContext,
+    /// A device ordinal too large for a `CUdevice` (a C `int`).
+    #[error("device ordinal {ordinal} does not fit a CUdevice (at most i32::MAX)")]
+    OrdinalTooLarge {
+        /// The ordinal given.
+        ordinal: usize,
+    },
+    /// A negative device ordinal.
+    #[error("device ordinal {ordinal} is negative; device ordinals count from 0")]
+    NegativeOrdinal {
+        /// The ordinal given.
+        ordinal: i32,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -517,6 +659,31 @@ mod tests {
             imex.starts_with("no IMEX channel on this system (/dev/nvidia-caps-imex-channels is missing"),
             "{imex}"
         );
+    }
+
+    #[test]
+    fn why_an_argument_is_refused_can_be_matched_and_says_what_would_be_right() {
+        let error = Error::InvalidArgument {
+            what: "reserving addresses",
+            reason: InvalidArgumentReason::AlignmentNotPowerOfTwo { alignment: 3 },
+        };
+        assert!(matches!(
+            error,
+            Error::InvalidArgument { reason: InvalidArgumentReason::AlignmentNotPowerOfTwo { alignment: 3 }, .. }
+        ));
+        assert_eq!(
+            error.to_string(),
+            "reserving addresses: alignment 3 is not a power of two; give 0 (the driver's default) or a power of two"
+        );
+        let odd = InvalidArgumentReason::NotGranularityMultiple { quantity: "the size", value: 3, granularity: 2 };
+        assert_eq!(
+            odd.to_string(),
+            "the size 3 is not a positive multiple of 2 bytes (the allocation granularity); round it up"
+        );
+        let pinned = InvalidArgumentReason::NotManagedMemory { route: Route::device(1) }.to_string();
+        assert!(pinned.contains(&Route::device(1).to_string()) && pinned.contains("only managed memory"), "{pinned}");
+        let other = InvalidArgumentReason::BufferOfAnotherCapture { buffer_capture: 4, capture: 9 }.to_string();
+        assert!(other.contains("capture 4, not to this capture (9)"), "{other}");
     }
 
     #[test]

@@ -4,7 +4,7 @@ use crate::buffer::BufferOn;
 use crate::context::Context;
 use crate::driver::{driver_answer, driver_call, Answer};
 use crate::driver_handle::DriverHandle;
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgumentReason, Result};
 use crate::location::AllocationType;
 use crate::pool::Pool;
 use crate::route::Route;
@@ -372,10 +372,7 @@ impl<'env> Capture<'env> {
         const WHAT: &str = "filling a buffer in a capture (Capture::fill)";
         self.check_own(WHAT, dst)?;
         if dst.route.is_some_and(|r| r.location.is_host() && r.allocation_type == AllocationType::Pinned) {
-            return Err(Error::InvalidArgument {
-                what: WHAT,
-                reason: "the driver's memset refuses pinned host memory; fill a device buffer and copy it in with Capture::copy".into(),
-            });
+            return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::PinnedHostFill });
         }
         if dst.len == 0 {
             return Ok(());
@@ -419,10 +416,10 @@ impl<'env> Capture<'env> {
         if buffer.capture != self.id {
             return Err(Error::InvalidArgument {
                 what,
-                reason: format!(
-                    "the buffer belongs to capture {}, not to this capture ({}); each capture uses its own buffers",
-                    buffer.capture, self.id
-                ),
+                reason: InvalidArgumentReason::BufferOfAnotherCapture {
+                    buffer_capture: buffer.capture,
+                    capture: self.id,
+                },
             });
         }
         Ok(())
@@ -721,6 +718,38 @@ mod tests {
         let Err(Error::StreamNotBorrowable { reason }) = refused else { panic!("{refused:?}") };
         assert!(reason.contains("primary context") && reason.contains("any other context cannot"), "{reason}");
         assert!(!reason.contains("borrow it with"), "no advice that a non-primary context cannot follow");
+    }
+
+    #[test]
+    fn a_buffer_of_another_capture_or_a_pinned_host_fill_is_refused_with_a_reason_to_match() {
+        let capture = capture_without_a_driver();
+        let foreign =
+            CapturedBuffer { ptr: 0x10_0000, len: 64, route: Some(Route::device(0)), capture: 4, owner: None };
+        let refused = capture.fill(&foreign, 0);
+        assert!(
+            matches!(
+                refused,
+                Err(Error::InvalidArgument {
+                    reason: InvalidArgumentReason::BufferOfAnotherCapture { buffer_capture: 4, capture: 9 },
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        let copied = capture.copy(&outside(0x20_0000, 64), &foreign);
+        assert!(
+            matches!(
+                copied,
+                Err(Error::InvalidArgument { reason: InvalidArgumentReason::BufferOfAnotherCapture { .. }, .. })
+            ),
+            "{copied:?}"
+        );
+        let host = CapturedBuffer { ptr: 0x10_0000, len: 64, route: Some(Route::host()), capture: 9, owner: None };
+        let filled = capture.fill(&host, 0);
+        assert!(
+            matches!(filled, Err(Error::InvalidArgument { reason: InvalidArgumentReason::PinnedHostFill, .. })),
+            "{filled:?}"
+        );
     }
 
     #[test]

@@ -81,7 +81,7 @@ pub use context::Context;
 pub use cumempool_sys::DriverVersion;
 pub use device::{require_concurrent_managed_access, Device, GraphMemory};
 pub use driver::{bindings_version, driver_version, init, library_path};
-pub use error::{error_name, DriverError, Error, NotShareableReason, Result};
+pub use error::{error_name, DriverError, Error, InvalidArgumentReason, NotShareableReason, Result};
 pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use graph::{Capture, CapturedBuffer, Graph, GraphExec};
 pub use location::{

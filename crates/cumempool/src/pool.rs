@@ -15,7 +15,7 @@ use crate::buffer::{Buffer, OwnedBuffer};
 use crate::device::Device;
 use crate::driver::{driver_answer, driver_call};
 use crate::driver_handle::DriverHandle;
-use crate::error::{DriverError, Error, Result};
+use crate::error::{DriverError, Error, InvalidArgumentReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::{AllocationType, Location};
 use crate::owner::Owner;
@@ -570,7 +570,7 @@ impl PoolBuilder {
         let max_size = match self.max_size {
             Some(bytes) => usize::try_from(bytes).map_err(|_| Error::InvalidArgument {
                 what: "pool maximum size",
-                reason: format!("{bytes} bytes does not fit this platform's size_t"),
+                reason: InvalidArgumentReason::ExceedsSizeT { bytes },
             })?,
             None => 0,
         };
@@ -755,7 +755,7 @@ fn out_of_pools() -> String {
 fn reserve(pool: &Pool, route: Route, bytes: u64, keep: bool) -> Result<()> {
     let size = usize::try_from(bytes).map_err(|_| Error::InvalidArgument {
         what: "pool initial size",
-        reason: format!("{bytes} bytes does not fit this platform's size_t"),
+        reason: InvalidArgumentReason::ExceedsSizeT { bytes },
     })?;
     let device = match route.location {
         Location::Device(ordinal) => ordinal,

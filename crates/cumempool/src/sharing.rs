@@ -13,7 +13,7 @@
 
 use crate::buffer::{Buffer, BufferOn};
 use crate::driver::{driver_answer, driver_call, Answer};
-use crate::error::{Error, NotShareableReason, Result};
+use crate::error::{Error, InvalidArgumentReason, NotShareableReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::pool::{MemPool, Pool};
 use crate::stream::Stream;
@@ -319,9 +319,9 @@ fn mapped_bytes_from(ptr: sys::CUdeviceptr) -> Result<u64> {
             ptr
         ))
     }?;
-    let end = start.checked_add(size as u64).ok_or_else(|| Error::InvalidArgument {
+    let end = start.checked_add(size as u64).ok_or(Error::InvalidArgument {
         what: "reading an imported allocation's range",
-        reason: format!("the driver reported {size} bytes from {start:#x}, past the end of the address space"),
+        reason: InvalidArgumentReason::RangePastAddressSpace { start, size },
     })?;
     Ok(end.saturating_sub(ptr))
 }

@@ -25,7 +25,7 @@
 
 use crate::access::Access;
 use crate::driver::driver_call;
-use crate::error::{Error, NotShareableReason, Result};
+use crate::error::{Error, InvalidArgumentReason, NotShareableReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::Location;
 use crate::sharing::{refused_unless_success, require_imex_channel};
@@ -122,15 +122,13 @@ pub struct Granularity {
 }
 
 /// Refuses `value` unless it is a positive multiple of `unit`.
-fn require_multiple(what: &'static str, name: &str, value: usize, unit: usize) -> Result<()> {
+fn require_multiple(what: &'static str, quantity: &'static str, value: usize, unit: usize) -> Result<()> {
     if unit != 0 && value != 0 && value.is_multiple_of(unit) {
         return Ok(());
     }
     Err(Error::InvalidArgument {
         what,
-        reason: format!(
-            "{name} {value} is not a positive multiple of {unit} bytes (the allocation granularity); round it up"
-        ),
+        reason: InvalidArgumentReason::NotGranularityMultiple { quantity, value, granularity: unit },
     })
 }
 
@@ -357,10 +355,14 @@ impl AddressRange {
     ///
     /// See [cuMemAddressReserve](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html).
     pub fn reserve(size: usize, alignment: usize) -> Result<Self> {
-        if size == 0 || (alignment != 0 && !alignment.is_power_of_two()) {
+        const WHAT: &str = "reserving addresses";
+        if size == 0 {
+            return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::ZeroSize });
+        }
+        if alignment != 0 && !alignment.is_power_of_two() {
             return Err(Error::InvalidArgument {
-                what: "reserving addresses",
-                reason: format!("size {size} and alignment {alignment}: the size must be positive and the alignment 0 or a power of two"),
+                what: WHAT,
+                reason: InvalidArgumentReason::AlignmentNotPowerOfTwo { alignment },
             });
         }
         let mut base: sys::CUdeviceptr = 0;
@@ -399,7 +401,7 @@ impl AddressRange {
         }
         Err(Error::InvalidArgument {
             what,
-            reason: format!("{size} bytes at offset {offset} do not lie inside the reserved {} bytes", self.size),
+            reason: InvalidArgumentReason::OutsideReservedRange { offset, size, reserved: self.size },
         })
     }
 
@@ -421,10 +423,12 @@ impl AddressRange {
         if let Some((at, size)) = before.filter(|(at, size)| at + size > offset) {
             return Err(Error::InvalidArgument {
                 what: WHAT,
-                reason: format!(
-                    "{} bytes at offset {offset} overlap the mapping of {size} bytes at offset {at}; unmap it first",
-                    memory.size
-                ),
+                reason: InvalidArgumentReason::OverlapsMapping {
+                    offset,
+                    size: memory.size,
+                    mapped_offset: at,
+                    mapped_size: size,
+                },
             });
         }
         // SAFETY: a reserved, unmapped span of this range and a live physical allocation; the
@@ -449,7 +453,7 @@ impl AddressRange {
         let Some(&size) = pieces.get(&offset) else {
             return Err(Error::InvalidArgument {
                 what: "unmapping memory",
-                reason: format!("nothing is mapped at offset {offset}; give the offset a mapping was made at"),
+                reason: InvalidArgumentReason::NothingMapped { offset },
             });
         };
         // SAFETY: a mapping of this range; the caller vouches that no work uses it.
@@ -470,7 +474,7 @@ impl AddressRange {
         const WHAT: &str = "setting access to mapped memory";
         self.check_span(WHAT, offset, size)?;
         if access.is_empty() {
-            return Err(Error::InvalidArgument { what: WHAT, reason: "no device was named".into() });
+            return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::NoDevices });
         }
         let descriptors = access
             .iter()
@@ -511,9 +515,54 @@ mod tests {
     #[test]
     fn sizes_must_be_positive_multiples_of_the_granularity() {
         assert!(require_multiple("t", "the size", 4 << 20, 2 << 20).is_ok());
-        let error = require_multiple("t", "the size", 3 << 20, 2 << 20).unwrap_err().to_string();
-        assert!(error.contains("3145728") && error.contains("multiple of 2097152"), "{error}");
-        assert!(require_multiple("t", "the size", 0, 2 << 20).is_err());
+        let error = require_multiple("t", "the size", 3 << 20, 2 << 20).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                Error::InvalidArgument {
+                    reason: InvalidArgumentReason::NotGranularityMultiple {
+                        value: 0x30_0000,
+                        granularity: 0x20_0000,
+                        ..
+                    },
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        let text = error.to_string();
+        assert!(text.contains("3145728") && text.contains("multiple of 2097152"), "{text}");
+        let zero = require_multiple("t", "the size", 0, 2 << 20);
+        assert!(
+            matches!(
+                zero,
+                Err(Error::InvalidArgument {
+                    reason: InvalidArgumentReason::NotGranularityMultiple { value: 0, .. },
+                    ..
+                })
+            ),
+            "{zero:?}"
+        );
+    }
+
+    #[test]
+    fn a_reservation_of_no_bytes_or_an_odd_alignment_is_refused_before_the_driver() {
+        let zero = AddressRange::reserve(0, 0).map(|_| ());
+        assert!(
+            matches!(zero, Err(Error::InvalidArgument { reason: InvalidArgumentReason::ZeroSize, .. })),
+            "{zero:?}"
+        );
+        let odd = AddressRange::reserve(2 << 20, 3).map(|_| ());
+        assert!(
+            matches!(
+                odd,
+                Err(Error::InvalidArgument {
+                    reason: InvalidArgumentReason::AlignmentNotPowerOfTwo { alignment: 3 },
+                    ..
+                })
+            ),
+            "{odd:?}"
+        );
     }
 
     #[test]
