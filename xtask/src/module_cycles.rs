@@ -31,7 +31,6 @@ pub const PENDING: &[(&str, &[&str], &str)] = &[
         &["bindings", "loader"],
         "the generated bindings invoke the loader's entry_points! macro; breaking it changes the generator",
     ),
-    ("cumempool-nccl", &["buffers", "comm"], "not yet split"),
     (
         "cumempool",
         &["attributes", "buffer", "capture_registry", "owner", "pool", "retirement", "stream"],
