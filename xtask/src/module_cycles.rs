@@ -36,7 +36,6 @@ pub const PENDING: &[(&str, &[&str], &str)] = &[
         &["attributes", "buffer", "capture_registry", "owner", "pool", "retirement", "stream"],
         "not yet split",
     ),
-    ("cumempool-py", &["buffers", "dlpack", "pools", "resources", "routes", "sharing"], "not yet split"),
 ];
 
 /// A module's path inside its crate: empty for the crate root.
