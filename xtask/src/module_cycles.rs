@@ -20,25 +20,11 @@ use syn::visit::Visit;
 /// modules of the cycle, reason). A cycle is pending when each of its modules is one listed for
 /// its crate or lies below one. To enforce the rule for a cycle, delete its entry; the test
 /// `the_workspace_has_no_module_cycles` then fails until the cycle is gone.
-pub const PENDING: &[(&str, &[&str], &str)] = &[
-    (
-        "cumempool-sys",
-        &["bindings", "loader"],
-        "the generated bindings invoke the loader's entry_points! macro; breaking it changes the generator",
-    ),
-    (
-        "cumempool-nccl",
-        &["bindings", "loader"],
-        "the generated bindings invoke the loader's entry_points! macro; breaking it changes the generator",
-    ),
-    ("cumempool-nccl", &["buffers", "comm"], "not yet split"),
-    (
-        "cumempool",
-        &["attributes", "buffer", "capture_registry", "owner", "pool", "retirement", "stream"],
-        "not yet split",
-    ),
-    ("cumempool-py", &["buffers", "dlpack", "pools", "resources", "routes", "sharing"], "not yet split"),
-];
+pub const PENDING: &[(&str, &[&str], &str)] = &[(
+    "cumempool",
+    &["attributes", "buffer", "capture_registry", "owner", "pool", "retirement", "stream"],
+    "not yet split",
+)];
 
 /// A module's path inside its crate: empty for the crate root.
 type ModulePath = Vec<String>;

@@ -1,7 +1,7 @@
 //! What collectives read and write: device memory of one device, typed by element.
 
 use crate::bindings::ncclDataType_t;
-use crate::error::{Error, InvalidArgumentReason, Result};
+use crate::error::{check, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use cumempool::sys::CUdeviceptr;
 use cumempool::{AllocationType, BufferOn, Context, Device, Location, Stream};
@@ -120,7 +120,7 @@ impl NcclMemory {
         let mut ptr: *mut c_void = std::ptr::null_mut();
         let alloc = nccl()?.ncclMemAlloc()?;
         // SAFETY: a valid out-pointer.
-        crate::comm::check("ncclMemAlloc", unsafe { alloc(&mut ptr, len) }, None)?;
+        check("ncclMemAlloc", unsafe { alloc(&mut ptr, len) }, None)?;
         Ok(Self { ptr: ptr as CUdeviceptr, len, device, context })
     }
 }
@@ -148,7 +148,7 @@ impl Drop for NcclMemory {
         let freed = self.context.make_current().map_err(Error::from).and_then(|()| {
             let free = nccl()?.ncclMemFree()?;
             // SAFETY: memory ncclMemAlloc handed out, freed once.
-            crate::comm::check("ncclMemFree", unsafe { free(self.ptr as *mut c_void) }, None)
+            check("ncclMemFree", unsafe { free(self.ptr as *mut c_void) }, None)
         });
         if let Err(error) = freed {
             tracing::warn!(%error, ptr = self.ptr, "freeing NCCL memory failed");

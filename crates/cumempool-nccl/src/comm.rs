@@ -3,46 +3,15 @@
 
 use crate::bindings::{self, ncclComm_t, ncclResult_t, ncclUniqueId};
 use crate::buffers::{DeviceBuffer, Element, ReduceOp};
-use crate::error::{result_name, Error, InvalidArgumentReason, Result};
+use crate::error::{check, nccl_error, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use cumempool::{Context, Device, Stream};
 use std::collections::HashSet;
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
-
-/// `Ok` for `ncclSuccess`, else [`Error::Nccl`] naming `function`, with NCCL's description and
-/// its last error message for `comm`.
-pub(crate) fn check(function: &'static str, result: ncclResult_t, comm: Option<ncclComm_t>) -> Result<()> {
-    if result == ncclResult_t::ncclSuccess {
-        return Ok(());
-    }
-    Err(nccl_error(function, result, comm))
-}
-
-#[cold]
-fn nccl_error(function: &'static str, result: ncclResult_t, comm: Option<ncclComm_t>) -> Error {
-    let text = |pointer: *const std::ffi::c_char| {
-        // SAFETY: NCCL returns a NUL-terminated string it owns, or null.
-        (!pointer.is_null()).then(|| unsafe { CStr::from_ptr(pointer) }.to_string_lossy().into_owned())
-    };
-    let library = nccl().ok();
-    // SAFETY: takes any code.
-    let description = library.and_then(|l| l.ncclGetErrorString().ok()).and_then(|f| text(unsafe { f(result) }));
-    let last_error = library
-        .and_then(|l| l.ncclGetLastError().ok())
-        // SAFETY: a live communicator or null (NCCL's last error of the process).
-        .and_then(|f| text(unsafe { f(comm.unwrap_or(std::ptr::null_mut())) }));
-    Error::Nccl {
-        function,
-        code: result.0,
-        name: result_name(result.0),
-        description: description.unwrap_or_else(|| "NCCL gave no description".to_owned()),
-        last_error: last_error.unwrap_or_default(),
-    }
-}
 
 /// The 128-byte unique id that names a communicator before it exists: made once (by rank 0,
 /// usually) and given to every rank.

@@ -1,6 +1,8 @@
-//! The crate's one error type.
+//! The crate's one error type, and how an NCCL result code becomes it.
 
-use crate::loader::LoadError;
+use crate::bindings::{ncclComm_t, ncclResult_t};
+use crate::loader::{nccl, LoadError};
+use std::ffi::CStr;
 use std::time::Duration;
 
 /// `Result` with this crate's [`enum@Error`].
@@ -191,6 +193,37 @@ fn times(ranks: usize) -> String {
         format!(" times {ranks} ranks")
     } else {
         String::new()
+    }
+}
+
+/// `Ok` for `ncclSuccess`, else [`Error::Nccl`] naming `function`, with NCCL's description and
+/// its last error message for `comm`.
+pub(crate) fn check(function: &'static str, result: ncclResult_t, comm: Option<ncclComm_t>) -> Result<()> {
+    if result == ncclResult_t::ncclSuccess {
+        return Ok(());
+    }
+    Err(nccl_error(function, result, comm))
+}
+
+#[cold]
+pub(crate) fn nccl_error(function: &'static str, result: ncclResult_t, comm: Option<ncclComm_t>) -> Error {
+    let text = |pointer: *const std::ffi::c_char| {
+        // SAFETY: NCCL returns a NUL-terminated string it owns, or null.
+        (!pointer.is_null()).then(|| unsafe { CStr::from_ptr(pointer) }.to_string_lossy().into_owned())
+    };
+    let library = nccl().ok();
+    // SAFETY: takes any code.
+    let description = library.and_then(|l| l.ncclGetErrorString().ok()).and_then(|f| text(unsafe { f(result) }));
+    let last_error = library
+        .and_then(|l| l.ncclGetLastError().ok())
+        // SAFETY: a live communicator or null (NCCL's last error of the process).
+        .and_then(|f| text(unsafe { f(comm.unwrap_or(std::ptr::null_mut())) }));
+    Error::Nccl {
+        function,
+        code: result.0,
+        name: result_name(result.0),
+        description: description.unwrap_or_else(|| "NCCL gave no description".to_owned()),
+        last_error: last_error.unwrap_or_default(),
     }
 }
 

@@ -5,7 +5,7 @@
 //! (or `-cu12`) wheel's `nvidia/nccl/lib/libnccl.so.2` in python3's site-packages. Its version
 //! comes from `ncclGetVersion`; a function newer than it fails only the call that needs it.
 
-use crate::bindings::{ncclResult_t, EntryPoints, PFN_ncclGetVersion};
+use crate::bindings::{ncclResult_t, PFN_ncclGetVersion};
 use std::ffi::{c_int, c_void, CStr};
 use std::fmt;
 use std::path::PathBuf;
@@ -210,20 +210,23 @@ pub(crate) fn missing(function: &'static str, since: i32, found: NcclVersion) ->
     }
 }
 
-/// Declares [`EntryPoints`]: each function resolved once by name, when the loaded NCCL is at
-/// least the release that added it.
+/// Expands the bindings' list of functions (`for_each_entry_point!`) into [`EntryPoints`]: each
+/// function resolved once by name, when the loaded NCCL is at least the release that added it.
 macro_rules! entry_points {
-    ($($name:ident: $pfn:ident = $since:literal,)*) => {
+    ($($name:ident: $pfn:ty = $since:literal,)*) => {
         /// Every NCCL function the bindings declare, each resolved once by symbol name.
+        // The C names, as in nccl.h.
+        #[allow(non_snake_case)]
         #[derive(Clone, Copy)]
         pub struct EntryPoints {
-            version: $crate::loader::NcclVersion,
+            version: NcclVersion,
             $($name: Option<$pfn>,)*
         }
 
+        #[allow(non_snake_case)]
         impl EntryPoints {
             pub(crate) fn resolve(
-                version: $crate::loader::NcclVersion,
+                version: NcclVersion,
                 lookup: impl Fn(&::core::ffi::CStr) -> Option<::core::ptr::NonNull<::core::ffi::c_void>>,
             ) -> Self {
                 Self {
@@ -243,8 +246,8 @@ macro_rules! entry_points {
             $(
                 #[doc = concat!("`", stringify!($name), "`, or why the loaded NCCL cannot provide it.")]
                 #[inline]
-                pub fn $name(&self) -> Result<$pfn, $crate::LoadError> {
-                    self.$name.ok_or_else(|| $crate::loader::missing(stringify!($name), $since, self.version))
+                pub fn $name(&self) -> Result<$pfn, LoadError> {
+                    self.$name.ok_or_else(|| missing(stringify!($name), $since, self.version))
                 }
             )*
         }
@@ -253,7 +256,7 @@ macro_rules! entry_points {
         pub const ENTRY_POINTS: &[(&str, i32)] = &[$((stringify!($name), $since),)*];
     };
 }
-pub(crate) use entry_points;
+crate::bindings::for_each_entry_point!(entry_points);
 
 #[cfg(test)]
 mod tests {

@@ -1,11 +1,9 @@
 //! Buffers handed to Python: stream-ordered memory with `__cuda_array_interface__`, DLPack,
 //! NumPy's `__array_interface__` (host-accessible memory) and copies to and from bytes.
 
-use crate::contexts::check;
 use crate::dlpack;
 use crate::errors::{Failure, Outcome};
-use crate::gil::Held;
-use crate::resources::Resource;
+use crate::memory::{Core, Kind, Slot};
 use crate::streams::Stream;
 use cumempool::sys;
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
@@ -13,272 +11,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
-
-/// Which processors may touch a buffer's memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    /// Pinned device memory.
-    Device,
-    /// Pinned host memory.
-    Host,
-    /// Managed memory.
-    Managed,
-}
-
-/// Where the memory came from, and how it goes back.
-pub enum Memory {
-    /// A pool allocation, freed on its stream when dropped.
-    Pool(cumempool::OwnedBuffer),
-    /// An allocation of a resource (a cache, an adaptor), given back to it when dropped.
-    Resource {
-        /// The address.
-        ptr: sys::CUdeviceptr,
-        /// The size in bytes.
-        len: usize,
-        /// The resource it goes back to.
-        resource: Arc<dyn Resource>,
-        /// The stream it is ordered on.
-        stream: cumempool::Stream,
-    },
-    /// A mapping of another process's allocation (`MemPool.import_buffer`), unmapped on its
-    /// stream when dropped.
-    Imported {
-        /// The mapping. Declared first, so dropped first: it borrows `*_stream`.
-        mapping: cumempool::Buffer<'static>,
-        /// The stream the mapping borrows, at an address that does not move.
-        _stream: Arc<cumempool::Stream>,
-    },
-}
-
-impl Memory {
-    /// Gives the memory back from a binding, with the GIL released for driver calls only: none
-    /// for an empty buffer, around the pool's free, or where a resource stack reaches the
-    /// driver.
-    fn give_back(self, py: Python<'_>) {
-        match &self {
-            // No driver call.
-            Self::Pool(buffer) if buffer.is_empty() => drop(self),
-            // The bottom of the stack releases the GIL and puts the caller's context back
-            // (`gil::DriverLink`).
-            Self::Resource { .. } => {
-                let _held = Held::new(py);
-                drop(self);
-            }
-            _ => crate::gil::detach(py, || self.free()),
-        }
-    }
-
-    /// Gives the memory back on the calling thread as it is (with the GIL or without it). A
-    /// free on a legacy stream makes its context current: the caller's is put back after.
-    fn free(self) {
-        let handle = match &self {
-            // Through the resource stack, whose bottom puts the caller's context back.
-            Self::Resource { .. } => return drop(self),
-            Self::Pool(buffer) => buffer.stream().as_raw() as usize,
-            Self::Imported { mapping, .. } => mapping.stream().as_raw() as usize,
-        };
-        let freed = crate::contexts::restored_after(handle, || {
-            drop(self);
-            Ok::<(), cumempool::Error>(())
-        });
-        if let Err(error) = freed {
-            tracing::warn!(%error, "putting the caller's context back after a free failed");
-        }
-    }
-}
-
-impl Drop for Memory {
-    fn drop(&mut self) {
-        if let Self::Resource { ptr, len, resource, stream } = self {
-            // SAFETY: allocated by `resource` with this size on `stream`, given back once (here).
-            if let Err(error) = unsafe { resource.deallocate(*ptr, *len, stream) } {
-                tracing::warn!(%error, ptr = *ptr, "giving a buffer back to its resource failed");
-            }
-        }
-    }
-}
-
-/// A live allocation and what keeps it valid: shared by the Python buffer and every DLPack
-/// capsule made from it, so memory outlives the buffer object while a consumer holds it.
-pub struct Core {
-    // Fields drop in order: the memory is freed on its stream before the stream (and the
-    // library object that lent it) may go.
-    memory: Memory,
-    stream: Py<Stream>,
-    pub(crate) kind: Kind,
-    /// The device the memory is on (for host and managed memory: the stream's device).
-    pub(crate) device: i32,
-}
-
-impl Core {
-    /// Memory on `stream` (whose Python object is held), of `kind`, on `device`.
-    pub fn new(memory: Memory, stream: Py<Stream>, kind: Kind, device: i32) -> Self {
-        Self { memory, stream, kind, device }
-    }
-
-    /// Lets go of `core` from Python (a close, the buffer collected, the end of a call that
-    /// held it): the memory goes back as [`Memory::give_back`] says, and the stream's Python
-    /// object is let go of with the GIL held, so no reference waits for PyO3's deferred pool.
-    /// A core something else still holds (a DLPack capsule, a call on another thread) is only
-    /// let go of; the last holder gives the memory back.
-    pub(crate) fn release(core: Slot, py: Python<'_>) {
-        let core = match core {
-            Slot::Own(core) => core,
-            Slot::Shared(shared) => match Arc::try_unwrap(shared) {
-                Ok(core) => core,
-                Err(_) => return,
-            },
-        };
-        let Self { memory, stream, .. } = core;
-        // The memory first: it is freed on the stream the Python object keeps alive.
-        memory.give_back(py);
-        crate::streams::let_go(py, stream);
-    }
-
-    /// Lets go of `core` where the GIL may not be held (a DLPack consumer's deleter, on any
-    /// thread): the last holder gives the memory back here, as [`Memory::free`] says. The
-    /// stream's Python object is let go of when Python next runs bindings (PyO3's deferred
-    /// references), and the memo forgets an unused lent stream at its next miss
-    /// (`streams::prune_unused`).
-    pub(crate) fn release_unattached(core: Arc<Core>) {
-        if let Ok(Self { memory, stream, .. }) = Arc::try_unwrap(core) {
-            // The memory first: it is freed on the stream the Python object keeps alive.
-            memory.free();
-            drop(stream);
-        }
-    }
-
-    /// The pool allocation behind this core, where it is one (not a resource's, not imported).
-    pub(crate) fn pool_buffer(&self) -> Option<&cumempool::OwnedBuffer> {
-        match &self.memory {
-            Memory::Pool(buffer) => Some(buffer),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn ptr(&self) -> sys::CUdeviceptr {
-        match &self.memory {
-            Memory::Pool(buffer) => buffer.as_raw(),
-            Memory::Imported { mapping, .. } => mapping.as_raw(),
-            Memory::Resource { ptr, .. } => *ptr,
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        match &self.memory {
-            Memory::Pool(buffer) => buffer.len(),
-            Memory::Imported { mapping, .. } => mapping.len(),
-            Memory::Resource { len, .. } => *len,
-        }
-    }
-
-    pub(crate) fn stream(&self) -> &cumempool::Stream {
-        match &self.memory {
-            Memory::Pool(buffer) => buffer.stream(),
-            Memory::Imported { mapping, .. } => mapping.stream(),
-            Memory::Resource { stream, .. } => stream,
-        }
-    }
-
-    /// The context of the buffer's stream (copies, events and the legacy stream need it
-    /// current). Streams made by the bindings always know theirs.
-    fn context(&self) -> Outcome<cumempool::Context> {
-        match self.stream().context() {
-            Some(context) => Ok(context.clone()),
-            None => Ok(cumempool::Device::get(self.stream.get().device)?.primary_context()?),
-        }
-    }
-
-    /// Runs `call` with the stream's context current, then puts back the caller's.
-    fn in_context<R>(&self, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
-        crate::contexts::while_current(&self.context()?, call)
-    }
-
-    /// A copy of `len` bytes on this buffer's stream between two addresses, waited for.
-    /// Unified addressing lets the driver infer the direction.
-    ///
-    /// # Safety
-    /// Both ranges must be valid for `len` bytes until the copy has finished.
-    unsafe fn copy(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Outcome<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let stream = self.stream();
-        let copy = sys::driver().and_then(|d| d.cuMemcpyAsync()).map_err(cumempool::Error::from)?;
-        // Copies that touch host memory need the stream's context current.
-        self.in_context(|| {
-            // SAFETY: the caller vouches for both ranges; the stream is live (held by this core).
-            check("cuMemcpyAsync", unsafe { copy(dst, src, len, stream.as_raw()) })?;
-            Ok(stream.synchronize()?)
-        })
-    }
-
-    fn fill(&self, value: u8) -> Outcome<()> {
-        let len = self.len();
-        if len == 0 {
-            return Ok(());
-        }
-        let stream = self.stream();
-        if self.kind == Kind::Host {
-            // The driver's memset refuses pinned host memory: the host sets it once the
-            // stream's earlier work is done.
-            self.in_context(|| Ok(stream.synchronize()?))?;
-            // SAFETY: a live host-accessible allocation of `len` bytes, not used by queued work.
-            unsafe { std::ptr::write_bytes(self.ptr() as usize as *mut u8, value, len) };
-            return Ok(());
-        }
-        let memset = sys::driver().and_then(|d| d.cuMemsetD8Async()).map_err(cumempool::Error::from)?;
-        // SAFETY: a live allocation of `len` bytes, ordered on its own stream.
-        self.in_context(|| check("cuMemsetD8Async", unsafe { memset(self.ptr(), value, len, stream.as_raw()) }))
-    }
-
-    /// Makes `waiter` wait for the work queued on this buffer's stream so far. Streams are
-    /// compared as the driver sees them (handle and context): the legacy streams of two
-    /// devices are two streams.
-    pub(crate) fn order_before(&self, waiter: &cumempool::Stream) -> Outcome<()> {
-        let stream = self.stream();
-        if waiter.same_as(stream) {
-            return Ok(());
-        }
-        let context = self.context()?;
-        self.in_context(|| {
-            let ready = cumempool::Event::new(&context)?;
-            ready.record(stream)?;
-            Ok(waiter.wait(&ready)?)
-        })
-    }
-
-    /// Makes this buffer's stream wait for the work queued on `producer` so far (a free on
-    /// this stream then follows that work too).
-    pub(crate) fn order_after(&self, producer: &Stream) -> Outcome<()> {
-        let stream = self.stream();
-        if producer.stream.same_as(stream) {
-            return Ok(());
-        }
-        let context = match producer.stream.context() {
-            Some(context) => context.clone(),
-            None => cumempool::Device::get(producer.device)?.primary_context()?,
-        };
-        crate::contexts::while_current(&context, || {
-            let ready = cumempool::Event::new(&context)?;
-            ready.record(&producer.stream)?;
-            Ok(stream.wait(&ready)?)
-        })
-    }
-
-    /// Makes a DLPack consumer's stream (`consumer`, a raw handle of the memory's device;
-    /// 1 and 2 for the legacy and per-thread default streams) wait for this buffer's work.
-    fn order_before_consumer(&self, consumer: usize, context: &cumempool::Context) -> Outcome<()> {
-        let waiter = match consumer {
-            1 => cumempool::Stream::legacy(context),
-            // The per-thread stream cannot be borrowed: wait for the work here instead.
-            2 => return self.in_context(|| Ok(self.stream().synchronize()?)),
-            // SAFETY: the consumer's stream, live for the duration of this call (DLPack).
-            raw => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(context)) }?,
-        };
-        self.order_before(&waiter)
-    }
-}
 
 /// Stream-ordered memory from a pool or a resource. Freed on its stream by `close()`, by
 /// leaving its `with` block, or when collected, unless a DLPack consumer still holds it, or an
@@ -294,24 +26,6 @@ pub struct Buffer {
     /// The memory of a closed buffer that array views may still use (behind an `Arc`, so the
     /// object stays small).
     kept: Option<Arc<Core>>,
-}
-
-/// A buffer's core: the buffer's own (no allocation beyond the Python object), or shared
-/// (with DLPack capsules, or with calls that release the GIL) from the first such use on.
-pub(crate) enum Slot {
-    Own(Core),
-    Shared(Arc<Core>),
-}
-
-impl std::ops::Deref for Slot {
-    type Target = Core;
-
-    fn deref(&self) -> &Core {
-        match self {
-            Self::Own(core) => core,
-            Self::Shared(core) => core,
-        }
-    }
 }
 
 impl Drop for Buffer {
@@ -450,7 +164,7 @@ impl Buffer {
     /// The stream the buffer is ordered on.
     #[getter]
     fn stream(&self, py: Python<'_>) -> Outcome<Py<Stream>> {
-        Ok(self.core()?.stream.clone_ref(py))
+        Ok(self.core()?.stream_object().clone_ref(py))
     }
 
     /// Whether `close()` was called.

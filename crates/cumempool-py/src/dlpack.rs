@@ -2,7 +2,7 @@
 //! unversioned form), whose deleters keep only Rust state alive and may run on any thread, after
 //! the buffer object is gone or during interpreter shutdown.
 
-use crate::buffers::{Core, Kind, Slot};
+use crate::memory::{Core, Kind, Slot};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;

@@ -25,6 +25,12 @@ pub enum Failure {
 /// `Result` of the bindings.
 pub type Outcome<T> = Result<T, Failure>;
 
+/// The too-old error for something this build was compiled without.
+#[cfg_attr(feature = "cuda-13040", allow(dead_code))]
+pub(crate) fn too_old(feature: &'static str, needs: cumempool::DriverVersion) -> Failure {
+    Failure::Core(cumempool::Error::DriverTooOld { feature, needs, found: cumempool::sys::BINDINGS_VERSION })
+}
+
 impl From<cumempool::Error> for Failure {
     fn from(error: cumempool::Error) -> Self {
         Self::Core(error)

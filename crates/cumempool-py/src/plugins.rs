@@ -3,7 +3,8 @@
 //!
 //! They touch no Python object: PyTorch calls them from any thread, with or without the GIL.
 
-use crate::resources::{Resource, ResourceBase};
+use crate::dyn_resource::Resource;
+use crate::resources::ResourceBase;
 use cumempool::sys;
 use pyo3::prelude::*;
 use std::collections::HashMap;

@@ -1,19 +1,18 @@
 //! Pools: owned ones (`MemPool(route, ...)`) and handles to the driver's default and current
 //! pools, with every attribute as a property.
 
-use crate::buffers::{Buffer, Core, Kind, Memory};
+use crate::buffers::Buffer;
+#[cfg(not(feature = "cuda-13040"))]
+use crate::errors::too_old;
 use crate::errors::{Failure, Outcome};
+use crate::memory::{kind_of, memory_device, Core, Memory};
 use crate::routes::{AllocationType, Location, Route};
+use crate::sharing::SharedAllocation;
 use crate::streams::{Device, Stream};
+#[cfg(not(feature = "cuda-13040"))]
 use cumempool::DriverVersion;
 use pyo3::prelude::*;
 use std::sync::{Mutex, PoisonError};
-
-/// The too-old error for something this build was compiled without.
-#[cfg_attr(feature = "cuda-13040", allow(dead_code))]
-pub(crate) fn too_old(feature: &'static str, needs: DriverVersion) -> Failure {
-    Failure::Core(cumempool::Error::DriverTooOld { feature, needs, found: cumempool::sys::BINDINGS_VERSION })
-}
 
 /// Access a device has to a pool's memory.
 #[pyclass(frozen, eq, eq_int, hash, module = "cumempool", from_py_object)]
@@ -90,25 +89,6 @@ impl MemPool {
     }
 }
 
-/// The device a pool of `route` places its memory on; for host, managed or imported memory,
-/// `stream_device` (the device of the stream it is ordered on). A pool's memory may be
-/// allocated on another device's stream: the memory's device is the pool's, not the stream's.
-pub(crate) fn memory_device(route: Option<cumempool::Route>, stream_device: i32) -> i32 {
-    match route {
-        Some(r) if kind_of(route) == Kind::Device => r.location.device().unwrap_or(stream_device),
-        _ => stream_device,
-    }
-}
-
-/// The kind of memory of a pool of `route` (device memory where unknown: the narrowest claim).
-pub(crate) fn kind_of(route: Option<cumempool::Route>) -> Kind {
-    match route {
-        Some(r) if r.allocation_type == cumempool::AllocationType::Managed => Kind::Managed,
-        Some(r) if r.location.is_host() => Kind::Host,
-        _ => Kind::Device,
-    }
-}
-
 #[pymethods]
 impl MemPool {
     #[new]
@@ -155,7 +135,7 @@ impl MemPool {
     /// `multiprocessing.reduction.send_handle`) and to close (`os.close`). The pool must be
     /// created with `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` (NotShareableError).
     fn export_fd(&self, py: Python<'_>) -> Outcome<i32> {
-        self.export_descriptor(py)
+        crate::sharing::export_descriptor(py, &self.pool()?)
     }
 
     /// Imports a pool another process exported with `export_fd`; `fd` stays yours to close.
@@ -164,20 +144,20 @@ impl MemPool {
     /// buffers with `import_buffer`.
     #[staticmethod]
     fn import_fd(py: Python<'_>, fd: i32) -> Outcome<Self> {
-        Self::import_descriptor(py, fd)
+        Ok(Self::wrap(crate::sharing::import_descriptor(py, fd)?))
     }
 
     /// Sends the pool's descriptor (SCM_RIGHTS) and route over a connected Unix-domain socket:
     /// a `socket.socket`, a `multiprocessing` connection, or a descriptor.
     fn send(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
-        self.send_over(py, socket)
+        crate::sharing::send_pool(py, &self.pool()?, socket)
     }
 
     /// Receives a pool sent with `send` over a Unix-domain socket and imports it
     /// (MalformedMessageError for a message `send` did not write, or a closed peer).
     #[staticmethod]
     fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
-        Self::receive_from(py, socket)
+        Ok(Self::wrap(crate::sharing::receive_pool(py, socket)?))
     }
 
     /// Maps an allocation of the exporting process (`shared`, from its `Buffer.export()`) from
@@ -188,10 +168,12 @@ impl MemPool {
     fn import_buffer(
         &self,
         py: Python<'_>,
-        shared: PyRef<'_, crate::sharing::SharedAllocation>,
+        shared: PyRef<'_, SharedAllocation>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> Outcome<Buffer> {
-        self.import_allocation(py, &shared, stream)
+        let pool = self.pool()?;
+        let stream = Stream::from_object(py, stream, Self::home_device(pool.route()))?;
+        Ok(Buffer::new(crate::sharing::import_allocation(py, &pool, &shared, stream)?))
     }
 
     /// The raw `CUmemoryPool` as an int (for `cupy.cuda.MemoryAsyncPool(pool_handles=...)` or

@@ -1,91 +1,23 @@
 //! Stream-ordered resources from Python: a pool as a resource, the adaptors (statistics, limit,
 //! tracking, an out-of-memory callback) and the cache, composable in any order like the Rust
-//! types. Each Python object holds the Rust resource behind one object-safe trait.
+//! types. Each Python object holds the Rust resource behind one object-safe trait
+//! (`dyn_resource`).
 
-use crate::buffers::{Buffer, Core, Kind, Memory};
+use crate::buffers::Buffer;
+use crate::dyn_resource::{Erased, Resource};
 use crate::errors::Outcome;
 use crate::gil::{DriverLink, Held};
-use crate::pools::{kind_of, MemPool};
+use crate::memory::{kind_of, Core, Kind, Memory};
+use crate::pools::MemPool;
 use crate::streams::Stream;
-use cumempool::sys::CUdeviceptr;
 use cumempool_alloc::{
     CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
-    OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, StreamOrderedResource,
-    Tracking as TrackingAdaptor, POOL_ALIGNMENT,
+    OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, Tracking as TrackingAdaptor,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::PyClassInitializer;
 use std::sync::Arc;
-
-/// A stream-ordered resource with its memory kind erased, so Python can stack adaptors freely.
-pub trait Resource: Send + Sync {
-    /// Allocates `bytes` (pool alignment) ordered on `stream`.
-    fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr>;
-
-    /// Frees in stream order.
-    ///
-    /// # Safety
-    /// `ptr` must come from `allocate` on this resource with the same `bytes`, be freed once,
-    /// and no work may use it after the free in the order of `stream`.
-    unsafe fn deallocate(
-        &self,
-        ptr: CUdeviceptr,
-        bytes: usize,
-        stream: &cumempool::Stream,
-    ) -> cumempool_alloc::Result<()>;
-}
-
-impl<R: StreamOrderedResource> Resource for R {
-    #[inline]
-    fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        StreamOrderedResource::allocate(self, bytes, POOL_ALIGNMENT, stream)
-    }
-
-    #[inline]
-    unsafe fn deallocate(
-        &self,
-        ptr: CUdeviceptr,
-        bytes: usize,
-        stream: &cumempool::Stream,
-    ) -> cumempool_alloc::Result<()> {
-        // SAFETY: forwarded under the caller's promise.
-        unsafe { StreamOrderedResource::deallocate(self, ptr, bytes, POOL_ALIGNMENT, stream) }
-    }
-}
-
-/// A resource chosen at run time, as a typed resource for the Rust adaptors. It claims device
-/// memory, the narrowest kind (every kind is device-accessible); Python tracks the real kind.
-#[derive(Clone)]
-pub struct Erased(pub Arc<dyn Resource>);
-
-// SAFETY: forwards to a resource that keeps the promise; device memory is the narrowest claim.
-unsafe impl StreamOrderedResource for Erased {
-    type Kind = DeviceMemory;
-
-    #[inline]
-    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        if align > POOL_ALIGNMENT || !align.is_power_of_two() {
-            return Err(cumempool_alloc::Error::Alignment {
-                requested: align,
-                reason: format!("pools guarantee {POOL_ALIGNMENT}-byte alignment; ask for {POOL_ALIGNMENT} or less"),
-            });
-        }
-        self.0.allocate(bytes, stream)
-    }
-
-    #[inline]
-    unsafe fn deallocate(
-        &self,
-        ptr: CUdeviceptr,
-        bytes: usize,
-        _align: usize,
-        stream: &cumempool::Stream,
-    ) -> cumempool_alloc::Result<()> {
-        // SAFETY: forwarded under the caller's promise.
-        unsafe { self.0.deallocate(ptr, bytes, stream) }
-    }
-}
 
 /// Base of every resource: `alloc(size, stream)` returns a Buffer given back to the resource
 /// when closed or collected.

@@ -2,9 +2,8 @@
 //! (sent over a Unix socket, or with `multiprocessing.reduction.send_handle`) and each
 //! allocation's export data (a picklable `SharedAllocation`).
 
-use crate::buffers::{Buffer, Core, Memory};
 use crate::errors::{Failure, Outcome};
-use crate::pools::{kind_of, MemPool};
+use crate::memory::{kind_of, Core, Memory};
 use crate::streams::Stream;
 use cumempool::descriptor_passing as dp;
 use pyo3::prelude::*;
@@ -80,74 +79,65 @@ fn on_socket<T>(fd: RawFd, io: impl FnOnce(&UnixStream) -> T) -> T {
     io(&socket)
 }
 
-impl MemPool {
-    /// Exports the pool as a new descriptor (see the Python method).
-    pub(crate) fn export_descriptor(&self, py: Python<'_>) -> Outcome<RawFd> {
-        let pool = self.pool()?;
-        Ok(crate::gil::detach(py, || pool.export_fd())?.into_raw_fd())
-    }
+/// Exports `pool` as a new descriptor (see `MemPool.export_fd`).
+pub(crate) fn export_descriptor(py: Python<'_>, pool: &cumempool::Pool) -> Outcome<RawFd> {
+    Ok(crate::gil::detach(py, || pool.export_fd())?.into_raw_fd())
+}
 
-    /// Imports a pool from descriptor `fd`, which stays the caller's.
-    pub(crate) fn import_descriptor(py: Python<'_>, fd: RawFd) -> Outcome<Self> {
-        if fd < 0 {
-            return Err(cumempool::Error::NotShareable {
-                what: "importing a pool",
-                reason: cumempool::NotShareableReason::DescriptorNotOpen { descriptor: fd },
-            }
-            .into());
+/// Imports a pool from descriptor `fd`, which stays the caller's.
+pub(crate) fn import_descriptor(py: Python<'_>, fd: RawFd) -> Outcome<cumempool::Pool> {
+    if fd < 0 {
+        return Err(cumempool::Error::NotShareable {
+            what: "importing a pool",
+            reason: cumempool::NotShareableReason::DescriptorNotOpen { descriptor: fd },
         }
-        // SAFETY: a non-negative descriptor the caller lends for the call; `import_fd` checks
-        // that it is open before the driver sees it, and neither closes it.
-        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-        let pool = crate::gil::detach(py, || cumempool::MemPool::import_fd(fd))?;
-        Ok(Self::wrap(cumempool::Pool::clone(&pool)))
+        .into());
     }
+    // SAFETY: a non-negative descriptor the caller lends for the call; `import_fd` checks
+    // that it is open before the driver sees it, and neither closes it.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let pool = crate::gil::detach(py, || cumempool::MemPool::import_fd(fd))?;
+    Ok(cumempool::Pool::clone(&pool))
+}
 
-    /// Sends the pool's descriptor and route over a Unix socket.
-    pub(crate) fn send_over(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
-        let pool = self.pool()?;
-        let fd = descriptor_of(socket, "sending a pool")?;
-        Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, &pool)))?)
-    }
+/// Sends `pool`'s descriptor and route over a Unix socket.
+pub(crate) fn send_pool(py: Python<'_>, pool: &cumempool::Pool, socket: &Bound<'_, PyAny>) -> Outcome<()> {
+    let fd = descriptor_of(socket, "sending a pool")?;
+    Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
+}
 
-    /// Receives a pool sent with `send_over` and imports it.
-    pub(crate) fn receive_from(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
-        let fd = descriptor_of(socket, "receiving a pool")?;
-        let received = crate::gil::detach(py, || on_socket(fd, dp::receive_pool))?;
-        Ok(Self::wrap(cumempool::Pool::clone(&received.pool)))
-    }
+/// Receives a pool sent with `send_pool` and imports it.
+pub(crate) fn receive_pool(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<cumempool::Pool> {
+    let fd = descriptor_of(socket, "receiving a pool")?;
+    let received = crate::gil::detach(py, || on_socket(fd, dp::receive_pool))?;
+    Ok(cumempool::Pool::clone(&received.pool))
+}
 
-    /// Maps `shared` from this imported pool, ordered on `stream`.
-    pub(crate) fn import_allocation(
-        &self,
-        py: Python<'_>,
-        shared: &SharedAllocation,
-        stream: Option<&Bound<'_, PyAny>>,
-    ) -> Outcome<Buffer> {
-        let pool = self.pool()?;
-        let route = pool.route();
-        let stream = Stream::from_object(py, stream, Self::home_device(route))?;
-        // The mapping borrows its stream: an `Arc` keeps that stream at one address for as long
-        // as the mapping lives (it is dropped after the mapping, see `Memory::Imported`).
-        let borrowed = Arc::new(stream.get().stream.clone());
-        let context = match borrowed.context() {
-            Some(context) => context.clone(),
-            None => Stream::context(py, stream.get().device)?,
-        };
-        // The import makes the stream's context current: the caller's is put back after.
-        let mapping = {
-            let s: &cumempool::Stream = &borrowed;
-            crate::gil::detach(py, || {
-                crate::contexts::while_current(&context, || Ok(pool.import_pointer(&shared.0, s)?))
-            })?
-        };
-        // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and
-        // drops after it; the `Arc`'s heap value does not move when the `Arc` does.
-        let mapping: cumempool::Buffer<'static> = unsafe { std::mem::transmute(mapping) };
-        let device = stream.get().device;
-        let memory = Memory::Imported { mapping, _stream: borrowed };
-        Ok(Buffer::new(Core::new(memory, stream, kind_of(route), device)))
-    }
+/// Maps `shared` from `pool` (an imported pool), ordered on `stream`.
+pub(crate) fn import_allocation(
+    py: Python<'_>,
+    pool: &cumempool::Pool,
+    shared: &SharedAllocation,
+    stream: Py<Stream>,
+) -> Outcome<Core> {
+    // The mapping borrows its stream: an `Arc` keeps that stream at one address for as long
+    // as the mapping lives (it is dropped after the mapping, see `Memory::Imported`).
+    let borrowed = Arc::new(stream.get().stream.clone());
+    let context = match borrowed.context() {
+        Some(context) => context.clone(),
+        None => Stream::context(py, stream.get().device)?,
+    };
+    // The import makes the stream's context current: the caller's is put back after.
+    let mapping = {
+        let s: &cumempool::Stream = &borrowed;
+        crate::gil::detach(py, || crate::contexts::while_current(&context, || Ok(pool.import_pointer(&shared.0, s)?)))?
+    };
+    // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and
+    // drops after it; the `Arc`'s heap value does not move when the `Arc` does.
+    let mapping: cumempool::Buffer<'static> = unsafe { std::mem::transmute(mapping) };
+    let device = stream.get().device;
+    let memory = Memory::Imported { mapping, _stream: borrowed };
+    Ok(Core::new(memory, stream, kind_of(pool.route()), device))
 }
 
 /// A buffer's export data (see `Buffer.export`).

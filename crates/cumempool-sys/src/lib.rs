@@ -42,8 +42,8 @@ mod loader;
 mod version;
 
 pub use loader::{
-    driver, driver_version, library_to_open, Driver, EntryPoint, LoadError, BINDINGS_VERSION, DEFAULT_LIBRARY,
-    LIBCUDA_ENV,
+    driver, driver_version, library_to_open, Driver, EntryPoint, EntryPoints, LoadError, BINDINGS_VERSION,
+    DEFAULT_LIBRARY, ENTRY_POINTS, LIBCUDA_ENV,
 };
 pub use version::DriverVersion;
 

@@ -13,8 +13,7 @@ use std::sync::{Arc, OnceLock};
 use crate::version::DriverVersion;
 
 use crate::bindings::{
-    CUdriverProcAddressQueryResult, CUresult, EntryPoints, PFN_cuDriverGetVersion, PFN_cuGetProcAddress, PFN_cuInit,
-    CUDA_VERSION,
+    CUdriverProcAddressQueryResult, CUresult, PFN_cuDriverGetVersion, PFN_cuGetProcAddress, PFN_cuInit, CUDA_VERSION,
 };
 
 /// The environment variable that names the driver library to open instead of the default.
@@ -390,21 +389,22 @@ pub fn missing(function: &'static str, needs: i32, driver: i32) -> LoadError {
     }
 }
 
-/// Expands the generated list of entry points into [`EntryPoints`] and [`ENTRY_POINTS`].
-///
-/// [`EntryPoints`]: crate::EntryPoints
-/// [`ENTRY_POINTS`]: crate::ENTRY_POINTS
+/// Expands the bindings' list of entry points (`for_each_entry_point!`) into [`EntryPoints`]
+/// and [`ENTRY_POINTS`].
 macro_rules! entry_points {
-    ($($name:ident: $pfn:ident = $since:literal,)*) => {
+    ($($name:ident: $pfn:ty = $since:literal,)*) => {
         /// Every entry point the bindings declare, each resolved once through `cuGetProcAddress`.
         ///
         /// Each method returns the function pointer, or why this driver cannot provide it.
+        // The C names, as in cuda.h.
+        #[allow(non_snake_case)]
         #[derive(Clone, Copy)]
         pub struct EntryPoints {
             driver_version: i32,
             $($name: Option<$pfn>,)*
         }
 
+        #[allow(non_snake_case)]
         impl EntryPoints {
             pub(crate) fn resolve(
                 driver_version: i32,
@@ -427,31 +427,20 @@ macro_rules! entry_points {
             $(
                 #[doc = concat!("`", stringify!($name), "`, or why this driver cannot provide it.")]
                 #[inline]
-                pub fn $name(&self) -> Result<$pfn, $crate::LoadError> {
+                pub fn $name(&self) -> Result<$pfn, LoadError> {
                     match self.$name {
                         Some(function) => Ok(function),
-                        None => Err($crate::loader::missing(stringify!($name), $since, self.driver_version)),
+                        None => Err(missing(stringify!($name), $since, self.driver_version)),
                     }
                 }
             )*
         }
 
         /// Every entry point of the bindings with the driver version its declared ABI needs.
-        pub const ENTRY_POINTS: &[$crate::EntryPoint] = &[$($crate::EntryPoint { name: stringify!($name), since: $since },)*];
-
-        /// Calls `$callback! { name: $crate::PFN_name = since, ... }` with every entry point of
-        /// the bindings, so other crates (the fault-injecting driver) cover each function without
-        /// listing it by hand. Not part of the public API.
-        #[doc(hidden)]
-        #[macro_export]
-        macro_rules! for_each_entry_point {
-            ($callback:ident) => {
-                $callback! { $($name: $crate::$pfn = $since,)* }
-            };
-        }
+        pub const ENTRY_POINTS: &[EntryPoint] = &[$(EntryPoint { name: stringify!($name), since: $since },)*];
     };
 }
-pub(crate) use entry_points;
+crate::for_each_entry_point!(entry_points);
 
 #[cfg(test)]
 mod tests {

@@ -218,32 +218,42 @@ pub type PFN_ncclCommWindowRegister = unsafe extern "C" fn(
 #[doc = " `ncclCommWindowDeregister`, in NCCL 2.27.0 and later."]
 pub type PFN_ncclCommWindowDeregister = unsafe extern "C" fn(comm: ncclComm_t, win: ncclWindow_t) -> ncclResult_t;
 
-crate::loader::entry_points! {
-    ncclGetVersion: PFN_ncclGetVersion = 2000,
-    ncclGetErrorString: PFN_ncclGetErrorString = 2000,
-    ncclGetUniqueId: PFN_ncclGetUniqueId = 2000,
-    ncclCommInitRank: PFN_ncclCommInitRank = 2000,
-    ncclCommInitAll: PFN_ncclCommInitAll = 2000,
-    ncclCommDestroy: PFN_ncclCommDestroy = 2000,
-    ncclCommCount: PFN_ncclCommCount = 2000,
-    ncclCommCuDevice: PFN_ncclCommCuDevice = 2000,
-    ncclCommUserRank: PFN_ncclCommUserRank = 2000,
-    ncclAllReduce: PFN_ncclAllReduce = 2000,
-    ncclAllGather: PFN_ncclAllGather = 2000,
-    ncclReduceScatter: PFN_ncclReduceScatter = 2000,
-    ncclBroadcast: PFN_ncclBroadcast = 2200,
-    ncclGroupStart: PFN_ncclGroupStart = 2000,
-    ncclGroupEnd: PFN_ncclGroupEnd = 2000,
-    ncclCommAbort: PFN_ncclCommAbort = 2400,
-    ncclCommGetAsyncError: PFN_ncclCommGetAsyncError = 2400,
-    ncclSend: PFN_ncclSend = 2700,
-    ncclRecv: PFN_ncclRecv = 2700,
-    ncclGetLastError: PFN_ncclGetLastError = 21304,
-    ncclCommFinalize: PFN_ncclCommFinalize = 21403,
-    ncclMemAlloc: PFN_ncclMemAlloc = 21903,
-    ncclMemFree: PFN_ncclMemFree = 21903,
-    ncclCommRegister: PFN_ncclCommRegister = 21903,
-    ncclCommDeregister: PFN_ncclCommDeregister = 21903,
-    ncclCommWindowRegister: PFN_ncclCommWindowRegister = 22700,
-    ncclCommWindowDeregister: PFN_ncclCommWindowDeregister = 22700,
+/// Calls `$callback! { name: $crate::bindings::PFN_name = since, ... }` with every function
+/// these bindings declare and the NCCL release that added it.
+macro_rules! for_each_entry_point {
+    ($callback:ident) => {
+        $callback! {
+            ncclGetVersion: $crate::bindings::PFN_ncclGetVersion = 2000,
+            ncclGetErrorString: $crate::bindings::PFN_ncclGetErrorString = 2000,
+            ncclGetUniqueId: $crate::bindings::PFN_ncclGetUniqueId = 2000,
+            ncclCommInitRank: $crate::bindings::PFN_ncclCommInitRank = 2000,
+            ncclCommInitAll: $crate::bindings::PFN_ncclCommInitAll = 2000,
+            ncclCommDestroy: $crate::bindings::PFN_ncclCommDestroy = 2000,
+            ncclCommCount: $crate::bindings::PFN_ncclCommCount = 2000,
+            ncclCommCuDevice: $crate::bindings::PFN_ncclCommCuDevice = 2000,
+            ncclCommUserRank: $crate::bindings::PFN_ncclCommUserRank = 2000,
+            ncclAllReduce: $crate::bindings::PFN_ncclAllReduce = 2000,
+            ncclAllGather: $crate::bindings::PFN_ncclAllGather = 2000,
+            ncclReduceScatter: $crate::bindings::PFN_ncclReduceScatter = 2000,
+            ncclBroadcast: $crate::bindings::PFN_ncclBroadcast = 2200,
+            ncclGroupStart: $crate::bindings::PFN_ncclGroupStart = 2000,
+            ncclGroupEnd: $crate::bindings::PFN_ncclGroupEnd = 2000,
+            ncclCommAbort: $crate::bindings::PFN_ncclCommAbort = 2400,
+            ncclCommGetAsyncError: $crate::bindings::PFN_ncclCommGetAsyncError = 2400,
+            ncclSend: $crate::bindings::PFN_ncclSend = 2700,
+            ncclRecv: $crate::bindings::PFN_ncclRecv = 2700,
+            ncclGetLastError: $crate::bindings::PFN_ncclGetLastError = 21304,
+            ncclCommFinalize: $crate::bindings::PFN_ncclCommFinalize = 21403,
+            ncclMemAlloc: $crate::bindings::PFN_ncclMemAlloc = 21903,
+            ncclMemFree: $crate::bindings::PFN_ncclMemFree = 21903,
+            ncclCommRegister: $crate::bindings::PFN_ncclCommRegister = 21903,
+            ncclCommDeregister: $crate::bindings::PFN_ncclCommDeregister = 21903,
+            ncclCommWindowRegister: $crate::bindings::PFN_ncclCommWindowRegister = 22700,
+            ncclCommWindowDeregister: $crate::bindings::PFN_ncclCommWindowDeregister = 22700,
+        }
+    };
 }
+pub(crate) use for_each_entry_point;
+
+/// The functions above, resolved by the loader.
+pub use crate::loader::{EntryPoints, ENTRY_POINTS};

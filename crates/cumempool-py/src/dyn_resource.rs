@@ -1,0 +1,75 @@
+//! A stream-ordered resource behind one object-safe trait, its memory kind erased, so that
+//! Python can stack adaptors freely and a buffer can give its memory back to whatever made it.
+
+use cumempool::sys::CUdeviceptr;
+use cumempool_alloc::{DeviceMemory, StreamOrderedResource, POOL_ALIGNMENT};
+use std::sync::Arc;
+
+/// A stream-ordered resource with its memory kind erased, so Python can stack adaptors freely.
+pub trait Resource: Send + Sync {
+    /// Allocates `bytes` (pool alignment) ordered on `stream`.
+    fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr>;
+
+    /// Frees in stream order.
+    ///
+    /// # Safety
+    /// `ptr` must come from `allocate` on this resource with the same `bytes`, be freed once,
+    /// and no work may use it after the free in the order of `stream`.
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()>;
+}
+
+impl<R: StreamOrderedResource> Resource for R {
+    #[inline]
+    fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
+        StreamOrderedResource::allocate(self, bytes, POOL_ALIGNMENT, stream)
+    }
+
+    #[inline]
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { StreamOrderedResource::deallocate(self, ptr, bytes, POOL_ALIGNMENT, stream) }
+    }
+}
+
+/// A resource chosen at run time, as a typed resource for the Rust adaptors. It claims device
+/// memory, the narrowest kind (every kind is device-accessible); Python tracks the real kind.
+#[derive(Clone)]
+pub struct Erased(pub Arc<dyn Resource>);
+
+// SAFETY: forwards to a resource that keeps the promise; device memory is the narrowest claim.
+unsafe impl StreamOrderedResource for Erased {
+    type Kind = DeviceMemory;
+
+    #[inline]
+    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
+        if align > POOL_ALIGNMENT || !align.is_power_of_two() {
+            return Err(cumempool_alloc::Error::Alignment {
+                requested: align,
+                reason: format!("pools guarantee {POOL_ALIGNMENT}-byte alignment; ask for {POOL_ALIGNMENT} or less"),
+            });
+        }
+        self.0.allocate(bytes, stream)
+    }
+
+    #[inline]
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        _align: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.0.deallocate(ptr, bytes, stream) }
+    }
+}
