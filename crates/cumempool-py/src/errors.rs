@@ -61,13 +61,14 @@ impl From<Failure> for PyErr {
 
 impl Failure {
     fn into_pyerr(self, py: Python<'_>) -> PyErr {
-        let (class, message, driver) = match &self {
+        let (class, message, driver, reason) = match &self {
             Self::Python(_) => return self.into_python(),
-            Self::Core(error) => (core_class(error), message_of(error), driver_cause(error)),
-            Self::Alloc(error) => (alloc_class(error), message_of(error), None),
+            Self::Core(error) => (core_class(error), message_of(error), driver_cause(error), reason_of(error)),
+            Self::Alloc(error) => (alloc_class(error), message_of(error), None, None),
             Self::Closed(what) => (
                 "ClosedError",
                 format!("{what} is closed; make a new one (close() gave its memory or handle back)"),
+                None,
                 None,
             ),
         };
@@ -75,7 +76,7 @@ impl Failure {
             Self::Core(error) => error.cuda_code(),
             _ => None,
         };
-        match raise(py, class, &message, code, driver) {
+        match raise(py, class, &message, code, driver, reason) {
             Ok(error) | Err(error) => error,
         }
     }
@@ -88,17 +89,21 @@ impl Failure {
     }
 }
 
-/// The exception `class` of `cumempool.errors` with `message`, `code`, `name` and `function`
-/// set; `Err` holds the error met while building it (the module missing, say).
+/// The exception `class` of `cumempool.errors` with `message`, `code`, `name`, `function` and
+/// `reason` set; `Err` holds the error met while building it (the module missing, say).
 fn raise(
     py: Python<'_>,
     class: &str,
     message: &str,
     code: Option<u32>,
     driver: Option<&DriverError>,
+    reason: Option<String>,
 ) -> PyResult<PyErr> {
     let class = errors_module(py)?.getattr(class)?.cast_into::<PyType>()?;
     let instance = class.call1((message,))?;
+    if let Some(reason) = reason {
+        instance.setattr("reason", reason)?;
+    }
     if let Some(code) = code {
         instance.setattr("code", code)?;
         let name = driver.map_or_else(|| cumempool::error_name(cumempool::sys::CUresult(code)), |d| d.name.clone());
@@ -113,6 +118,17 @@ fn raise(
 fn errors_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
     static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
     MODULE.get_or_try_init(py, || py.import("cumempool.errors").map(Bound::unbind)).map(|m| m.bind(py))
+}
+
+/// The name of the reason a program can match in Rust (`InvalidArgumentReason`,
+/// `NotShareableReason`), such as `"ZeroSize"`: the variant's name, which its `Debug` begins with.
+fn reason_of(error: &cumempool::Error) -> Option<String> {
+    let debug = match error {
+        cumempool::Error::InvalidArgument { reason, .. } => format!("{reason:?}"),
+        cumempool::Error::NotShareable { reason, .. } => format!("{reason:?}"),
+        _ => return None,
+    };
+    Some(debug.chars().take_while(char::is_ascii_alphanumeric).collect())
 }
 
 /// The Rust message with the causes it does not already quote.

@@ -36,8 +36,9 @@ def test_a_closed_descriptor_is_refused_before_the_driver_sees_it():
     os.close(fd)
     with pytest.raises(cm.NotShareableError, match="not open"):
         cm.MemPool.import_fd(fd)
-    with pytest.raises(cm.NotShareableError, match="not open"):
+    with pytest.raises(cm.NotShareableError, match="not open") as refused:
         cm.MemPool.import_fd(-1)
+    assert refused.value.reason == "DescriptorNotOpen"
 
 
 def test_a_message_without_a_pool_is_refused_and_a_closed_socket_is_an_os_error():
@@ -72,8 +73,9 @@ def test_a_foreign_descriptor_is_refused_by_the_driver(gpu):
 
 def test_a_pool_without_an_export_handle_type_is_not_shareable(gpu, stream):
     pool = cm.MemPool(cm.Route.device(0))
-    with pytest.raises(cm.NotShareableError):
+    with pytest.raises(cm.NotShareableError) as refused:
         pool.export_fd()
+    assert refused.value.reason == "PoolWithoutHandleType"
     cache = cm.CachingResource(cm.PoolResource(pool))
     with pytest.raises(cm.NotShareableError, match="allocated from a pool"):
         cache.alloc(4096, stream).export()

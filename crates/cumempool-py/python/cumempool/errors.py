@@ -5,7 +5,9 @@ thing, the class derives from it too, so ``except MemoryError`` catches a pool t
 ``except ValueError`` catches a route that cannot exist. Messages are the Rust errors' text,
 with their causes. Errors the driver reported carry ``code`` (the ``CUresult``), ``name``
 (such as ``CUDA_ERROR_INVALID_VALUE``) and ``function`` (the entry point); others carry
-``None`` there.
+``None`` there. :class:`InvalidArgumentError` and :class:`NotShareableError` raised for the
+core crate's refusals carry ``reason``, the name of the Rust reason a program can match (such
+as ``"ZeroSize"`` or ``"DescriptorNotOpen"``); other errors carry ``None``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class CumempoolError(Exception):
     code: int | None = None
     name: str | None = None
     function: str | None = None
+    reason: str | None = None
 
 
 class LoadError(CumempoolError):
