@@ -67,7 +67,13 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for NeverCaptured<R>
     }
 
     #[inline(always)]
-    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> cumempool_alloc::Result<()> {
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &Stream,
+    ) -> cumempool_alloc::Result<()> {
         // SAFETY: forwarded under the caller's promise.
         unsafe { self.0.deallocate(ptr, bytes, align, stream) }
     }

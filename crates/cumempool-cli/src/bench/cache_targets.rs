@@ -4,8 +4,8 @@
 //! same way on one and on 16 threads: what the node itself allows, the reference the cache is
 //! held to (a pair from a thread-local free list costs a few nanoseconds).
 
-use super::harness::{cached_pair, hit_rate, median, min, on_threads, raw_pool_pair, time, Options};
 use super::free_list::free_list_pair;
+use super::harness::{cached_pair, hit_rate, median, min, on_threads, raw_pool_pair, time, Options};
 use super::stream_handover;
 use crate::error::Result;
 use crate::table::Table;
