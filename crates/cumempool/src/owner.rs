@@ -125,8 +125,8 @@ impl Fate {
 }
 
 impl Owner {
-    /// The one place a pool is given back: Drop and [`MemPool::destroy`] both come here. A pool
-    /// that was ever a route's current pool is retired (Ok), not destroyed.
+    /// The one place a pool is given back: Drop and [`MemPool::destroy`](crate::MemPool::destroy)
+    /// both come here. A pool that was ever a route's current pool is retired (Ok), not destroyed.
     pub(crate) fn release(&self) -> Result<()> {
         let raw = self.raw.0;
         match Fate::of(self.unsafe_to_destroy.load(Relaxed), crate::retirement::was_ever_current(raw)) {
