@@ -1,16 +1,11 @@
 //! Every pool attribute, typed: the eight of CUDA 11.2, with `cuda-13020` the six of 13.2, and
-//! with `cuda-13040` the locality domain of 13.4.
+//! with `cuda-13040` the locality domain of 13.4; and reading or setting one on a pool handle.
+//! [`Pool`](crate::Pool)'s typed accessors go through these, and so do the layers under it,
+//! which hold only the handle.
 
 use crate::driver::driver_call;
 use crate::driver::require;
-#[cfg(not(feature = "cuda-13020"))]
-use crate::error::Error;
 use crate::error::Result;
-#[cfg(feature = "cuda-13020")]
-use crate::export_handles::HandleTypes;
-#[cfg(feature = "cuda-13020")]
-use crate::location::{AllocationType, Location};
-use crate::pool::Pool;
 use cumempool_sys as sys;
 use cumempool_sys::DriverVersion;
 use std::ffi::c_void;
@@ -147,219 +142,49 @@ impl PoolAttribute {
 /// A test fails when a header adds one that is neither mapped nor listed here.
 pub const UNMAPPED_POOL_ATTRIBUTES: &[(u32, &str)] = &[];
 
-impl Pool {
-    /// Reads any attribute as a 64-bit value (`int` attributes are widened).
-    ///
-    /// A 13.2 attribute on an older driver is [`Error::DriverTooOld`](crate::Error::DriverTooOld), not the driver's bare
-    /// `CUDA_ERROR_INVALID_VALUE`.
-    ///
-    /// # Errors
-    /// [`Error::DriverTooOld`](crate::Error::DriverTooOld) for an attribute newer than the
-    /// driver; the driver's answer.
-    ///
-    /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
-    pub fn attribute(&self, attribute: PoolAttribute) -> Result<u64> {
-        require(attribute.name(), attribute.since())?;
-        if attribute.value() == AttributeValue::Bytes {
-            let mut value: u64 = 0;
-            // SAFETY: the attribute's value type is cuuint64_t.
-            unsafe {
-                driver_call!(cuMemPoolGetAttribute(
-                    self.as_raw(),
-                    attribute.to_raw(),
-                    (&mut value as *mut u64).cast::<c_void>()
-                ))
-            }?;
-            Ok(value)
-        } else {
-            let mut value: i32 = 0;
-            // SAFETY: the attribute's value type is int (or a C enum, which is int-sized).
-            unsafe {
-                driver_call!(cuMemPoolGetAttribute(
-                    self.as_raw(),
-                    attribute.to_raw(),
-                    (&mut value as *mut i32).cast::<c_void>()
-                ))
-            }?;
-            Ok(value as u32 as u64)
+/// Reads `attribute` of the pool `pool` as a 64-bit value (`int` attributes are widened):
+/// the one `cuMemPoolGetAttribute` of the crate, for [`Pool::attribute`](crate::Pool::attribute)
+/// and for layers that hold only the handle.
+///
+/// # Safety
+/// `pool` is a live pool.
+pub(crate) unsafe fn get(pool: sys::CUmemoryPool, attribute: PoolAttribute) -> Result<u64> {
+    require(attribute.name(), attribute.since())?;
+    if attribute.value() == AttributeValue::Bytes {
+        let mut value: u64 = 0;
+        // SAFETY: the attribute's value type is cuuint64_t; a live pool, as the caller promised.
+        unsafe {
+            driver_call!(cuMemPoolGetAttribute(pool, attribute.to_raw(), (&mut value as *mut u64).cast::<c_void>()))
+        }?;
+        Ok(value)
+    } else {
+        let mut value: i32 = 0;
+        // SAFETY: the attribute's value type is int (or a C enum, which is int-sized); a live pool.
+        unsafe {
+            driver_call!(cuMemPoolGetAttribute(pool, attribute.to_raw(), (&mut value as *mut i32).cast::<c_void>()))
+        }?;
+        Ok(value as u32 as u64)
+    }
+}
+
+/// Sets `attribute` of the pool `pool` (`int` attributes take 0 or 1): the one
+/// `cuMemPoolSetAttribute` of the crate.
+///
+/// # Safety
+/// `pool` is a live pool.
+pub(crate) unsafe fn set(pool: sys::CUmemoryPool, attribute: PoolAttribute, value: u64) -> Result<()> {
+    if attribute.value() == AttributeValue::Bytes {
+        let mut value = value;
+        // SAFETY: the attribute's value type is cuuint64_t; a live pool, as the caller promised.
+        unsafe {
+            driver_call!(cuMemPoolSetAttribute(pool, attribute.to_raw(), (&mut value as *mut u64).cast::<c_void>()))
         }
-    }
-
-    pub(crate) fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
-        if attribute.value() == AttributeValue::Bytes {
-            let mut value = value;
-            // SAFETY: the attribute's value type is cuuint64_t.
-            unsafe {
-                driver_call!(cuMemPoolSetAttribute(
-                    self.as_raw(),
-                    attribute.to_raw(),
-                    (&mut value as *mut u64).cast::<c_void>()
-                ))
-            }
-        } else {
-            let mut value = i32::from(value != 0);
-            // SAFETY: the attribute's value type is int.
-            unsafe {
-                driver_call!(cuMemPoolSetAttribute(
-                    self.as_raw(),
-                    attribute.to_raw(),
-                    (&mut value as *mut i32).cast::<c_void>()
-                ))
-            }
+    } else {
+        let mut value = i32::from(value != 0);
+        // SAFETY: the attribute's value type is int; a live pool.
+        unsafe {
+            driver_call!(cuMemPoolSetAttribute(pool, attribute.to_raw(), (&mut value as *mut i32).cast::<c_void>()))
         }
-    }
-
-    /// Whether the pool reuses memory freed on another stream once an event dependency orders it.
-    pub fn reuse_follow_event_dependencies(&self) -> Result<bool> {
-        Ok(self.attribute(PoolAttribute::ReuseFollowEventDependencies)? != 0)
-    }
-
-    /// Sets [`Pool::reuse_follow_event_dependencies`].
-    pub fn set_reuse_follow_event_dependencies(&self, enabled: bool) -> Result<()> {
-        self.set_attribute(PoolAttribute::ReuseFollowEventDependencies, enabled.into())
-    }
-
-    /// Whether the pool reuses memory whose free is already known complete.
-    pub fn reuse_allow_opportunistic(&self) -> Result<bool> {
-        Ok(self.attribute(PoolAttribute::ReuseAllowOpportunistic)? != 0)
-    }
-
-    /// Sets [`Pool::reuse_allow_opportunistic`].
-    pub fn set_reuse_allow_opportunistic(&self, enabled: bool) -> Result<()> {
-        self.set_attribute(PoolAttribute::ReuseAllowOpportunistic, enabled.into())
-    }
-
-    /// Whether the pool may insert its own dependencies to reuse memory.
-    pub fn reuse_allow_internal_dependencies(&self) -> Result<bool> {
-        Ok(self.attribute(PoolAttribute::ReuseAllowInternalDependencies)? != 0)
-    }
-
-    /// Sets [`Pool::reuse_allow_internal_dependencies`].
-    pub fn set_reuse_allow_internal_dependencies(&self, enabled: bool) -> Result<()> {
-        self.set_attribute(PoolAttribute::ReuseAllowInternalDependencies, enabled.into())
-    }
-
-    /// Bytes the pool keeps reserved at a synchronisation before releasing memory to the system.
-    pub fn release_threshold(&self) -> Result<u64> {
-        self.attribute(PoolAttribute::ReleaseThreshold)
-    }
-
-    /// Sets [`Pool::release_threshold`] (`u64::MAX`: never release).
-    pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
-        self.set_attribute(PoolAttribute::ReleaseThreshold, bytes)
-    }
-
-    /// Bytes the pool currently holds from the system.
-    pub fn reserved_mem_current(&self) -> Result<u64> {
-        self.attribute(PoolAttribute::ReservedMemCurrent)
-    }
-
-    /// The high-water mark of [`Pool::reserved_mem_current`].
-    pub fn reserved_mem_high(&self) -> Result<u64> {
-        self.attribute(PoolAttribute::ReservedMemHigh)
-    }
-
-    /// Resets [`Pool::reserved_mem_high`] to zero (the only value the driver accepts).
-    pub fn reset_reserved_mem_high(&self) -> Result<()> {
-        self.set_attribute(PoolAttribute::ReservedMemHigh, 0)
-    }
-
-    /// Bytes currently allocated from the pool.
-    pub fn used_mem_current(&self) -> Result<u64> {
-        self.attribute(PoolAttribute::UsedMemCurrent)
-    }
-
-    /// The high-water mark of [`Pool::used_mem_current`].
-    pub fn used_mem_high(&self) -> Result<u64> {
-        self.attribute(PoolAttribute::UsedMemHigh)
-    }
-
-    /// Resets [`Pool::used_mem_high`] to zero.
-    pub fn reset_used_mem_high(&self) -> Result<()> {
-        self.set_attribute(PoolAttribute::UsedMemHigh, 0)
-    }
-
-    /// The pool's allocation type, as the driver reports it (driver 13.2).
-    #[cfg(feature = "cuda-13020")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
-    pub fn allocation_type_attribute(&self) -> Result<AllocationType> {
-        let raw = self.attribute(PoolAttribute::AllocationType)?;
-        Ok(AllocationType::try_from(sys::CUmemAllocationType(raw as u32))?)
-    }
-
-    /// The handle types the pool exports, as the driver reports them (driver 13.2).
-    #[cfg(feature = "cuda-13020")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
-    pub fn export_handle_types(&self) -> Result<HandleTypes> {
-        Ok(HandleTypes::from_bits(self.attribute(PoolAttribute::ExportHandleTypes)? as u32))
-    }
-
-    /// The pool's location, as the driver reports it: `LOCATION_TYPE` with `LOCATION_ID` (driver
-    /// 13.2), and for a pool in a locality domain `LOCALITY_DOMAIN_ID` (driver 13.4). A type this
-    /// crate does not know is [`Location::Unknown`].
-    #[cfg(feature = "cuda-13020")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
-    pub fn location_attribute(&self) -> Result<Location> {
-        let type_ = sys::CUmemLocationType(self.attribute(PoolAttribute::LocationType)? as u32);
-        let id = self.attribute(PoolAttribute::LocationId)? as u32 as i32;
-        #[cfg(feature = "cuda-13040")]
-        if type_ == sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN {
-            // cuda.h does not say whether LOCATION_ID of a localized pool is the device ordinal or
-            // the packed `localized` pair; its low byte is the device either way (CUDA hosts are
-            // little-endian), and the domain has its own attribute.
-            if let Some(domain) = self.locality_domain_id()? {
-                return Ok(Location::DeviceLocalityDomain { device: id & 0xFF, domain });
-            }
-        }
-        Ok(Location::from_raw_parts(type_, id))
-    }
-
-    /// The locality domain the pool is placed in, as the driver reports it (driver 13.4).
-    ///
-    /// `None` for a pool in no domain, and also for one created in domain 0 of a device with a
-    /// single domain: the driver treats that as the whole device.
-    #[cfg(feature = "cuda-13040")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
-    pub fn locality_domain_id(&self) -> Result<Option<u8>> {
-        let raw = self.attribute(PoolAttribute::LocalityDomainId)? as u32 as i32;
-        crate::device::domain_from_driver("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID", raw)
-    }
-
-    /// The pool's maximum size in bytes, as the driver reports it (driver 13.2).
-    #[cfg(feature = "cuda-13020")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
-    pub fn max_pool_size(&self) -> Result<u64> {
-        self.attribute(PoolAttribute::MaxPoolSize)
-    }
-
-    /// Whether the pool's memory is usable by the hardware decompression engine (driver 13.2).
-    #[cfg(feature = "cuda-13020")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
-    pub fn hw_decompress_enabled(&self) -> Result<bool> {
-        Ok(self.attribute(PoolAttribute::HwDecompressEnabled)? != 0)
-    }
-
-    #[cfg(not(feature = "cuda-13020"))]
-    pub(crate) fn location_attribute(&self) -> Result<crate::location::Location> {
-        Err(Error::DriverTooOld {
-            feature: "reading an imported pool's location (needs the cuda-13020 feature)",
-            needs: DriverVersion::CUDA_13_2,
-            found: sys::BINDINGS_VERSION,
-        })
-    }
-
-    #[cfg(not(feature = "cuda-13020"))]
-    pub(crate) fn allocation_type_attribute(&self) -> Result<crate::location::AllocationType> {
-        Err(Error::DriverTooOld {
-            feature: "reading an imported pool's allocation type (needs the cuda-13020 feature)",
-            needs: DriverVersion::CUDA_13_2,
-            found: sys::BINDINGS_VERSION,
-        })
-    }
-
-    /// Every attribute, read once: a value or the reason it cannot be read.
-    pub fn attributes(&self) -> Vec<(PoolAttribute, Result<u64>)> {
-        PoolAttribute::ALL.iter().map(|a| (*a, self.attribute(*a))).collect()
     }
 }
 

@@ -64,6 +64,8 @@ mod location;
 mod location_info;
 mod owner;
 mod pool;
+mod raw_pool;
+mod recipe;
 mod retirement;
 mod route;
 mod route_table;

@@ -2,9 +2,10 @@
 //! the pool alive, and the last to let go releases it, through one path: destroyed, or retired
 //! if it was ever a route's current pool (the `retirement` module says why).
 
-use crate::driver::driver_call;
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
+use crate::raw_pool;
+use crate::recipe::Recipe;
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -85,7 +86,7 @@ pub(crate) struct Owner {
     unsafe_to_destroy: AtomicBool,
     /// How the pool was built, for pools `PoolBuilder` made: once retired, such a pool can serve
     /// a new pool with the same recipe.
-    recipe: OnceLock<crate::pool::Recipe>,
+    recipe: OnceLock<Recipe>,
     /// Set once the pool was given something a new owner must not inherit: access granted or
     /// changed for other devices, or an export to other processes (which hold its handle for
     /// good and can import allocations from it). Such a pool is never made anew.
@@ -124,8 +125,8 @@ impl Fate {
 }
 
 impl Owner {
-    /// The one place a pool is given back: Drop and [`MemPool::destroy`] both come here. A pool
-    /// that was ever a route's current pool is retired (Ok), not destroyed.
+    /// The one place a pool is given back: Drop and [`MemPool::destroy`](crate::MemPool::destroy)
+    /// both come here. A pool that was ever a route's current pool is retired (Ok), not destroyed.
     pub(crate) fn release(&self) -> Result<()> {
         let raw = self.raw.0;
         match Fate::of(self.unsafe_to_destroy.load(Relaxed), crate::retirement::was_ever_current(raw)) {
@@ -139,21 +140,12 @@ impl Owner {
             Fate::Destroy => {
                 // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking
                 // sole ownership and forgetting the owner); never a route's current pool.
-                unsafe { destroy_pool(raw) }?;
+                unsafe { raw_pool::destroy(raw) }?;
                 tracing::debug!(pool = ?raw, imported = self.imported, "memory pool destroyed");
                 Ok(())
             }
         }
     }
-}
-
-/// Destroys a pool: the one `cuMemPoolDestroy` of the crate.
-///
-/// # Safety
-/// `raw` is a live pool, destroyed once, that no thread allocates from or through a route now.
-pub(crate) unsafe fn destroy_pool(raw: sys::CUmemoryPool) -> Result<()> {
-    // SAFETY: as the caller promised.
-    unsafe { driver_call!(cuMemPoolDestroy(raw)) }
 }
 
 impl Drop for Owner {
@@ -175,7 +167,7 @@ impl Owner {
         }
     }
 
-    pub(crate) fn set_recipe(&self, recipe: crate::pool::Recipe) {
+    pub(crate) fn set_recipe(&self, recipe: Recipe) {
         // Set once, right after the pool is made; a second recipe could only repeat the first.
         let _ = self.recipe.set(recipe);
     }
@@ -187,7 +179,7 @@ impl Owner {
     }
 
     /// The recipe a retired pool may serve again: `None` for a pool that must never be made anew.
-    fn reusable_recipe(&self) -> Option<crate::pool::Recipe> {
+    fn reusable_recipe(&self) -> Option<Recipe> {
         if self.never_reuse.load(Relaxed) {
             return None;
         }
@@ -243,7 +235,7 @@ mod tests {
     #[test]
     fn a_pool_exported_or_given_access_never_serves_a_new_owner() {
         let owner = Owner::new(0xfeed_1000 as sys::CUmemoryPool, false);
-        owner.set_recipe(crate::pool::Recipe::for_tests(1));
+        owner.set_recipe(Recipe::for_tests(1));
         assert!(owner.reusable_recipe().is_some(), "built by the builder: reusable");
         owner.mark_never_reuse();
         assert!(owner.reusable_recipe().is_none(), "exported or given access: never made anew");

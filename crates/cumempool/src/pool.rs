@@ -1,5 +1,5 @@
-//! Memory pools: their three handles, creation, trimming, access from devices, and
-//! stream-ordered allocation.
+//! Memory pools: their three handles, creation, trimming, access from devices, typed
+//! attributes, and stream-ordered allocation.
 //!
 //! Ownership shows in the type:
 //! - [`MemPool`]: a pool this process created or imported; it (with its clones, buffers and
@@ -10,7 +10,7 @@
 //!   [`current_pool`](crate::current_pool), or a clone) owns when it came from a `MemPool`.
 
 use crate::access::Access;
-use crate::attributes::PoolAttribute;
+use crate::attributes::{self, PoolAttribute};
 use crate::buffer::{Buffer, OwnedBuffer};
 use crate::device::Device;
 use crate::driver::{driver_answer, driver_call};
@@ -19,9 +19,13 @@ use crate::error::{DriverError, Error, InvalidArgumentReason, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::{AllocationType, Location};
 use crate::owner::Owner;
+use crate::raw_pool;
+use crate::recipe::Recipe;
 use crate::route::Route;
 use crate::stream::Stream;
 use cumempool_sys as sys;
+#[cfg(not(feature = "cuda-13020"))]
+use cumempool_sys::DriverVersion;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -153,7 +157,7 @@ impl Pool {
     /// See [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         // SAFETY: a live pool.
-        unsafe { driver_call!(cuMemPoolTrimTo(self.raw.0, keep_bytes)) }
+        unsafe { raw_pool::trim_to(self.raw.0, keep_bytes) }
     }
 
     /// Sets the access of `device` to this pool's memory.
@@ -321,6 +325,181 @@ impl Pool {
             }
             _ => Err(answer.error()),
         }
+    }
+}
+
+// Typed access to the attributes of `attributes`' table.
+impl Pool {
+    /// Reads any attribute as a 64-bit value (`int` attributes are widened).
+    ///
+    /// A 13.2 attribute on an older driver is [`Error::DriverTooOld`], not the driver's bare
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    ///
+    /// # Errors
+    /// [`Error::DriverTooOld`] for an attribute newer than the driver; the driver's answer.
+    ///
+    /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
+    pub fn attribute(&self, attribute: PoolAttribute) -> Result<u64> {
+        // SAFETY: a live pool.
+        unsafe { attributes::get(self.raw.0, attribute) }
+    }
+
+    pub(crate) fn set_attribute(&self, attribute: PoolAttribute, value: u64) -> Result<()> {
+        // SAFETY: a live pool.
+        unsafe { attributes::set(self.raw.0, attribute, value) }
+    }
+
+    /// Whether the pool reuses memory freed on another stream once an event dependency orders it.
+    pub fn reuse_follow_event_dependencies(&self) -> Result<bool> {
+        Ok(self.attribute(PoolAttribute::ReuseFollowEventDependencies)? != 0)
+    }
+
+    /// Sets [`Pool::reuse_follow_event_dependencies`].
+    pub fn set_reuse_follow_event_dependencies(&self, enabled: bool) -> Result<()> {
+        self.set_attribute(PoolAttribute::ReuseFollowEventDependencies, enabled.into())
+    }
+
+    /// Whether the pool reuses memory whose free is already known complete.
+    pub fn reuse_allow_opportunistic(&self) -> Result<bool> {
+        Ok(self.attribute(PoolAttribute::ReuseAllowOpportunistic)? != 0)
+    }
+
+    /// Sets [`Pool::reuse_allow_opportunistic`].
+    pub fn set_reuse_allow_opportunistic(&self, enabled: bool) -> Result<()> {
+        self.set_attribute(PoolAttribute::ReuseAllowOpportunistic, enabled.into())
+    }
+
+    /// Whether the pool may insert its own dependencies to reuse memory.
+    pub fn reuse_allow_internal_dependencies(&self) -> Result<bool> {
+        Ok(self.attribute(PoolAttribute::ReuseAllowInternalDependencies)? != 0)
+    }
+
+    /// Sets [`Pool::reuse_allow_internal_dependencies`].
+    pub fn set_reuse_allow_internal_dependencies(&self, enabled: bool) -> Result<()> {
+        self.set_attribute(PoolAttribute::ReuseAllowInternalDependencies, enabled.into())
+    }
+
+    /// Bytes the pool keeps reserved at a synchronisation before releasing memory to the system.
+    pub fn release_threshold(&self) -> Result<u64> {
+        self.attribute(PoolAttribute::ReleaseThreshold)
+    }
+
+    /// Sets [`Pool::release_threshold`] (`u64::MAX`: never release).
+    pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        self.set_attribute(PoolAttribute::ReleaseThreshold, bytes)
+    }
+
+    /// Bytes the pool currently holds from the system.
+    pub fn reserved_mem_current(&self) -> Result<u64> {
+        self.attribute(PoolAttribute::ReservedMemCurrent)
+    }
+
+    /// The high-water mark of [`Pool::reserved_mem_current`].
+    pub fn reserved_mem_high(&self) -> Result<u64> {
+        self.attribute(PoolAttribute::ReservedMemHigh)
+    }
+
+    /// Resets [`Pool::reserved_mem_high`] to zero (the only value the driver accepts).
+    pub fn reset_reserved_mem_high(&self) -> Result<()> {
+        self.set_attribute(PoolAttribute::ReservedMemHigh, 0)
+    }
+
+    /// Bytes currently allocated from the pool.
+    pub fn used_mem_current(&self) -> Result<u64> {
+        self.attribute(PoolAttribute::UsedMemCurrent)
+    }
+
+    /// The high-water mark of [`Pool::used_mem_current`].
+    pub fn used_mem_high(&self) -> Result<u64> {
+        self.attribute(PoolAttribute::UsedMemHigh)
+    }
+
+    /// Resets [`Pool::used_mem_high`] to zero.
+    pub fn reset_used_mem_high(&self) -> Result<()> {
+        self.set_attribute(PoolAttribute::UsedMemHigh, 0)
+    }
+
+    /// The pool's allocation type, as the driver reports it (driver 13.2).
+    #[cfg(feature = "cuda-13020")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
+    pub fn allocation_type_attribute(&self) -> Result<AllocationType> {
+        let raw = self.attribute(PoolAttribute::AllocationType)?;
+        Ok(AllocationType::try_from(sys::CUmemAllocationType(raw as u32))?)
+    }
+
+    /// The handle types the pool exports, as the driver reports them (driver 13.2).
+    #[cfg(feature = "cuda-13020")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
+    pub fn export_handle_types(&self) -> Result<HandleTypes> {
+        Ok(HandleTypes::from_bits(self.attribute(PoolAttribute::ExportHandleTypes)? as u32))
+    }
+
+    /// The pool's location, as the driver reports it: `LOCATION_TYPE` with `LOCATION_ID` (driver
+    /// 13.2), and for a pool in a locality domain `LOCALITY_DOMAIN_ID` (driver 13.4). A type this
+    /// crate does not know is [`Location::Unknown`].
+    #[cfg(feature = "cuda-13020")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
+    pub fn location_attribute(&self) -> Result<Location> {
+        let type_ = sys::CUmemLocationType(self.attribute(PoolAttribute::LocationType)? as u32);
+        let id = self.attribute(PoolAttribute::LocationId)? as u32 as i32;
+        #[cfg(feature = "cuda-13040")]
+        if type_ == sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN {
+            // cuda.h does not say whether LOCATION_ID of a localized pool is the device ordinal or
+            // the packed `localized` pair; its low byte is the device either way (CUDA hosts are
+            // little-endian), and the domain has its own attribute.
+            if let Some(domain) = self.locality_domain_id()? {
+                return Ok(Location::DeviceLocalityDomain { device: id & 0xFF, domain });
+            }
+        }
+        Ok(Location::from_raw_parts(type_, id))
+    }
+
+    /// The locality domain the pool is placed in, as the driver reports it (driver 13.4).
+    ///
+    /// `None` for a pool in no domain, and also for one created in domain 0 of a device with a
+    /// single domain: the driver treats that as the whole device.
+    #[cfg(feature = "cuda-13040")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
+    pub fn locality_domain_id(&self) -> Result<Option<u8>> {
+        let raw = self.attribute(PoolAttribute::LocalityDomainId)? as u32 as i32;
+        crate::device::domain_from_driver("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID", raw)
+    }
+
+    /// The pool's maximum size in bytes, as the driver reports it (driver 13.2).
+    #[cfg(feature = "cuda-13020")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
+    pub fn max_pool_size(&self) -> Result<u64> {
+        self.attribute(PoolAttribute::MaxPoolSize)
+    }
+
+    /// Whether the pool's memory is usable by the hardware decompression engine (driver 13.2).
+    #[cfg(feature = "cuda-13020")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13020")))]
+    pub fn hw_decompress_enabled(&self) -> Result<bool> {
+        Ok(self.attribute(PoolAttribute::HwDecompressEnabled)? != 0)
+    }
+
+    #[cfg(not(feature = "cuda-13020"))]
+    pub(crate) fn location_attribute(&self) -> Result<crate::location::Location> {
+        Err(Error::DriverTooOld {
+            feature: "reading an imported pool's location (needs the cuda-13020 feature)",
+            needs: DriverVersion::CUDA_13_2,
+            found: sys::BINDINGS_VERSION,
+        })
+    }
+
+    #[cfg(not(feature = "cuda-13020"))]
+    pub(crate) fn allocation_type_attribute(&self) -> Result<crate::location::AllocationType> {
+        Err(Error::DriverTooOld {
+            feature: "reading an imported pool's allocation type (needs the cuda-13020 feature)",
+            needs: DriverVersion::CUDA_13_2,
+            found: sys::BINDINGS_VERSION,
+        })
+    }
+
+    /// Every attribute, read once: a value or the reason it cannot be read.
+    pub fn attributes(&self) -> Vec<(PoolAttribute, Result<u64>)> {
+        PoolAttribute::ALL.iter().map(|a| (*a, self.attribute(*a))).collect()
     }
 }
 
@@ -687,31 +866,6 @@ impl PoolBuilder {
             Location::HostNumaCurrent => "the driver does not create pools at the calling thread's NUMA node; name the node with Location::HostNuma".into(),
             Location::HostNuma(node) => format!("the driver refused host NUMA node {node}; check that the node exists (Device::host_numa_id gives a device's nearest)"),
             _ => format!("the driver refused these properties (handle types {}, max size {:?}, hw decompress {})", self.handle_types, self.max_size, self.hw_decompress),
-        }
-    }
-}
-
-/// The properties a pool was created with. A retired pool (see `retirement`) made with the same
-/// recipe, never exported and whose access was never changed, serves a new pool made the same
-/// way: the driver holds a bounded number of pools, and a retired one is never destroyed by the
-/// library.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Recipe {
-    route: Route,
-    handle_types: HandleTypes,
-    max_size: Option<u64>,
-    hw_decompress: bool,
-}
-
-#[cfg(test)]
-impl Recipe {
-    /// A device-0 recipe that differs by its maximum size.
-    pub(crate) fn for_tests(max_size: u64) -> Self {
-        Self {
-            route: Route::device(0),
-            handle_types: HandleTypes::NONE,
-            max_size: Some(max_size),
-            hw_decompress: false,
         }
     }
 }

@@ -8,9 +8,11 @@
 //! the program names a point where no thread allocates through a route:
 //! [`destroy_retired_pools`]. At process exit the driver reclaims them; nothing needs doing.
 
+use crate::attributes::{self, PoolAttribute};
 use crate::driver_handle::DriverHandle;
 use crate::error::Result;
-use crate::pool::{Pool, Recipe};
+use crate::raw_pool;
+use crate::recipe::Recipe;
 use cumempool_sys as sys;
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -53,7 +55,8 @@ pub(crate) fn was_ever_current(raw: sys::CUmemoryPool) -> bool {
 pub(crate) fn retire(raw: sys::CUmemoryPool, recipe: Option<Recipe>) {
     // Trimming frees only memory no allocation holds: allocations another library made from it
     // (through the route) stay valid.
-    if let Err(error) = Pool::borrowed(raw, None).trim_to(0) {
+    // SAFETY: its last owner let go of a live pool; it stays live until destroy_retired_pools.
+    if let Err(error) = unsafe { raw_pool::trim_to(raw, 0) } {
         tracing::warn!(%error, pool = ?raw, "trimming a retired pool failed; its memory stays reserved until destroy_retired_pools");
     }
     retired().0.push(RetiredPool { handle: DriverHandle(raw), recipe });
@@ -65,7 +68,9 @@ pub(crate) fn retire(raw: sys::CUmemoryPool, recipe: Option<Recipe>) {
 /// CUDA_ERROR_OUT_OF_MEMORY after some hundreds were retired), so retired pools are reused rather
 /// than piled up. The pool stays one that was ever current: released again, it is retired again.
 pub(crate) fn reuse(recipe: &Recipe) -> Option<sys::CUmemoryPool> {
-    retired().take(recipe, |raw| Pool::borrowed(raw, None).used_mem_current().is_ok_and(|used| used == 0))
+    // SAFETY: `take` asks only about pools it lists, which are live while listed (locked here).
+    let is_empty = |raw| unsafe { attributes::get(raw, PoolAttribute::UsedMemCurrent) }.is_ok_and(|used| used == 0);
+    retired().take(recipe, is_empty)
 }
 
 /// How many pools are retired now.
@@ -141,7 +146,7 @@ pub unsafe fn destroy_retired_pools() -> Result<usize> {
     let mut list = retired();
     // SAFETY: each retired pool is destroyed once (it leaves the list), and the caller promised
     // that no thread allocates through a route that showed it, nor uses its allocations.
-    let destroyed = list.destroy_all(|raw| unsafe { crate::owner::destroy_pool(raw) })?;
+    let destroyed = list.destroy_all(|raw| unsafe { raw_pool::destroy(raw) })?;
     // The driver may hand these handles to new pools: those start never current.
     let mut seen = ever_current();
     for raw in &destroyed {
@@ -178,9 +183,13 @@ pub fn retired_pools() -> Result<RetiredPools> {
     let list = retired();
     let mut total = RetiredPools { count: list.0.len(), ..RetiredPools::default() };
     for retired in &list.0 {
-        let pool = Pool::borrowed(retired.handle.0, None);
-        total.reserved_bytes = total.reserved_bytes.saturating_add(pool.reserved_mem_current()?);
-        total.used_bytes = total.used_bytes.saturating_add(pool.used_mem_current()?);
+        let raw = retired.handle.0;
+        // SAFETY: a retired pool is live while it is listed, and the list is locked.
+        let reserved = unsafe { attributes::get(raw, PoolAttribute::ReservedMemCurrent) }?;
+        // SAFETY: as above.
+        let used = unsafe { attributes::get(raw, PoolAttribute::UsedMemCurrent) }?;
+        total.reserved_bytes = total.reserved_bytes.saturating_add(reserved);
+        total.used_bytes = total.used_bytes.saturating_add(used);
     }
     Ok(total)
 }
@@ -219,7 +228,7 @@ mod tests {
 
     #[test]
     fn only_an_empty_pool_of_the_same_recipe_is_taken_oldest_first() {
-        let recipe = crate::pool::Recipe::for_tests;
+        let recipe = Recipe::for_tests;
         let pool = |n, max: Option<u64>| RetiredPool { handle: DriverHandle(handle(n)), recipe: max.map(recipe) };
         let mut list =
             Retired(vec![pool(1, None), pool(2, Some(1)), pool(3, Some(2)), pool(4, Some(2)), pool(5, Some(2))]);
