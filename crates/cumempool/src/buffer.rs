@@ -7,7 +7,7 @@
 
 use crate::capture_registry::{self, FreeAction};
 use crate::driver::driver_call;
-use crate::error::{Error, InvalidArgumentReason, Result};
+use crate::error::{Error, Result};
 use crate::location::{AllocationType, Location};
 use crate::owner::Owner;
 use crate::route::Route;
@@ -381,7 +381,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if let Some(route) = self.route.filter(|r| r.allocation_type != AllocationType::Managed) {
             return Err(Error::InvalidArgument {
                 what: "asking where a buffer's pages reside (cuMemGetLocationInfo)",
-                reason: InvalidArgumentReason::NotManagedMemory { route },
+                reason: crate::error::InvalidArgumentReason::NotManagedMemory { route },
             });
         }
         crate::location_info::region_count(self.len, summary_granularity, sampling_granularity)?;
