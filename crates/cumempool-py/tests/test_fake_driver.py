@@ -366,3 +366,69 @@ print(lent() is None)
     )
     assert lines[0] == "0"
     assert lines[1] == "True", "the memo still holds the lender after a consumer gave the memory back"
+
+
+def test_a_buffers_memory_goes_back_once_when_its_last_holder_lets_go(fake_libcuda):
+    # The GPU tests of test_lifetimes.py, on any host: whichever of the pool, the resource,
+    # the Buffer, an array view and a DLPack consumer lets go first, the memory goes back to
+    # the resource it came from exactly once, and only when the last of them lets go.
+    lines = _run(
+        fake_libcuda,
+        CONSUMER
+        + """
+stats = cm.Statistics(cm.PoolResource(pool))
+count = lambda: stats.usage()["current_count"]
+buffer = stats.alloc(64); buffer.close()
+print(count())  # control: a plain close gives it back
+buffer = stats.alloc(64)
+pool.close(); gc.collect()
+buffer.close()
+print(count())  # the pool's object closed first
+limit = cm.Limit(stats, 1 << 20)
+buffer = limit.alloc(64)
+del limit; gc.collect()
+buffer.close()
+print(count())  # the object of the resource it came from collected first
+buffer = stats.alloc(64)
+buffer.__cuda_array_interface__
+capsule = buffer.__dlpack__(stream=-1)
+buffer.close()
+print(count())  # an array view and a capsule hold it
+del capsule; gc.collect()
+print(count())  # the view still holds it
+del buffer; gc.collect()
+print(count())
+buffer = stats.alloc(64)
+delete = consume(buffer.__dlpack__(stream=-1))
+buffer.close(stream=cm.Stream(0))
+print(count())  # a consumer holds it past a close ordered after another stream
+delete()
+print(count())
+""",
+    )
+    assert lines[0] == "0"
+    assert lines[1:3] == ["0", "0"], "memory was not given back after its pool or resource object went first"
+    assert lines[3:6] == ["1", "1", "0"], "(after close, capsule, buffer) memory went back too early or not at all"
+    assert lines[6:8] == ["1", "0"], "a close with a stream did not leave the memory to the consumer"
+
+
+def test_errors_carry_the_rust_reason_or_none_on_any_host(fake_libcuda):
+    # The reason's name is the Rust enum variant's (`NotShareableReason::NotPoolMemory`);
+    # errors without one, such as ClosedError, carry None.
+    lines = _run(
+        fake_libcuda,
+        """
+stats = cm.Statistics(cm.PoolResource(pool))
+buffer = stats.alloc(64)
+try:
+    buffer.export()
+except cm.NotShareableError as error:
+    print(error.reason)
+buffer.close()
+try:
+    buffer.to_bytes()
+except cm.ClosedError as error:
+    print(error.reason)
+""",
+    )
+    assert lines == ["NotPoolMemory", "None"], lines
