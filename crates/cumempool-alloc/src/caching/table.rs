@@ -3,7 +3,7 @@
 
 use super::bound::Bound;
 use super::fence::{prepare_fences, Fences};
-use super::lanes::{claim, own_lane, ClaimedLanes, Unreachable};
+use super::lanes::{claim, own_lane, ClaimedLanes, OwnedLane, StreamLanes, Unreachable};
 use super::lock::lock;
 use super::padded::Padded;
 use super::size_class::CLASSES;
@@ -13,7 +13,7 @@ use std::sync::atomic::{
     AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
 };
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 
 /// How far along its probe path the hot path looks for a stream's slot.
 const NEAR: usize = 8;
@@ -39,7 +39,7 @@ impl SlotTable {
         let slots = Box::new(std::array::from_fn(|_| Slot {
             key: AtomicU64::new(EMPTY),
             last_used: AtomicU64::new(0),
-            lanes: OnceLock::new(),
+            lanes: StreamLanes::new(),
             state: Mutex::new(SlotState::default()),
         }));
         Self {
@@ -70,22 +70,6 @@ impl SlotTable {
             return Some(home);
         }
         self.probe(home, key, SLOTS)
-    }
-
-    /// The slot of the stream with `key` if it is within [`NEAR`] slots of its home: the hot
-    /// path's lookup. The home slot first, in line; a stream further along the probe path (its
-    /// home slot was taken when it registered) pays one call more, not the slow paths (2.3
-    /// times the instructions of a pair at home, measured). Only that far, so that a stream
-    /// without a slot, which the slow paths look up again, does not scan the whole table twice
-    /// per call once released slots have filled it.
-    #[inline(always)]
-    pub(super) fn slot_of(&self, key: u64) -> Option<&Slot> {
-        let home = home_of(key);
-        let slot = &self.slots[home];
-        if slot.key.load(Acquire) == key {
-            return Some(slot);
-        }
-        self.probe(home, key, NEAR).map(|index| &self.slots[index])
     }
 
     /// `find` past the home slot, over at most `length` slots of the probe path.
@@ -192,23 +176,67 @@ impl SlotTable {
         (states, lanes)
     }
 
+    /// A hit in the calling thread's lane of the stream with `key`: the hot path's lookup. The
+    /// stream's home slot in line, its key checked once, inside the lane (entering the lane of
+    /// another stream's slot is harmless: nothing there is touched unless the key matches). A
+    /// stream further along its probe path (its home slot was taken when it registered) pays
+    /// one call more, not the slow paths.
+    #[inline(always)]
+    pub(super) fn pop_from_own_lane(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let home = home_of(key);
+        match enter_lane(&self.slots[home], key) {
+            Ok(lane) => self.pop_inside(&self.slots[home], lane, index, class),
+            Err(Missed::OtherSlot) => self.pop_off_home(home, key, index, class),
+            Err(Missed::Refused) => None,
+        }
+    }
+
+    /// Caches a block in the calling thread's lane of the stream with `key`, if it has room and
+    /// budget: the hot path's lookup, as in [`pop_from_own_lane`](Self::pop_from_own_lane).
+    #[inline(always)]
+    pub(super) fn push_to_own_lane(
+        &self,
+        key: u64,
+        ptr: CUdeviceptr,
+        index: usize,
+        class: usize,
+        bound: &Bound,
+    ) -> bool {
+        let home = home_of(key);
+        match enter_lane(&self.slots[home], key) {
+            Ok(lane) => push_inside(lane, ptr, index, class, bound),
+            Err(Missed::OtherSlot) => self.push_off_home(home, key, ptr, index, class, bound),
+            Err(Missed::Refused) => false,
+        }
+    }
+
+    /// `pop_from_own_lane` for a stream not in its home slot: within [`NEAR`] slots of it only,
+    /// so that a stream without a slot, which the slow paths look up again, does not scan the
+    /// whole table twice per call once released slots have filled it.
+    #[inline(never)]
+    fn pop_off_home(&self, home: usize, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let slot = &self.slots[self.probe(home, key, NEAR)?];
+        self.pop_from_lane(slot, key, index, class)
+    }
+
+    /// `push_to_own_lane` for a stream not in its home slot, as [`pop_off_home`](Self::pop_off_home).
+    #[inline(never)]
+    fn push_off_home(
+        &self,
+        home: usize,
+        key: u64,
+        ptr: CUdeviceptr,
+        index: usize,
+        class: usize,
+        bound: &Bound,
+    ) -> bool {
+        self.probe(home, key, NEAR).is_some_and(|at| self.push_to_lane(&self.slots[at], key, ptr, index, class, bound))
+    }
+
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
     #[inline(always)]
     pub(super) fn pop_from_lane(&self, slot: &Slot, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        let mut lane = own_lane(&slot.lanes.get()?[..], self.fences)?;
-        // Inside the lane: a slot given up changes its key while it holds the lanes' claims,
-        // before it empties them, so a thread that sees its stream's key here entered before the
-        // claim (and the lane still holds only that stream's blocks) or after a claim of the same
-        // stream: a block found here was freed on this stream.
-        if slot.key.load(Relaxed) != key {
-            return None;
-        }
-        let ptr = lane.pop(index)?;
-        lane.budget += class;
-        lane.hits += 1;
-        drop(lane);
-        self.touch(slot);
-        Some(ptr)
+        self.pop_inside(slot, enter_lane(slot, key).ok()?, index, class)
     }
 
     /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
@@ -223,11 +251,47 @@ impl SlotTable {
         class: usize,
         bound: &Bound,
     ) -> bool {
-        let Some(mut lane) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) else {
-            return false;
-        };
-        // As in `pop_from_lane`: the key, checked inside the lane, says whose blocks it holds.
-        // Not touched: the allocation this block served was.
-        slot.key.load(Relaxed) == key && lane.push_claiming(index, ptr, |budget| bound.claim(budget, class))
+        enter_lane(slot, key).is_ok_and(|lane| push_inside(lane, ptr, index, class, bound))
     }
+
+    /// A block of size class `index` from `lane`, the calling thread's lane of `slot`.
+    #[inline(always)]
+    fn pop_inside(&self, slot: &Slot, mut lane: OwnedLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let ptr = lane.pop(index)?;
+        lane.budget += class;
+        lane.hits += 1;
+        drop(lane);
+        self.touch(slot);
+        Some(ptr)
+    }
+}
+
+/// Why the calling thread is not in its lane of a slot.
+enum Missed {
+    /// The slot is not the stream's, or has no lanes.
+    OtherSlot,
+    /// The thread has no lane, is inside it already, or a slow path holds it.
+    Refused,
+}
+
+/// The calling thread in its own lane of `slot`, if that is the slot of the stream with `key`.
+#[inline(always)]
+fn enter_lane(slot: &Slot, key: u64) -> Result<OwnedLane<'_>, Missed> {
+    let lanes = slot.lanes.get().ok_or(Missed::OtherSlot)?;
+    let lane = own_lane(&lanes[..]).ok_or(Missed::Refused)?;
+    // Inside the lane: a slot given up changes its key while it holds the lanes' claims, before
+    // it empties them, so a thread that sees its stream's key here entered before the claim (and
+    // the lane still holds only that stream's blocks) or after a claim of the same stream: a
+    // block found here was freed on this stream, and one cached here is kept for it.
+    if slot.key.load(Relaxed) != key {
+        return Err(Missed::OtherSlot);
+    }
+    Ok(lane)
+}
+
+/// Caches a block of size class `index` in `lane` if it has room, and budget (claimed from
+/// `bound` when short). Not touched: the allocation this block served was.
+#[inline(always)]
+fn push_inside(mut lane: OwnedLane<'_>, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
+    lane.push_claiming(index, ptr, |budget| bound.claim(budget, class))
 }
