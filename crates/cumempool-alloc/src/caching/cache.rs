@@ -595,6 +595,42 @@ mod tests {
         unsafe { cache.deallocate(other, b, 256, &stream) }.expect("freed");
     }
 
+    /// A hit in a lane marks the lane, not the slot (the hot path writes no shared line); the
+    /// eviction must still see the stream as used then, or it would evict a stream busy in its
+    /// lanes before one idle since it registered.
+    #[test]
+    fn a_stream_used_only_through_its_lane_is_not_the_least_recently_used() {
+        let _numbers = lock(&TEST_LANE_NUMBERS);
+        let block = 64 << 10;
+        let cache = CachingResource::with_max_cached(HostHeap, 6 * block);
+        // SAFETY: HostHeap ignores streams, so the handles are never used.
+        let [busy, idle, new] = [0x300, 0x301, 0x302]
+            .map(|raw| unsafe { Stream::borrow_raw(raw as cumempool::sys::CUstream, None) }.expect("a fake stream"));
+        // Three blocks each: the first two frees go to the shared lists, the third to this
+        // thread's lane; the bound is then spent.
+        for stream in [&busy, &idle] {
+            let blocks = [(); 3].map(|()| cache.allocate(block, 256, stream).expect("host memory"));
+            for ptr in blocks {
+                // SAFETY: allocated just above with these arguments.
+                unsafe { cache.deallocate(ptr, block, 256, stream) }.expect("cached");
+            }
+        }
+        assert_eq!(cache.bound.unclaimed(), 0, "the bound is spent");
+        // Later than `idle` registered, `busy` is used through its lane only.
+        cache.table.tick();
+        let (_, in_lane) = where_blocks_are(&cache, &busy);
+        let ptr = cache.allocate(block, 256, &busy).expect("a hit");
+        assert_eq!(where_blocks_are(&cache, &busy).1, in_lane - block, "the hit came from the lane");
+        // SAFETY: allocated just above with these arguments.
+        unsafe { cache.deallocate(ptr, block, 256, &busy) }.expect("cached");
+        // A new stream's free needs room: the least recently used stream is evicted.
+        let ptr = cache.allocate(block, 256, &new).expect("host memory");
+        // SAFETY: as above.
+        unsafe { cache.deallocate(ptr, block, 256, &new) }.expect("cached");
+        assert!(cache.table.find(idle.id().get()).is_none(), "the idle stream was evicted");
+        assert!(cache.table.find(busy.id().get()).is_some(), "the stream busy in its lane kept its slot");
+    }
+
     /// Found measuring 32 threads on one stream with the bound spent (1.4 M pairs/s at 100%
     /// hits): a block taken from the shared lists went back to them at its free, since the lane
     /// had no budget and the bound none to claim, so the threads kept queueing on the slot's

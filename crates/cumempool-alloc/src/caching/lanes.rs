@@ -25,7 +25,7 @@ use super::size_class::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{
-    compiler_fence, AtomicBool, AtomicPtr,
+    compiler_fence, AtomicBool, AtomicPtr, AtomicU64,
     Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
 };
 
@@ -92,6 +92,11 @@ pub(super) struct Lane {
     busy: AtomicBool,
     /// Set by a slow path that has taken the lane from its owner, or is waiting to.
     claimed: AtomicBool,
+    /// The LRU clock when the owner last took a block from the lane: a hit marks its lane,
+    /// not the slot, so that it writes no line other threads share. Read without a claim by
+    /// eviction (see [`SlotTable::last_used`](super::table::SlotTable::last_used)). Never reset:
+    /// a slot's next stream registers at a later time than any mark its lanes hold.
+    used: AtomicU64,
     state: UnsafeCell<LaneState>,
 }
 
@@ -155,10 +160,16 @@ impl Lane {
         (!*self.busy.get_mut()).then(|| self.state.get_mut())
     }
 
+    /// When the owner last took a block from the lane (see `used`).
+    pub(super) fn last_used(&self) -> u64 {
+        self.used.load(Relaxed)
+    }
+
     pub(super) fn new() -> Self {
         Self {
             busy: AtomicBool::new(false),
             claimed: AtomicBool::new(false),
+            used: AtomicU64::new(0),
             state: UnsafeCell::new(LaneState::default()),
         }
     }
@@ -172,18 +183,26 @@ pub(super) struct OwnedLane<'a> {
 /// The calling thread's own lane among a stream's `lanes`, unless it has none (a thread beyond
 /// the first [`LANES`], or one whose thread-locals are being destroyed), a slow path holds it,
 /// or the thread is in it already (a re-entrant call from inside the cache).
-///
-/// The hot path's entry, with the owner's light fence, for a thread whose number allows it;
-/// anything else (a thread's first entry, a thread without a lane, a process that fences
-/// symmetrically) takes [`own_lane_slowly`].
 #[inline(always)]
 pub(super) fn own_lane(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
+    own_lane_quickly(lanes).unwrap_or_else(|SlowEntry| own_lane_slowly(lanes))
+}
+
+/// The calling thread must enter its lanes with [`own_lane`], out of line.
+pub(super) struct SlowEntry;
+
+/// [`own_lane`] for the hot path: the entry with the owner's light fence, for a thread whose
+/// number allows it; [`SlowEntry`] for anything else (a thread's first entry, a thread without
+/// a lane, a process that fences symmetrically), so that the hot path keeps nothing live
+/// across the call that [`own_lane_slowly`] is.
+#[inline(always)]
+pub(super) fn own_lane_quickly(lanes: &[Lane]) -> Result<Option<OwnedLane<'_>>, SlowEntry> {
     let number = fast_lane_number();
     if number >= LANES {
-        return own_lane_slowly(lanes);
+        return Err(SlowEntry);
     }
     // The process fences asymmetrically: see `allow_fast_lane`.
-    enter(lanes.get(number)?, || compiler_fence(SeqCst))
+    Ok(lanes.get(number).and_then(|lane| enter(lane, || compiler_fence(SeqCst))))
 }
 
 /// `own_lane` for a thread without the hot path's entry: takes or trades its lane number, and
@@ -229,6 +248,14 @@ impl std::ops::DerefMut for OwnedLane<'_> {
     fn deref_mut(&mut self) -> &mut LaneState {
         // SAFETY: as in `deref`; `&mut self` keeps this the only reference.
         unsafe { &mut *self.lane.state.get() }
+    }
+}
+
+impl OwnedLane<'_> {
+    /// Marks the lane used at `now` on the LRU clock.
+    #[inline(always)]
+    pub(super) fn mark_used(&self, now: u64) {
+        self.lane.used.store(now, Relaxed);
     }
 }
 

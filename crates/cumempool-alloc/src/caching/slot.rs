@@ -22,7 +22,9 @@ pub(super) struct Slot {
     /// `EMPTY`, `RELEASED`, or the [`Stream::id`] of its stream. Written only under the
     /// registry lock and the slot's own lock; read without either on the hot path.
     pub(super) key: AtomicU64,
-    /// The LRU clock when the slot was last used; written only when the clock has moved.
+    /// The LRU clock when the slot was last used on a slow path (a hit in a lane marks the
+    /// lane: see [`SlotTable::last_used`](super::table::SlotTable::last_used)); written only
+    /// when the clock has moved.
     pub(super) last_used: AtomicU64,
     /// A lane per thread, made by the stream's second cached free and kept for the cache's life;
     /// what they hold belongs to the slot's stream like `state`'s blocks.

@@ -3,7 +3,9 @@
 
 use super::bound::Bound;
 use super::fence::{prepare_fences, Fences};
-use super::lanes::{claim, own_lane, ClaimedLanes, OwnedLane, StreamLanes, Unreachable};
+use super::lanes::{
+    claim, own_lane, own_lane_quickly, ClaimedLanes, Lane, OwnedLane, SlowEntry, StreamLanes, Unreachable,
+};
 use super::lock::lock;
 use super::padded::Padded;
 use super::size_class::CLASSES;
@@ -95,6 +97,12 @@ impl SlotTable {
             .find(|&index| matches!(self.slots[index].key.load(Acquire), EMPTY | RELEASED))
     }
 
+    /// When the slot's stream was last used, on the LRU clock: the latest of the slot's mark
+    /// and its lanes' (a hit in a lane marks only the lane).
+    pub(super) fn last_used(&self, slot: &Slot) -> u64 {
+        lanes_of(slot).iter().map(Lane::last_used).fold(slot.last_used.load(Relaxed), u64::max)
+    }
+
     /// Marks the slot used now for LRU eviction; writes only when the clock has moved, so
     /// threads sharing a stream do not bounce its cache line.
     #[inline(always)]
@@ -184,9 +192,9 @@ impl SlotTable {
     #[inline(always)]
     pub(super) fn pop_from_own_lane(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
         let home = home_of(key);
-        match enter_lane(&self.slots[home], key) {
-            Ok(lane) => self.pop_inside(&self.slots[home], lane, index, class),
-            Err(Missed::OtherSlot) => self.pop_off_home(home, key, index, class),
+        match enter_lane(&self.slots[home], key, true) {
+            Ok(lane) => self.pop_inside(lane, index, class),
+            Err(Missed::OutOfLine) => self.pop_out_of_line(home, key, index, class),
             Err(Missed::Refused) => None,
         }
     }
@@ -203,25 +211,26 @@ impl SlotTable {
         bound: &Bound,
     ) -> bool {
         let home = home_of(key);
-        match enter_lane(&self.slots[home], key) {
+        match enter_lane(&self.slots[home], key, true) {
             Ok(lane) => push_inside(lane, ptr, index, class, bound),
-            Err(Missed::OtherSlot) => self.push_off_home(home, key, ptr, index, class, bound),
+            Err(Missed::OutOfLine) => self.push_out_of_line(home, key, ptr, index, class, bound),
             Err(Missed::Refused) => false,
         }
     }
 
-    /// `pop_from_own_lane` for a stream not in its home slot: within [`NEAR`] slots of it only,
-    /// so that a stream without a slot, which the slow paths look up again, does not scan the
-    /// whole table twice per call once released slots have filled it.
+    /// `pop_from_own_lane` for a stream not in its home slot, or a thread that needs the slow
+    /// entry to its lanes: along the stream's probe path, within [`NEAR`] slots of its home
+    /// only, so that a stream without a slot, which the slow paths look up again, does not scan
+    /// the whole table twice per call once released slots have filled it.
     #[inline(never)]
-    fn pop_off_home(&self, home: usize, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+    fn pop_out_of_line(&self, home: usize, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
         let slot = &self.slots[self.probe(home, key, NEAR)?];
         self.pop_from_lane(slot, key, index, class)
     }
 
-    /// `push_to_own_lane` for a stream not in its home slot, as [`pop_off_home`](Self::pop_off_home).
+    /// `push_to_own_lane` out of line, as [`pop_out_of_line`](Self::pop_out_of_line).
     #[inline(never)]
-    fn push_off_home(
+    fn push_out_of_line(
         &self,
         home: usize,
         key: u64,
@@ -236,7 +245,7 @@ impl SlotTable {
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
     #[inline(always)]
     pub(super) fn pop_from_lane(&self, slot: &Slot, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        self.pop_inside(slot, enter_lane(slot, key).ok()?, index, class)
+        self.pop_inside(enter_lane(slot, key, false).ok()?, index, class)
     }
 
     /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
@@ -251,40 +260,42 @@ impl SlotTable {
         class: usize,
         bound: &Bound,
     ) -> bool {
-        enter_lane(slot, key).is_ok_and(|lane| push_inside(lane, ptr, index, class, bound))
+        enter_lane(slot, key, false).is_ok_and(|lane| push_inside(lane, ptr, index, class, bound))
     }
 
-    /// A block of size class `index` from `lane`, the calling thread's lane of `slot`.
+    /// A block of size class `index` from `lane`, the calling thread's lane of a stream.
     #[inline(always)]
-    fn pop_inside(&self, slot: &Slot, mut lane: OwnedLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
+    fn pop_inside(&self, mut lane: OwnedLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
         let ptr = lane.pop(index)?;
         lane.budget += class;
         lane.hits += 1;
-        drop(lane);
-        self.touch(slot);
+        lane.mark_used(self.clock.load(Relaxed));
         Some(ptr)
     }
 }
 
 /// Why the calling thread is not in its lane of a slot.
 enum Missed {
-    /// The slot is not the stream's, or has no lanes.
-    OtherSlot,
+    /// The slot is not the stream's or has no lanes, or the thread must enter its lanes out of
+    /// line (see [`own_lane_quickly`]).
+    OutOfLine,
     /// The thread has no lane, is inside it already, or a slow path holds it.
     Refused,
 }
 
-/// The calling thread in its own lane of `slot`, if that is the slot of the stream with `key`.
+/// The calling thread in its own lane of `slot`, if that is the slot of the stream with `key`;
+/// `quickly` on the hot path (see [`own_lane_quickly`]).
 #[inline(always)]
-fn enter_lane(slot: &Slot, key: u64) -> Result<OwnedLane<'_>, Missed> {
-    let lanes = slot.lanes.get().ok_or(Missed::OtherSlot)?;
-    let lane = own_lane(&lanes[..]).ok_or(Missed::Refused)?;
+fn enter_lane(slot: &Slot, key: u64, quickly: bool) -> Result<OwnedLane<'_>, Missed> {
+    let lanes = &slot.lanes.get().ok_or(Missed::OutOfLine)?[..];
+    let lane = if quickly { own_lane_quickly(lanes).map_err(|SlowEntry| Missed::OutOfLine)? } else { own_lane(lanes) };
+    let lane = lane.ok_or(Missed::Refused)?;
     // Inside the lane: a slot given up changes its key while it holds the lanes' claims, before
     // it empties them, so a thread that sees its stream's key here entered before the claim (and
     // the lane still holds only that stream's blocks) or after a claim of the same stream: a
     // block found here was freed on this stream, and one cached here is kept for it.
     if slot.key.load(Relaxed) != key {
-        return Err(Missed::OtherSlot);
+        return Err(Missed::OutOfLine);
     }
     Ok(lane)
 }
