@@ -18,6 +18,7 @@
 //! threads were inside the cache must not use it at all (as with any lock: a slot lock or lane
 //! another thread held at the fork is held for ever there).
 
+use super::bound::Bound;
 use super::fence::{self, Fences};
 use super::lane_number::LANES;
 use super::lane_number::{allow_fast_lane, fast_lane_number, lane_number};
@@ -394,28 +395,38 @@ impl LaneState {
         Some(blocks[usize::from(*count) % DEPTH])
     }
 
-    /// Keeps a block of size class `index` if the lane has its lists (see
-    /// [`give_lists_if_missing`]) and room in that class, and `claim` takes its bytes from the
-    /// lane's budget; false, with nothing changed but what `claim` did, otherwise.
+    /// Keeps a block of size class `index` (of `class` bytes) if the lane has its lists (see
+    /// [`give_lists_if_missing`]) and room in that class, and its budget the block's bytes,
+    /// claimed from `bound` when short; false, with at most a chunk of budget claimed,
+    /// otherwise.
     #[inline(always)]
-    pub(super) fn push_claiming(
-        &mut self,
-        index: usize,
-        ptr: CUdeviceptr,
-        claim: impl FnOnce(&mut usize) -> bool,
-    ) -> bool {
+    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
         let Some(lists) = self.lists.as_deref_mut() else { return false };
         let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
             return false;
         };
         // No entry at `count` means the class is full (`count == DEPTH`).
         let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
-        if !claim(&mut self.budget) {
-            return false;
+        if self.budget < class {
+            // Out of line and starting over, so that nothing here lives across the call.
+            return self.push_claiming(index, ptr, class, bound);
         }
+        self.budget -= class;
         *entry = ptr;
         *count += 1;
         true
+    }
+
+    /// `push` for a lane short of budget: claims it from `bound` first.
+    #[cold]
+    #[inline(never)]
+    fn push_claiming(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
+        // Claimed and given straight back to the lane's budget, which `push` then spends.
+        if !bound.claim(&mut self.budget, class) {
+            return false;
+        }
+        self.budget += class;
+        self.push(index, ptr, class, bound)
     }
 
     /// The blocks of each size class: (class, blocks).

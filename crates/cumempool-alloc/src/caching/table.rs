@@ -304,5 +304,5 @@ fn enter_lane(slot: &Slot, key: u64, quickly: bool) -> Result<OwnedLane<'_>, Mis
 /// `bound` when short). Not touched: the allocation this block served was.
 #[inline(always)]
 fn push_inside(mut lane: OwnedLane<'_>, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
-    lane.push_claiming(index, ptr, |budget| bound.claim(budget, class))
+    lane.push(index, ptr, class, bound)
 }
