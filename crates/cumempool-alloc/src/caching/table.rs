@@ -74,9 +74,16 @@ impl SlotTable {
         self.probe(home, key, SLOTS)
     }
 
-    /// `find` past the home slot, over at most `length` slots of the probe path.
+    /// `find` past the home slot, over at most `length` slots of the probe path. Out of line for
+    /// `find`, whose callers inline it; in line in the out-of-line paths of the hot path.
     #[inline(never)]
     fn probe(&self, home: usize, key: u64, length: usize) -> Option<usize> {
+        self.probe_in_line(home, key, length)
+    }
+
+    /// [`probe`](Self::probe), in line.
+    #[inline(always)]
+    fn probe_in_line(&self, home: usize, key: u64, length: usize) -> Option<usize> {
         for i in 0..length {
             let index = (home + i) % SLOTS;
             match self.slots[index].key.load(Acquire) {
@@ -224,7 +231,7 @@ impl SlotTable {
     /// the whole table twice per call once released slots have filled it.
     #[inline(never)]
     fn pop_out_of_line(&self, home: usize, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        let slot = &self.slots[self.probe(home, key, NEAR)?];
+        let slot = &self.slots[self.probe_in_line(home, key, NEAR)?];
         self.pop_from_lane(slot, key, index, class)
     }
 
@@ -239,7 +246,8 @@ impl SlotTable {
         class: usize,
         bound: &Bound,
     ) -> bool {
-        self.probe(home, key, NEAR).is_some_and(|at| self.push_to_lane(&self.slots[at], key, ptr, index, class, bound))
+        self.probe_in_line(home, key, NEAR)
+            .is_some_and(|at| self.push_to_lane(&self.slots[at], key, ptr, index, class, bound))
     }
 
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
