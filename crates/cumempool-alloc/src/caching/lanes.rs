@@ -5,7 +5,7 @@
 //! lock nobody else takes costs a locked instruction to take (about 10 ns on the H200 node's
 //! Xeon, twice per pair). So lane `n` of every stream belongs to the thread holding lane number
 //! `n` (see [`lane_number`](super::lane_number)): its *owner*. Threads beyond the first
-//! [`LANES`](super::lane_number::LANES) have no lane and use the stream's shared lists.
+//! [`LANES`] have no lane and use the stream's shared lists.
 //!
 //! The owner enters its lane by storing `busy` and reading `claimed`; a slow path of any thread
 //! (release, reclaim, eviction, the no-memory retry, stats, drop, a miss once the bound is

@@ -29,7 +29,8 @@ pub(super) struct SlotTable {
     /// A coarse clock for least-recently-used eviction: advanced on slow paths only, read by
     /// the hot path.
     clock: Padded<AtomicU64>,
-    /// How lanes fence (the process's decision).
+    /// How lanes fence (the process's decision, made by the constructor before any thread can
+    /// enter a lane of this cache); for `Debug`.
     pub(super) fences: Fences,
     /// The process that made the cache: a forked child cannot claim lanes.
     pub(super) made_in: u32,
