@@ -398,8 +398,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if self.inner.may_be_capturing(stream) {
             return None;
         }
-        let key = stream.id().get();
-        self.table.pop_from_lane(self.table.slot_of(key)?, key, index, class)
+        self.table.pop_from_own_lane(stream.id().get(), index, class)
     }
 
     /// Caches a block in the calling thread's lane of a stream with a slot, if it has room
@@ -412,8 +411,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         if self.captured.any() || self.inner.may_be_capturing(stream) {
             return false;
         }
-        let key = stream.id().get();
-        self.table.slot_of(key).is_some_and(|slot| self.table.push_to_lane(slot, key, ptr, index, class, &self.bound))
+        self.table.push_to_own_lane(stream.id().get(), ptr, index, class, &self.bound)
     }
 
     #[inline(never)]
@@ -437,7 +435,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                 let mut state = lock(&slot.state);
                 if slot.key.load(Relaxed) == key {
                     self.table.touch(slot);
-                    if let Some(ptr) = pop_shared(lanes_of(slot), self.table.fences, &mut state, index, class) {
+                    if let Some(ptr) = pop_shared(lanes_of(slot), &mut state, index, class) {
                         return Ok(ptr);
                     }
                     // The bound is spent: blocks other threads left in their lanes of this stream
@@ -453,7 +451,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                         gather_from_lanes(lanes_of(slot), self.table.made_in, &mut state);
                         state.next_gather = now.saturating_add(nanos_of(LANE_SWEEP_INTERVAL));
                         self.timers.hold_lane_sweeps_until(state.next_gather);
-                        if let Some(ptr) = pop_shared(lanes_of(slot), self.table.fences, &mut state, index, class) {
+                        if let Some(ptr) = pop_shared(lanes_of(slot), &mut state, index, class) {
                             return Ok(ptr);
                         }
                     }
@@ -498,7 +496,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             // A lane's first free (or first since it was emptied): its lists are made here,
             // outside the lane, for a stream in any slot.
             if let Some(lanes) = slot.lanes.get() {
-                give_lists_if_missing(&lanes[..], self.table.fences);
+                give_lists_if_missing(&lanes[..]);
             }
             if self.table.push_to_lane(slot, key, ptr, index, class, &self.bound) {
                 return Ok(());
@@ -508,12 +506,12 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             if slot.key.load(Relaxed) == key {
                 // A stream's second cached free makes its lanes (8 KiB, once per slot): a stream
                 // used once never has any, so slow paths have none of its to claim.
-                let lanes = slot.lanes.get_or_init(|| Box::new(std::array::from_fn(|_| Lane::new())));
+                let lanes = slot.lanes.get_or_make();
                 // Short of budget: this thread's own lane's unfilled budget first, which needs no
                 // claim (entering one's own lane never waits), so that a thread whose lane is
                 // full never goes below while budget sits in that lane.
                 if state.budget < class {
-                    if let Some(mut lane) = own_lane(&lanes[..], self.table.fences) {
+                    if let Some(mut lane) = own_lane(&lanes[..]) {
                         state.budget += std::mem::take(&mut lane.budget);
                     }
                 }
@@ -595,6 +593,42 @@ mod tests {
         assert_eq!(where_blocks_are(&cache, &stream), (3 * a, 8 * a), "the free was cached with the lane's budget");
         // SAFETY: as above.
         unsafe { cache.deallocate(other, b, 256, &stream) }.expect("freed");
+    }
+
+    /// A hit in a lane marks the lane, not the slot (the hot path writes no shared line); the
+    /// eviction must still see the stream as used then, or it would evict a stream busy in its
+    /// lanes before one idle since it registered.
+    #[test]
+    fn a_stream_used_only_through_its_lane_is_not_the_least_recently_used() {
+        let _numbers = lock(&TEST_LANE_NUMBERS);
+        let block = 64 << 10;
+        let cache = CachingResource::with_max_cached(HostHeap, 6 * block);
+        // SAFETY: HostHeap ignores streams, so the handles are never used.
+        let [busy, idle, new] = [0x300, 0x301, 0x302]
+            .map(|raw| unsafe { Stream::borrow_raw(raw as cumempool::sys::CUstream, None) }.expect("a fake stream"));
+        // Three blocks each: the first two frees go to the shared lists, the third to this
+        // thread's lane; the bound is then spent.
+        for stream in [&busy, &idle] {
+            let blocks = [(); 3].map(|()| cache.allocate(block, 256, stream).expect("host memory"));
+            for ptr in blocks {
+                // SAFETY: allocated just above with these arguments.
+                unsafe { cache.deallocate(ptr, block, 256, stream) }.expect("cached");
+            }
+        }
+        assert_eq!(cache.bound.unclaimed(), 0, "the bound is spent");
+        // Later than `idle` registered, `busy` is used through its lane only.
+        cache.table.tick();
+        let (_, in_lane) = where_blocks_are(&cache, &busy);
+        let ptr = cache.allocate(block, 256, &busy).expect("a hit");
+        assert_eq!(where_blocks_are(&cache, &busy).1, in_lane - block, "the hit came from the lane");
+        // SAFETY: allocated just above with these arguments.
+        unsafe { cache.deallocate(ptr, block, 256, &busy) }.expect("cached");
+        // A new stream's free needs room: the least recently used stream is evicted.
+        let ptr = cache.allocate(block, 256, &new).expect("host memory");
+        // SAFETY: as above.
+        unsafe { cache.deallocate(ptr, block, 256, &new) }.expect("cached");
+        assert!(cache.table.find(idle.id().get()).is_none(), "the idle stream was evicted");
+        assert!(cache.table.find(busy.id().get()).is_some(), "the stream busy in its lane kept its slot");
     }
 
     /// Found measuring 32 threads on one stream with the bound spent (1.4 M pairs/s at 100%

@@ -7,7 +7,6 @@ use super::lock::lock;
 use super::slot::{SlotState, Taken};
 use super::table::SlotTable;
 use super::timers::Timers;
-use std::sync::atomic::Ordering::Relaxed;
 
 /// Takes the slots whose stream only the cache still holds (nobody can queue work on it
 /// any more), except the slot `keep`. Only under the registry lock.
@@ -50,7 +49,7 @@ pub(super) fn make_room(
             .filter(|&index| Some(index) != keep)
             .filter_map(|index| {
                 let state = lock(&table.slots[index].state);
-                state.stream.is_some().then(|| (table.slots[index].last_used.load(Relaxed), index))
+                state.stream.is_some().then(|| (table.last_used(&table.slots[index]), index))
             })
             .min();
         // No victim, no sweep: a stream alone at the bound would otherwise pay a

@@ -46,8 +46,9 @@ static MEMBARRIER_BUSY_LOGGED: AtomicBool = AtomicBool::new(false);
 /// Which fences pair up: decided once, before any cache exists, and never changed after.
 static FENCES: OnceLock<Fences> = OnceLock::new();
 
-/// How lanes fence, as decided for the process; each cache keeps a copy, so that the hot path
-/// reads it next to the cache's other fields rather than from a static.
+/// How lanes fence, as decided for the process. The hot path never reads it: a thread's lane
+/// number allows the hot path's entry, with the light half, only in the asymmetric mode (see
+/// [`own_lane_quickly`](super::lanes::own_lane_quickly)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Fences {
     /// The owner uses a compiler fence; slow paths `membarrier`.

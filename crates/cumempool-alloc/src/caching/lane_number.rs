@@ -48,14 +48,42 @@ thread_local! {
     /// other locals are destroyed. Unique among live threads: lane `n` of every stream has one
     /// owner at a time.
     static LANE_NUMBER: Cell<usize> = const { Cell::new(UNASSIGNED) };
+    /// The thread's lane number where it enters its lanes on the hot path, [`NO_FAST_LANE`]
+    /// otherwise (no number yet, none below [`LANES`], or the process fences symmetrically):
+    /// one load and one comparison decide both whether the thread has a lane and how it
+    /// fences. Set only to the thread's own `LANE_NUMBER`, cleared before that number is given
+    /// back.
+    static FAST_LANE: Cell<usize> = const { Cell::new(NO_FAST_LANE) };
     /// Gives the number back when the thread exits; made with the number.
     static LANE_RETURN: LaneReturn = const { LaneReturn };
 }
 
 struct LaneReturn;
 
+/// `FAST_LANE` of a thread that takes the slow entry to its lanes.
+const NO_FAST_LANE: usize = usize::MAX;
+
+/// The calling thread's lane number if it enters its lanes with the owner's light fence (see
+/// [`allow_fast_lane`]); [`LANES`] or more when it must take the slow entry.
+#[inline(always)]
+pub(super) fn fast_lane_number() -> usize {
+    FAST_LANE.with(Cell::get)
+}
+
+/// Lets the calling thread enter its lanes on the hot path from now on, with `number` (its
+/// current [`lane_number`], below [`LANES`]). Only once the process has chosen the asymmetric
+/// fences, which it never changes: the hot path's entry uses the light half.
+pub(super) fn allow_fast_lane(number: usize) {
+    if number < LANES && LANE_NUMBER.with(Cell::get) == number {
+        FAST_LANE.with(|cell| cell.set(number));
+    }
+}
+
 impl Drop for LaneReturn {
     fn drop(&mut self) {
+        // First: the number may go to another thread below, and this thread's destructors may
+        // still use a cache.
+        FAST_LANE.with(|cell| cell.set(NO_FAST_LANE));
         let number = LANE_NUMBER.with(|cell| cell.replace(GIVEN_BACK));
         if number < GIVEN_BACK {
             give_back_number(&mut lock(&FREE_LANES), number);

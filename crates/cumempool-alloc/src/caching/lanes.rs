@@ -5,7 +5,7 @@
 //! lock nobody else takes costs a locked instruction to take (about 10 ns on the H200 node's
 //! Xeon, twice per pair). So lane `n` of every stream belongs to the thread holding lane number
 //! `n` (see [`lane_number`](super::lane_number)): its *owner*. Threads beyond the first
-//! [`LANES`](super::lane_number::LANES) have no lane and use the stream's shared lists.
+//! [`LANES`] have no lane and use the stream's shared lists.
 //!
 //! The owner enters its lane by storing `busy` and reading `claimed`; a slow path of any thread
 //! (release, reclaim, eviction, the no-memory retry, stats, drop, a miss once the bound is
@@ -18,18 +18,73 @@
 //! threads were inside the cache must not use it at all (as with any lock: a slot lock or lane
 //! another thread held at the fork is held for ever there).
 
+use super::bound::Bound;
 use super::fence::{self, Fences};
-use super::lane_number::lane_number;
+use super::lane_number::LANES;
+use super::lane_number::{allow_fast_lane, fast_lane_number, lane_number};
 use super::size_class::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
 use std::cell::UnsafeCell;
 use std::sync::atomic::{
-    AtomicBool,
-    Ordering::{Acquire, Relaxed, Release},
+    compiler_fence, AtomicBool, AtomicPtr, AtomicU64,
+    Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst},
 };
 
 /// Blocks a lane holds per size class; further frees go to the stream's shared lists.
 const DEPTH: usize = 8;
+
+/// A stream's lanes, one per lane number: made by the stream's second cached free and kept for
+/// the slot's life. A plain pointer, null until then, so that the hot path reaches the lanes
+/// with one load and one test.
+pub(super) struct StreamLanes(AtomicPtr<[Lane; LANES]>);
+
+impl StreamLanes {
+    pub(super) const fn new() -> Self {
+        Self(AtomicPtr::new(std::ptr::null_mut()))
+    }
+
+    /// The lanes, if they were made.
+    #[inline(always)]
+    pub(super) fn get(&self) -> Option<&[Lane; LANES]> {
+        // SAFETY: non-null only once it points to lanes made by `get_or_make` (published by its
+        // release, seen by this acquire), which live until `self` is dropped.
+        unsafe { self.0.load(Acquire).as_ref() }
+    }
+
+    /// The lanes, made now if they were not.
+    pub(super) fn get_or_make(&self) -> &[Lane; LANES] {
+        if let Some(lanes) = self.get() {
+            return lanes;
+        }
+        let made = Box::into_raw(Box::new(std::array::from_fn(|_| Lane::new())));
+        let lanes = match self.0.compare_exchange(std::ptr::null_mut(), made, AcqRel, Acquire) {
+            Ok(_) => made,
+            Err(first) => {
+                // SAFETY: `made` came from `Box::into_raw` above and was published nowhere.
+                drop(unsafe { Box::from_raw(made) });
+                first
+            }
+        };
+        // SAFETY: non-null, made by this function, freed only when `self` is dropped.
+        unsafe { &*lanes }
+    }
+
+    /// The lanes through exclusive access, if they were made.
+    pub(super) fn get_mut(&mut self) -> Option<&mut [Lane; LANES]> {
+        // SAFETY: as in `get`; `&mut self` makes this the only reference.
+        unsafe { self.0.get_mut().as_mut() }
+    }
+}
+
+impl Drop for StreamLanes {
+    fn drop(&mut self) {
+        let lanes = *self.0.get_mut();
+        if !lanes.is_null() {
+            // SAFETY: made by `Box::into_raw` in `get_or_make`; nothing refers to it any more.
+            drop(unsafe { Box::from_raw(lanes) });
+        }
+    }
+}
 
 /// One thread's free blocks on one stream.
 #[repr(align(128))]
@@ -38,6 +93,11 @@ pub(super) struct Lane {
     busy: AtomicBool,
     /// Set by a slow path that has taken the lane from its owner, or is waiting to.
     claimed: AtomicBool,
+    /// The LRU clock when the owner last took a block from the lane: a hit marks its lane,
+    /// not the slot, so that it writes no line other threads share. Read without a claim by
+    /// eviction (see [`SlotTable::last_used`](super::table::SlotTable::last_used)). Never reset:
+    /// a slot's next stream registers at a later time than any mark its lanes hold.
+    used: AtomicU64,
     state: UnsafeCell<LaneState>,
 }
 
@@ -77,12 +137,12 @@ struct Lists {
 /// before the thread enters the lane: an allocation inside a lane could reach a global
 /// allocator that calls back into the cache, and a slow path there could wait for this very
 /// lane.
-pub(super) fn give_lists_if_missing(lanes: &[Lane], fences: Fences) {
-    if own_lane(lanes, fences).is_none_or(|lane| lane.lists.is_some()) {
+pub(super) fn give_lists_if_missing(lanes: &[Lane]) {
+    if own_lane(lanes).is_none_or(|lane| lane.lists.is_some()) {
         return;
     }
     let lists = Box::new(Lists { counts: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] });
-    let spare = match own_lane(lanes, fences) {
+    let spare = match own_lane(lanes) {
         Some(mut lane) if lane.lists.is_none() => {
             lane.lists = Some(lists);
             None
@@ -101,10 +161,16 @@ impl Lane {
         (!*self.busy.get_mut()).then(|| self.state.get_mut())
     }
 
+    /// When the owner last took a block from the lane (see `used`).
+    pub(super) fn last_used(&self) -> u64 {
+        self.used.load(Relaxed)
+    }
+
     pub(super) fn new() -> Self {
         Self {
             busy: AtomicBool::new(false),
             claimed: AtomicBool::new(false),
+            used: AtomicU64::new(0),
             state: UnsafeCell::new(LaneState::default()),
         }
     }
@@ -116,17 +182,52 @@ pub(super) struct OwnedLane<'a> {
 }
 
 /// The calling thread's own lane among a stream's `lanes`, unless it has none (a thread beyond
-/// the first [`LANES`](super::lane_number::LANES), or one whose thread-locals are being destroyed), a slow path holds it,
+/// the first [`LANES`], or one whose thread-locals are being destroyed), a slow path holds it,
 /// or the thread is in it already (a re-entrant call from inside the cache).
 #[inline(always)]
-pub(super) fn own_lane(lanes: &[Lane], fences: Fences) -> Option<OwnedLane<'_>> {
-    let lane = lanes.get(lane_number())?;
+pub(super) fn own_lane(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
+    own_lane_quickly(lanes).unwrap_or_else(|SlowEntry| own_lane_slowly(lanes))
+}
+
+/// The calling thread must enter its lanes with [`own_lane`], out of line.
+pub(super) struct SlowEntry;
+
+/// [`own_lane`] for the hot path: the entry with the owner's light fence, for a thread whose
+/// number allows it; [`SlowEntry`] for anything else (a thread's first entry, a thread without
+/// a lane, a process that fences symmetrically), so that the hot path keeps nothing live
+/// across the call that [`own_lane_slowly`] is.
+#[inline(always)]
+pub(super) fn own_lane_quickly(lanes: &[Lane]) -> Result<Option<OwnedLane<'_>>, SlowEntry> {
+    let number = fast_lane_number();
+    if number >= LANES {
+        return Err(SlowEntry);
+    }
+    // The process fences asymmetrically: see `allow_fast_lane`.
+    Ok(lanes.get(number).and_then(|lane| enter(lane, || compiler_fence(SeqCst))))
+}
+
+/// `own_lane` for a thread without the hot path's entry: takes or trades its lane number, and
+/// fences as the process chose; allows the hot path's entry from then on where it can.
+#[cold]
+#[inline(never)]
+fn own_lane_slowly(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
+    let fences = fence::prepare_fences();
+    let number = lane_number();
+    if fences == Fences::Asymmetric {
+        allow_fast_lane(number);
+    }
+    enter(lanes.get(number)?, || fences.light())
+}
+
+/// Enters `lane` as its owner, with `light` the owner's half of the fence.
+#[inline(always)]
+fn enter(lane: &Lane, light: impl FnOnce()) -> Option<OwnedLane<'_>> {
     // Only the owner stores `true` here, so reading it set means this thread is inside.
     if lane.busy.load(Relaxed) {
         return None;
     }
     lane.busy.store(true, Relaxed);
-    fences.light();
+    light();
     if lane.claimed.load(Acquire) {
         lane.busy.store(false, Release);
         return None;
@@ -148,6 +249,14 @@ impl std::ops::DerefMut for OwnedLane<'_> {
     fn deref_mut(&mut self) -> &mut LaneState {
         // SAFETY: as in `deref`; `&mut self` keeps this the only reference.
         unsafe { &mut *self.lane.state.get() }
+    }
+}
+
+impl OwnedLane<'_> {
+    /// Marks the lane used at `now` on the LRU clock.
+    #[inline(always)]
+    pub(super) fn mark_used(&self, now: u64) {
+        self.lane.used.store(now, Relaxed);
     }
 }
 
@@ -286,28 +395,38 @@ impl LaneState {
         Some(blocks[usize::from(*count) % DEPTH])
     }
 
-    /// Keeps a block of size class `index` if the lane has its lists (see
-    /// [`give_lists_if_missing`]) and room in that class, and `claim` takes its bytes from the
-    /// lane's budget; false, with nothing changed but what `claim` did, otherwise.
+    /// Keeps a block of size class `index` (of `class` bytes) if the lane has its lists (see
+    /// [`give_lists_if_missing`]) and room in that class, and its budget the block's bytes,
+    /// claimed from `bound` when short; false, with at most a chunk of budget claimed,
+    /// otherwise.
     #[inline(always)]
-    pub(super) fn push_claiming(
-        &mut self,
-        index: usize,
-        ptr: CUdeviceptr,
-        claim: impl FnOnce(&mut usize) -> bool,
-    ) -> bool {
+    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
         let Some(lists) = self.lists.as_deref_mut() else { return false };
         let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
             return false;
         };
         // No entry at `count` means the class is full (`count == DEPTH`).
         let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
-        if !claim(&mut self.budget) {
-            return false;
+        if self.budget < class {
+            // Out of line and starting over, so that nothing here lives across the call.
+            return self.push_claiming(index, ptr, class, bound);
         }
+        self.budget -= class;
         *entry = ptr;
         *count += 1;
         true
+    }
+
+    /// `push` for a lane short of budget: claims it from `bound` first.
+    #[cold]
+    #[inline(never)]
+    fn push_claiming(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
+        // Claimed and given straight back to the lane's budget, which `push` then spends.
+        if !bound.claim(&mut self.budget, class) {
+            return false;
+        }
+        self.budget += class;
+        self.push(index, ptr, class, bound)
     }
 
     /// The blocks of each size class: (class, blocks).
@@ -360,7 +479,6 @@ impl LaneState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::caching::fence::prepare_fences;
     use crate::caching::lane_number::{LANES, TEST_LANE_NUMBERS};
     use crate::caching::lock::lock;
 
@@ -372,11 +490,11 @@ mod tests {
     fn a_thread_inside_its_lane_cannot_enter_it_again() {
         let _numbers = lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
-        let inside = own_lane(&lanes, prepare_fences());
+        let inside = own_lane(&lanes);
         assert!(inside.is_some());
-        assert!(own_lane(&lanes, prepare_fences()).is_none(), "a re-entrant call would alias the lane's state");
+        assert!(own_lane(&lanes).is_none(), "a re-entrant call would alias the lane's state");
         drop(inside);
-        assert!(own_lane(&lanes, prepare_fences()).is_some());
+        assert!(own_lane(&lanes).is_some());
     }
 
     #[test]
@@ -384,10 +502,10 @@ mod tests {
         let _numbers = lock(&TEST_LANE_NUMBERS);
         let lanes = lanes();
         let mut claimed = claim(vec![&lanes[..]], std::process::id()).expect("claimed");
-        assert!(own_lane(&lanes, prepare_fences()).is_none());
+        assert!(own_lane(&lanes).is_none());
         claimed.group(0).for_each(|lane| lane.budget += 1);
         drop(claimed);
-        let lane = own_lane(&lanes, prepare_fences()).expect("given back");
+        let lane = own_lane(&lanes).expect("given back");
         assert_eq!(lane.budget, 1, "the owner sees what the claim wrote");
     }
 
@@ -402,7 +520,7 @@ mod tests {
                 .map(|_| {
                     let (lanes, barrier) = (&lanes, &barrier);
                     scope.spawn(move || {
-                        let lane = own_lane(lanes, prepare_fences());
+                        let lane = own_lane(lanes);
                         let at = lane.as_ref().map(|lane| std::ptr::from_ref(lane.lane) as usize);
                         barrier.wait(); // every thread holds its lane at once
                         at

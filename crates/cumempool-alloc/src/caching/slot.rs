@@ -2,14 +2,12 @@
 //! what the lanes do not (overflow, blocks of threads without a lane, and the budget a slot
 //! claimed from the bound).
 
-use super::fence::Fences;
-use super::lane_number::LANES;
-use super::lanes::{claim, own_lane, Lane, LaneState};
+use super::lanes::{claim, own_lane, Lane, LaneState, StreamLanes};
 use super::size_class::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 /// Streams a cache serves at once; allocations on further streams go straight to the resource below.
 pub(super) const SLOTS: usize = 256;
@@ -24,11 +22,13 @@ pub(super) struct Slot {
     /// `EMPTY`, `RELEASED`, or the [`Stream::id`] of its stream. Written only under the
     /// registry lock and the slot's own lock; read without either on the hot path.
     pub(super) key: AtomicU64,
-    /// The LRU clock when the slot was last used; written only when the clock has moved.
+    /// The LRU clock when the slot was last used on a slow path (a hit in a lane marks the
+    /// lane: see [`SlotTable::last_used`](super::table::SlotTable::last_used)); written only
+    /// when the clock has moved.
     pub(super) last_used: AtomicU64,
     /// A lane per thread, made by the stream's second cached free and kept for the cache's life;
     /// what they hold belongs to the slot's stream like `state`'s blocks.
-    pub(super) lanes: OnceLock<Box<[Lane; LANES]>>,
+    pub(super) lanes: StreamLanes,
     pub(super) state: Mutex<SlotState>,
 }
 
@@ -98,8 +98,8 @@ pub(super) fn gather_from_lanes(lanes: &[Lane], made_in: u32, state: &mut SlotSt
 /// lock (measured: 32 threads on one stream, 1.4 M pairs/s at 100% hits). To the shared budget
 /// when the thread has no lane. Under the slot's lock: entering one's own lane never waits, so
 /// this cannot deadlock with a slow path claiming lanes, which holds that lock.
-pub(super) fn credit_budget(lanes: &[Lane], fences: Fences, state: &mut SlotState, class: usize) {
-    match own_lane(lanes, fences) {
+pub(super) fn credit_budget(lanes: &[Lane], state: &mut SlotState, class: usize) {
+    match own_lane(lanes) {
         Some(mut lane) => lane.budget += class,
         None => state.budget += class,
     }
@@ -107,17 +107,11 @@ pub(super) fn credit_budget(lanes: &[Lane], fences: Fences, state: &mut SlotStat
 
 /// A block of size class `index` from a slot's shared lists, its budget given to the calling
 /// thread's lane (see [`credit_budget`]).
-pub(super) fn pop_shared(
-    lanes: &[Lane],
-    fences: Fences,
-    state: &mut SlotState,
-    index: usize,
-    class: usize,
-) -> Option<CUdeviceptr> {
+pub(super) fn pop_shared(lanes: &[Lane], state: &mut SlotState, index: usize, class: usize) -> Option<CUdeviceptr> {
     let ptr = state.blocks.get_mut(index).and_then(Vec::pop)?;
     state.cached_bytes -= class;
     state.hits += 1;
-    credit_budget(lanes, fences, state, class);
+    credit_budget(lanes, state, class);
     Some(ptr)
 }
 

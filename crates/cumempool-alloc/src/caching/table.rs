@@ -3,7 +3,9 @@
 
 use super::bound::Bound;
 use super::fence::{prepare_fences, Fences};
-use super::lanes::{claim, own_lane, ClaimedLanes, Unreachable};
+use super::lanes::{
+    claim, own_lane, own_lane_quickly, ClaimedLanes, Lane, OwnedLane, SlowEntry, StreamLanes, Unreachable,
+};
 use super::lock::lock;
 use super::padded::Padded;
 use super::size_class::CLASSES;
@@ -13,7 +15,7 @@ use std::sync::atomic::{
     AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
 };
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard};
 
 /// How far along its probe path the hot path looks for a stream's slot.
 const NEAR: usize = 8;
@@ -27,7 +29,8 @@ pub(super) struct SlotTable {
     /// A coarse clock for least-recently-used eviction: advanced on slow paths only, read by
     /// the hot path.
     clock: Padded<AtomicU64>,
-    /// How lanes fence (the process's decision).
+    /// How lanes fence (the process's decision, made by the constructor before any thread can
+    /// enter a lane of this cache); for `Debug`.
     pub(super) fences: Fences,
     /// The process that made the cache: a forked child cannot claim lanes.
     pub(super) made_in: u32,
@@ -39,7 +42,7 @@ impl SlotTable {
         let slots = Box::new(std::array::from_fn(|_| Slot {
             key: AtomicU64::new(EMPTY),
             last_used: AtomicU64::new(0),
-            lanes: OnceLock::new(),
+            lanes: StreamLanes::new(),
             state: Mutex::new(SlotState::default()),
         }));
         Self {
@@ -72,25 +75,16 @@ impl SlotTable {
         self.probe(home, key, SLOTS)
     }
 
-    /// The slot of the stream with `key` if it is within [`NEAR`] slots of its home: the hot
-    /// path's lookup. The home slot first, in line; a stream further along the probe path (its
-    /// home slot was taken when it registered) pays one call more, not the slow paths (2.3
-    /// times the instructions of a pair at home, measured). Only that far, so that a stream
-    /// without a slot, which the slow paths look up again, does not scan the whole table twice
-    /// per call once released slots have filled it.
-    #[inline(always)]
-    pub(super) fn slot_of(&self, key: u64) -> Option<&Slot> {
-        let home = home_of(key);
-        let slot = &self.slots[home];
-        if slot.key.load(Acquire) == key {
-            return Some(slot);
-        }
-        self.probe(home, key, NEAR).map(|index| &self.slots[index])
-    }
-
-    /// `find` past the home slot, over at most `length` slots of the probe path.
+    /// `find` past the home slot, over at most `length` slots of the probe path. Out of line for
+    /// `find`, whose callers inline it; in line in the out-of-line paths of the hot path.
     #[inline(never)]
     fn probe(&self, home: usize, key: u64, length: usize) -> Option<usize> {
+        self.probe_in_line(home, key, length)
+    }
+
+    /// [`probe`](Self::probe), in line.
+    #[inline(always)]
+    fn probe_in_line(&self, home: usize, key: u64, length: usize) -> Option<usize> {
         for i in 0..length {
             let index = (home + i) % SLOTS;
             match self.slots[index].key.load(Acquire) {
@@ -109,6 +103,12 @@ impl SlotTable {
         (0..SLOTS)
             .map(|i| (home + i) % SLOTS)
             .find(|&index| matches!(self.slots[index].key.load(Acquire), EMPTY | RELEASED))
+    }
+
+    /// When the slot's stream was last used, on the LRU clock: the latest of the slot's mark
+    /// and its lanes' (a hit in a lane marks only the lane).
+    pub(super) fn last_used(&self, slot: &Slot) -> u64 {
+        lanes_of(slot).iter().map(Lane::last_used).fold(slot.last_used.load(Relaxed), u64::max)
     }
 
     /// Marks the slot used now for LRU eviction; writes only when the clock has moved, so
@@ -192,23 +192,69 @@ impl SlotTable {
         (states, lanes)
     }
 
+    /// A hit in the calling thread's lane of the stream with `key`: the hot path's lookup. The
+    /// stream's home slot in line, its key checked once, inside the lane (entering the lane of
+    /// another stream's slot is harmless: nothing there is touched unless the key matches). A
+    /// stream further along its probe path (its home slot was taken when it registered) pays
+    /// one call more, not the slow paths.
+    #[inline(always)]
+    pub(super) fn pop_from_own_lane(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let home = home_of(key);
+        match enter_lane(&self.slots[home], key, true) {
+            Ok(lane) => self.pop_inside(lane, index, class),
+            Err(Missed::OutOfLine) => self.pop_out_of_line(home, key, index, class),
+            Err(Missed::Refused) => None,
+        }
+    }
+
+    /// Caches a block in the calling thread's lane of the stream with `key`, if it has room and
+    /// budget: the hot path's lookup, as in [`pop_from_own_lane`](Self::pop_from_own_lane).
+    #[inline(always)]
+    pub(super) fn push_to_own_lane(
+        &self,
+        key: u64,
+        ptr: CUdeviceptr,
+        index: usize,
+        class: usize,
+        bound: &Bound,
+    ) -> bool {
+        let home = home_of(key);
+        match enter_lane(&self.slots[home], key, true) {
+            Ok(lane) => push_inside(lane, ptr, index, class, bound),
+            Err(Missed::OutOfLine) => self.push_out_of_line(home, key, ptr, index, class, bound),
+            Err(Missed::Refused) => false,
+        }
+    }
+
+    /// `pop_from_own_lane` for a stream not in its home slot, or a thread that needs the slow
+    /// entry to its lanes: along the stream's probe path, within [`NEAR`] slots of its home
+    /// only, so that a stream without a slot, which the slow paths look up again, does not scan
+    /// the whole table twice per call once released slots have filled it.
+    #[inline(never)]
+    fn pop_out_of_line(&self, home: usize, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let slot = &self.slots[self.probe_in_line(home, key, NEAR)?];
+        self.pop_from_lane(slot, key, index, class)
+    }
+
+    /// `push_to_own_lane` out of line, as [`pop_out_of_line`](Self::pop_out_of_line).
+    #[inline(never)]
+    fn push_out_of_line(
+        &self,
+        home: usize,
+        key: u64,
+        ptr: CUdeviceptr,
+        index: usize,
+        class: usize,
+        bound: &Bound,
+    ) -> bool {
+        self.probe_in_line(home, key, NEAR)
+            .is_some_and(|at| self.push_to_lane(&self.slots[at], key, ptr, index, class, bound))
+    }
+
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
     #[inline(always)]
     pub(super) fn pop_from_lane(&self, slot: &Slot, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        let mut lane = own_lane(&slot.lanes.get()?[..], self.fences)?;
-        // Inside the lane: a slot given up changes its key while it holds the lanes' claims,
-        // before it empties them, so a thread that sees its stream's key here entered before the
-        // claim (and the lane still holds only that stream's blocks) or after a claim of the same
-        // stream: a block found here was freed on this stream.
-        if slot.key.load(Relaxed) != key {
-            return None;
-        }
-        let ptr = lane.pop(index)?;
-        lane.budget += class;
-        lane.hits += 1;
-        drop(lane);
-        self.touch(slot);
-        Some(ptr)
+        self.pop_inside(enter_lane(slot, key, false).ok()?, index, class)
     }
 
     /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
@@ -223,11 +269,49 @@ impl SlotTable {
         class: usize,
         bound: &Bound,
     ) -> bool {
-        let Some(mut lane) = slot.lanes.get().and_then(|lanes| own_lane(&lanes[..], self.fences)) else {
-            return false;
-        };
-        // As in `pop_from_lane`: the key, checked inside the lane, says whose blocks it holds.
-        // Not touched: the allocation this block served was.
-        slot.key.load(Relaxed) == key && lane.push_claiming(index, ptr, |budget| bound.claim(budget, class))
+        enter_lane(slot, key, false).is_ok_and(|lane| push_inside(lane, ptr, index, class, bound))
     }
+
+    /// A block of size class `index` from `lane`, the calling thread's lane of a stream.
+    #[inline(always)]
+    fn pop_inside(&self, mut lane: OwnedLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let ptr = lane.pop(index)?;
+        lane.budget += class;
+        lane.hits += 1;
+        lane.mark_used(self.clock.load(Relaxed));
+        Some(ptr)
+    }
+}
+
+/// Why the calling thread is not in its lane of a slot.
+enum Missed {
+    /// The slot is not the stream's or has no lanes, or the thread must enter its lanes out of
+    /// line (see [`own_lane_quickly`]).
+    OutOfLine,
+    /// The thread has no lane, is inside it already, or a slow path holds it.
+    Refused,
+}
+
+/// The calling thread in its own lane of `slot`, if that is the slot of the stream with `key`;
+/// `quickly` on the hot path (see [`own_lane_quickly`]).
+#[inline(always)]
+fn enter_lane(slot: &Slot, key: u64, quickly: bool) -> Result<OwnedLane<'_>, Missed> {
+    let lanes = &slot.lanes.get().ok_or(Missed::OutOfLine)?[..];
+    let lane = if quickly { own_lane_quickly(lanes).map_err(|SlowEntry| Missed::OutOfLine)? } else { own_lane(lanes) };
+    let lane = lane.ok_or(Missed::Refused)?;
+    // Inside the lane: a slot given up changes its key while it holds the lanes' claims, before
+    // it empties them, so a thread that sees its stream's key here entered before the claim (and
+    // the lane still holds only that stream's blocks) or after a claim of the same stream: a
+    // block found here was freed on this stream, and one cached here is kept for it.
+    if slot.key.load(Relaxed) != key {
+        return Err(Missed::OutOfLine);
+    }
+    Ok(lane)
+}
+
+/// Caches a block of size class `index` in `lane` if it has room, and budget (claimed from
+/// `bound` when short). Not touched: the allocation this block served was.
+#[inline(always)]
+fn push_inside(mut lane: OwnedLane<'_>, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
+    lane.push(index, ptr, class, bound)
 }
