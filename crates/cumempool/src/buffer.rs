@@ -367,7 +367,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// Where the pages of this managed buffer reside (driver 13.4): one [`Location`] per region
     /// of `summary_granularity` bytes, each the location most samples (every
     /// `sampling_granularity` bytes; 0 lets the system choose) found; see
-    /// [`location_info`](crate::location_info). Waits for the buffer's stream first, so queued
+    /// [`location_info`](crate::location_info()). Waits for the buffer's stream first, so queued
     /// work such as prefetches is reflected.
     ///
     /// # Errors
