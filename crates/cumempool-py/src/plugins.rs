@@ -39,8 +39,10 @@ fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
     let context = cumempool::Device::get(device)?.primary_context()?;
     let stream = match raw {
         0 | 1 => cumempool::Stream::legacy(&context),
-        // SAFETY: PyTorch hands out streams it keeps alive while memory is allocated on them; a
-        // stream it destroys is not used again with this handle until it makes a new one there.
+        // SAFETY: PyTorch never destroys its own streams (the default stream, its stream pools).
+        // A stream lent to it through `torch.cuda.ExternalStream` is the lender's to keep alive,
+        // as PyTorch requires; here, until the served resource gave back what was freed on it
+        // (the plug-in's documented contract: docs/python.md, Plug-ins).
         _ => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(&context)) }?,
     };
     streams.insert((raw, device), stream.clone());

@@ -12,6 +12,11 @@ resource (a cache, say), through the C functions this package's native library e
 One resource serves new allocations at a time (the exported functions are process-wide);
 ``serve`` switches it, and each allocation still goes back to the resource it came from. Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``
 PyTorch allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
+
+Streams: PyTorch passes raw handles, which the plug-in borrows for the life of the process, and a
+cache it serves gives blocks back on the handle they were freed on, later. PyTorch's own streams
+are never destroyed. A stream lent through ``torch.cuda.ExternalStream`` must live until the
+served resource's ``release()`` ran after its last tensor was freed (or to the end of the process).
 """
 
 from __future__ import annotations
