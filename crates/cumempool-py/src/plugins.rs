@@ -61,7 +61,8 @@ pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
 }
 
 /// PyTorch's pluggable allocation function: `size` bytes on `device`, ordered on `stream`;
-/// null (PyTorch's out-of-memory) on any failure or for a device the resource does not serve.
+/// null for zero bytes, and (PyTorch's out-of-memory) on any failure or for a device the resource
+/// does not serve.
 ///
 /// # Safety
 /// Called by PyTorch with a valid stream of `device`.
@@ -69,7 +70,9 @@ pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
 pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
     // PyTorch may call in holding the GIL or not: the GIL is left as it is.
     let _unmarked = crate::gil::Unmarked::new();
-    let Ok(size) = usize::try_from(size) else {
+    // Zero bytes (an empty tensor) is the null pointer, which PyTorch never frees: nothing is
+    // allocated or kept for it, or it would stay live for ever and keep its resource alive.
+    let Ok(size @ 1..) = usize::try_from(size) else {
         return std::ptr::null_mut();
     };
     // A clone, so no lock is held while the resource runs: its out-of-memory callback may
@@ -100,6 +103,10 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
 /// `ptr` must come from `cumempool_torch_alloc` with the same size, device and stream, freed once.
 #[no_mangle]
 pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, device: i32, stream: *mut c_void) {
+    // The null pointer is what an empty allocation got: nothing to give back.
+    if ptr.is_null() {
+        return;
+    }
     // As in `cumempool_torch_alloc`.
     let _unmarked = crate::gil::Unmarked::new();
     let resource = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));

@@ -209,6 +209,42 @@ def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcu
     assert (lines[1], lines[3]) == ("True", "True"), "(after alloc, after free) the caller's context was current"
 
 
+def test_a_torch_allocation_of_zero_bytes_is_not_kept(fake_libcuda):
+    # PyTorch passes size 0 for an empty tensor and never frees the null it gets back: an entry
+    # kept for it would count for ever and keep the served resource alive after stop().
+    lines = _run(
+        fake_libcuda,
+        """
+        import cumempool.torch as cmt
+        lib = ctypes.CDLL(cm.native_library_path())
+        lib.cumempool_torch_alloc.restype = ctypes.c_void_p
+        lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        # The served cache keeps a block for the lender's stream, so holds the lender: the
+        # lender lives exactly as long as the cache.
+        lender = Lender(cm.Stream(0))
+        kept = weakref.ref(lender)
+        cache = cm.CachingResource(cm.PoolResource(pool))
+        cache.alloc(64, lender).close()
+        stats = cmt.serve(cache)
+        p = lib.cumempool_torch_alloc(64, 0, None)
+        lib.cumempool_torch_free(p, 64, 0, None)
+        print(stats.usage()["current_count"])  # control: a pair leaves nothing counted
+        print(lib.cumempool_torch_alloc(0, 0, None))
+        print(stats.usage()["current_count"])
+        cmt.stop()
+        del cache, stats, lender
+        cm.Stream.borrow(Lender(cm.Stream(0)))  # the bindings' memo of recent lenders moves on
+        gc.collect()
+        print(kept() is None)
+        """,
+    )
+    assert lines[0] == "0"
+    assert lines[1] == "None", "an empty allocation is the null pointer"
+    assert lines[2] == "0", "the empty allocation is counted as live"
+    assert lines[3] == "True", "the served resource outlived stop() through the empty allocation"
+
+
 def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
     # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(
