@@ -64,6 +64,15 @@ impl Drop for InUse {
     }
 }
 
+impl InUse {
+    /// The core, for a holder that lets go of it itself (a DLPack capsule's context).
+    pub(crate) fn hand_on(self) -> Arc<Core> {
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: taken once; `this` is never dropped, so `Drop` does not take it again.
+        unsafe { ManuallyDrop::take(&mut this.0) }
+    }
+}
+
 impl Buffer {
     pub(crate) fn new(core: Core) -> Self {
         Self { core: Some(Slot::Own(core)), viewed: false, kept: None }
@@ -203,7 +212,9 @@ impl Buffer {
         copy: Option<bool>,
     ) -> Outcome<Py<PyAny>> {
         let py = slf.py();
-        let core = Self::shared_core(slf)?;
+        // In use, not a bare share: an error below, after a `close()` on another thread while
+        // the GIL was released, then lets go of it as the last holder must.
+        let core = Self::in_use(slf)?;
         let mut device = dlpack::device_of(&core);
         // Host-accessible memory may be handed to a CPU consumer as CPU memory.
         if dl_device == Some((dlpack::KDL_CPU, 0)) && core.kind != Kind::Device {
@@ -240,7 +251,7 @@ impl Buffer {
             crate::gil::detach(py, || core.order_before_consumer(consumer, &context))?;
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        Ok(dlpack::capsule(py, core, versioned, device)?.into_any().unbind())
+        Ok(dlpack::capsule(py, core.hand_on(), versioned, device)?.into_any().unbind())
     }
 
     /// The data another process needs to map this allocation from the pool it imported

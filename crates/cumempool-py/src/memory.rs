@@ -139,9 +139,12 @@ impl Core {
     pub(crate) fn release(core: Slot, py: Python<'_>) {
         let core = match core {
             Slot::Own(core) => core,
-            Slot::Shared(shared) => match Arc::try_unwrap(shared) {
-                Ok(core) => core,
-                Err(_) => return,
+            // `into_inner`, not `try_unwrap`: two holders letting go at once on two threads
+            // (a close and a consumer's deleter) could both see the other and both fail, and
+            // the core would then be dropped plainly, without what this function does.
+            Slot::Shared(shared) => match Arc::into_inner(shared) {
+                Some(core) => core,
+                None => return,
             },
         };
         let Self { memory, stream, .. } = core;
@@ -156,7 +159,8 @@ impl Core {
     /// references), and the memo forgets an unused lent stream at its next miss
     /// (`streams::prune_unused`).
     pub(crate) fn release_unattached(core: Arc<Core>) {
-        if let Ok(Self { memory, stream, .. }) = Arc::try_unwrap(core) {
+        // `into_inner`: see `release`.
+        if let Some(Self { memory, stream, .. }) = Arc::into_inner(core) {
             // The memory first: it is freed on the stream the Python object keeps alive.
             memory.free();
             drop(stream);
