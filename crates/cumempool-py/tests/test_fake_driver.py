@@ -245,6 +245,37 @@ def test_a_torch_allocation_of_zero_bytes_is_not_kept(fake_libcuda):
     assert lines[3] == "True", "the served resource outlived stop() through the empty allocation"
 
 
+def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(fake_libcuda):
+    # Under `with cupy.cuda.Device(1)`, CuPy's null stream names no device, and the memory would
+    # be the resource's device's, ordered on that device's legacy stream, while CuPy runs on 1.
+    lines = _run(
+        fake_libcuda,
+        """
+        import sys, types
+        import cumempool.cupy as cmc
+        current = [0]
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=lambda: current[0]),
+            get_current_stream=lambda: None,
+            UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
+            MemoryPointer=lambda memory, offset: memory,
+        )
+        sys.modules["cupy"] = cupy
+        allocator = cmc.Allocator(pool)
+        print(allocator(64)[3])  # control: device 0 is served
+        current[0] = 1
+        try:
+            allocator(64)
+            print("served")
+        except cm.InvalidDeviceError as error:
+            print("refused", "device 1" in str(error) and "device 0" in str(error))
+        """,
+    )
+    assert lines[0] == "0"
+    assert lines[1:] == ["refused", "True"], "memory of device 0 was handed to CuPy running on device 1"
+
+
 def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
     # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(

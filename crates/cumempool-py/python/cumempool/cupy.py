@@ -12,6 +12,7 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 from __future__ import annotations
 
 from ._native import MemPool, PoolResource, Resource
+from .errors import InvalidDeviceError
 
 
 class Allocator:
@@ -20,7 +21,11 @@ class Allocator:
 
     CuPy's current stream is passed to cumempool as it is: cumempool finds the same stream
     again by its handle and device (one stream to a cache) and holds the CuPy stream object
-    only while memory allocated on it, or a block a cache keeps for it, is alive."""
+    only while memory allocated on it, or a block a cache keeps for it, is alive.
+
+    It serves the resource's device only: under ``cupy.cuda.Device(n)`` for another device it
+    raises :class:`cumempool.InvalidDeviceError` (make an allocator per device), since CuPy
+    would use the memory on that device's streams, unordered with the ones it was given on."""
 
     def __init__(self, source: MemPool | Resource):
         self.resource = PoolResource(source) if isinstance(source, MemPool) else source
@@ -28,6 +33,12 @@ class Allocator:
     def __call__(self, size: int):
         import cupy
 
+        current = cupy.cuda.runtime.getDevice()
+        if current != self.resource.device:
+            raise InvalidDeviceError(
+                f"this allocator serves device {self.resource.device} and CuPy's current device is "
+                f"device {current}: give each device an Allocator of its own resource"
+            )
         buffer = self.resource.alloc(size, cupy.cuda.get_current_stream())
         memory = cupy.cuda.UnownedMemory(buffer.ptr, size, buffer, buffer.device)
         return cupy.cuda.MemoryPointer(memory, 0)
