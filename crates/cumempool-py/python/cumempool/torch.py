@@ -43,7 +43,12 @@ def serve(source: MemPool | Resource) -> Statistics:
 
 
 def allocator():
-    """The ``CUDAPluggableAllocator`` over this package's native library (made once)."""
+    """The ``CUDAPluggableAllocator`` over this package's native library (made once), for
+    ``torch.cuda.MemPool`` as :func:`mem_pool` makes it. Not for
+    ``torch.cuda.memory.change_current_allocator``: a pluggable allocator made current has no
+    ``record_stream`` function, so ``Tensor.record_stream`` (which NCCL process groups rely on)
+    would do nothing and memory could be reused while another stream still reads it. Inside a
+    ``MemPool``, PyTorch's caching allocator keeps recorded streams itself."""
     global _allocator
     if _allocator is None:
         import torch.cuda.memory
