@@ -220,9 +220,9 @@ impl Buffer {
         if dl_device == Some((dlpack::KDL_CPU, 0)) && core.kind != Kind::Device {
             device = (dlpack::KDL_CPU, 0);
         }
-        if dl_device.is_some_and(|d| d != device) {
+        if let Some(wanted) = dl_device.filter(|&wanted| wanted != device) {
             return Err(PyBufferError::new_err(format!(
-                "this buffer is on DLPack device {device:?} and cannot be exported to {dl_device:?} without a copy"
+                "this buffer is on DLPack device {device:?} and cannot be exported to {wanted:?} without a copy"
             ))
             .into());
         }

@@ -462,10 +462,18 @@ impl Stream {
 
     /// Borrows another library's stream: an object with `__cuda_stream__`, a torch or CuPy
     /// stream, or an int handle (of `device`, default: the object's device or 0). The object is
-    /// held; a bare int must stay valid while this Stream and its buffers live.
+    /// held; a bare int must stay valid while this Stream and its buffers live, and while a
+    /// cache keeps blocks freed on it (until its `release()`).
     #[staticmethod]
     #[pyo3(signature = (obj, device = None))]
     fn borrow(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<i32>) -> Outcome<Py<Self>> {
+        // `True` and `False` are ints to Python, and would name the legacy stream.
+        if obj.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "a bool is not a stream: pass a Stream, an object with __cuda_stream__, a torch or CuPy stream, or an int handle",
+            )
+            .into());
+        }
         if let (Some(device), Ok(raw)) = (device, obj.extract::<usize>()) {
             if raw == 0 || raw == LEGACY_HANDLE {
                 return Self::shared_legacy(py, device);

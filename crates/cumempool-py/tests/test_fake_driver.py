@@ -276,6 +276,28 @@ def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(fake_libcuda):
     assert lines[1:] == ["refused", "True"], "memory of device 0 was handed to CuPy running on device 1"
 
 
+def test_wrong_exports_and_streams_are_refused_in_plain_words(fake_libcuda):
+    lines = _run(
+        fake_libcuda,
+        """
+        buffer = pool.alloc(64)
+        try:
+            buffer.__dlpack__(dl_device=(1, 0))
+        except BufferError as error:
+            print("Some(" not in str(error), "(1, 0)" in str(error))
+        for device in (None, 0):
+            try:
+                cm.Stream.borrow(True, device=device)
+                print("borrowed")
+            except TypeError:
+                print("refused")
+        buffer.close()
+        """,
+    )
+    assert lines[:2] == ["True", "True"], "the refused DLPack device is shown as Rust's Option"
+    assert lines[2:] == ["refused", "refused"], "Stream.borrow(True, device=0) took True for the legacy stream"
+
+
 def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
     # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(
