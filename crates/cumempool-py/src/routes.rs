@@ -2,6 +2,10 @@
 
 use crate::errors::{Failure, Outcome};
 use pyo3::prelude::*;
+use pyo3::types::{PyTuple, PyType};
+
+/// What `__reduce__` answers for pickling: a callable and its arguments.
+type Reduced<'py> = (Bound<'py, PyAny>, Bound<'py, PyTuple>);
 
 /// Where memory lives: a device, the host, a host NUMA node, no preference (managed pools
 /// only) or, with CUDA 13.4, one locality domain of a device.
@@ -59,6 +63,29 @@ impl Location {
         self.0.is_host()
     }
 
+    /// Pickles as the constructor that makes it again, so a location crosses to another
+    /// process (`multiprocessing`). A location only the driver reports (invisible, unknown)
+    /// has no constructor and is refused.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Reduced<'py>> {
+        use cumempool::Location as L;
+        let py = slf.py();
+        let (name, args) = match slf.get().0 {
+            L::Device(ordinal) => ("device", PyTuple::new(py, [ordinal])?),
+            L::Host => ("host", PyTuple::empty(py)),
+            L::HostNuma(node) => ("host_numa", PyTuple::new(py, [node])?),
+            L::HostNumaCurrent => ("host_numa_current", PyTuple::empty(py)),
+            L::Unspecified => ("unspecified", PyTuple::empty(py)),
+            #[cfg(feature = "cuda-13040")]
+            L::DeviceLocalityDomain { device, domain } => ("locality_domain", (device, domain).into_pyobject(py)?),
+            other => {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "the location {other} is one only the driver reports, and cannot be pickled"
+                )))
+            }
+        };
+        Ok((slf.get_type().getattr(name)?, args))
+    }
+
     fn __repr__(&self) -> String {
         format!("Location({})", self.0)
     }
@@ -90,6 +117,19 @@ pub enum AllocationType {
     PINNED,
     /// Managed (unified) memory, which migrates between host and devices.
     MANAGED,
+}
+
+#[pymethods]
+impl AllocationType {
+    /// Pickles as `getattr(AllocationType, name)`: the one member of that name.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Reduced<'py>> {
+        let name = match *slf.get() {
+            Self::PINNED => "PINNED",
+            Self::MANAGED => "MANAGED",
+        };
+        let getattr = PyModule::import(slf.py(), "builtins")?.getattr("getattr")?;
+        Ok((getattr, (slf.as_any().get_type(), name).into_pyobject(slf.py())?))
+    }
 }
 
 impl AllocationType {
@@ -184,6 +224,12 @@ impl Route {
     fn validate(&self, py: Python<'_>) -> Outcome<()> {
         let route = self.0;
         Ok(crate::gil::detach(py, || route.validate())?)
+    }
+
+    /// Pickles as `Route(location, allocation_type)`.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, PyType>, (Location, AllocationType)) {
+        let route = slf.get().0;
+        (slf.get_type(), (Location(route.location), AllocationType::from_rust(route.allocation_type)))
     }
 
     fn __repr__(&self) -> String {

@@ -71,6 +71,12 @@ impl Device {
         Ok(self.0.can_access_peer(peer.0)?)
     }
 
+    /// Pickles as `Device(ordinal)`: the receiving process checks the ordinal against its own
+    /// devices.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, pyo3::types::PyType>, (i32,)) {
+        (slf.get_type(), (slf.get().0.ordinal(),))
+    }
+
     fn __repr__(&self) -> String {
         format!("Device({})", self.0.ordinal())
     }

@@ -298,6 +298,18 @@ def test_wrong_exports_and_streams_are_refused_in_plain_words(fake_libcuda):
     assert lines[2:] == ["refused", "refused"], "Stream.borrow(True, device=0) took True for the legacy stream"
 
 
+def test_a_device_pickles_as_its_ordinal(fake_libcuda):
+    lines = _run(
+        fake_libcuda,
+        """
+        import pickle
+        again = pickle.loads(pickle.dumps(cm.Device(0)))
+        print(type(again).__name__, again.ordinal, again == cm.Device(0))
+        """,
+    )
+    assert lines == ["Device", "0", "True"]
+
+
 def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
     # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(

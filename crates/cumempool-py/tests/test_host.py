@@ -21,6 +21,27 @@ def test_routes_compare_hash_and_print_like_the_rust_ones():
     assert len({cm.Route.device(0), cm.Route.device(0), cm.Route.host_numa(0)}) == 2
 
 
+def test_routes_locations_and_allocation_types_pickle_and_copy_as_values():
+    import copy
+    import pickle
+
+    values = [
+        cm.Route.device(1),
+        cm.Route.host(),
+        cm.Route.host_numa(3),
+        cm.Route.managed(),
+        cm.Route.managed(cm.Location.device(0)),
+        cm.Location.host_numa_current(),
+        cm.Location.unspecified(),
+        cm.AllocationType.MANAGED,
+        cm.AllocationType.PINNED,
+    ]
+    for value in values:
+        again = pickle.loads(pickle.dumps(value))
+        assert again == value and type(again) is type(value), value
+        assert copy.deepcopy(value) == value
+
+
 def test_a_route_that_cannot_exist_is_refused_when_made():
     with pytest.raises(cm.InvalidRouteError, match="managed memory only") as caught:
         cm.Route(cm.Location.unspecified(), cm.AllocationType.PINNED)
