@@ -14,10 +14,11 @@ use cumempool_alloc::{
     CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
     OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, Tracking as TrackingAdaptor,
 };
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use pyo3::PyClassInitializer;
-use std::sync::Arc;
+use pyo3::{PyClassInitializer, PyTraverseError};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 
 /// Base of every resource: `alloc(size, stream)` returns a Buffer given back to the resource
 /// when closed or collected.
@@ -26,15 +27,17 @@ pub struct ResourceBase {
     pub(crate) inner: Arc<dyn Resource>,
     pub(crate) kind: Kind,
     pub(crate) device: i32,
-    /// The Python objects below (pool, inner resource, callback), kept for as long as this one.
+    /// The Python object below (pool or inner resource), kept for as long as this one and
+    /// shown to the garbage collector (`__traverse__`). It is never cleared: a cycle through it
+    /// also runs through an object the collector can clear (a callback, an instance's dict).
     /// A stream another library lent needs nothing here: every clone of its Rust stream (a
     /// buffer's, one a cache keeps with its blocks) holds the library's object.
-    _below: Py<PyAny>,
+    below: Py<PyAny>,
 }
 
 impl ResourceBase {
     fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
-        Self { inner, kind: below.kind, device: below.device, _below: below_object }
+        Self { inner, kind: below.kind, device: below.device, below: below_object }
     }
 }
 
@@ -72,6 +75,10 @@ impl ResourceBase {
     fn device(&self) -> i32 {
         self.device
     }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.below)
+    }
 }
 
 /// A pool as a resource (the base of a stack of adaptors).
@@ -97,7 +104,7 @@ impl PoolResourceBinding {
             inner,
             kind: kind_of(route),
             device: MemPool::home_device(route),
-            _below: pool.into_any().unbind(),
+            below: pool.into_any().unbind(),
         };
         Ok(PyClassInitializer::from(base).add_subclass(Self))
     }
@@ -204,7 +211,14 @@ impl Tracking {
 /// `True` retries, `False` raises. An exception in the callback counts as `False` and is
 /// reported as unraisable.
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
-pub struct OnOutOfMemory;
+pub struct OnOutOfMemory {
+    callback: CallbackSlot,
+}
+
+/// The callback, shared with the Rust adaptor that calls it, where the garbage collector can
+/// see it and take it out (a cycle through it, such as a bound method of the object holding
+/// this resource, is collected). Locked only with the GIL held and never across a call.
+type CallbackSlot = Arc<Mutex<Option<Py<PyAny>>>>;
 
 type Callback = Box<dyn Fn(usize, u32) -> bool + Send + Sync>;
 
@@ -213,18 +227,44 @@ impl OnOutOfMemory {
     #[new]
     fn new(resource: &Bound<'_, ResourceBase>, callback: Py<PyAny>) -> PyClassInitializer<Self> {
         let (inner, object) = base_of(resource);
-        let call: Callback = Box::new(move |bytes, attempt| {
-            Python::attach(|py| match callback.call1(py, (bytes, attempt)).and_then(|answer| answer.is_truthy(py)) {
-                Ok(retry) => retry,
-                Err(error) => {
-                    error.write_unraisable(py, None);
-                    false
-                }
-            })
-        });
+        let slot: CallbackSlot = Arc::new(Mutex::new(Some(callback)));
+        let shared = slot.clone();
+        let call: Callback = Box::new(move |bytes, attempt| Python::attach(|py| answer(py, &shared, bytes, attempt)));
         let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
         let base = ResourceBase::over(adaptor, resource.get(), object);
-        PyClassInitializer::from(base).add_subclass(Self)
+        PyClassInitializer::from(base).add_subclass(Self { callback: slot })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // The slot is locked only for a moment with the GIL held, so it is free here; were it
+        // not, the callback stays unvisited, which only keeps it alive.
+        match self.callback.try_lock() {
+            Ok(callback) => visit.call(callback.as_ref()),
+            Err(TryLockError::Poisoned(callback)) => visit.call(callback.into_inner().as_ref()),
+            Err(TryLockError::WouldBlock) => Ok(()),
+        }
+    }
+
+    fn __clear__(&self) {
+        let callback = self.callback.lock().unwrap_or_else(PoisonError::into_inner).take();
+        // Released after the lock: dropping it may run Python code.
+        drop(callback);
+    }
+}
+
+/// The callback's answer: whether to retry. Without a callback (the collector took it), no
+/// retry.
+fn answer(py: Python<'_>, slot: &CallbackSlot, bytes: usize, attempt: u32) -> bool {
+    let callback = slot.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(|c| c.clone_ref(py));
+    let Some(callback) = callback else {
+        return false;
+    };
+    match callback.call1(py, (bytes, attempt)).and_then(|answer| answer.is_truthy(py)) {
+        Ok(retry) => retry,
+        Err(error) => {
+            error.write_unraisable(py, None);
+            false
+        }
     }
 }
 
