@@ -14,10 +14,13 @@ use cumempool_alloc::{
     CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
     OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, Tracking as TrackingAdaptor,
 };
+use pyo3::exceptions::PyException;
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use pyo3::PyClassInitializer;
-use std::sync::Arc;
+use pyo3::{PyClassInitializer, PyTraverseError};
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 
 /// Base of every resource: `alloc(size, stream)` returns a Buffer given back to the resource
 /// when closed or collected.
@@ -26,15 +29,17 @@ pub struct ResourceBase {
     pub(crate) inner: Arc<dyn Resource>,
     pub(crate) kind: Kind,
     pub(crate) device: i32,
-    /// The Python objects below (pool, inner resource, callback), kept for as long as this one.
+    /// The Python object below (pool or inner resource), kept for as long as this one and
+    /// shown to the garbage collector (`__traverse__`). It is never cleared: a cycle through it
+    /// also runs through an object the collector can clear (a callback, an instance's dict).
     /// A stream another library lent needs nothing here: every clone of its Rust stream (a
     /// buffer's, one a cache keeps with its blocks) holds the library's object.
-    _below: Py<PyAny>,
+    below: Py<PyAny>,
 }
 
 impl ResourceBase {
     fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
-        Self { inner, kind: below.kind, device: below.device, _below: below_object }
+        Self { inner, kind: below.kind, device: below.device, below: below_object }
     }
 }
 
@@ -44,12 +49,26 @@ impl ResourceBase {
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let stream = Stream::from_object(py, stream, self.device)?;
+        let interruptions = Interruptions::collect();
         // The GIL is released, and the caller's context put back, only around driver calls, at
         // the bottom of the stack (a cache hit makes none).
-        let ptr = {
+        let allocated = {
             let _held = Held::new(py);
-            self.inner.allocate(size, &stream.get().stream)?
+            self.inner.allocate(size, &stream.get().stream)
         };
+        if let Some(interruption) = interruptions.take() {
+            // A resource above the callback (a cache) may have found memory after its refusal.
+            if let Ok(ptr) = allocated {
+                let _held = Held::new(py);
+                // SAFETY: just allocated by `inner` with `size` bytes on this stream, freed
+                // once, never used.
+                if let Err(error) = unsafe { self.inner.deallocate(ptr, size, &stream.get().stream) } {
+                    tracing::warn!(%error, size, "giving back an allocation an interruption stopped failed");
+                }
+            }
+            return Err(interruption.into());
+        }
+        let ptr = allocated?;
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
         // The memory's device is the pool's, whichever device's stream it is ordered on.
@@ -71,6 +90,10 @@ impl ResourceBase {
     #[getter]
     fn device(&self) -> i32 {
         self.device
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.below)
     }
 }
 
@@ -97,7 +120,7 @@ impl PoolResourceBinding {
             inner,
             kind: kind_of(route),
             device: MemPool::home_device(route),
-            _below: pool.into_any().unbind(),
+            below: pool.into_any().unbind(),
         };
         Ok(PyClassInitializer::from(base).add_subclass(Self))
     }
@@ -200,11 +223,67 @@ impl Tracking {
     }
 }
 
+thread_local! {
+    /// `Some` while a `Resource.alloc` runs on this thread, holding the first interruption (an
+    /// exception that is not an `Exception`: KeyboardInterrupt, SystemExit) an out-of-memory
+    /// callback raised during it. Out-of-memory callbacks run on the allocating thread.
+    static INTERRUPTION: RefCell<Option<Option<PyErr>>> = const { RefCell::new(None) };
+}
+
+/// Collects the interruptions of out-of-memory callbacks for the life of one `alloc`, so that
+/// `alloc` raises them; nested `alloc`s (a callback allocating) each collect their own.
+struct Interruptions {
+    outer: Option<Option<PyErr>>,
+}
+
+impl Interruptions {
+    fn collect() -> Self {
+        Self { outer: INTERRUPTION.with(|slot| slot.replace(Some(None))) }
+    }
+
+    /// The interruption a callback raised since `collect`, if any.
+    fn take(self) -> Option<PyErr> {
+        INTERRUPTION.with(|slot| slot.borrow_mut().as_mut().and_then(Option::take))
+    }
+
+    /// Whether an interruption stops the `alloc` under way: no callback runs again in it.
+    fn pending() -> bool {
+        INTERRUPTION.with(|slot| matches!(*slot.borrow(), Some(Some(_))))
+    }
+
+    /// Keeps `interruption` for the `alloc` under way, or hands it back outside one (a plug-in
+    /// allocating for another library) or when the `alloc` keeps one already.
+    fn keep(interruption: PyErr) -> Result<(), PyErr> {
+        INTERRUPTION.with(|slot| match &mut *slot.borrow_mut() {
+            Some(kept @ None) => {
+                *kept = Some(interruption);
+                Ok(())
+            }
+            _ => Err(interruption),
+        })
+    }
+}
+
+impl Drop for Interruptions {
+    fn drop(&mut self) {
+        // Outside the borrow: dropping an interruption not taken (only on a panic) may run Python.
+        drop(INTERRUPTION.with(|slot| slot.replace(self.outer.take())));
+    }
+}
+
 /// Calls `callback(requested_bytes, attempt)` when the resource below is out of memory;
 /// `True` retries, `False` raises. An exception in the callback counts as `False` and is
-/// reported as unraisable.
+/// reported as unraisable; an interruption (KeyboardInterrupt, SystemExit: an exception that is
+/// not an `Exception`) stops the allocation, and `alloc` raises it.
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
-pub struct OnOutOfMemory;
+pub struct OnOutOfMemory {
+    callback: CallbackSlot,
+}
+
+/// The callback, shared with the Rust adaptor that calls it, where the garbage collector can
+/// see it and take it out (a cycle through it, such as a bound method of the object holding
+/// this resource, is collected). Locked only with the GIL held and never across a call.
+type CallbackSlot = Arc<Mutex<Option<Py<PyAny>>>>;
 
 type Callback = Box<dyn Fn(usize, u32) -> bool + Send + Sync>;
 
@@ -213,18 +292,53 @@ impl OnOutOfMemory {
     #[new]
     fn new(resource: &Bound<'_, ResourceBase>, callback: Py<PyAny>) -> PyClassInitializer<Self> {
         let (inner, object) = base_of(resource);
-        let call: Callback = Box::new(move |bytes, attempt| {
-            Python::attach(|py| match callback.call1(py, (bytes, attempt)).and_then(|answer| answer.is_truthy(py)) {
-                Ok(retry) => retry,
-                Err(error) => {
-                    error.write_unraisable(py, None);
-                    false
-                }
-            })
-        });
+        let slot: CallbackSlot = Arc::new(Mutex::new(Some(callback)));
+        let shared = slot.clone();
+        let call: Callback = Box::new(move |bytes, attempt| Python::attach(|py| answer(py, &shared, bytes, attempt)));
         let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
         let base = ResourceBase::over(adaptor, resource.get(), object);
-        PyClassInitializer::from(base).add_subclass(Self)
+        PyClassInitializer::from(base).add_subclass(Self { callback: slot })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // The slot is locked only for a moment with the GIL held, so it is free here; were it
+        // not, the callback stays unvisited, which only keeps it alive.
+        match self.callback.try_lock() {
+            Ok(callback) => visit.call(callback.as_ref()),
+            Err(TryLockError::Poisoned(callback)) => visit.call(callback.into_inner().as_ref()),
+            Err(TryLockError::WouldBlock) => Ok(()),
+        }
+    }
+
+    fn __clear__(&self) {
+        let callback = self.callback.lock().unwrap_or_else(PoisonError::into_inner).take();
+        // Released after the lock: dropping it may run Python code.
+        drop(callback);
+    }
+}
+
+/// The callback's answer: whether to retry. Without a callback (the collector took it) or
+/// after an interruption in the same `alloc`, no retry.
+fn answer(py: Python<'_>, slot: &CallbackSlot, bytes: usize, attempt: u32) -> bool {
+    if Interruptions::pending() {
+        return false;
+    }
+    let callback = slot.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(|c| c.clone_ref(py));
+    let Some(callback) = callback else {
+        return false;
+    };
+    match callback.call1(py, (bytes, attempt)).and_then(|answer| answer.is_truthy(py)) {
+        Ok(retry) => retry,
+        Err(error) if error.is_instance_of::<PyException>(py) => {
+            error.write_unraisable(py, None);
+            false
+        }
+        Err(interruption) => {
+            if let Err(interruption) = Interruptions::keep(interruption) {
+                interruption.write_unraisable(py, None);
+            }
+            false
+        }
     }
 }
 
