@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 typedef int CUresult;
 /* Streams made and not destroyed, read by the tests through the symbol. */
 int live_streams;
@@ -20,6 +21,17 @@ static CUcontext primary = &primary_storage;
 static __thread CUcontext current;
 static size_t live_bytes;
 static CUresult generic(void) { return 0; }
+/* A log of the calls that order work, and two one-shot switches (see stand_in_driver.rs). */
+char call_log[1 << 16];
+int call_log_len;
+int fail_next_exchange;
+int capture_on_next_memcpy;
+static void log_call(const char *what, const void *a, const void *b, int r) {
+    pthread_mutex_lock(&lock);
+    if (call_log_len < (int)sizeof call_log - 128)
+        call_log_len += snprintf(call_log + call_log_len, sizeof call_log - call_log_len, "%s %p %p %d\n", what, a, b, r);
+    pthread_mutex_unlock(&lock);
+}
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
 CUresult cuInit(unsigned flags) { return 0; }
 static CUresult error_name(CUresult e, const char **s) { *s = "CUDA_ERROR_FROM_THE_STAND_IN"; return 0; }
@@ -63,7 +75,15 @@ static int forbidden(Stream *on) {
     pthread_mutex_unlock(&lock);
     return refused;
 }
-static CUresult stream_wait(Stream *s) { return forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0; }
+static CUresult begin_capture(Stream *s, int mode);
+static CUresult stream_wait(Stream *s) { CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0; log_call("sync", s, 0, r); return r; }
+static CUresult memcpy_async(uint64_t d, uint64_t src, size_t n, Stream *s) {
+    log_call("memcpy", s, 0, 0);
+    if (capture_on_next_memcpy) { capture_on_next_memcpy = 0; begin_capture(s, RELAXED); }
+    return 0;
+}
+static CUresult event_record(void *e, Stream *s) { log_call("record", e, s, 0); return 0; }
+static CUresult wait_event(Stream *s, void *e, unsigned f) { log_call("waitevent", s, e, 0); return 0; }
 static CUresult event_wait(void *e) { return forbidden(0) ? UNSUPPORTED : 0; }
 static CUresult begin_capture(Stream *s, int mode) {
     pthread_mutex_lock(&lock);
@@ -88,7 +108,7 @@ static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void
     if (id) *id = on ? s->id : 0;
     return 0;
 }
-static CUresult exchange_mode(int *mode) { int old = thread_mode; thread_mode = *mode; *mode = old; return 0; }
+static CUresult exchange_mode(int *mode) { if (fail_next_exchange) { fail_next_exchange = 0; return 999; } int old = thread_mode; thread_mode = *mode; *mode = old; return 0; }
 static const struct { const char *name; void *fn; } table[] = {
     {"cuGetErrorName", error_name}, {"cuGetErrorString", error_name},
     {"cuDeviceGetCount", device_count}, {"cuDeviceGet", device_get},
@@ -103,6 +123,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuStreamBeginCapture", begin_capture}, {"cuStreamEndCapture", end_capture},
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},
+    {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
 };
 CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
     *fn = (void *)generic;

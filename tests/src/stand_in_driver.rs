@@ -1,6 +1,7 @@
 //! A small stand-in for libcuda (`stand_in_driver.c`), compiled here with the system C compiler
 //! and loaded through `CUMEMPOOL_LIBCUDA`, that models what a capture forbids, so that the
-//! capture rules can be tested on a host without a GPU.
+//! capture rules can be tested on a host without a GPU. It logs the calls that order work
+//! ([`call_log`]) and can fail or capture on cue ([`set_switch`]).
 //!
 //! A host wait or status query (`cuStreamSynchronize`, `cuStreamQuery`, `cuEventSynchronize`,
 //! `cuEventQuery`) is refused with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture that
@@ -63,5 +64,35 @@ pub fn live_streams() -> i32 {
         let library = libloading::Library::new(path).unwrap();
         let count = library.get::<*const i32>(b"live_streams\0").unwrap();
         **count
+    }
+}
+
+/// The calls that order work, as the stand-in logged them, one per line: `memcpy <stream>`,
+/// `sync <stream> <result>`, `record <event> <stream>`, `waitevent <stream> <event>` (pointers
+/// as `{:p}` prints them). Only after [`stand_in`] answered a context.
+pub fn call_log() -> String {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: the stand-in, already loaded; `call_log` is a `char` array of 64 KiB of which the
+    // first `call_log_len` bytes are written, under its lock, by the calls of the test that
+    // holds the guard.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let log = library.get::<*const [u8; 1 << 16]>(b"call_log\0").unwrap();
+        let len = library.get::<*const i32>(b"call_log_len\0").unwrap();
+        String::from_utf8_lossy(&(&**log)[..**len as usize]).into_owned()
+    }
+}
+
+/// Turns on one of the stand-in's one-shot switches: `fail_next_exchange` (the next
+/// `cuThreadExchangeStreamCaptureMode` fails) or `capture_on_next_memcpy` (the next
+/// `cuMemcpyAsync` begins a relaxed capture on its stream right after queuing, as another
+/// thread's capture would). Only after [`stand_in`] answered a context.
+pub fn set_switch(name: &str) {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: as in `call_log`; each switch is an `int` the stand-in reads and clears.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let symbol = library.get::<*mut i32>(format!("{name}\0").as_bytes()).unwrap();
+        **symbol = 1;
     }
 }
