@@ -34,6 +34,13 @@ impl Stream {
     /// cudarc's default stream gets its context (primary contexts only); the per-thread stream
     /// is refused, as by [`Stream::borrow_raw`].
     ///
+    /// Captures: cudarc may begin a capture on this stream (`CudaStream::begin_capture`), and
+    /// cumempool asks the driver whether one is underway before each operation that a capture
+    /// changes. A capture begun between that answer and the operation (from another thread,
+    /// while a cumempool call on this stream runs) is not seen: the allocation or copy may then
+    /// be recorded into the graph. Begin a capture on a stream only while no other thread works
+    /// on it, as CUDA asks of any two threads sharing a stream.
+    ///
     /// # Errors
     /// [`Error::StreamNotBorrowable`] for the per-thread stream, and for the default stream of a
     /// non-primary context; the driver's refusal to retain the primary context.
