@@ -39,7 +39,7 @@ impl Stream {
     /// changes. A capture begun between that answer and the operation (from another thread,
     /// while a cumempool call on this stream runs) is not seen: the allocation or copy may then
     /// be recorded into the graph. Begin a capture on a stream only while no other thread works
-    /// on it, as CUDA asks of any two threads sharing a stream.
+    /// on it: what such a thread queues meanwhile lands in the graph or outside it by chance.
     ///
     /// # Errors
     /// [`Error::StreamNotBorrowable`] for the per-thread stream, and for the default stream of a
