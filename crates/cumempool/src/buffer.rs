@@ -128,7 +128,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     ///
     /// # Errors
     /// [`Error::DoesNotFit`] when `src` is longer than the buffer; [`Error::StreamCapturing`]
-    /// while the buffer's stream captures; the driver's answer.
+    /// while the buffer's stream captures, and inside [`Stream::capture`]'s closure;
+    /// [`Error::CaptureRefused`] when other code began capturing the stream while the copy was
+    /// queued (that capture is invalidated, so its graph never runs the copy); the driver's
+    /// answer. Nothing is released while the copy may still run: a failure before the copy is
+    /// queued queues nothing, and after it, the copy is waited for first.
     pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
         const WHAT: &str = "copying from the host (Buffer::copy_from_host, which waits)";
         self.check_len(WHAT, src.len())?;
@@ -144,8 +148,8 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// Copies the start of the buffer into `dst` and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; [`Error::StreamCapturing`]
-    /// while the buffer's stream captures; the driver's answer.
+    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; otherwise as
+    /// [`BufferOn::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
         const WHAT: &str = "copying to the host (Buffer::copy_to_host, which waits)";
         self.check_len(WHAT, dst.len())?;
@@ -161,8 +165,9 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// on both streams, and waits for the copy ([`BufferOn::copy_from_async`] does not wait).
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; [`Error::StreamCapturing`]
-    /// while either stream captures; the driver's answer.
+    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; otherwise as
+    /// [`BufferOn::copy_from_host`] (either stream capturing is refused). When the wait fails,
+    /// `src`'s stream is ordered after the copy before this returns.
     pub fn copy_from<T: Borrow<Stream>>(&mut self, src: &BufferOn<T>) -> Result<()> {
         const WHAT: &str = "copying between buffers (Buffer::copy_from, which waits)";
         self.check_len(WHAT, src.len)?;
@@ -618,9 +623,9 @@ impl PendingCopy {
             unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
         }
         if let Err(error) = done.record(stream) {
-            // The copy may be running: wait for the whole stream before `host` is released, or
-            // keep it if even that fails.
-            if stream.synchronize().is_err() {
+            // The copy may be running: wait for the whole stream before `host` is released (a
+            // wait nothing refuses), or keep it if even that fails.
+            if stream.wait_before_release().is_err() {
                 std::mem::forget(host);
             }
             return Err(error);
@@ -657,12 +662,13 @@ impl PendingCopy {
         }
     }
 
-    /// Waits for the copy; on failure, releases the vector only once the stream is idle. Clears
-    /// `host` either way, so a failed copy is waited for once.
+    /// Waits for the copy, with waits nothing refuses (the vector is released after them, inside
+    /// a capture's closure too); on failure, releases the vector only once the stream is idle.
+    /// Clears `host` either way, so a failed copy is waited for once.
     fn finish(&mut self) -> Result<()> {
-        self.done.synchronize().inspect_err(|_| {
+        self.done.wait_before_release().inspect_err(|_| {
             let host = self.host.take();
-            if self.stream.synchronize().is_err() {
+            if self.stream.wait_before_release().is_err() {
                 // Neither can be waited for: the device may still use the memory, so keep it.
                 std::mem::forget(host);
             }
@@ -679,8 +685,9 @@ const WITHOUT_CONTEXT_IN_CAPTURE: &str = "copying between buffers (Buffer::copy_
 /// Why [`PendingCopy::wait`] did not hand the vector back, with the copy itself where the wait
 /// was refused before it began (as `BufWriter::into_inner` hands its writer back).
 ///
-/// Converts into [`Error`] for `?`; the copy it holds is then dropped, which waits for it (or,
-/// inside a capture's closure, keeps its vector, since the device may still use it).
+/// Converts into [`Error`] for `?`; the copy it holds is then dropped, which waits for it, inside
+/// a capture's closure too (a wait that may invalidate that capture, since the vector is released
+/// after it).
 #[derive(Debug)]
 pub struct PendingCopyError {
     error: Error,
