@@ -42,3 +42,38 @@ fn a_cudarc_stream_dropped_during_cudarcs_capture_still_frees_the_buffers_droppe
         "a forgotten deferred free keeps the pool alive for good: {destroyed:?}"
     );
 }
+
+/// Safe code only. A copy into a buffer on a stream of a non-primary cudarc context (no context
+/// cumempool knows, so the source's stream is ordered after the copy with a host wait), asked
+/// inside another stream's capture closure, where host waits are refused: refused before the copy
+/// is queued, so the source may be freed at once.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_copy_into_a_non_primary_contexts_stream_inside_a_capture_closure_is_refused_before_it_is_queued() {
+    let context = gpu().expect("a GPU");
+    let cudarc_context = CudaContext::new_non_primary(0, 0).unwrap();
+    let cudarc_stream = cudarc_context.new_stream().unwrap();
+    let target_stream = Stream::from_cudarc(&cudarc_stream).unwrap();
+    assert!(target_stream.context().is_none());
+    let (source_stream, check_stream) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut source = pool.alloc(4 * MIB, &source_stream).unwrap();
+    source.fill(7).unwrap();
+    let mut target = pool.alloc(4 * MIB, &target_stream).unwrap();
+    target.fill(1).unwrap();
+    let outer = Stream::new(&context).unwrap();
+    let mut refused = None;
+    let graph = outer.capture(|_| {
+        refused = Some(target.copy_from_async(&source));
+        drop(source); // freed on its own stream: no copy may read it
+        Ok(())
+    });
+    graph.expect("the capture survives the refusal");
+    let refused = refused.unwrap();
+    assert!(matches!(refused, Err(Error::StreamCapturing { .. })), "{refused:?}");
+    let mut check = pool.alloc(4 * MIB, &check_stream).unwrap();
+    check.copy_from(&target).unwrap();
+    let mut back = vec![0u8; 4 * MIB];
+    check.copy_to_host(&mut back).unwrap();
+    assert!(back.iter().all(|b| *b == 1), "refused, yet the copy was queued");
+}

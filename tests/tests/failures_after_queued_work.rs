@@ -8,7 +8,7 @@
 //! fails must not stay underway.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::{Context, Event, MemPool, Route, Stream};
+use cumempool::{Buffer, Context, Event, GraphExec, MemPool, Route, Stream};
 use cumempool_tests::fault_library::FaultLibrary;
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -49,6 +49,17 @@ fn ordered_after(waiter: &Stream, after: &Stream, context: &Context) -> bool {
     after.is_idle().unwrap()
 }
 
+/// An executable of 64 fills of `target` (milliseconds of work per launch), captured on `capturing`.
+fn sixty_four_fills<'env>(capturing: &Stream, target: &'env mut Buffer<'_>) -> GraphExec<'env> {
+    let graph = capturing
+        .capture(|capture| {
+            let target = capture.buffer(target)?;
+            (0..64u8).try_for_each(|value| capture.fill(&target, value))
+        })
+        .unwrap();
+    graph.instantiate().unwrap()
+}
+
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_failed_copy_from_async_still_orders_the_sources_stream_after_the_copy() {
@@ -76,25 +87,45 @@ fn a_failed_copy_from_async_still_orders_the_sources_stream_after_the_copy() {
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn a_failed_launch_still_orders_its_outside_buffers_stream_after_the_launch() {
+    a_failed_launch_orders_its_outside_buffers_stream_after_the_launch(false);
+}
+
+/// As above, inside another stream's capture closure, where the library refuses ordinary host
+/// waits: the wait that stands in for the failed ordering must not be one of them.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_failed_launch_inside_another_capture_still_orders_its_outside_buffers_stream_after_the_launch() {
+    a_failed_launch_orders_its_outside_buffers_stream_after_the_launch(true);
+}
+
+fn a_failed_launch_orders_its_outside_buffers_stream_after_the_launch(inside_another_capture: bool) {
     let Some((_lock, suite)) = suite() else { return };
     let context = &suite.context;
     let (capturing, buffer_stream, launch_stream) =
         (Stream::new(context).unwrap(), Stream::new(context).unwrap(), Stream::new(context).unwrap());
     let pool = MemPool::new(Route::device(0)).unwrap();
     let mut target = pool.alloc(BIG, &buffer_stream).unwrap();
-    let graph = capturing
-        .capture(|capture| {
-            let target = capture.buffer(&mut target)?;
-            (0..64u8).try_for_each(|value| capture.fill(&target, value))
-        })
-        .unwrap();
-    let mut exec = graph.instantiate().unwrap();
-    drop(graph);
+    let mut exec = sixty_four_fills(&capturing, &mut target);
     // The first wait orders the launch after the buffer's stream; the second, which fails, would
     // order the buffer's stream after the launch.
-    suite.faults.set_plan(&format!("cuStreamWaitEvent:nth=2:code={UNKNOWN}")).unwrap();
-    let launched = exec.launch(&launch_stream);
-    suite.faults.clear();
+    let mut launch = || {
+        suite.faults.set_plan(&format!("cuStreamWaitEvent:nth=2:code={UNKNOWN}")).unwrap();
+        let launched = exec.launch(&launch_stream);
+        suite.faults.clear();
+        launched
+    };
+    let launched = if inside_another_capture {
+        let mut launched = None;
+        let outer = Stream::new(context).unwrap();
+        // The outer capture may be invalidated by the wait: better than a use-after-free.
+        let _ = outer.capture(|_| {
+            launched = Some(launch());
+            Ok(())
+        });
+        launched.unwrap()
+    } else {
+        launch()
+    };
     assert!(launched.is_err(), "the injected failure was not reached");
     // The graph's docs: "even a leaked executable cannot let a buffer be freed under a running
     // launch". Leaked, the executable no longer borrows `target`, whose free is on its stream.
@@ -103,6 +134,37 @@ fn a_failed_launch_still_orders_its_outside_buffers_stream_after_the_launch() {
     launch_stream.synchronize().unwrap();
     drop(target);
     assert!(ordered, "the buffer's free (on its stream) could run while the launch still writes it");
+}
+
+/// A waiting copy whose way to its wait fails must not return while the copy still writes the
+/// caller's (pinned) slice: it fails before queuing, or waits.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_copy_to_host_whose_wait_fails_leaves_no_copy_running_into_the_slice() {
+    let Some((_lock, suite)) = suite() else { return };
+    let context = &suite.context;
+    let (stream, host_stream) = (Stream::new(context).unwrap(), Stream::new(context).unwrap());
+    let device_pool = MemPool::new(Route::device(0)).unwrap();
+    let host_pool = MemPool::new(Route::host()).unwrap();
+    let mut device = device_pool.alloc(BIG, &stream).unwrap();
+    let mut pinned = host_pool.alloc(BIG, &host_stream).unwrap();
+    pinned.fill(0).unwrap();
+    // The capture-mode change around the wait, then the wait itself.
+    for plan in ["cuThreadExchangeStreamCaptureMode:nth=1", "cuEventSynchronize:nth=1"] {
+        for _ in 0..64 {
+            device.fill(3).unwrap(); // milliseconds of work ahead of the copy
+        }
+        let slice = pinned.host_slice_mut().unwrap();
+        suite.faults.set_plan(&format!("{plan}:code={UNKNOWN}")).unwrap();
+        let copied = device.copy_to_host(slice);
+        suite.faults.clear();
+        assert!(copied.is_err(), "{plan}: the injected failure was not reached");
+        let at_return = pinned.host_slice().unwrap()[BIG - 4096..].to_vec();
+        stream.synchronize().unwrap();
+        let later = pinned.host_slice().unwrap()[BIG - 4096..].to_vec();
+        assert_eq!(at_return, later, "{plan}: the copy wrote the slice after copy_to_host returned {copied:?}");
+        pinned.fill(0).unwrap();
+    }
 }
 
 /// A capture whose end fails without ending it (an injected failure never reaches the driver)

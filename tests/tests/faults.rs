@@ -111,6 +111,20 @@ impl Suite {
         outcome
     }
 
+    /// As [`Suite::failing`], with the first call of each of `functions` failing, each once.
+    #[track_caller]
+    fn failing_first_of_each<T>(&self, functions: [&str; 2], call: impl FnOnce() -> T) -> T {
+        self.faults.reset_counts();
+        let plan = functions.map(|function| format!("{function}:nth=1:code={UNKNOWN}")).join(";");
+        self.faults.set_plan(&plan).unwrap();
+        let outcome = call();
+        self.faults.clear();
+        for function in functions {
+            assert_eq!(self.faults.injected(function), 1, "the case never reached the first call of {function}");
+        }
+        outcome
+    }
+
     fn stream(&self) -> Stream {
         Stream::new(&self.context).unwrap()
     }
@@ -580,6 +594,40 @@ fn copies_that_do_not_wait_name_the_call_that_failed() {
     nothing_used(&pool, &stream);
 }
 
+/// A waiting copy whose wait fails after the copy was queued returns only once the copy has
+/// finished: the caller's slice is released as it returns.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn waiting_copies_whose_wait_fails_return_only_once_the_copy_has_finished() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut buffer = pool.alloc(1 << 20, &stream).unwrap();
+    buffer.copy_from_host(&pattern(1 << 20, 5)).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    // The wait for the event recorded after the copy: the stream is waited for instead.
+    let waited = suite.failing("cuEventSynchronize", 1, UNKNOWN, || buffer.copy_to_host(&mut back));
+    refused_by(waited, "cuEventSynchronize", UNKNOWN);
+    assert!(stream.is_idle().unwrap(), "returned with the copy still queued");
+    assert_eq!(back, pattern(1 << 20, 5), "the fallback wait saw the copy through");
+    // No event recorded: the stream is waited for, and that wait's failure is the answer.
+    back.fill(0);
+    let unrecorded =
+        suite.failing_first_of_each(["cuEventRecord", "cuStreamSynchronize"], || buffer.copy_to_host(&mut back));
+    refused_by(unrecorded, "cuStreamSynchronize", UNKNOWN);
+    assert!(stream.is_idle().unwrap(), "returned with the copy still queued");
+    assert_eq!(back, pattern(1 << 20, 5));
+    // Both waits fail: said so (the copy may still run), never silently.
+    logged().clear();
+    let neither =
+        suite.failing_first_of_each(["cuEventSynchronize", "cuStreamSynchronize"], || buffer.copy_to_host(&mut back));
+    refused_by(neither, "cuEventSynchronize", UNKNOWN);
+    stream.synchronize().unwrap();
+    warned_once("cuStreamSynchronize");
+    drop(buffer);
+    nothing_used(&pool, &stream);
+}
+
 // ---- graph.rs ------------------------------------------------------------------------------
 
 /// A capture of two allocations, a fill of one and a copy into the other.
@@ -665,6 +713,24 @@ fn graph_drops_that_fail_say_so_once() {
     unsafe { cumempool::free_async(address.get(), &stream) }.unwrap();
     nothing_used(&pool, &stream);
     Device::get(0).unwrap().trim_graph_memory().unwrap();
+}
+
+/// Dropping an executable waits for its last launch with a wait nothing in the library refuses
+/// (inside another capture's closure too); the driver's failure of that wait is said, once.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn an_executable_whose_last_launch_cannot_be_waited_for_says_so_once() {
+    let Some((_lock, suite)) = suite() else { return };
+    let stream = suite.stream();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let graph = stream.capture(filling(&pool, 1)).unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    exec.launch(&stream).unwrap();
+    logged().clear();
+    suite.failing("cuEventSynchronize", 1, UNKNOWN, || drop(exec));
+    warned_once("cuEventSynchronize");
+    drop(graph);
+    nothing_used(&pool, &stream);
 }
 
 // ---- routing.rs ----------------------------------------------------------------------------

@@ -128,7 +128,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     ///
     /// # Errors
     /// [`Error::DoesNotFit`] when `src` is longer than the buffer; [`Error::StreamCapturing`]
-    /// while the buffer's stream captures; the driver's answer.
+    /// while the buffer's stream captures, and inside [`Stream::capture`]'s closure;
+    /// [`Error::CaptureRefused`] when other code began capturing the stream while the copy was
+    /// queued (that capture is invalidated, so its graph never runs the copy); the driver's
+    /// answer. Nothing is released while the copy may still run: a failure before the copy is
+    /// queued queues nothing, and after it, the copy is waited for first.
     pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
         const WHAT: &str = "copying from the host (Buffer::copy_from_host, which waits)";
         self.check_len(WHAT, src.len())?;
@@ -138,14 +142,14 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         }
         // SAFETY: `src` is valid for its length, the buffer holds at least that many bytes, and
         // the copy is waited for before `src` can be released.
-        unsafe { self.copy_unified(self.ptr, src.as_ptr() as usize as sys::CUdeviceptr, src.len()) }
+        unsafe { self.copy_unified(WHAT, self.ptr, src.as_ptr() as usize as sys::CUdeviceptr, src.len(), None) }
     }
 
     /// Copies the start of the buffer into `dst` and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; [`Error::StreamCapturing`]
-    /// while the buffer's stream captures; the driver's answer.
+    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; otherwise as
+    /// [`BufferOn::copy_from_host`].
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
         const WHAT: &str = "copying to the host (Buffer::copy_to_host, which waits)";
         self.check_len(WHAT, dst.len())?;
@@ -154,15 +158,16 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             return Ok(());
         }
         // SAFETY: as in `copy_from_host`, the other way round.
-        unsafe { self.copy_unified(dst.as_mut_ptr() as usize as sys::CUdeviceptr, self.ptr, dst.len()) }
+        unsafe { self.copy_unified(WHAT, dst.as_mut_ptr() as usize as sys::CUdeviceptr, self.ptr, dst.len(), None) }
     }
 
     /// Copies the start of `src` into the start of this buffer, ordered after the work queued
     /// on both streams, and waits for the copy ([`BufferOn::copy_from_async`] does not wait).
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; [`Error::StreamCapturing`]
-    /// while either stream captures; the driver's answer.
+    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; otherwise as
+    /// [`BufferOn::copy_from_host`] (either stream capturing is refused). When the wait fails,
+    /// `src`'s stream is ordered after the copy before this returns.
     pub fn copy_from<T: Borrow<Stream>>(&mut self, src: &BufferOn<T>) -> Result<()> {
         const WHAT: &str = "copying between buffers (Buffer::copy_from, which waits)";
         self.check_len(WHAT, src.len)?;
@@ -171,13 +176,16 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if src.is_empty() {
             return Ok(());
         }
+        // Before the ordering below, which may itself wait on the host (a source stream
+        // borrowed without its context).
+        crate::stream::refuse_host_wait_on_capturing_thread(WHAT)?;
         self.on().bind()?;
         if !self.on().same_as(src.on()) {
             self.on().order_after(src.on())?;
         }
         // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
-        // for before either can be freed.
-        unsafe { self.copy_unified(self.ptr, src.ptr, src.len) }
+        // for (or `src`'s stream ordered after it) before either can be freed.
+        unsafe { self.copy_unified(WHAT, self.ptr, src.ptr, src.len, Some(src.on())) }
     }
 
     /// Copies the start of `src` into the start of this buffer on this buffer's stream, without
@@ -187,12 +195,14 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// stream, that stream is then made to wait for the copy (an event each way): each buffer's
     /// free, on its own stream, and every later use of it in stream order, come after the copy.
     /// An event needs its stream's context: for a stream borrowed without one, the host waits
-    /// for that stream instead.
+    /// for that stream instead, so such a copy between two streams is refused inside
+    /// [`Stream::capture`]'s closure, where host waits are, before anything is queued.
     ///
     /// # Errors
     /// [`Error::DoesNotFit`] when `src` is longer than this buffer; [`Error::StreamCapturing`]
     /// while either stream captures (record captured copies with
-    /// [`Capture::copy`](crate::Capture::copy)); the driver's answer.
+    /// [`Capture::copy`](crate::Capture::copy)), and inside [`Stream::capture`]'s closure for
+    /// streams ordered with a host wait (above); the driver's answer.
     ///
     /// See [cuMemcpyAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html).
     #[inline]
@@ -205,6 +215,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             return Ok(());
         }
         let same_stream = self.on().same_as(src.on());
+        if !same_stream && (self.on().context().is_none() || src.on().context().is_none()) {
+            // The two streams are ordered with a host wait (an event needs its stream's
+            // context), before the copy and after it. Refused after the copy was queued, that
+            // wait would leave the source's free unordered after the copy: decided now.
+            crate::stream::refuse_host_wait_on_capturing_thread(WITHOUT_CONTEXT_IN_CAPTURE)?;
+        }
         // Copies involving host memory need the context current (see `copy_unified`): made so
         // whenever it is known (one `cuCtxGetCurrent` when it already is), and refused for host
         // memory on a stream borrowed without its context.
@@ -223,8 +239,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if !same_stream {
             if let Err(error) = src.on().order_after(self.on()) {
                 // The copy is queued and `src`'s stream is not ordered after it: its free could
-                // release memory the copy still reads. Wait for the copy on the host instead.
-                self.on().wait_or_warn("a copy whose source's stream could not be ordered after it");
+                // release memory the copy still reads. Wait for the copy on the host instead,
+                // with a wait nothing refuses.
+                if let Err(wait) = self.on().wait_before_release() {
+                    tracing::error!(%wait, %error, "a copy whose source's stream could not be ordered after it could not be waited for either; the source's free may not wait for it");
+                }
                 return Err(error);
             }
         }
@@ -271,22 +290,106 @@ impl<S: Borrow<Stream>> BufferOn<S> {
 
     /// A copy on this buffer's stream between any two addresses, waited for before returning.
     /// Unified addressing lets the driver infer the direction; the typed `HtoD`/`DtoH` copies
-    /// refuse host pool memory (CUDA_ERROR_INVALID_VALUE on driver 580).
+    /// refuse host pool memory (CUDA_ERROR_INVALID_VALUE on driver 580). `source`: another
+    /// stream whose later work (a free) must come after the copy.
+    ///
+    /// Everything that can be refused (a capture underway on the thread or the stream, the
+    /// context, the event, the change of capture mode) is settled before the copy is queued;
+    /// after that, the function does not return before the copy has finished, or can never run
+    /// (see [`BufferOn::copy_recorded_into_capture`] and [`BufferOn::copy_not_waited_for`]).
     ///
     /// # Safety
     /// Both ranges must be valid for `len` bytes until the copy has finished.
-    unsafe fn copy_unified(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Result<()> {
-        // Before the copy is queued: a wait refused after it would leave the copy running into
-        // memory the caller may release.
-        crate::stream::refuse_host_wait_on_capturing_thread(
-            "a copy that waits (Buffer::copy_*), on a thread capturing with Stream::capture",
-        )?;
+    unsafe fn copy_unified(
+        &self,
+        what: &'static str,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+        source: Option<&Stream>,
+    ) -> Result<()> {
+        let stream = self.on();
+        crate::stream::refuse_host_wait_on_capturing_thread(what)?;
+        stream.ensure_not_capturing(what)?;
         // Unlike allocation and free, a copy that involves host memory needs the stream's
         // context current (driver 580 crashes without one), whatever the stream's handle.
-        self.on().bind_context()?;
-        // SAFETY: the caller vouches for both ranges.
-        unsafe { driver_call!(cuMemcpyAsync(dst, src, len, self.on().as_raw())) }?;
-        self.on().synchronize()
+        stream.bind_context()?;
+        // The point to wait for: an event recorded right after the copy can be waited for even
+        // if other code begins capturing the stream after the record, where a stream wait
+        // cannot (the stream's capture is not scheduled work).
+        let done = stream.context().map(Event::new).transpose()?;
+        crate::capture_mode::relaxed(|| {
+            // SAFETY: the caller vouches for both ranges.
+            unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
+            // Other code may have begun capturing a stream it lent since the check above.
+            if stream.may_be_capturing() {
+                if let Ok(CaptureStatus::Active { id } | CaptureStatus::Invalidated { id }) = stream.capture_status() {
+                    return Err(self.copy_recorded_into_capture(what, id));
+                }
+            }
+            let recorded = done.as_ref().filter(|done| done.record(stream).is_ok());
+            let waited = match recorded {
+                // SAFETY: a live event.
+                Some(done) => unsafe { driver_call!(cuEventSynchronize(done.as_raw())) },
+                // SAFETY: a live stream, in its context (bound above).
+                None => unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) },
+            };
+            waited.map_err(|error| self.copy_not_waited_for(what, error, source))
+        })
+    }
+
+    /// A copy found, after it was queued, on a stream other code began capturing after the
+    /// check (a stream lent by other code): the copy was recorded into that capture, or queued
+    /// just before it began. Recorded, it would run in every launch of the capture's graph, long
+    /// after the caller released the memory: so the capture is invalidated (a wait on the
+    /// capturing stream, which the driver refuses and which invalidates it), and its end gives
+    /// no graph. The answer is [`Error::CaptureRefused`] with the refused wait as its cause.
+    ///
+    /// A copy queued in the short window before the capture began cannot be waited for by any
+    /// legal call (a capturing stream, and events recorded into its capture, have no scheduled
+    /// work to wait for): that window is the one [`Stream::borrow_raw`]'s lender keeps closed by
+    /// not sharing a stream with other threads while it captures.
+    fn copy_recorded_into_capture(&self, what: &'static str, capture: u64) -> Error {
+        let stream = self.on();
+        // SAFETY: a live stream; the driver refuses the wait and invalidates its capture.
+        let refused = unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) };
+        if !matches!(stream.capture_status(), Ok(CaptureStatus::Invalidated { .. })) {
+            tracing::error!(capture, "a copy recorded into a capture other code began meanwhile could not invalidate it; a launch of its graph would use memory released since");
+        }
+        match refused {
+            Err(Error::Driver(cause)) => Error::CaptureRefused {
+                what,
+                hint: "other code began capturing the stream while the copy was being queued, so the copy may have been recorded into its graph, which would use memory released since: that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
+                cause,
+            },
+            _ => Error::StreamCapturing { operation: what, capture: Some(capture) },
+        }
+    }
+
+    /// After a failed wait for a copy queued on this buffer's stream: makes sure that no memory
+    /// the copy uses is released under it, where that can be done, and answers the error.
+    ///
+    /// On a stream that now captures, as [`BufferOn::copy_recorded_into_capture`]. Otherwise
+    /// `source`'s stream is ordered after the copy (an event), and the host waits for the stream
+    /// with a wait nothing the library controls refuses; the first failure is the answer.
+    fn copy_not_waited_for(&self, what: &'static str, error: Error, source: Option<&Stream>) -> Error {
+        let stream = self.on();
+        match stream.capture_status() {
+            Ok(CaptureStatus::Active { id } | CaptureStatus::Invalidated { id }) => {
+                self.copy_recorded_into_capture(what, id)
+            }
+            _ => {
+                if let Some(source) = source.filter(|source| !source.same_as(stream)) {
+                    if let Err(ordering) = source.order_after(stream) {
+                        tracing::warn!(%ordering, "ordering a copy's source after the copy failed");
+                    }
+                }
+                if let Err(wait) = stream.wait_before_release() {
+                    tracing::error!(%wait, %error, "a copy could not be waited for; the memory it uses may be released under it");
+                }
+                error
+            }
+        }
     }
 
     /// Sets every byte to `value`, ordered on the buffer's stream.
@@ -520,9 +623,9 @@ impl PendingCopy {
             unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
         }
         if let Err(error) = done.record(stream) {
-            // The copy may be running: wait for the whole stream before `host` is released, or
-            // keep it if even that fails.
-            if stream.synchronize().is_err() {
+            // The copy may be running: wait for the whole stream before `host` is released (a
+            // wait nothing refuses), or keep it if even that fails.
+            if stream.wait_before_release().is_err() {
                 std::mem::forget(host);
             }
             return Err(error);
@@ -559,12 +662,13 @@ impl PendingCopy {
         }
     }
 
-    /// Waits for the copy; on failure, releases the vector only once the stream is idle. Clears
-    /// `host` either way, so a failed copy is waited for once.
+    /// Waits for the copy, with waits nothing refuses (the vector is released after them, inside
+    /// a capture's closure too); on failure, releases the vector only once the stream is idle.
+    /// Clears `host` either way, so a failed copy is waited for once.
     fn finish(&mut self) -> Result<()> {
-        self.done.synchronize().inspect_err(|_| {
+        self.done.wait_before_release().inspect_err(|_| {
             let host = self.host.take();
-            if self.stream.synchronize().is_err() {
+            if self.stream.wait_before_release().is_err() {
                 // Neither can be waited for: the device may still use the memory, so keep it.
                 std::mem::forget(host);
             }
@@ -574,11 +678,16 @@ impl PendingCopy {
 
 const WAIT: &str = "waiting for a pending copy (PendingCopy::wait)";
 
+/// The refusal of a copy between streams ordered with host waits inside [`Stream::capture`]'s
+/// closure (see [`BufferOn::copy_from_async`]).
+const WITHOUT_CONTEXT_IN_CAPTURE: &str = "copying between buffers (Buffer::copy_from_async) where a stream borrowed without its context makes the ordering between the two streams a host wait, which Stream::capture's closure forbids; nothing was queued. Borrow the stream with its context (its buffers' streams are then ordered with events), record the copy with Capture::copy, or copy outside the closure";
+
 /// Why [`PendingCopy::wait`] did not hand the vector back, with the copy itself where the wait
 /// was refused before it began (as `BufWriter::into_inner` hands its writer back).
 ///
-/// Converts into [`Error`] for `?`; the copy it holds is then dropped, which waits for it (or,
-/// inside a capture's closure, keeps its vector, since the device may still use it).
+/// Converts into [`Error`] for `?`; the copy it holds is then dropped, which waits for it, inside
+/// a capture's closure too (a wait that may invalidate that capture, since the vector is released
+/// after it).
 #[derive(Debug)]
 pub struct PendingCopyError {
     error: Error,

@@ -31,6 +31,26 @@ pub(crate) fn relaxed<T>(wait: impl FnOnce() -> Result<T>) -> Result<T> {
     result
 }
 
+/// Runs `wait` (a host wait that memory about to be released depends on) in relaxed mode where
+/// the mode can be changed, and as the thread is where it cannot: such a wait must not be skipped
+/// for a failed mode change. The driver may then refuse it (and invalidate a capture on this
+/// thread), which `wait`'s result says.
+pub(crate) fn relaxed_if_possible<T>(wait: impl FnOnce() -> Result<T>) -> Result<T> {
+    match exchange(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) {
+        Ok(previous) => {
+            let result = wait();
+            if let Err(error) = exchange(previous) {
+                tracing::warn!(%error, ?previous, "restoring the thread's capture mode after a host wait failed");
+            }
+            result
+        }
+        Err(error) => {
+            tracing::warn!(%error, "relaxing the thread's capture mode before a host wait failed; waiting in its own mode");
+            wait()
+        }
+    }
+}
+
 /// Sets the calling thread's capture mode to `mode` and answers the one it replaces.
 ///
 /// See [cuThreadExchangeStreamCaptureMode](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).

@@ -621,17 +621,21 @@ impl GraphExec<'_> {
         self.launched = true;
         if let Err(error) = self.done.record(stream) {
             // Without the event, neither Drop nor the outside streams could wait for this
-            // launch: wait on the host now.
-            stream.wait_or_warn("a graph launch whose completion event could not be recorded");
+            // launch: wait on the host now, with a wait nothing refuses (not even another
+            // capture's closure on this thread: invalidating that capture is better than letting
+            // a buffer be freed under the launch).
+            if let Err(wait) = stream.wait_before_release() {
+                tracing::error!(%wait, %error, "a graph launch whose completion event could not be recorded could not be waited for either; its buffers may be freed under it");
+            }
             return Err(error);
         }
         for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
             if let Err(error) = other.wait(&self.done) {
                 // `other` is not ordered after the launch, and its next free (even of a leaked
                 // executable's buffer) could release memory the launch still uses: wait for the
-                // launch on the host before saying so.
-                if let Err(wait) = self.done.synchronize() {
-                    tracing::warn!(%wait, "waiting for a graph launch whose buffers' streams could not be ordered after it failed");
+                // launch on the host before saying so, with a wait nothing refuses.
+                if let Err(wait) = self.done.wait_before_release() {
+                    tracing::error!(%wait, %error, "a graph launch whose buffers' streams could not be ordered after it could not be waited for either; its buffers may be freed under it");
                 }
                 return Err(error);
             }
@@ -663,9 +667,11 @@ impl GraphExec<'_> {
 
 impl Drop for GraphExec<'_> {
     fn drop(&mut self) {
+        // The memory borrowed for `'env` is released once this returns: the wait is one nothing
+        // refuses, inside another capture's closure too.
         if self.launched {
-            if let Err(error) = self.done.synchronize() {
-                tracing::warn!(%error, "waiting for a graph's last launch failed");
+            if let Err(error) = self.done.wait_before_release() {
+                tracing::error!(%error, "waiting for a graph's last launch failed; the memory it borrowed may be released under it");
             }
         }
         let raw = self.raw.0;

@@ -453,12 +453,28 @@ impl Stream {
         }
     }
 
-    /// Waits on the host for the work queued so far, where an ordering between streams could not
-    /// be set up after work was queued; a failure is logged, as nothing safer is left to do.
-    pub(crate) fn wait_or_warn(&self, what: &'static str) {
-        if let Err(error) = self.synchronize() {
-            tracing::warn!(%error, what, "waiting on the host for queued work failed");
+    /// Waits on the host for the work queued so far, where memory is about to be released (or
+    /// left unordered) that the work may still use: the fallback when an ordering could not be
+    /// set up after the work was queued.
+    ///
+    /// Unlike [`Stream::synchronize`], nothing the library controls refuses it: not a
+    /// [`Stream::capture`] underway on this thread (a wait that invalidates the caller's capture
+    /// is better than a use-after-free), nor a failed change of the thread's capture mode. Only a
+    /// stream that captures cannot be waited for (its work is not scheduled to run): that, and
+    /// the driver's refusal, is the error, and the caller must then keep the memory (leak it)
+    /// rather than release it.
+    pub(crate) fn wait_before_release(&self) -> Result<()> {
+        const WHAT: &str = "waiting for queued work before releasing the memory it uses";
+        if self.may_be_capturing() {
+            if let Ok(status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. })) =
+                self.capture_status()
+            {
+                return Err(Error::StreamCapturing { operation: WHAT, capture: status.id() });
+            }
         }
+        self.bind()?;
+        // SAFETY: a live stream, in its context.
+        crate::capture_mode::relaxed_if_possible(|| unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) })
     }
 
     /// The private stream for a capture of this stream ([`Stream::capture`]): the spare one an
@@ -831,6 +847,20 @@ impl Event {
         refuse_host_wait_on_capturing_thread("waiting for an event (Event::synchronize)")?;
         // SAFETY: a live event.
         crate::capture_mode::relaxed(|| unsafe { driver_call!(cuEventSynchronize(self.raw.0)) })
+    }
+}
+
+impl Event {
+    /// Waits on the host for the work before the last record, where memory is about to be
+    /// released that the work may still use: as [`Stream::wait_before_release`], refused by
+    /// nothing the library controls. The event must have been recorded on a stream that did not
+    /// capture (a captured record is not scheduled to run, and the driver refuses the wait).
+    ///
+    /// # Errors
+    /// The driver's answer; the caller must then keep the memory rather than release it.
+    pub(crate) fn wait_before_release(&self) -> Result<()> {
+        // SAFETY: a live event.
+        crate::capture_mode::relaxed_if_possible(|| unsafe { driver_call!(cuEventSynchronize(self.raw.0)) })
     }
 }
 

@@ -1,0 +1,132 @@
+//! Copies whose ordering or wait could be refused after the copy was queued, on a host without a
+//! GPU, through the stand-in libcuda of `cumempool_tests::stand_in_driver`, whose call log shows
+//! what was queued and waited for. A copy must settle everything that can be refused before it
+//! queues anything; once queued, it must not return while the copy may still use memory the
+//! caller then releases.
+//!
+//! The same failures on the GPU, through the fault-injecting driver, are in
+//! `failures_after_queued_work.rs`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::sys::CUresult;
+use cumempool::{Error, MemPool, Route, Stream};
+use cumempool_tests::end_foreign_capture;
+use cumempool_tests::stand_in_driver::{call_log, set_switch, stand_in};
+
+/// Whether the log shows a copy queued on `stream` that no successful wait for the stream
+/// followed.
+fn copy_left_running(log: &str, stream: &Stream) -> bool {
+    let on = format!("{:p}", stream.as_raw());
+    let mut running = false;
+    for call in log.lines() {
+        let fields: Vec<&str> = call.split(' ').collect();
+        match fields.as_slice() {
+            ["memcpy", s, ..] if *s == on => running = true,
+            ["sync", s, _, "0"] if *s == on => running = false,
+            _ => {}
+        }
+    }
+    running
+}
+
+fn the_log_since(start: usize) -> String {
+    call_log()[start..].to_owned()
+}
+
+/// A stream of the lender's (which outlives it) with no context known here, as
+/// `Stream::from_cudarc` gives for a stream of a non-primary cudarc context.
+fn without_context(lender: &Stream) -> Stream {
+    // SAFETY: every caller keeps `lender` alive for longer than the result and its buffers.
+    unsafe { Stream::borrow_raw(lender.as_raw(), None) }.unwrap()
+}
+
+#[test]
+fn a_copy_between_streams_ordered_with_host_waits_is_refused_in_a_capture_closure_before_anything_is_queued() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let (lender, known) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let unknown = without_context(&lender);
+    let outer = Stream::new(&context).unwrap();
+    // The stream without a context on either end: after the copy, or before it.
+    for (target_stream, source_stream) in [(&unknown, &known), (&known, &unknown)] {
+        let source = pool.alloc(4096, source_stream).unwrap();
+        let mut target = pool.alloc(4096, target_stream).unwrap();
+        let start = call_log().len();
+        let mut copied = None;
+        outer
+            .capture(|_| {
+                copied = Some(target.copy_from_async(&source));
+                Ok(())
+            })
+            .expect("the capture survives the refusal");
+        let log = the_log_since(start);
+        let Some(Err(Error::StreamCapturing { operation, .. })) = copied else { panic!("{copied:?}") };
+        assert!(
+            operation.contains("copy_from_async") && operation.contains("without its context"),
+            "the refusal names the copy and why: {operation}"
+        );
+        assert!(operation.contains("Capture::copy"), "and what would work: {operation}");
+        assert!(!log.contains("memcpy"), "a copy was queued, which the source's free would not wait for:\n{log}");
+        // The source's free, on its own stream: nothing reads it.
+        drop(source);
+    }
+}
+
+#[test]
+fn a_waiting_copy_whose_capture_mode_cannot_be_relaxed_queues_nothing() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let device_pool = MemPool::new(Route::device(0)).unwrap();
+    let host_pool = MemPool::new(Route::host()).unwrap();
+    let (stream, host_stream) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let device = device_pool.alloc(4096, &stream).unwrap();
+    let mut pinned = host_pool.alloc(4096, &host_stream).unwrap();
+    let mut source = device_pool.alloc(4096, &host_stream).unwrap();
+    type Copy<'a> = Box<dyn FnMut() -> cumempool::Result<()> + 'a>;
+    let copies: [(&str, &Stream, Copy<'_>); 3] = [
+        ("copy_to_host", &stream, Box::new(|| device.copy_to_host(pinned.host_slice_mut()?))),
+        ("copy_from_host", &host_stream, Box::new(|| source.copy_from_host(&[5; 4096]))),
+        (
+            "copy_from",
+            &stream,
+            Box::new(|| {
+                let mut target = device_pool.alloc(4096, &stream)?;
+                let from = device_pool.alloc(4096, &host_stream)?;
+                target.copy_from(&from)
+            }),
+        ),
+    ];
+    for (name, on, mut copy) in copies {
+        let start = call_log().len();
+        set_switch("fail_next_exchange"); // any failure on the way to the wait
+        let copied = copy();
+        let log = the_log_since(start);
+        assert!(copied.is_err(), "{name}: the failed mode change was not reached");
+        assert!(
+            !copy_left_running(&log, on),
+            "{name} answered {copied:?} with its copy queued and never waited for; the caller may release its memory:\n{log}"
+        );
+    }
+}
+
+#[test]
+fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_leaves_that_capture_no_graph() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let lender = Stream::new(&context).unwrap();
+    // As `Stream::from_cudarc` lends it: cudarc's safe `begin_capture` may run on it at any time.
+    // SAFETY: `lender` outlives the result and its buffers.
+    let stream = unsafe { Stream::borrow_raw(lender.as_raw(), Some(&context)) }.unwrap();
+    let device = pool.alloc(4096, &stream).unwrap();
+    let mut host = vec![0u8; 4096];
+    set_switch("capture_on_next_memcpy"); // the other code's capture begins right after the copy
+    let copied = device.copy_to_host(&mut host);
+    let Err(Error::CaptureRefused { what, hint, .. }) = &copied else { panic!("{copied:?}") };
+    assert!(what.contains("copy_to_host") && hint.contains("invalidated"), "{copied:?}");
+    drop(host); // released: the copy must never run into it
+    assert_eq!(
+        end_foreign_capture(&stream),
+        CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        "the capture holding the copy gave a graph, whose launches would write into the released vector"
+    );
+    drop(device);
+}
