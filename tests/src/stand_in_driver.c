@@ -57,7 +57,10 @@ static CUresult free_async(uint64_t p, Stream *s) {
     size_t *block = (size_t *)(uintptr_t)p - 1;
     live_bytes -= *block; free(block); return 0;
 }
-static CUresult event_create(void **e, unsigned flags) { *e = malloc(8); return 0; }
+/* An event is an int: whether its last record was on a capturing stream. Querying or waiting
+   for such an event answers CUDA_ERROR_CAPTURED_EVENT. */
+enum { CAPTURED_EVENT = 907 };
+static CUresult event_create(void **e, unsigned flags) { *e = calloc(1, sizeof(int)); return 0; }
 static CUresult event_destroy(void *e) { free(e); return 0; }
 /* Whether the calling thread may make a potentially unsafe call now; invalidates what forbids it. */
 static int forbidden(Stream *on) {
@@ -82,9 +85,19 @@ static CUresult memcpy_async(uint64_t d, uint64_t src, size_t n, Stream *s) {
     if (capture_on_next_memcpy) { capture_on_next_memcpy = 0; begin_capture(s, RELAXED); }
     return 0;
 }
-static CUresult event_record(void *e, Stream *s) { log_call("record", e, s, 0); return 0; }
+static CUresult event_record(void *e, Stream *s) {
+    *(int *)e = (uintptr_t)s > 2 && s->capturing;
+    log_call("record", e, s, 0);
+    return 0;
+}
 static CUresult wait_event(Stream *s, void *e, unsigned f) { log_call("waitevent", s, e, 0); return 0; }
-static CUresult event_wait(void *e) { return forbidden(0) ? UNSUPPORTED : 0; }
+static CUresult event_wait(void *e) { return forbidden(0) ? UNSUPPORTED : *(int *)e ? CAPTURED_EVENT : 0; }
+/* Virtual memory: 2 MiB granules, and one range of addresses (never dereferenced). */
+static CUresult granularity(size_t *size, const void *props, int flag) { *size = 2 << 20; return 0; }
+static CUresult address_reserve(uint64_t *base, size_t size, size_t align, uint64_t addr, uint64_t flags) {
+    *base = (uint64_t)1 << 40;
+    return 0;
+}
 static CUresult begin_capture(Stream *s, int mode) {
     pthread_mutex_lock(&lock);
     s->capturing = 1; s->invalidated = 0; s->mode = mode; s->thread = pthread_self(); s->id = next_id++;
@@ -123,6 +136,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuStreamBeginCapture", begin_capture}, {"cuStreamEndCapture", end_capture},
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},
+    {"cuMemGetAllocationGranularity", granularity}, {"cuMemAddressReserve", address_reserve},
     {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
 };
 CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {

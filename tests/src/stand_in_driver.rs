@@ -7,9 +7,11 @@
 //! `cuEventQuery`) is refused with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture that
 //! forbade it invalidated, when the calling thread's mode is not relaxed and the thread has a
 //! capture underway, or (in global mode) any thread has a global capture underway; a wait on a
-//! capturing stream is refused whatever the mode. Pool allocations are heap blocks, counted;
-//! so are the streams alive ([`live_streams`]). Every function the stand-in does not model
-//! answers success.
+//! capturing stream is refused whatever the mode. An event last recorded on a capturing stream
+//! answers CUDA_ERROR_CAPTURED_EVENT to a query or wait. Pool allocations are heap blocks, counted;
+//! so are the streams alive ([`live_streams`]). Virtual memory has 2 MiB granules and one
+//! range of addresses, never dereferenced. Every function the stand-in does not model answers
+//! success.
 //!
 //! The stand-in replaces the driver for the whole process: a test binary that uses it uses
 //! nothing else.

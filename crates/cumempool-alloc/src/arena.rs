@@ -18,6 +18,13 @@
 //! Frees are stream-ordered: a freed span is reused once an event recorded on the freeing
 //! stream has completed (checked without waiting at each allocation; waited for only when
 //! nothing else fits, and by [`Arena::trim`]).
+//!
+//! Spans are not graph memory, so an arena serves no capture: allocating on a stream that
+//! captures into a graph is refused (the captured work would run again at each launch, after
+//! the span may have been freed and handed out again). A span freed on a capturing stream is
+//! kept until the capture has ended, then until the stream's work has passed the free: an
+//! event recorded into the capture could never be asked about (`cuEventQuery` answers
+//! CUDA_ERROR_CAPTURED_EVENT for it).
 
 use crate::error::{Error, Result};
 use crate::memory_kind::DeviceMemory;
@@ -26,6 +33,7 @@ use cumempool::sys::CUdeviceptr;
 use cumempool::vmm::{AddressRange, AllocationProperties, PhysicalAllocation};
 use cumempool::{Access, Context, Device, Event, HandleTypes, InvalidArgumentReason, Stream};
 use std::collections::BTreeMap;
+use std::mem::ManuallyDrop;
 #[cfg(unix)]
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -107,7 +115,7 @@ impl ArenaBuilder {
             peers: self.peers,
             holds: 0,
         };
-        Ok(Arena { range, props: self.props, chunk, context, state: Mutex::new(state) })
+        Ok(Arena { range: ManuallyDrop::new(range), props: self.props, chunk, context, state: Mutex::new(state) })
     }
 }
 
@@ -122,6 +130,17 @@ fn check_peers(owner: i32, peers: &[(i32, Access)]) -> Result<()> {
     Ok(())
 }
 
+/// What says that the stream of a pending free has passed it.
+#[derive(Debug)]
+enum FreedAfter {
+    /// An event recorded on the freeing stream after the free.
+    Event(Event),
+    /// The free was on a stream capturing into a graph, where an event would be recorded into
+    /// the capture and never answer a query. Once the capture has ended, an event recorded on
+    /// the stream follows the work queued before the capture.
+    CaptureEnd(Stream),
+}
+
 /// The arena's bookkeeping, under one lock.
 #[derive(Debug)]
 struct State {
@@ -131,8 +150,8 @@ struct State {
     free: BTreeMap<usize, usize>,
     /// Live allocations by offset.
     live: BTreeMap<usize, usize>,
-    /// Freed spans whose stream had not reached the free yet.
-    pending: Vec<(Event, usize, usize)>,
+    /// Freed spans `(offset, len)` whose stream had not reached the free yet.
+    pending: Vec<(FreedAfter, usize, usize)>,
     peers: Vec<(i32, Access)>,
     /// Registrations (NCCL's) that need every chunk to stay mapped.
     holds: usize,
@@ -153,20 +172,32 @@ impl State {
         self.free.insert(start, end - start);
     }
 
-    /// Moves pending frees whose stream has passed them to the free list; with `wait`, all.
-    fn settle(&mut self, wait: bool) -> Result<()> {
+    /// Moves pending frees whose stream has passed them to the free list; with `wait`, waits
+    /// for each stream first, except one still capturing (a capture cannot be waited for).
+    ///
+    /// A free that cannot be checked stays pending (its span is not reused on a guess) and the
+    /// others are settled all the same, so one failing check never stops the arena.
+    ///
+    /// # Errors
+    /// The first check that failed.
+    fn settle(&mut self, context: &Context, wait: bool) -> Result<()> {
+        let mut first_error = None;
         let mut index = 0;
         while index < self.pending.len() {
-            let event = &self.pending[index].0;
-            let done = if wait { event.synchronize().map(|()| true) } else { event.is_complete() };
-            if done? {
-                let (_, offset, len) = self.pending.swap_remove(index);
-                self.give_back(offset, len);
-            } else {
-                index += 1;
+            match passed(&mut self.pending[index].0, context, wait) {
+                Ok(true) => {
+                    let (_, offset, len) = self.pending.swap_remove(index);
+                    self.give_back(offset, len);
+                    continue;
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
             }
+            index += 1;
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// First fit of `bytes` aligned to `align` (relative to the chunk-aligned base).
@@ -188,9 +219,53 @@ impl State {
         Some(start)
     }
 
+    /// Whether a live allocation, or a freed one whose stream may still use it, touches
+    /// `[start, end)`.
     fn chunk_in_use(&self, start: usize, end: usize) -> bool {
         let last = self.live.range(..end).next_back();
         last.is_some_and(|(&offset, &len)| offset + len > start)
+            || self.pending.iter().any(|&(_, offset, len)| offset < end && offset + len > start)
+    }
+}
+
+/// Whether the stream of a pending free has passed it; with `wait`, waits for that unless the
+/// stream still captures. A free on a capturing stream gets its event once the capture is over.
+fn passed(after: &mut FreedAfter, context: &Context, wait: bool) -> Result<bool> {
+    if let FreedAfter::CaptureEnd(stream) = after {
+        if stream.is_capturing()? {
+            return Ok(false);
+        }
+        match event_after(stream, context)? {
+            Some(recorded) => *after = recorded,
+            None => return Ok(true),
+        }
+    }
+    Ok(match after {
+        FreedAfter::Event(event) if wait => event.synchronize().map(|()| true)?,
+        FreedAfter::Event(event) => event.is_complete()?,
+        FreedAfter::CaptureEnd(_) => false,
+    })
+}
+
+/// What tells when `stream` (not capturing) has passed a free queued on it now: an event
+/// recorded on it, made in the stream's context (`context`, the arena's, for a stream that
+/// knows none), since an event of another context cannot be recorded on it. Where no event can
+/// be recorded (a stream of a context this crate does not know), a host wait for the stream:
+/// `None`, the span is free at once.
+///
+/// # Errors
+/// The event's, when neither the event nor the wait worked.
+fn event_after(stream: &Stream, context: &Context) -> Result<Option<FreedAfter>> {
+    let recorded = Event::new(stream.context().unwrap_or(context)).and_then(|event| {
+        event.record(stream)?;
+        Ok(event)
+    });
+    match recorded {
+        Ok(event) => Ok(Some(FreedAfter::Event(event))),
+        Err(record) => {
+            stream.synchronize().map_err(|_| record)?;
+            Ok(None)
+        }
     }
 }
 
@@ -198,7 +273,8 @@ impl State {
 /// [`StreamOrderedResource`] of device memory that never moves.
 #[derive(Debug)]
 pub struct Arena {
-    range: AddressRange,
+    /// Dropped by `Drop` only once no stream may still use the memory; leaked otherwise.
+    range: ManuallyDrop<AddressRange>,
     props: AllocationProperties,
     chunk: usize,
     context: Context,
@@ -354,17 +430,18 @@ impl Arena {
     }
 
     /// Unmaps and releases every chunk no live allocation touches, after waiting for pending
-    /// frees. Returns the bytes released.
+    /// frees. Returns the bytes released. A chunk under a span freed on a stream that still
+    /// captures stays mapped: the capture cannot be waited for.
     ///
     /// # Errors
     /// [`Error::MappingsHeld`] while a [`MappingHold`] (an NCCL registration) lives; the
-    /// driver's answers.
+    /// driver's answers (then nothing is unmapped).
     pub fn trim(&self) -> Result<usize> {
         let mut state = self.lock();
         if state.holds > 0 {
             return Err(Error::MappingsHeld { holders: state.holds });
         }
-        state.settle(true)?;
+        state.settle(&self.context, true)?;
         let idle: Vec<usize> = state
             .chunks
             .keys()
@@ -373,7 +450,7 @@ impl Arena {
             .collect();
         let mut released = 0;
         for index in idle {
-            // SAFETY: no live allocation lies in the chunk and every free's stream has passed it.
+            // SAFETY: no live or pending allocation lies in the chunk: every free in it was passed.
             unsafe { self.range.unmap(index * self.chunk) }?;
             state.chunks.remove(&index);
             released += self.chunk;
@@ -414,11 +491,15 @@ impl Arena {
 // SAFETY: `allocate` hands out spans of mapped device memory of `props.device` (chunks are
 // mapped before the span is returned), never two live spans overlapping (`take` removes them
 // from the free list); a freed span is reused only after an event on its freeing stream has
-// completed. Alignments above the chunk size are refused.
+// completed (recorded after the capture, for a free on a capturing stream), or after a host
+// wait for that stream. Alignments above the chunk size are refused.
 unsafe impl StreamOrderedResource for Arena {
     type Kind = DeviceMemory;
 
-    fn allocate(&self, bytes: usize, align: usize, _stream: &Stream) -> Result<CUdeviceptr> {
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        if self.may_be_capturing(stream) && self.is_capturing(stream)? {
+            return Err(allocate_while_capturing());
+        }
         if !align.is_power_of_two() || align > self.chunk {
             return Err(Error::Alignment {
                 requested: align,
@@ -433,15 +514,20 @@ unsafe impl StreamOrderedResource for Arena {
             .ok_or(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() })?;
         let align = align.max(POOL_ALIGNMENT);
         let mut state = self.lock();
-        state.settle(false)?;
+        // A free that cannot be checked now only keeps its span out of this allocation.
+        if let Err(error) = state.settle(&self.context, false) {
+            tracing::debug!(%error, "checking an arena's pending frees failed; their spans stay pending");
+        }
         let base = self.range.base();
         let mut offset = state.take(base, rounded, align);
+        let mut unsettled = None;
         if offset.is_none() && !state.pending.is_empty() {
-            state.settle(true)?;
+            unsettled = state.settle(&self.context, true).err();
             offset = state.take(base, rounded, align);
         }
         let Some(offset) = offset else {
-            return Err(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() });
+            // Exhausted, unless frees that could not be waited for would have made room.
+            return Err(unsettled.unwrap_or(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() }));
         };
         if let Err(error) = self.map_chunks(&mut state, offset, offset + rounded) {
             state.live.remove(&offset);
@@ -455,23 +541,55 @@ unsafe impl StreamOrderedResource for Arena {
         if bytes == 0 {
             return Ok(());
         }
-        let event = Event::new(&self.context)?;
-        event.record(stream)?;
+        let after = if self.may_be_capturing(stream) && self.is_capturing(stream)? {
+            Some(FreedAfter::CaptureEnd(stream.clone()))
+        } else {
+            // The span stays live if this fails: the caller's free failed, nothing is reused.
+            event_after(stream, &self.context)?
+        };
         let mut state = self.lock();
         let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
         let Some((offset, len)) = offset.and_then(|o| state.live.remove(&o).map(|len| (o, len))) else {
             return Err(Error::NotFromArena { ptr });
         };
-        state.pending.push((event, offset, len));
+        match after {
+            Some(after) => state.pending.push((after, offset, len)),
+            None => state.give_back(offset, len),
+        }
         Ok(())
     }
 }
 
+/// What [`Arena::allocate`](StreamOrderedResource::allocate) answers on a capturing stream.
+#[cold]
+fn allocate_while_capturing() -> Error {
+    Error::Pool(cumempool::Error::StreamCapturing {
+        operation: "allocating from a VMM arena, whose spans are not graph memory (allocate before the capture, or inside it from a pool with Capture::alloc)",
+        capture: None,
+    })
+}
+
 impl Drop for Arena {
     fn drop(&mut self) {
-        // Frees still in flight finish before the range (dropped after this) unmaps the chunks.
-        if let Err(error) = self.lock().settle(true) {
-            tracing::warn!(%error, "waiting for an arena's pending frees failed");
+        // Frees still in flight finish before the range unmaps the chunks. Where one cannot be
+        // waited for (its stream still captures, or the wait failed), the range stays mapped
+        // for the process's life rather than unmapped under work that may still use it.
+        let mut state = self.lock();
+        let settled = state.settle(&self.context, true);
+        let unsettled = state.pending.len();
+        drop(state);
+        match settled {
+            Ok(()) if unsettled == 0 => {
+                // SAFETY: dropped once, here; `self.range` is not used after.
+                unsafe { ManuallyDrop::drop(&mut self.range) };
+            }
+            Ok(()) => tracing::warn!(
+                unsettled,
+                "an arena was dropped while streams that freed its spans still capture; its memory stays mapped"
+            ),
+            Err(error) => {
+                tracing::warn!(%error, "waiting for an arena's pending frees failed; its memory stays mapped");
+            }
         }
     }
 }
@@ -600,5 +718,18 @@ mod tests {
         assert!(!state.chunk_in_use(2 * chunk, 3 * chunk));
         state.live.remove(&spanning);
         assert!(!state.chunk_in_use(0, chunk) && !state.chunk_in_use(chunk, 2 * chunk));
+    }
+
+    #[test]
+    fn a_chunk_stays_in_use_while_a_free_in_it_waits_for_a_capture_to_end() {
+        let chunk = 1 << 21;
+        let mut state = state(8 * chunk);
+        let span = state.take(0, 256, 256).unwrap();
+        state.live.remove(&span);
+        // SAFETY: a handle never given to a driver (no call here reaches one).
+        let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.unwrap();
+        state.pending.push((FreedAfter::CaptureEnd(stream), span, 256));
+        assert!(state.chunk_in_use(0, chunk), "the capturing stream may still use the span");
+        assert!(!state.chunk_in_use(chunk, 2 * chunk));
     }
 }

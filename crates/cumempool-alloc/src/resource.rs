@@ -58,10 +58,26 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     }
 
     /// Allocates with the pool alignment and frees on drop: the convenient form.
+    ///
+    /// Refused on a stream capturing into a graph: memory allocated there is the graph's (an
+    /// allocation node), and an [`Allocation`] could leave the capture holding it with no free
+    /// node, so that its free outside the graph is either refused before a launch (the memory
+    /// each launch allocates is then never given back) or unordered after one. Allocate inside
+    /// a capture with [`Capture::alloc`](cumempool::Capture::alloc); the raw
+    /// [`allocate`](Self::allocate) and [`deallocate`](Self::deallocate) keep serving captures
+    /// for layers that free inside the capture themselves.
+    ///
+    /// # Errors
+    /// [`Error::Pool`](crate::Error::Pool) with [`cumempool::Error::StreamCapturing`] while
+    /// [`is_capturing`](Self::is_capturing) says a capture is underway on `stream`; what
+    /// `is_capturing` and `allocate` answer.
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<Allocation<'_, Self>>
     where
         Self: Sized,
     {
+        if self.may_be_capturing(stream) && self.is_capturing(stream)? {
+            return Err(alloc_while_capturing());
+        }
         let ptr = self.allocate(bytes, POOL_ALIGNMENT, stream)?;
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
     }
@@ -158,6 +174,16 @@ impl<R: StreamOrderedResource> Drop for Allocation<'_, R> {
             tracing::warn!(%error, ptr = self.ptr, "freeing an allocation failed");
         }
     }
+}
+
+/// What [`StreamOrderedResource::alloc`] answers on a capturing stream. The resource's capture
+/// checks say only whether a capture is underway, not which.
+#[cold]
+fn alloc_while_capturing() -> crate::Error {
+    crate::Error::Pool(cumempool::Error::StreamCapturing {
+        operation: "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
+        capture: None,
+    })
 }
 
 /// Refuses alignments a pool does not guarantee (never silently ignored).

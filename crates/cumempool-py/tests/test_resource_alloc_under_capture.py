@@ -1,0 +1,95 @@
+"""A resource's alloc on a stream another library captures into a CUDA graph: on the GPU, and
+on a host without one through the stand-in libcuda of the Rust tests
+(tests/src/stand_in_driver.c), which models captures."""
+
+import ctypes
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import cumempool as cm
+
+STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src" / "stand_in_driver.c"
+
+
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        pytest.skip(f"no libcuda: {error}")
+
+
+def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
+    # What alloc allocates on a capturing stream is the graph's memory (an allocation node): a
+    # Buffer holding it would be freed outside the graph, refused before a launch (each launch
+    # then allocating memory nothing frees) or unordered after one.
+    cuda = _libcuda()
+    begin, end = cuda.cuStreamBeginCapture_v2, cuda.cuStreamEndCapture
+    begin.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    end.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    cuda.cuGraphDestroy.argtypes = [ctypes.c_void_p]
+    pool = cm.MemPool(cm.Route.device(0))
+    cache = cm.CachingResource(cm.PoolResource(pool))
+    handle = stream.handle
+    assert begin(handle, 2) == 0  # relaxed, as another library's capture
+    try:
+        for resource in (cache, cm.PoolResource(pool)):
+            with pytest.raises(cm.StreamCapturingError):
+                resource.alloc(4096, handle)  # the lender's handle, as torch or CuPy pass it
+    finally:
+        graph = ctypes.c_void_p()
+        ended = end(handle, ctypes.byref(graph))
+        if graph.value:
+            cuda.cuGraphDestroy(graph)
+    assert ended == 0, "the refusal left the capture intact"
+    assert pool.used_mem_current == 0
+    cache.alloc(4096, stream).close()
+
+
+@pytest.fixture(scope="module")
+def stand_in_libcuda(tmp_path_factory):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not STAND_IN.exists():
+        pytest.skip("no C compiler, or no stand-in driver source beside these tests")
+    library = tmp_path_factory.mktemp("stand_in") / "libstandin.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-pthread", "-o", str(library), str(STAND_IN)], check=True)
+    return str(library)
+
+
+def test_a_resource_alloc_on_a_capturing_stream_is_refused_on_the_stand_in(stand_in_libcuda):
+    # As above, without a GPU. The stand-in hands its entry points out through cuGetProcAddress
+    # only; a Rust-side allocation would succeed there, so only the refusal shows.
+    code = textwrap.dedent(
+        """
+        import ctypes, os
+        import cumempool as cm
+        lib = ctypes.CDLL(os.environ["CUMEMPOOL_LIBCUDA"])
+        def entry(name, *argtypes):
+            fn = ctypes.c_void_p()
+            lib.cuGetProcAddress_v2(name.encode(), ctypes.byref(fn), 13000, ctypes.c_uint64(0), None)
+            return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(fn.value)
+        begin = entry("cuStreamBeginCapture", ctypes.c_void_p, ctypes.c_int)
+        end = entry("cuStreamEndCapture", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+        pool = cm.MemPool(cm.Route.device(0))
+        stream = cm.Stream(0)
+        handle = stream.handle
+        assert begin(handle, 2) == 0  # relaxed, as another library's capture
+        for resource in (cm.CachingResource(cm.PoolResource(pool)), cm.PoolResource(pool)):
+            try:
+                resource.alloc(4096, handle)  # the lender's handle, as torch or CuPy pass it
+                print("allocated")
+            except cm.StreamCapturingError:
+                print("refused")
+        graph = ctypes.c_void_p()
+        print(end(handle, ctypes.byref(graph)), pool.used_mem_current)
+        """
+    )
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused", "refused", "0", "0"], "refused, the capture intact, nothing allocated"

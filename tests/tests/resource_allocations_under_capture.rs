@@ -1,0 +1,109 @@
+//! Allocating through a resource on a stream that captures into a graph, on a host without a
+//! GPU, through the stand-in libcuda of `cumempool_tests::stand_in_driver`: the safe
+//! `StreamOrderedResource::alloc` is refused there (its `Allocation` could leave the capture
+//! holding graph memory; the raw `allocate`/`deallocate` keep serving captures, which the
+//! stand-in does not model), and a VMM arena neither hands a capture its spans nor lets a free
+//! during a capture stop its later allocations.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::sys::CUresult;
+use cumempool::{Error as PoolError, MemPool, Route, Stream};
+use cumempool_alloc::{Arena, CachingResource, DeviceMemory, Error, PoolResource, StreamOrderedResource};
+use cumempool_tests::stand_in_driver::stand_in;
+use cumempool_tests::{begin_foreign_capture, end_foreign_capture};
+
+const CHUNK: usize = 2 << 20;
+
+/// Whether `error` is the refusal of a capturing stream.
+fn is_capturing_refusal(error: &Error) -> bool {
+    matches!(error, Error::Pool(PoolError::StreamCapturing { .. }))
+}
+
+/// An `Allocation` made inside a capture closure and kept past it would hold an allocation
+/// node's address with no free node: dropped before a launch its free is refused and each
+/// launch allocates memory nothing frees; dropped after one it is freed unordered with the
+/// launch. So `alloc` refuses a capturing stream, and nothing is left allocated or captured.
+#[test]
+fn a_resource_alloc_on_a_capturing_stream_is_refused_and_leaves_nothing_behind() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let resource = PoolResource::<DeviceMemory>::new(&pool).unwrap();
+    let cache = CachingResource::new(&resource);
+    let stream = Stream::new(&context).unwrap();
+    let (mut from_resource, mut from_cache) = (None, None);
+    let graph = stream.capture(|capture| {
+        from_resource = Some(resource.alloc(4096, capture.stream()));
+        from_cache = Some(cache.alloc(4096, capture.stream()));
+        Ok(())
+    });
+    assert!(graph.is_ok(), "the refusal left the capture intact: {:?}", graph.err());
+    let refusals = [("the pool resource", from_resource.unwrap().err()), ("a cache", from_cache.unwrap().err())];
+    for (layer, refusal) in refusals {
+        let error = refusal.unwrap_or_else(|| panic!("{layer}: an allocation holding graph memory left its capture"));
+        assert!(is_capturing_refusal(&error), "{layer}: {error:?}");
+        assert!(error.to_string().contains("Capture::alloc"), "{layer}: says what to use instead: {error}");
+    }
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "nothing was allocated for the refused calls");
+    // Outside the capture the same call serves.
+    let allocation = cache.alloc(4096, &stream).unwrap();
+    assert!(!cumempool::is_captured_allocation(allocation.as_raw()));
+}
+
+/// An arena's span is not graph memory: allocated on a capturing stream, the captured work that
+/// uses it would run again at each launch, after the span may have been freed and handed out
+/// again. The arena refuses (through `alloc` and `allocate`, and so through a cache above it),
+/// and a refused allocation inside `Stream::capture` leaves later allocations working.
+#[test]
+fn an_arena_refuses_to_allocate_on_a_capturing_stream() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let arena = Arena::builder(0, 16 * CHUNK).chunk_size(CHUNK).build().unwrap();
+    let cache = CachingResource::new(&arena);
+    let stream = Stream::new(&context).unwrap();
+    let mut answers = Vec::new();
+    let graph = stream.capture(|capture| {
+        answers.push(arena.alloc(4096, capture.stream()).map(drop));
+        answers.push(arena.allocate(4096, 256, capture.stream()).map(|_| ()));
+        answers.push(cache.allocate(4096, 256, capture.stream()).map(|_| ()));
+        Ok(())
+    });
+    assert!(graph.is_ok(), "the refusals left the capture intact: {:?}", graph.err());
+    for (layer, answer) in ["Arena::alloc", "Arena::allocate", "a cache over the arena"].iter().zip(&answers) {
+        assert!(answer.as_ref().is_err_and(is_capturing_refusal), "{layer}: {answer:?}");
+    }
+    assert_eq!(arena.stats().in_use, 0);
+    drop(arena.alloc(4096, &stream).unwrap());
+    drop(arena.alloc(4096, &stream).unwrap());
+}
+
+/// A span freed on a stream other code captures (a cache over the arena under PyTorch's graph
+/// capture, say): an event recorded there would be recorded into the capture, and every later
+/// query of it answers CUDA_ERROR_CAPTURED_EVENT, which stopped every later allocation of the
+/// arena. The free waits for the capture to end instead, then for the stream's work.
+#[test]
+fn a_free_on_a_capturing_stream_never_stops_the_arenas_later_allocations() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let arena = Arena::builder(0, 16 * CHUNK).chunk_size(CHUNK).build().unwrap();
+    let stream = Stream::new(&context).unwrap();
+    let other = Stream::new(&context).unwrap();
+    let ptr = arena.allocate(4096, 256, &stream).unwrap();
+    begin_foreign_capture(&stream);
+    // SAFETY: allocated above with these arguments, unused, freed once.
+    let freed = unsafe { arena.deallocate(ptr, 4096, 256, &stream) };
+    let during = arena.allocate(4096, 256, &other);
+    let stats_during = arena.stats();
+    let ended = end_foreign_capture(&stream);
+    freed.unwrap();
+    assert_eq!(ended, CUresult::CUDA_SUCCESS, "nothing disturbed the capture");
+    let during = during.expect("another stream's allocation during the capture");
+    assert_ne!(during, ptr, "the span freed into the capture is not free while the capture lasts");
+    assert_eq!(stats_during.pending_frees, 1);
+    for _ in 0..3 {
+        let after = arena.allocate(4096, 256, &stream).expect("allocations after the capture");
+        // SAFETY: allocated just above with these arguments, unused, freed once.
+        unsafe { arena.deallocate(after, 4096, 256, &stream) }.unwrap();
+    }
+    // SAFETY: allocated above with these arguments, unused, freed once.
+    unsafe { arena.deallocate(during, 4096, 256, &other) }.unwrap();
+    assert_eq!(arena.trim().unwrap(), CHUNK, "every free came back, and the chunk with them");
+    assert_eq!(arena.stats().pending_frees, 0);
+}
