@@ -11,7 +11,8 @@ int live_streams;
 typedef void *CUcontext;
 enum { GLOBAL = 0, THREAD_LOCAL = 1, RELAXED = 2 };
 enum { UNSUPPORTED = 900, INVALIDATED = 901 };
-typedef struct { int capturing, invalidated, mode; pthread_t thread; uint64_t id; } Stream;
+/* `joined`: the stream whose capture this one joined by waiting for an event recorded in it. */
+typedef struct Stream { int capturing, invalidated, mode; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static Stream *capturing[64];
 static uint64_t next_id = 1;
@@ -25,7 +26,8 @@ static CUresult generic(void) { return 0; }
 char call_log[1 << 16];
 int call_log_len;
 int fail_next_exchange;
-int capture_on_next_memcpy;
+int capture_on_next_record;
+Stream *capture_at_next_memcpy;
 static void log_call(const char *what, const void *a, const void *b, int r) {
     pthread_mutex_lock(&lock);
     if (call_log_len < (int)sizeof call_log - 128)
@@ -57,10 +59,10 @@ static CUresult free_async(uint64_t p, Stream *s) {
     size_t *block = (size_t *)(uintptr_t)p - 1;
     live_bytes -= *block; free(block); return 0;
 }
-/* An event is an int: whether its last record was on a capturing stream. Querying or waiting
-   for such an event answers CUDA_ERROR_CAPTURED_EVENT. */
+/* An event is the capturing stream its last record was on, or null. Querying or waiting for an
+   event recorded in a capture answers CUDA_ERROR_CAPTURED_EVENT. */
 enum { CAPTURED_EVENT = 907 };
-static CUresult event_create(void **e, unsigned flags) { *e = calloc(1, sizeof(int)); return 0; }
+static CUresult event_create(void **e, unsigned flags) { *e = calloc(1, sizeof(Stream *)); return 0; }
 static CUresult event_destroy(void *e) { free(e); return 0; }
 /* Whether the calling thread may make a potentially unsafe call now; invalidates what forbids it. */
 static int forbidden(Stream *on) {
@@ -73,7 +75,7 @@ static int forbidden(Stream *on) {
         int forbids = c == on
             || (thread_mode != RELAXED && c->mode != RELAXED && mine)
             || (thread_mode == GLOBAL && c->mode == GLOBAL);
-        if (forbids) { c->invalidated = 1; refused = 1; }
+        if (forbids) { c->invalidated = 1; refused = 1; if (c->joined) c->joined->invalidated = 1; }
     }
     pthread_mutex_unlock(&lock);
     return refused;
@@ -82,16 +84,34 @@ static CUresult begin_capture(Stream *s, int mode);
 static CUresult stream_wait(Stream *s) { CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0; log_call("sync", s, 0, r); return r; }
 static CUresult memcpy_async(uint64_t d, uint64_t src, size_t n, Stream *s) {
     log_call("memcpy", s, 0, 0);
-    if (capture_on_next_memcpy) { capture_on_next_memcpy = 0; begin_capture(s, RELAXED); }
+    if (capture_at_next_memcpy) { begin_capture(capture_at_next_memcpy, RELAXED); capture_at_next_memcpy = 0; }
     return 0;
 }
 static CUresult event_record(void *e, Stream *s) {
-    *(int *)e = (uintptr_t)s > 2 && s->capturing;
+    if (capture_on_next_record && (uintptr_t)s > 2) { capture_on_next_record = 0; begin_capture(s, RELAXED); }
+    Stream **recorded = e;
+    *recorded = (uintptr_t)s > 2 && s->capturing ? s : 0;
     log_call("record", e, s, 0);
     return 0;
 }
-static CUresult wait_event(Stream *s, void *e, unsigned f) { log_call("waitevent", s, e, 0); return 0; }
-static CUresult event_wait(void *e) { return forbidden(0) ? UNSUPPORTED : *(int *)e ? CAPTURED_EVENT : 0; }
+/* Waiting for an event recorded in a capture joins the waiting stream to that capture. */
+static CUresult wait_event(Stream *s, void *e, unsigned f) {
+    Stream *origin = *(Stream **)e;
+    if (origin && (uintptr_t)s > 2) {
+        pthread_mutex_lock(&lock);
+        s->capturing = 1; s->invalidated = 0; s->mode = origin->mode; s->thread = origin->thread;
+        s->id = origin->id; s->joined = origin;
+        for (int i = 0; i < 64; i++) if (!capturing[i]) { capturing[i] = s; break; }
+        pthread_mutex_unlock(&lock);
+    }
+    log_call("waitevent", s, e, 0);
+    return 0;
+}
+static CUresult event_wait(void *e) {
+    CUresult r = forbidden(0) ? UNSUPPORTED : *(Stream **)e ? CAPTURED_EVENT : 0;
+    log_call("eventsync", e, 0, r);
+    return r;
+}
 /* Virtual memory: 2 MiB granules, and one range of addresses (never dereferenced). */
 static CUresult granularity(size_t *size, const void *props, int flag) { *size = 2 << 20; return 0; }
 static CUresult address_reserve(uint64_t *base, size_t size, size_t align, uint64_t addr, uint64_t flags) {
@@ -107,8 +127,13 @@ static CUresult begin_capture(Stream *s, int mode) {
 }
 static CUresult end_capture(Stream *s, void **graph) {
     pthread_mutex_lock(&lock);
+    int unjoined = 0;
+    for (int i = 0; i < 64; i++) {
+        Stream *c = capturing[i];
+        if (c && c->joined == s) { c->capturing = 0; c->invalidated = 0; c->joined = 0; capturing[i] = 0; unjoined = 1; }
+    }
     for (int i = 0; i < 64; i++) if (capturing[i] == s) capturing[i] = 0;
-    int invalidated = s->invalidated;
+    int invalidated = s->invalidated || unjoined;
     s->capturing = 0; s->invalidated = 0;
     pthread_mutex_unlock(&lock);
     *graph = invalidated ? 0 : malloc(8);

@@ -1,7 +1,7 @@
 //! A small stand-in for libcuda (`stand_in_driver.c`), compiled here with the system C compiler
 //! and loaded through `CUMEMPOOL_LIBCUDA`, that models what a capture forbids, so that the
 //! capture rules can be tested on a host without a GPU. It logs the calls that order work
-//! ([`call_log`]) and can fail or capture on cue ([`set_switch`]).
+//! ([`call_log`]) and can fail or capture on cue ([`set_switch`], [`capture_at_next_copy`]).
 //!
 //! A host wait or status query (`cuStreamSynchronize`, `cuStreamQuery`, `cuEventSynchronize`,
 //! `cuEventQuery`) is refused with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture that
@@ -70,7 +70,8 @@ pub fn live_streams() -> i32 {
 }
 
 /// The calls that order work, as the stand-in logged them, one per line: `memcpy <stream>`,
-/// `sync <stream> <result>`, `record <event> <stream>`, `waitevent <stream> <event>` (pointers
+/// `sync <stream> <result>`, `record <event> <stream>`, `waitevent <stream> <event>`,
+/// `eventsync <event> <result>` (pointers
 /// as `{:p}` prints them). Only after [`stand_in`] answered a context.
 pub fn call_log() -> String {
     let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
@@ -86,9 +87,11 @@ pub fn call_log() -> String {
 }
 
 /// Turns on one of the stand-in's one-shot switches: `fail_next_exchange` (the next
-/// `cuThreadExchangeStreamCaptureMode` fails) or `capture_on_next_memcpy` (the next
-/// `cuMemcpyAsync` begins a relaxed capture on its stream right after queuing, as another
-/// thread's capture would). Only after [`stand_in`] answered a context.
+/// `cuThreadExchangeStreamCaptureMode` fails) or `capture_on_next_record` (the next
+/// `cuEventRecord` on a stream begins a relaxed capture there first, as another thread's capture
+/// would: the record lands in it). A stream that waits for an
+/// event recorded in a capture joins that capture; the capture's end then ends it too, and
+/// reports the capture invalidated (unjoined). Only after [`stand_in`] answered a context.
 pub fn set_switch(name: &str) {
     let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
     // SAFETY: as in `call_log`; each switch is an `int` the stand-in reads and clears.
@@ -96,5 +99,19 @@ pub fn set_switch(name: &str) {
         let library = libloading::Library::new(path).unwrap();
         let symbol = library.get::<*mut i32>(format!("{name}\0").as_bytes()).unwrap();
         **symbol = 1;
+    }
+}
+
+/// Makes the next `cuMemcpyAsync`, on whatever stream, begin a relaxed capture on `stream` right
+/// after it is queued, as another thread's capture of a stream it lent would. Only after
+/// [`stand_in`] answered a context.
+pub fn capture_at_next_copy(stream: &cumempool::Stream) {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: as in `call_log`; `capture_at_next_memcpy` is a stream pointer the stand-in reads
+    // and clears, and `stream`'s handle is one of the stand-in's streams.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let symbol = library.get::<*mut *mut std::ffi::c_void>(b"capture_at_next_memcpy\0").unwrap();
+        **symbol = stream.as_raw().cast();
     }
 }

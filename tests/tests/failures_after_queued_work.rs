@@ -160,7 +160,8 @@ fn a_copy_to_host_whose_wait_fails_leaves_no_copy_running_into_the_slice() {
         suite.faults.clear();
         assert!(copied.is_err(), "{plan}: the injected failure was not reached");
         let at_return = pinned.host_slice().unwrap()[BIG - 4096..].to_vec();
-        stream.synchronize().unwrap();
+        // The whole context: a waiting copy runs on a private stream of the library's.
+        context.synchronize().unwrap();
         let later = pinned.host_slice().unwrap()[BIG - 4096..].to_vec();
         assert_eq!(at_return, later, "{plan}: the copy wrote the slice after copy_to_host returned {copied:?}");
         pinned.fill(0).unwrap();

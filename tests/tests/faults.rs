@@ -605,24 +605,29 @@ fn waiting_copies_whose_wait_fails_return_only_once_the_copy_has_finished() {
     let mut buffer = pool.alloc(1 << 20, &stream).unwrap();
     buffer.copy_from_host(&pattern(1 << 20, 5)).unwrap();
     let mut back = vec![0u8; 1 << 20];
-    // The wait for the event recorded after the copy: the stream is waited for instead.
+    // The copy runs on a private stream after an event that marks the buffer's stream's work:
+    // `is_idle` of the context, not of `stream`, tells whether it still runs.
+    let idle = || suite.context.synchronize().is_ok() && stream.is_idle().unwrap();
+    // The wait for the event recorded after the copy: the private stream is waited for instead.
     let waited = suite.failing("cuEventSynchronize", 1, UNKNOWN, || buffer.copy_to_host(&mut back));
     refused_by(waited, "cuEventSynchronize", UNKNOWN);
-    assert!(stream.is_idle().unwrap(), "returned with the copy still queued");
-    assert_eq!(back, pattern(1 << 20, 5), "the fallback wait saw the copy through");
-    // No event recorded: the stream is waited for, and that wait's failure is the answer.
+    assert_eq!(back, pattern(1 << 20, 5), "the fallback wait saw the copy through before the call returned");
+    // The marker event of the buffer's stream not recorded: nothing is queued.
     back.fill(0);
-    let unrecorded =
-        suite.failing_first_of_each(["cuEventRecord", "cuStreamSynchronize"], || buffer.copy_to_host(&mut back));
-    refused_by(unrecorded, "cuStreamSynchronize", UNKNOWN);
-    assert!(stream.is_idle().unwrap(), "returned with the copy still queued");
-    assert_eq!(back, pattern(1 << 20, 5));
+    let unmarked = suite.failing("cuEventRecord", 1, UNKNOWN, || buffer.copy_to_host(&mut back));
+    refused_by(unmarked, "cuEventRecord", UNKNOWN);
+    assert!(idle());
+    assert!(back.iter().all(|&byte| byte == 0), "a copy ran though its setup failed");
+    // The event after the copy not recorded: the private stream is waited for.
+    let unrecorded = suite.failing("cuEventRecord", 2, UNKNOWN, || buffer.copy_to_host(&mut back));
+    refused_by(unrecorded, "cuEventRecord", UNKNOWN);
+    assert_eq!(back, pattern(1 << 20, 5), "the fallback wait saw the copy through before the call returned");
     // Both waits fail: said so (the copy may still run), never silently.
     logged().clear();
     let neither =
         suite.failing_first_of_each(["cuEventSynchronize", "cuStreamSynchronize"], || buffer.copy_to_host(&mut back));
     refused_by(neither, "cuEventSynchronize", UNKNOWN);
-    stream.synchronize().unwrap();
+    assert!(idle());
     warned_once("cuStreamSynchronize");
     drop(buffer);
     nothing_used(&pool, &stream);

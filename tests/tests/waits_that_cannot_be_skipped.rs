@@ -11,18 +11,18 @@
 use cumempool::sys::CUresult;
 use cumempool::{Error, MemPool, Route, Stream};
 use cumempool_tests::end_foreign_capture;
-use cumempool_tests::stand_in_driver::{call_log, set_switch, stand_in};
+use cumempool_tests::stand_in_driver::{call_log, capture_at_next_copy, set_switch, stand_in};
 
-/// Whether the log shows a copy queued on `stream` that no successful wait for the stream
-/// followed.
-fn copy_left_running(log: &str, stream: &Stream) -> bool {
-    let on = format!("{:p}", stream.as_raw());
+/// Whether the log shows a copy queued (on any stream: a waiting copy runs on a private one)
+/// that no successful host wait followed. Each test's calls are the only ones in its stretch of
+/// the log.
+fn copy_left_running(log: &str) -> bool {
     let mut running = false;
     for call in log.lines() {
         let fields: Vec<&str> = call.split(' ').collect();
         match fields.as_slice() {
-            ["memcpy", s, ..] if *s == on => running = true,
-            ["sync", s, _, "0"] if *s == on => running = false,
+            ["memcpy", ..] => running = true,
+            ["sync" | "eventsync", _, _, "0"] => running = false,
             _ => {}
         }
     }
@@ -95,38 +95,74 @@ fn a_waiting_copy_whose_capture_mode_cannot_be_relaxed_queues_nothing() {
             }),
         ),
     ];
-    for (name, on, mut copy) in copies {
+    for (name, _on, mut copy) in copies {
         let start = call_log().len();
         set_switch("fail_next_exchange"); // any failure on the way to the wait
         let copied = copy();
         let log = the_log_since(start);
         assert!(copied.is_err(), "{name}: the failed mode change was not reached");
         assert!(
-            !copy_left_running(&log, on),
+            !copy_left_running(&log),
             "{name} answered {copied:?} with its copy queued and never waited for; the caller may release its memory:\n{log}"
         );
     }
 }
 
+/// A stream lent as `Stream::from_cudarc` lends it: cudarc's safe `begin_capture` may run on it
+/// at any time, from another thread.
+fn lent(lender: &Stream, context: &cumempool::Context) -> Stream {
+    // SAFETY: every caller keeps `lender` alive for longer than the result and its buffers.
+    unsafe { Stream::borrow_raw(lender.as_raw(), Some(context)) }.unwrap()
+}
+
 #[test]
-fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_leaves_that_capture_no_graph() {
+fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_before_the_copy_copies_nothing_and_leaves_that_capture_no_graph(
+) {
     let Some((_serial, context)) = stand_in() else { return };
     let pool = MemPool::new(Route::device(0)).unwrap();
     let lender = Stream::new(&context).unwrap();
-    // As `Stream::from_cudarc` lends it: cudarc's safe `begin_capture` may run on it at any time.
-    // SAFETY: `lender` outlives the result and its buffers.
-    let stream = unsafe { Stream::borrow_raw(lender.as_raw(), Some(&context)) }.unwrap();
+    let stream = lent(&lender, &context);
     let device = pool.alloc(4096, &stream).unwrap();
     let mut host = vec![0u8; 4096];
-    set_switch("capture_on_next_memcpy"); // the other code's capture begins right after the copy
+    let start = call_log().len();
+    // The other code's capture begins after the check, before the copy is set up.
+    set_switch("capture_on_next_record");
     let copied = device.copy_to_host(&mut host);
+    let log = the_log_since(start);
     let Err(Error::CaptureRefused { what, hint, .. }) = &copied else { panic!("{copied:?}") };
-    assert!(what.contains("copy_to_host") && hint.contains("invalidated"), "{copied:?}");
-    drop(host); // released: the copy must never run into it
+    assert!(what.contains("copy_to_host") && hint.contains("nothing was copied"), "{copied:?}");
+    assert!(!log.contains("memcpy"), "a copy was queued into or beside the capture:\n{log}");
+    drop(host);
     assert_eq!(
         end_foreign_capture(&stream),
         CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
-        "the capture holding the copy gave a graph, whose launches would write into the released vector"
+        "the capture that the copy's private stream joined gave a graph, which would wait for a copy that never comes"
+    );
+    drop(device);
+}
+
+#[test]
+fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_while_the_copy_runs_waits_for_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let lender = Stream::new(&context).unwrap();
+    let stream = lent(&lender, &context);
+    let device = pool.alloc(4096, &stream).unwrap();
+    let mut host = vec![0u8; 4096];
+    let start = call_log().len();
+    // The other code's capture begins once the copy is queued: the copy is real work, and must
+    // be waited for before the vector can be released.
+    capture_at_next_copy(&stream);
+    let copied = device.copy_to_host(&mut host);
+    let log = the_log_since(start);
+    assert!(copied.is_ok(), "{copied:?}\n{log}");
+    assert!(log.contains("memcpy"), "{log}");
+    assert!(!copy_left_running(&log), "it returned with the copy into the vector still running:\n{log}");
+    drop(host);
+    assert_eq!(
+        end_foreign_capture(&stream),
+        CUresult::CUDA_SUCCESS,
+        "the other code's capture, which the copy never touched, was broken"
     );
     drop(device);
 }

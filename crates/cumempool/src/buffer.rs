@@ -288,15 +288,14 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         unsafe { PendingCopy::start(self.on(), WHAT, src, self.ptr, from, len) }
     }
 
-    /// A copy on this buffer's stream between any two addresses, waited for before returning.
-    /// Unified addressing lets the driver infer the direction; the typed `HtoD`/`DtoH` copies
-    /// refuse host pool memory (CUDA_ERROR_INVALID_VALUE on driver 580). `source`: another
-    /// stream whose later work (a free) must come after the copy.
+    /// A copy between any two addresses, ordered after the work queued on this buffer's stream
+    /// and waited for before returning. Unified addressing lets the driver infer the direction;
+    /// the typed `HtoD`/`DtoH` copies refuse host pool memory (CUDA_ERROR_INVALID_VALUE on
+    /// driver 580). `source`: another stream whose later work (a free) must come after the copy.
     ///
     /// Everything that can be refused (a capture underway on the thread or the stream, the
-    /// context, the event, the change of capture mode) is settled before the copy is queued;
-    /// after that, the function does not return before the copy has finished, or can never run
-    /// (see [`BufferOn::copy_recorded_into_capture`] and [`BufferOn::copy_not_waited_for`]).
+    /// context, the events, the change of capture mode) is settled before the copy is queued;
+    /// after that, the function does not return before the copy has finished.
     ///
     /// # Safety
     /// Both ranges must be valid for `len` bytes until the copy has finished.
@@ -314,10 +313,95 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         // Unlike allocation and free, a copy that involves host memory needs the stream's
         // context current (driver 580 crashes without one), whatever the stream's handle.
         stream.bind_context()?;
-        // The point to wait for: an event recorded right after the copy can be waited for even
-        // if other code begins capturing the stream after the record, where a stream wait
-        // cannot (the stream's capture is not scheduled work).
-        let done = stream.context().map(Event::new).transpose()?;
+        match stream.context() {
+            // SAFETY: forwarded under the caller's promise.
+            Some(context) => unsafe { self.copy_on_private_stream(what, context, dst, src, len) },
+            // SAFETY: forwarded under the caller's promise.
+            None => unsafe { self.copy_on_own_stream(what, dst, src, len, source) },
+        }
+    }
+
+    /// [`copy_unified`](Self::copy_unified) on a private stream of the library's, ordered after
+    /// the buffer's stream with an event.
+    ///
+    /// Other code may begin capturing the buffer's stream at any moment (another thread, with a
+    /// stream it lent), and a copy queued there just before such a capture could then be waited
+    /// for by no legal call. The private stream is held by this call alone, so nothing else can
+    /// capture it: it captures only by joining a capture through the event, which happens only
+    /// if the event was recorded into a capture, that is before anything of the copy was queued.
+    /// That is checked before the copy is queued, and refused with the capture invalidated.
+    ///
+    /// # Safety
+    /// As [`copy_unified`](Self::copy_unified).
+    unsafe fn copy_on_private_stream(
+        &self,
+        what: &'static str,
+        context: &crate::Context,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<()> {
+        let stream = self.on();
+        let (queued, done) = (Event::new(context)?, Event::new(context)?);
+        let private = stream.take_capture_stream(context)?;
+        let copied = crate::capture_mode::relaxed(|| {
+            queued.record(stream)?;
+            private.wait(&queued)?;
+            if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) =
+                private.capture_status()?
+            {
+                return Err(Self::refuse_joined_capture(what, &private, status));
+            }
+            // SAFETY: the caller vouches for both ranges.
+            unsafe { driver_call!(cuMemcpyAsync(dst, src, len, private.as_raw())) }?;
+            // From here the copy may be running: no return before it has finished.
+            let waited = done.record(&private).and_then(|()| {
+                // SAFETY: a live event, recorded on a stream that does not capture.
+                unsafe { driver_call!(cuEventSynchronize(done.as_raw())) }
+            });
+            waited.inspect_err(|error| {
+                if let Err(wait) = private.wait_before_release() {
+                    tracing::error!(%wait, %error, "a copy could not be waited for; the memory it uses may be released under it");
+                }
+            })
+        });
+        // Kept for the next copy or capture only if it does not capture (else leaked, not
+        // destroyed mid-capture).
+        stream.give_back_capture_stream(private);
+        copied
+    }
+
+    /// The private stream of a copy joined a capture other code began on the buffer's stream
+    /// since the check: nothing of the copy is queued. The capture is invalidated (a wait on the
+    /// joined stream, which the driver refuses and which invalidates the capture), so its graph
+    /// never waits for a copy that will not come.
+    fn refuse_joined_capture(what: &'static str, private: &Stream, status: CaptureStatus) -> Error {
+        // SAFETY: a live stream; the driver refuses the wait and invalidates its capture.
+        let refused = unsafe { driver_call!(cuStreamSynchronize(private.as_raw())) };
+        match refused {
+            Err(Error::Driver(cause)) => Error::CaptureRefused {
+                what,
+                hint: "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
+                cause,
+            },
+            _ => Error::StreamCapturing { operation: what, capture: status.id() },
+        }
+    }
+
+    /// [`copy_unified`](Self::copy_unified) for a stream borrowed without its context (no event
+    /// can be made for it): the copy on the stream itself, then a wait for the stream.
+    ///
+    /// # Safety
+    /// As [`copy_unified`](Self::copy_unified).
+    unsafe fn copy_on_own_stream(
+        &self,
+        what: &'static str,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+        source: Option<&Stream>,
+    ) -> Result<()> {
+        let stream = self.on();
         crate::capture_mode::relaxed(|| {
             // SAFETY: the caller vouches for both ranges.
             unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
@@ -327,13 +411,8 @@ impl<S: Borrow<Stream>> BufferOn<S> {
                     return Err(self.copy_recorded_into_capture(what, id));
                 }
             }
-            let recorded = done.as_ref().filter(|done| done.record(stream).is_ok());
-            let waited = match recorded {
-                // SAFETY: a live event.
-                Some(done) => unsafe { driver_call!(cuEventSynchronize(done.as_raw())) },
-                // SAFETY: a live stream, in its context (bound above).
-                None => unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) },
-            };
+            // SAFETY: a live stream, in its context (bound above).
+            let waited = unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) };
             waited.map_err(|error| self.copy_not_waited_for(what, error, source))
         })
     }
