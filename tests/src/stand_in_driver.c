@@ -27,6 +27,8 @@ char call_log[1 << 16];
 int call_log_len;
 int fail_next_exchange;
 int capture_on_next_record;
+int end_capture_before_next_waitevent;
+int fail_next_waits;
 Stream *capture_at_next_memcpy;
 static void log_call(const char *what, const void *a, const void *b, int r) {
     pthread_mutex_lock(&lock);
@@ -81,7 +83,12 @@ static int forbidden(Stream *on) {
     return refused;
 }
 static CUresult begin_capture(Stream *s, int mode);
-static CUresult stream_wait(Stream *s) { CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0; log_call("sync", s, 0, r); return r; }
+static CUresult stream_wait(Stream *s) {
+    CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0;
+    if (!r && fail_next_waits & 2) { fail_next_waits &= ~2; r = 999; }
+    log_call("sync", s, 0, r);
+    return r;
+}
 static CUresult memcpy_async(uint64_t d, uint64_t src, size_t n, Stream *s) {
     log_call("memcpy", s, 0, 0);
     if (capture_at_next_memcpy) { begin_capture(capture_at_next_memcpy, RELAXED); capture_at_next_memcpy = 0; }
@@ -95,9 +102,17 @@ static CUresult event_record(void *e, Stream *s) {
     return 0;
 }
 /* Waiting for an event recorded in a capture joins the waiting stream to that capture. */
+static CUresult end_capture(Stream *s, void **graph);
 static CUresult wait_event(Stream *s, void *e, unsigned f) {
     Stream *origin = *(Stream **)e;
-    if (origin && (uintptr_t)s > 2) {
+    if (end_capture_before_next_waitevent && origin) {
+        void *graph = 0;
+        end_capture_before_next_waitevent = 0;
+        end_capture(origin, &graph);
+        free(graph);
+    }
+    /* An event whose capture has ended has nothing to join: the wait orders nothing. */
+    if (origin && origin->capturing && (uintptr_t)s > 2) {
         pthread_mutex_lock(&lock);
         s->capturing = 1; s->invalidated = 0; s->mode = origin->mode; s->thread = origin->thread;
         s->id = origin->id; s->joined = origin;
@@ -107,8 +122,10 @@ static CUresult wait_event(Stream *s, void *e, unsigned f) {
     log_call("waitevent", s, e, 0);
     return 0;
 }
+static CUresult event_query(void *e) { return forbidden(0) ? UNSUPPORTED : *(Stream **)e ? CAPTURED_EVENT : 0; }
 static CUresult event_wait(void *e) {
     CUresult r = forbidden(0) ? UNSUPPORTED : *(Stream **)e ? CAPTURED_EVENT : 0;
+    if (!r && fail_next_waits & 1) { fail_next_waits &= ~1; r = 999; }
     log_call("eventsync", e, 0, r);
     return r;
 }
@@ -157,7 +174,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuMemAllocFromPoolAsync", alloc_from_pool}, {"cuMemFreeAsync", free_async},
     {"cuEventCreate", event_create}, {"cuEventDestroy", event_destroy},
     {"cuStreamSynchronize", stream_wait}, {"cuStreamQuery", stream_wait},
-    {"cuEventSynchronize", event_wait}, {"cuEventQuery", event_wait},
+    {"cuEventSynchronize", event_wait}, {"cuEventQuery", event_query},
     {"cuStreamBeginCapture", begin_capture}, {"cuStreamEndCapture", end_capture},
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},

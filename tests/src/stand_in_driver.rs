@@ -89,7 +89,10 @@ pub fn call_log() -> String {
 /// Turns on one of the stand-in's one-shot switches: `fail_next_exchange` (the next
 /// `cuThreadExchangeStreamCaptureMode` fails) or `capture_on_next_record` (the next
 /// `cuEventRecord` on a stream begins a relaxed capture there first, as another thread's capture
-/// would: the record lands in it). A stream that waits for an
+/// would: the record lands in it), `end_capture_before_next_waitevent` (the next
+/// `cuStreamWaitEvent` on an event recorded in a capture ends that capture first, so the wait
+/// joins nothing and orders nothing) or `fail_next_waits` (the next `cuEventSynchronize`, and
+/// the next `cuStreamSynchronize` or `cuStreamQuery`, that would succeed fail instead). A stream that waits for an
 /// event recorded in a capture joins that capture; the capture's end then ends it too, and
 /// reports the capture invalidated (unjoined). Only after [`stand_in`] answered a context.
 pub fn set_switch(name: &str) {
@@ -98,7 +101,7 @@ pub fn set_switch(name: &str) {
     unsafe {
         let library = libloading::Library::new(path).unwrap();
         let symbol = library.get::<*mut i32>(format!("{name}\0").as_bytes()).unwrap();
-        **symbol = 1;
+        **symbol = if name == "fail_next_waits" { 3 } else { 1 };
     }
 }
 

@@ -166,3 +166,55 @@ fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_while_the_copy_runs_wai
     );
     drop(device);
 }
+
+#[test]
+fn a_waiting_copy_whose_marker_a_capture_took_and_ended_copies_nothing() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let lender = Stream::new(&context).unwrap();
+    let stream = lent(&lender, &context);
+    let device = pool.alloc(4096, &stream).unwrap();
+    let mut host = vec![0u8; 4096];
+    let start = call_log().len();
+    // The other code's capture takes the event that orders the copy after the stream, and ends
+    // before the copy's stream waits for it: the wait then orders nothing.
+    set_switch("capture_on_next_record");
+    set_switch("end_capture_before_next_waitevent");
+    let copied = device.copy_to_host(&mut host);
+    let log = the_log_since(start);
+    let Err(Error::CaptureRefused { what, hint, .. }) = &copied else { panic!("{copied:?}\n{log}") };
+    assert!(what.contains("copy_to_host") && hint.contains("nothing was copied"), "{copied:?}");
+    assert!(!log.contains("memcpy"), "a copy ran unordered after the stream's work:\n{log}");
+    drop(device);
+}
+
+#[test]
+fn a_waiting_copy_that_cannot_be_waited_for_orders_the_buffers_streams_after_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let (stream, other) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let mut target = pool.alloc(4096, &stream).unwrap();
+    let source = pool.alloc(4096, &other).unwrap();
+    let start = call_log().len();
+    set_switch("fail_next_waits"); // the wait for the copy, and the fallback wait, both fail
+    let copied = target.copy_from(&source);
+    let log = the_log_since(start);
+    assert!(copied.is_err(), "{log}");
+    // Each buffer's stream waits for an event recorded after the copy, where the copy ran.
+    let calls: Vec<Vec<&str>> = log.lines().map(|line| line.split(' ').collect()).collect();
+    let copied_on = calls.iter().rev().find(|call| call[0] == "memcpy").map(|call| call[1]).expect("a copy");
+    let after_copy: Vec<&str> = calls
+        .iter()
+        .skip_while(|call| call[0] != "memcpy")
+        .filter(|call| call[0] == "record" && call[2] == copied_on)
+        .map(|call| call[1])
+        .collect();
+    for (name, on) in [("the target's", &stream), ("the source's", &other)] {
+        let on = format!("{:p}", on.as_raw());
+        assert!(
+            calls.iter().any(|call| call[0] == "waitevent" && call[1] == on && after_copy.contains(&call[2])),
+            "{name} stream was not ordered after the copy that could not be waited for:\n{log}"
+        );
+    }
+    drop((target, source));
+}

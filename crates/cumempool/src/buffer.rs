@@ -315,7 +315,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         stream.bind_context()?;
         match stream.context() {
             // SAFETY: forwarded under the caller's promise.
-            Some(context) => unsafe { self.copy_on_private_stream(what, context, dst, src, len) },
+            Some(context) => unsafe { self.copy_on_private_stream(what, context, dst, src, len, source) },
             // SAFETY: forwarded under the caller's promise.
             None => unsafe { self.copy_on_own_stream(what, dst, src, len, source) },
         }
@@ -340,6 +340,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         dst: sys::CUdeviceptr,
         src: sys::CUdeviceptr,
         len: usize,
+        source: Option<&Stream>,
     ) -> Result<()> {
         let stream = self.on();
         let (queued, done) = (Event::new(context)?, Event::new(context)?);
@@ -352,6 +353,13 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             {
                 return Err(Self::refuse_joined_capture(what, &private, status));
             }
+            // A capture that took the marker and ended before the wait leaves nothing to join,
+            // and the wait orders nothing: the event then says it was captured.
+            if let Err(Error::Driver(cause)) = queued.is_complete() {
+                if cause.code == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT.0 {
+                    return Err(Error::CaptureRefused { what, hint: Self::CAPTURED_MARKER, cause });
+                }
+            }
             // SAFETY: the caller vouches for both ranges.
             unsafe { driver_call!(cuMemcpyAsync(dst, src, len, private.as_raw())) }?;
             // From here the copy may be running: no return before it has finished.
@@ -362,6 +370,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             waited.inspect_err(|error| {
                 if let Err(wait) = private.wait_before_release() {
                     tracing::error!(%wait, %error, "a copy could not be waited for; the memory it uses may be released under it");
+                    // At least the buffers' frees, on their streams, come after it.
+                    for after in std::iter::once(stream).chain(source.filter(|source| !source.same_as(stream))) {
+                        if let Err(ordering) = after.order_after(&private) {
+                            tracing::error!(%ordering, "ordering a stream after a copy that could not be waited for failed");
+                        }
+                    }
                 }
             })
         });
@@ -370,6 +384,9 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         stream.give_back_capture_stream(private);
         copied
     }
+
+    /// Why a copy whose marker event other code's capture took, and ended, is refused.
+    const CAPTURED_MARKER: &'static str = "other code captured the buffer's stream while the copy was being set up; nothing was copied. Copy before another library's capture of the stream begins or after it ends";
 
     /// The private stream of a copy joined a capture other code began on the buffer's stream
     /// since the check: nothing of the copy is queued. The capture is invalidated (a wait on the
