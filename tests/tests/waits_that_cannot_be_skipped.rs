@@ -108,84 +108,89 @@ fn a_waiting_copy_whose_capture_mode_cannot_be_relaxed_queues_nothing() {
     }
 }
 
-/// A stream lent as `Stream::from_cudarc` lends it: cudarc's safe `begin_capture` may run on it
-/// at any time, from another thread.
-fn lent(lender: &Stream, context: &cumempool::Context) -> Stream {
-    // SAFETY: every caller keeps `lender` alive for longer than the result and its buffers.
-    unsafe { Stream::borrow_raw(lender.as_raw(), Some(context)) }.unwrap()
+/// What [`copy_on_a_lent_stream`] leaves: the copy's answer, the log of its calls, the lent
+/// stream, and the buffer (on it) to drop once the other code's capture is over.
+struct LentCopy {
+    copied: cumempool::Result<()>,
+    log: String,
+    stream: Stream,
+    _device: cumempool::OwnedBuffer,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// A `copy_to_host` from a buffer on a stream lent as `Stream::from_cudarc` lends it (cudarc's
+/// safe `begin_capture` may run on it at any time, from another thread), with `cue` setting the
+/// stand-in's switches for the other code's capture first.
+fn copy_on_a_lent_stream(cue: impl FnOnce(&Stream)) -> Option<LentCopy> {
+    let (serial, context) = stand_in()?;
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    // Leaked, so that it outlives every clone of the stream lent from it.
+    let lender = Box::leak(Box::new(Stream::new(&context).unwrap()));
+    // SAFETY: `lender` is never dropped.
+    let stream = unsafe { Stream::borrow_raw(lender.as_raw(), Some(&context)) }.unwrap();
+    let device = pool.alloc_owned(4096, &stream).unwrap();
+    let mut host = vec![0u8; 4096];
+    let start = call_log().len();
+    cue(&stream);
+    let copied = device.copy_to_host(&mut host);
+    let log = the_log_since(start);
+    // Released as the caller of a waiting copy may: the copy must never run into it after this.
+    drop(host);
+    Some(LentCopy { copied, log, stream, _device: device, _serial: serial })
+}
+
+/// `copied` is the refusal that says nothing was copied, and the log shows no copy.
+fn refused_with_nothing_copied(copied: &cumempool::Result<()>, log: &str) {
+    let Err(Error::CaptureRefused { what, hint, .. }) = copied else { panic!("{copied:?}\n{log}") };
+    assert!(what.contains("copy_to_host") && hint.contains("nothing was copied"), "{copied:?}");
+    assert!(!log.contains("memcpy"), "a copy was queued beside or unordered after the capture:\n{log}");
 }
 
 #[test]
 fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_before_the_copy_copies_nothing_and_leaves_that_capture_no_graph(
 ) {
-    let Some((_serial, context)) = stand_in() else { return };
-    let pool = MemPool::new(Route::device(0)).unwrap();
-    let lender = Stream::new(&context).unwrap();
-    let stream = lent(&lender, &context);
-    let device = pool.alloc(4096, &stream).unwrap();
-    let mut host = vec![0u8; 4096];
-    let start = call_log().len();
     // The other code's capture begins after the check, before the copy is set up.
-    set_switch("capture_on_next_record");
-    let copied = device.copy_to_host(&mut host);
-    let log = the_log_since(start);
-    let Err(Error::CaptureRefused { what, hint, .. }) = &copied else { panic!("{copied:?}") };
-    assert!(what.contains("copy_to_host") && hint.contains("nothing was copied"), "{copied:?}");
-    assert!(!log.contains("memcpy"), "a copy was queued into or beside the capture:\n{log}");
-    drop(host);
+    let Some(LentCopy { copied, log, stream, _device, _serial }) =
+        copy_on_a_lent_stream(|_| set_switch("capture_on_next_record"))
+    else {
+        return;
+    };
+    refused_with_nothing_copied(&copied, &log);
     assert_eq!(
         end_foreign_capture(&stream),
         CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
         "the capture that the copy's private stream joined gave a graph, which would wait for a copy that never comes"
     );
-    drop(device);
 }
 
 #[test]
 fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_while_the_copy_runs_waits_for_it() {
-    let Some((_serial, context)) = stand_in() else { return };
-    let pool = MemPool::new(Route::device(0)).unwrap();
-    let lender = Stream::new(&context).unwrap();
-    let stream = lent(&lender, &context);
-    let device = pool.alloc(4096, &stream).unwrap();
-    let mut host = vec![0u8; 4096];
-    let start = call_log().len();
     // The other code's capture begins once the copy is queued: the copy is real work, and must
     // be waited for before the vector can be released.
-    capture_at_next_copy(&stream);
-    let copied = device.copy_to_host(&mut host);
-    let log = the_log_since(start);
+    let Some(LentCopy { copied, log, stream, _device, _serial }) = copy_on_a_lent_stream(capture_at_next_copy) else {
+        return;
+    };
     assert!(copied.is_ok(), "{copied:?}\n{log}");
     assert!(log.contains("memcpy"), "{log}");
     assert!(!copy_left_running(&log), "it returned with the copy into the vector still running:\n{log}");
-    drop(host);
     assert_eq!(
         end_foreign_capture(&stream),
         CUresult::CUDA_SUCCESS,
         "the other code's capture, which the copy never touched, was broken"
     );
-    drop(device);
 }
 
 #[test]
 fn a_waiting_copy_whose_marker_a_capture_took_and_ended_copies_nothing() {
-    let Some((_serial, context)) = stand_in() else { return };
-    let pool = MemPool::new(Route::device(0)).unwrap();
-    let lender = Stream::new(&context).unwrap();
-    let stream = lent(&lender, &context);
-    let device = pool.alloc(4096, &stream).unwrap();
-    let mut host = vec![0u8; 4096];
-    let start = call_log().len();
     // The other code's capture takes the event that orders the copy after the stream, and ends
     // before the copy's stream waits for it: the wait then orders nothing.
-    set_switch("capture_on_next_record");
-    set_switch("end_capture_before_next_waitevent");
-    let copied = device.copy_to_host(&mut host);
-    let log = the_log_since(start);
-    let Err(Error::CaptureRefused { what, hint, .. }) = &copied else { panic!("{copied:?}\n{log}") };
-    assert!(what.contains("copy_to_host") && hint.contains("nothing was copied"), "{copied:?}");
-    assert!(!log.contains("memcpy"), "a copy ran unordered after the stream's work:\n{log}");
-    drop(device);
+    let Some(LentCopy { copied, log, _device, _serial, .. }) = copy_on_a_lent_stream(|_| {
+        set_switch("capture_on_next_record");
+        set_switch("end_capture_before_next_waitevent");
+    }) else {
+        return;
+    };
+    refused_with_nothing_copied(&copied, &log);
 }
 
 #[test]
