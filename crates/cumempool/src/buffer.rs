@@ -393,16 +393,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// joined stream, which the driver refuses and which invalidates the capture), so its graph
     /// never waits for a copy that will not come.
     fn refuse_joined_capture(what: &'static str, private: &Stream, status: CaptureStatus) -> Error {
-        // SAFETY: a live stream; the driver refuses the wait and invalidates its capture.
-        let refused = unsafe { driver_call!(cuStreamSynchronize(private.as_raw())) };
-        match refused {
-            Err(Error::Driver(cause)) => Error::CaptureRefused {
-                what,
-                hint: "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
-                cause,
-            },
-            _ => Error::StreamCapturing { operation: what, capture: status.id() },
-        }
+        invalidate_capture(
+            private,
+            what,
+            "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
+            status.id(),
+        )
     }
 
     /// [`copy_unified`](Self::copy_unified) for a stream borrowed without its context (no event
@@ -447,19 +443,16 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// not sharing a stream with other threads while it captures.
     fn copy_recorded_into_capture(&self, what: &'static str, capture: u64) -> Error {
         let stream = self.on();
-        // SAFETY: a live stream; the driver refuses the wait and invalidates its capture.
-        let refused = unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) };
+        let refused = invalidate_capture(
+            stream,
+            what,
+            "other code began capturing the stream while the copy was being queued, so the copy may have been recorded into its graph, which would use memory released since: that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
+            Some(capture),
+        );
         if !matches!(stream.capture_status(), Ok(CaptureStatus::Invalidated { .. })) {
             tracing::error!(capture, "a copy recorded into a capture other code began meanwhile could not invalidate it; a launch of its graph would use memory released since");
         }
-        match refused {
-            Err(Error::Driver(cause)) => Error::CaptureRefused {
-                what,
-                hint: "other code began capturing the stream while the copy was being queued, so the copy may have been recorded into its graph, which would use memory released since: that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
-                cause,
-            },
-            _ => Error::StreamCapturing { operation: what, capture: Some(capture) },
-        }
+        refused
     }
 
     /// After a failed wait for a copy queued on this buffer's stream: makes sure that no memory
@@ -635,6 +628,18 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         let ptr = self.host_ptr()?;
         // SAFETY: as in `host_slice`, and the borrow is exclusive.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.len) })
+    }
+}
+
+/// Invalidates the capture `stream` takes part in, with a host wait on it (always refused there,
+/// and the refusal invalidates the capture), and answers why `what` was refused: with `hint`
+/// and the refused wait as its cause, or, if the wait was not refused (the capture had ended),
+/// [`Error::StreamCapturing`] for `capture`.
+fn invalidate_capture(stream: &Stream, what: &'static str, hint: &'static str, capture: Option<u64>) -> Error {
+    // SAFETY: a live stream.
+    match unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) } {
+        Err(Error::Driver(cause)) => Error::CaptureRefused { what, hint, cause },
+        _ => Error::StreamCapturing { operation: what, capture },
     }
 }
 
