@@ -1,6 +1,7 @@
 """Shared fixtures: GPU tests skip without a driver, and fail instead with
 CUMEMPOOL_REQUIRE_GPU=1 (as the Rust suite does); tests that change routing restore it."""
 
+import ctypes
 import importlib
 import os
 import subprocess
@@ -59,6 +60,14 @@ def library(name):
         if os.environ.get("CUMEMPOOL_REQUIRE_GPU") == "1" and os.environ.get("CUMEMPOOL_REQUIRE_LIBRARIES") == "1":
             pytest.fail(f"{name} is required here: {error}")
         pytest.skip(f"{name} is not installed: {error}")
+
+
+def libcuda():
+    """The driver library itself, through ctypes, or a skip where it cannot be loaded."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        pytest.skip(f"no libcuda: {error}")
 
 
 def run_in_new_process(code: str) -> str:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import cumempool as cm
-from conftest import library
+from conftest import libcuda, library
 
 
 def test_copy_from_refuses_what_is_not_bytes_like(gpu, stream):
@@ -48,18 +48,11 @@ def test_dlpack_refuses_stream_zero(gpu, stream):
         assert type(buffer.__dlpack__(stream=accepted)).__name__ == "PyCapsule"
 
 
-def _libcuda():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as error:
-        pytest.skip(f"no libcuda: {error}")
-
-
 def test_calls_put_back_the_callers_context(gpu, stream):
     # The caller's current context (its own, or another device's) is what CuPy and the runtime
     # work on next: a copy, or work on a legacy stream, makes the buffer's current only while it
     # runs.
-    cuda = _libcuda()
+    cuda = libcuda()
     create = getattr(cuda, "cuCtxCreate_v2", None)
     if create is None:
         pytest.skip("libcuda lacks cuCtxCreate_v2")
@@ -92,7 +85,7 @@ def test_calls_put_back_the_callers_context(gpu, stream):
 def test_close_with_a_stream_frees_only_after_that_streams_work(gpu):
     # Buffer.close(stream): work queued on `stream` before the close must finish before the
     # memory is handed out again (what cuda.core's deallocate(ptr, size, stream) asks).
-    cuda = _libcuda()
+    cuda = libcuda()
     pool = cm.MemPool(cm.Route.device(0))
     mine, other = cm.Stream(0), cm.Stream(0)
     n = 1 << 20

@@ -3,14 +3,7 @@ test_fake_driver.py: a cycle through it is collected (and with it the pool's mem
 kept), and an interruption raised in it (KeyboardInterrupt, SystemExit) reaches the caller of
 `alloc` instead of being reported as unraisable."""
 
-import textwrap
-
-from test_fake_driver import _run, fake_libcuda  # noqa: F401 (a fixture)
-
-
-def _run_after(fake_libcuda, setup, scenario):
-    """Runs `scenario` after PRELUDE and `setup` (both unindented) on the stand-in driver."""
-    return _run(fake_libcuda, setup + textwrap.dedent(scenario))
+from test_fake_driver import _run_after, fake_libcuda  # noqa: F401 (a fixture)
 
 # A cycle whose only edge back runs through the callback: the holder keeps the resource, the
 # resource keeps the holder's bound method.

@@ -12,13 +12,7 @@ import pytest
 
 import cumempool as cm
 import test_plugins
-
-
-def _libcuda():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as error:
-        pytest.skip(f"no libcuda: {error}")
+from conftest import libcuda
 
 
 class _OwnContext:
@@ -26,7 +20,7 @@ class _OwnContext:
     a runtime user on another device looks like to the bindings: not the primary context)."""
 
     def __init__(self):
-        self.cuda = _libcuda()
+        self.cuda = libcuda()
         self.create = getattr(self.cuda, "cuCtxCreate_v2", None)
         if self.create is None:
             pytest.skip("libcuda lacks cuCtxCreate_v2")
@@ -99,7 +93,7 @@ def test_the_torch_functions_put_back_the_callers_context(gpu):
     # PyTorch's default stream is handle 0, the legacy stream, and PyTorch frees without a device
     # guard: a free that left cuda:1's context current while cuda:0 was would switch the thread's
     # current device (torch.cuda.current_device() reads it).
-    if getattr(_libcuda(), "cuCtxCreate_v2", None) is None:
+    if getattr(libcuda(), "cuCtxCreate_v2", None) is None:
         pytest.skip("libcuda lacks cuCtxCreate_v2")
     code = TORCH_HOOKS + (
         "cmt.serve(cm.MemPool(cm.Route.device(0)))\n"
@@ -149,7 +143,7 @@ def import_with_a_context_of_its_own(conn):
 def test_mapping_another_processs_allocation_puts_back_the_callers_context(gpu, stream):
     # cuMemPoolImportPointer needs the stream's context current, on any stream (not only the
     # legacy one).
-    if getattr(_libcuda(), "cuCtxCreate_v2", None) is None:
+    if getattr(libcuda(), "cuCtxCreate_v2", None) is None:
         pytest.skip("libcuda lacks cuCtxCreate_v2")
     pool = cm.MemPool(cm.Route.device(0), handle_types=cm.HandleTypes.POSIX_FILE_DESCRIPTOR)
     buffer = pool.alloc(4096, stream)

@@ -113,6 +113,21 @@ def _run(fake_libcuda, scenario):
     return out.stdout.split()
 
 
+def _run_after(fake_libcuda, setup, scenario):
+    """Runs `scenario` after PRELUDE and `setup` (both unindented) on the stand-in driver."""
+    return _run(fake_libcuda, setup + textwrap.dedent(scenario))
+
+
+# The plug-in's exported C functions as PyTorch calls them (`lib`), and the plug-in (`cmt`).
+TORCH_FUNCTIONS = """
+import cumempool.torch as cmt
+lib = ctypes.CDLL(cm.native_library_path())
+lib.cumempool_torch_alloc.restype = ctypes.c_void_p
+lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+"""
+
+
 def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
     # test_contexts.py::test_creating_a_stream_puts_back_the_callers_context
     lines = _run(
@@ -189,14 +204,10 @@ def test_a_cache_giving_legacy_blocks_back_for_another_stream_puts_back_the_call
 
 def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcuda):
     # test_contexts.py::test_the_torch_functions_put_back_the_callers_context
-    lines = _run(
+    lines = _run_after(
         fake_libcuda,
+        TORCH_FUNCTIONS,
         """
-        import cumempool.torch as cmt
-        lib = ctypes.CDLL(cm.native_library_path())
-        lib.cumempool_torch_alloc.restype = ctypes.c_void_p
-        lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         cmt.serve(pool)
         p = lib.cumempool_torch_alloc(1 << 20, 0, None)
         print(bool(p), mine_current())
@@ -212,14 +223,10 @@ def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcu
 def test_a_torch_allocation_of_zero_bytes_is_not_kept(fake_libcuda):
     # PyTorch passes size 0 for an empty tensor and never frees the null it gets back: an entry
     # kept for it would count for ever and keep the served resource alive after stop().
-    lines = _run(
+    lines = _run_after(
         fake_libcuda,
+        TORCH_FUNCTIONS,
         """
-        import cumempool.torch as cmt
-        lib = ctypes.CDLL(cm.native_library_path())
-        lib.cumempool_torch_alloc.restype = ctypes.c_void_p
-        lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         # The served cache keeps a block for the lender's stream, so holds the lender: the
         # lender lives exactly as long as the cache.
         lender = Lender(cm.Stream(0))

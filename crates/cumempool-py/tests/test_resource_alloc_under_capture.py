@@ -13,22 +13,16 @@ import textwrap
 import pytest
 
 import cumempool as cm
+from conftest import libcuda
 
 STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src" / "stand_in_driver.c"
-
-
-def _libcuda():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as error:
-        pytest.skip(f"no libcuda: {error}")
 
 
 def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
     # What alloc allocates on a capturing stream is the graph's memory (an allocation node): a
     # Buffer holding it would be freed outside the graph, refused before a launch (each launch
     # then allocating memory nothing frees) or unordered after one.
-    cuda = _libcuda()
+    cuda = libcuda()
     begin, end = cuda.cuStreamBeginCapture_v2, cuda.cuStreamEndCapture
     begin.argtypes = [ctypes.c_void_p, ctypes.c_int]
     end.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
