@@ -498,7 +498,9 @@ unsafe impl StreamOrderedResource for Arena {
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         if self.may_be_capturing(stream) && self.is_capturing(stream)? {
-            return Err(allocate_while_capturing());
+            return Err(crate::resource::refused_while_capturing(
+                "allocating from a VMM arena, whose spans are not graph memory (allocate before the capture, or inside it from a pool with Capture::alloc)",
+            ));
         }
         if !align.is_power_of_two() || align > self.chunk {
             return Err(Error::Alignment {
@@ -558,15 +560,6 @@ unsafe impl StreamOrderedResource for Arena {
         }
         Ok(())
     }
-}
-
-/// What [`Arena::allocate`](StreamOrderedResource::allocate) answers on a capturing stream.
-#[cold]
-fn allocate_while_capturing() -> Error {
-    Error::Pool(cumempool::Error::StreamCapturing {
-        operation: "allocating from a VMM arena, whose spans are not graph memory (allocate before the capture, or inside it from a pool with Capture::alloc)",
-        capture: None,
-    })
 }
 
 impl Drop for Arena {

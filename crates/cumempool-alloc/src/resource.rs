@@ -76,7 +76,9 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
         Self: Sized,
     {
         if self.may_be_capturing(stream) && self.is_capturing(stream)? {
-            return Err(alloc_while_capturing());
+            return Err(refused_while_capturing(
+                "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
+            ));
         }
         let ptr = self.allocate(bytes, POOL_ALIGNMENT, stream)?;
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
@@ -176,14 +178,12 @@ impl<R: StreamOrderedResource> Drop for Allocation<'_, R> {
     }
 }
 
-/// What [`StreamOrderedResource::alloc`] answers on a capturing stream. The resource's capture
-/// checks say only whether a capture is underway, not which.
+/// What an allocation that serves no capture answers on a capturing stream: `operation` says
+/// which and what to do instead. A resource's capture checks say only whether a capture is
+/// underway, not which.
 #[cold]
-fn alloc_while_capturing() -> crate::Error {
-    crate::Error::Pool(cumempool::Error::StreamCapturing {
-        operation: "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
-        capture: None,
-    })
+pub(crate) fn refused_while_capturing(operation: &'static str) -> crate::Error {
+    crate::Error::Pool(cumempool::Error::StreamCapturing { operation, capture: None })
 }
 
 /// Refuses alignments a pool does not guarantee (never silently ignored).
