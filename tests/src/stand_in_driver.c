@@ -30,6 +30,7 @@ int capture_on_next_record;
 int end_capture_before_next_waitevent;
 int fail_next_waits;
 Stream *capture_at_next_memcpy;
+Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
     pthread_mutex_lock(&lock);
     if (call_log_len < (int)sizeof call_log - 128)
@@ -94,6 +95,14 @@ static CUresult memcpy_async(uint64_t d, uint64_t src, size_t n, Stream *s) {
     if (capture_at_next_memcpy) { begin_capture(capture_at_next_memcpy, RELAXED); capture_at_next_memcpy = 0; }
     return 0;
 }
+/* A launch is logged with whether its stream captures (then it is recorded, not run). */
+static CUresult graph_launch(void *exec, Stream *s) {
+    log_call("launch", s, 0, (uintptr_t)s > 2 && s->capturing);
+    if (capture_at_next_launch) { begin_capture(capture_at_next_launch, RELAXED); capture_at_next_launch = 0; }
+    return 0;
+}
+static CUresult graph_instantiate(void **exec, void *graph, uint64_t flags) { *exec = malloc(8); return 0; }
+static CUresult graph_exec_destroy(void *exec) { free(exec); return 0; }
 static CUresult event_record(void *e, Stream *s) {
     if (capture_on_next_record && (uintptr_t)s > 2) { capture_on_next_record = 0; begin_capture(s, RELAXED); }
     Stream **recorded = e;
@@ -179,6 +188,8 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},
     {"cuMemGetAllocationGranularity", granularity}, {"cuMemAddressReserve", address_reserve},
+    {"cuGraphLaunch", graph_launch}, {"cuGraphInstantiateWithFlags", graph_instantiate},
+    {"cuGraphExecDestroy", graph_exec_destroy},
     {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
 };
 CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {

@@ -71,7 +71,7 @@ pub fn live_streams() -> i32 {
 
 /// The calls that order work, as the stand-in logged them, one per line: `memcpy <stream>`,
 /// `sync <stream> <result>`, `record <event> <stream>`, `waitevent <stream> <event>`,
-/// `eventsync <event> <result>` (pointers
+/// `eventsync <event> <result>`, `launch <stream> <1 if it captures, else 0>` (pointers
 /// as `{:p}` prints them). Only after [`stand_in`] answered a context.
 pub fn call_log() -> String {
     let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
@@ -109,12 +109,21 @@ pub fn set_switch(name: &str) {
 /// after it is queued, as another thread's capture of a stream it lent would. Only after
 /// [`stand_in`] answered a context.
 pub fn capture_at_next_copy(stream: &cumempool::Stream) {
+    capture_after(b"capture_at_next_memcpy\0", stream);
+}
+
+/// As [`capture_at_next_copy`], after the next `cuGraphLaunch`.
+pub fn capture_at_next_launch(stream: &cumempool::Stream) {
+    capture_after(b"capture_at_next_launch\0", stream);
+}
+
+fn capture_after(symbol: &[u8], stream: &cumempool::Stream) {
     let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
-    // SAFETY: as in `call_log`; `capture_at_next_memcpy` is a stream pointer the stand-in reads
-    // and clears, and `stream`'s handle is one of the stand-in's streams.
+    // SAFETY: as in `call_log`; the symbol is a stream pointer the stand-in reads and clears,
+    // and `stream`'s handle is one of the stand-in's streams.
     unsafe {
         let library = libloading::Library::new(path).unwrap();
-        let symbol = library.get::<*mut *mut std::ffi::c_void>(b"capture_at_next_memcpy\0").unwrap();
+        let symbol = library.get::<*mut *mut std::ffi::c_void>(symbol).unwrap();
         **symbol = stream.as_raw().cast();
     }
 }

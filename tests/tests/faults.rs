@@ -672,6 +672,8 @@ fn graph_calls_name_the_call_that_failed() {
     let mut exec = graph.instantiate().unwrap();
     refused_by(suite.failing("cuGraphUpload", 1, UNKNOWN, || exec.upload(&stream)), "cuGraphUpload", UNKNOWN);
     refused_by(suite.failing("cuGraphLaunch", 1, UNKNOWN, || exec.launch(&stream)), "cuGraphLaunch", UNKNOWN);
+    // The query of the event that orders the launch after the stream: unanswered, nothing runs.
+    refused_by(suite.failing("cuEventQuery", 1, UNKNOWN, || exec.launch(&stream)), "cuEventQuery", UNKNOWN);
     exec.launch(&stream).unwrap();
     drop(exec);
     assert!(graph.node_count().unwrap() >= 4, "usable afterwards");

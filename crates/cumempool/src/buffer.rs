@@ -635,7 +635,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
 /// and the refusal invalidates the capture), and answers why `what` was refused: with `hint`
 /// and the refused wait as its cause, or, if the wait was not refused (the capture had ended),
 /// [`Error::StreamCapturing`] for `capture`.
-fn invalidate_capture(stream: &Stream, what: &'static str, hint: &'static str, capture: Option<u64>) -> Error {
+pub(crate) fn invalidate_capture(
+    stream: &Stream,
+    what: &'static str,
+    hint: &'static str,
+    capture: Option<u64>,
+) -> Error {
     // SAFETY: a live stream.
     match unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) } {
         Err(Error::Driver(cause)) => Error::CaptureRefused { what, hint, cause },

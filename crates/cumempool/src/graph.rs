@@ -558,6 +558,7 @@ impl<'env> Graph<'env> {
             done,
             launched: false,
             outside: self.outside.clone(),
+            private: None,
             _env: PhantomData,
         })
     }
@@ -591,6 +592,8 @@ pub struct GraphExec<'env> {
     done: Event,
     launched: bool,
     outside: Vec<Stream>,
+    /// Where launches run (see [`GraphExec::launch`]): made by the first, held by nothing else.
+    private: Option<Stream>,
     _env: Invariant<'env>,
 }
 
@@ -600,47 +603,122 @@ impl GraphExec<'_> {
         self.raw.0
     }
 
-    /// Launches the graph on `stream`, ordered after the work queued on it and on the streams of
-    /// the outside buffers the graph uses.
+    /// Launches the graph, ordered after the work queued on `stream` and on the streams of the
+    /// outside buffers it uses, and orders those streams after the launch.
+    ///
+    /// The launch itself runs on a private stream of the executable's, ordered after those
+    /// streams with events, never on `stream`: other code may begin capturing a stream it lent
+    /// (one from [`Stream::from_cudarc`], say) at any moment, and a launch queued there could be
+    /// recorded into that capture, whose graph would replay it after this executable and the
+    /// memory it borrowed are gone, while the event that `Drop` waits for would be recorded into
+    /// the capture too and could not be waited for. Nothing else holds the private stream, so it
+    /// captures only by joining a capture through one of those events, which happens only if the
+    /// event was recorded into a capture, before anything was launched: that is checked, and
+    /// refused with the joined capture invalidated (its end gives no graph).
     ///
     /// # Errors
-    /// [`Error::StreamCapturing`] when `stream` (or an outside buffer's stream) captures; the
-    /// driver's answer.
+    /// [`Error::StreamCapturing`] when `stream` (or an outside buffer's stream) captures;
+    /// [`Error::CaptureRefused`] when other code began capturing one of them during the call
+    /// (nothing was launched); the driver's answer.
     ///
     /// See [cuGraphLaunch](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     pub fn launch(&mut self, stream: &Stream) -> Result<()> {
-        const WHAT: &str = "launching a graph (GraphExec::launch)";
-        stream.ensure_not_capturing(WHAT)?;
-        for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
-            other.ensure_not_capturing(WHAT)?;
-            stream.order_after(other)?;
-        }
-        stream.bind()?;
-        // SAFETY: a live executable and stream; the memory it uses is borrowed for `'env`.
-        unsafe { driver_call!(cuGraphLaunch(self.raw.0, stream.as_raw())) }?;
-        self.launched = true;
-        if let Err(error) = self.done.record(stream) {
-            // Without the event, neither Drop nor the outside streams could wait for this
-            // launch: wait on the host now, with a wait nothing refuses (not even another
-            // capture's closure on this thread: invalidating that capture is better than letting
-            // a buffer be freed under the launch).
-            if let Err(wait) = stream.wait_before_release() {
-                tracing::error!(%wait, %error, "a graph launch whose completion event could not be recorded could not be waited for either; its buffers may be freed under it");
+        stream.ensure_not_capturing(LAUNCH)?;
+        let outside = std::mem::take(&mut self.outside);
+        let others: Vec<&Stream> = outside.iter().filter(|other| !other.same_as(stream)).collect();
+        let launched = others
+            .iter()
+            .try_for_each(|other| other.ensure_not_capturing(LAUNCH))
+            .and_then(|()| self.launch_after(stream, &others));
+        self.outside = outside;
+        launched
+    }
+
+    /// [`launch`](Self::launch) once `stream` and `others` were found not capturing.
+    fn launch_after(&mut self, stream: &Stream, others: &[&Stream]) -> Result<()> {
+        let private = match self.private.take() {
+            Some(private) => private,
+            None => {
+                let private = Stream::new(&self.context)?;
+                // So that its drop asks whether it still captures (it may have joined a capture
+                // it could not leave), and leaks it rather than destroy it mid-capture.
+                private.note_capture_possible();
+                private
             }
-            return Err(error);
-        }
-        for other in self.outside.iter().filter(|s| !s.same_as(stream)) {
-            if let Err(error) = other.wait(&self.done) {
-                // `other` is not ordered after the launch, and its next free (even of a leaked
-                // executable's buffer) could release memory the launch still uses: wait for the
-                // launch on the host before saying so, with a wait nothing refuses.
-                if let Err(wait) = self.done.wait_before_release() {
-                    tracing::error!(%wait, %error, "a graph launch whose buffers' streams could not be ordered after it could not be waited for either; its buffers may be freed under it");
+        };
+        let launched = crate::capture_mode::relaxed(|| {
+            let mut markers = Vec::with_capacity(1 + others.len());
+            for before in std::iter::once(stream).chain(others.iter().copied()) {
+                match before.context() {
+                    Some(context) => {
+                        let marker = Event::new(context)?;
+                        marker.record(before)?;
+                        private.wait(&marker)?;
+                        markers.push(marker);
+                    }
+                    // No event can be made for a stream borrowed without its context: its queued
+                    // work is waited for on the host instead.
+                    None => before.synchronize()?,
+                }
+            }
+            if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) =
+                private.capture_status()?
+            {
+                return Err(crate::buffer::invalidate_capture(&private, LAUNCH, JOINED_CAPTURE, status.id()));
+            }
+            // A capture that took a marker and ended before the wait leaves nothing to join, and
+            // the wait ordered nothing: the marker then says it was captured. Any answer but
+            // "done" or "not yet" leaves that unknown, and nothing is launched.
+            for marker in &markers {
+                // SAFETY: a live event; a query waits for nothing, and in relaxed mode it
+                // disturbs no capture.
+                let answer = unsafe { driver_answer!(cuEventQuery(marker.as_raw())) }?;
+                match answer.code {
+                    sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+                        return Err(Error::CaptureRefused {
+                            what: LAUNCH,
+                            hint: CAPTURED_MARKER,
+                            cause: answer.cause(),
+                        })
+                    }
+                    _ => return Err(answer.error()),
+                }
+            }
+            private.bind()?;
+            // SAFETY: a live executable, on a live stream that does not capture; the memory the
+            // graph uses is borrowed for `'env`, and `Drop` waits for `done` before that ends.
+            unsafe { driver_call!(cuGraphLaunch(self.raw.0, private.as_raw())) }?;
+            self.launched = true;
+            if let Err(error) = self.done.record(&private) {
+                // Without the event, neither Drop nor the streams could wait for this launch:
+                // wait on the host now, with a wait nothing refuses (not even another capture's
+                // closure on this thread: invalidating that capture is better than letting a
+                // buffer be freed under the launch).
+                if let Err(wait) = private.wait_before_release() {
+                    tracing::error!(%wait, %error, "a graph launch whose completion event could not be recorded could not be waited for either; its buffers may be freed under it");
                 }
                 return Err(error);
             }
+            for after in std::iter::once(stream).chain(others.iter().copied()) {
+                if let Err(error) = after.wait(&self.done) {
+                    // `after` is not ordered after the launch, and its next free (even of a
+                    // leaked executable's buffer) could release memory the launch still uses:
+                    // wait for the launch on the host before saying so, with a wait nothing
+                    // refuses.
+                    if let Err(wait) = self.done.wait_before_release() {
+                        tracing::error!(%wait, %error, "a graph launch whose buffers' streams could not be ordered after it could not be waited for either; its buffers may be freed under it");
+                    }
+                    return Err(error);
+                }
+            }
+            Ok(())
+        });
+        // Kept for the next launch only if it does not capture; else its drop leaks it.
+        if matches!(private.capture_status(), Ok(CaptureStatus::None)) {
+            self.private = Some(private);
         }
-        Ok(())
+        launched
     }
 
     /// Uploads the graph to the device ahead of its first launch, ordered on `stream`.
@@ -664,6 +742,14 @@ impl GraphExec<'_> {
         self.done.synchronize()
     }
 }
+
+const LAUNCH: &str = "launching a graph (GraphExec::launch)";
+
+/// Why a launch whose private stream joined a capture is refused.
+const JOINED_CAPTURE: &str = "other code began capturing the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched, and that capture was invalidated (its end gives no graph). Launch before another library's capture of the stream begins or after it ends";
+
+/// Why a launch whose marker event other code's capture took, and ended, is refused.
+const CAPTURED_MARKER: &str = "other code captured the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched. Launch before another library's capture of the stream begins or after it ends";
 
 impl Drop for GraphExec<'_> {
     fn drop(&mut self) {
