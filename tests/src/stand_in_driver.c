@@ -144,6 +144,7 @@ static CUresult address_reserve(uint64_t *base, size_t size, size_t align, uint6
     *base = (uint64_t)1 << 40;
     return 0;
 }
+static CUresult address_free(uint64_t base, size_t size) { log_call("addressfree", (void *)(uintptr_t)base, 0, 0); return 0; }
 static CUresult begin_capture(Stream *s, int mode) {
     pthread_mutex_lock(&lock);
     s->capturing = 1; s->invalidated = 0; s->mode = mode; s->thread = pthread_self(); s->id = next_id++;
@@ -188,6 +189,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},
     {"cuMemGetAllocationGranularity", granularity}, {"cuMemAddressReserve", address_reserve},
+    {"cuMemAddressFree", address_free},
     {"cuGraphLaunch", graph_launch}, {"cuGraphInstantiateWithFlags", graph_instantiate},
     {"cuGraphExecDestroy", graph_exec_destroy},
     {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},

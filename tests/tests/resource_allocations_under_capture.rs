@@ -9,7 +9,7 @@
 use cumempool::sys::CUresult;
 use cumempool::{Error as PoolError, MemPool, Route, Stream};
 use cumempool_alloc::{Arena, CachingResource, DeviceMemory, Error, PoolResource, StreamOrderedResource};
-use cumempool_tests::stand_in_driver::stand_in;
+use cumempool_tests::stand_in_driver::{call_log, stand_in};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture};
 
 const CHUNK: usize = 2 << 20;
@@ -106,4 +106,47 @@ fn a_free_on_a_capturing_stream_never_stops_the_arenas_later_allocations() {
     unsafe { arena.deallocate(during, 4096, 256, &other) }.unwrap();
     assert_eq!(arena.trim().unwrap(), CHUNK, "every free came back, and the chunk with them");
     assert_eq!(arena.stats().pending_frees, 0);
+}
+
+/// An arena dropped inside a capture closure (of a stream it has nothing to do with) while a
+/// free is still pending: its drop must wait for that free's stream before it unmaps the range,
+/// with a wait that the closure cannot refuse; a refused wait left the range mapped for the
+/// process's life.
+#[test]
+fn an_arena_dropped_inside_a_capture_closure_waits_for_its_pending_frees_and_unmaps() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let arena = Arena::builder(0, 16 * CHUNK).chunk_size(CHUNK).build().unwrap();
+    let (stream, other) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let ptr = arena.allocate(4096, 256, &stream).unwrap();
+    // SAFETY: allocated above with these arguments, unused, freed once.
+    unsafe { arena.deallocate(ptr, 4096, 256, &stream) }.unwrap();
+    assert_eq!(arena.stats().pending_frees, 1);
+    let start = call_log().len();
+    let graph = other.capture(|_| {
+        drop(arena);
+        Ok(())
+    });
+    let log = call_log()[start..].to_owned();
+    assert!(graph.is_ok(), "{:?}", graph.err());
+    let waited = log.lines().position(|call| call.starts_with("eventsync ") && call.ends_with(" 0"));
+    let freed = log.lines().position(|call| call.starts_with("addressfree "));
+    assert!(
+        waited.is_some() && freed.is_some() && waited < freed,
+        "the range was not unmapped after a wait for the pending free:\n{log}"
+    );
+}
+
+/// A free of an address the arena never handed out is refused before anything reaches the
+/// stream: no event is recorded there for it.
+#[test]
+fn a_free_of_an_address_not_from_the_arena_queues_nothing() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let arena = Arena::builder(0, 16 * CHUNK).chunk_size(CHUNK).build().unwrap();
+    let stream = Stream::new(&context).unwrap();
+    let start = call_log().len();
+    // SAFETY: refused; the arena touches nothing at that address.
+    let freed = unsafe { arena.deallocate(0x1234_5000, 4096, 256, &stream) };
+    let log = call_log()[start..].to_owned();
+    assert!(matches!(freed, Err(Error::NotFromArena { ptr: 0x1234_5000 })), "{freed:?}");
+    assert!(log.is_empty(), "the refused free reached the driver:\n{log}");
 }

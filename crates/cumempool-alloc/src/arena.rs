@@ -172,19 +172,19 @@ impl State {
         self.free.insert(start, end - start);
     }
 
-    /// Moves pending frees whose stream has passed them to the free list; with `wait`, waits
-    /// for each stream first, except one still capturing (a capture cannot be waited for).
+    /// Moves pending frees whose stream has passed them to the free list; as `settle` says,
+    /// waits for each stream first, except one still capturing (a capture cannot be waited for).
     ///
     /// A free that cannot be checked stays pending (its span is not reused on a guess) and the
     /// others are settled all the same, so one failing check never stops the arena.
     ///
     /// # Errors
     /// The first check that failed.
-    fn settle(&mut self, context: &Context, wait: bool) -> Result<()> {
+    fn settle(&mut self, context: &Context, settle: Settle) -> Result<()> {
         let mut first_error = None;
         let mut index = 0;
         while index < self.pending.len() {
-            match passed(&mut self.pending[index].0, context, wait) {
+            match passed(&mut self.pending[index].0, context, settle) {
                 Ok(true) => {
                     let (_, offset, len) = self.pending.swap_remove(index);
                     self.give_back(offset, len);
@@ -228,9 +228,23 @@ impl State {
     }
 }
 
-/// Whether the stream of a pending free has passed it; with `wait`, waits for that unless the
-/// stream still captures. A free on a capturing stream gets its event once the capture is over.
-fn passed(after: &mut FreedAfter, context: &Context, wait: bool) -> Result<bool> {
+/// How [`State::settle`] treats a pending free whose stream has not passed it yet.
+#[derive(Clone, Copy, Debug)]
+enum Settle {
+    /// Leaves it pending.
+    Check,
+    /// Waits for it on the host, as [`Event::synchronize`] does (refused inside a capture
+    /// closure on this thread: the caller then gets the refusal).
+    Wait,
+    /// Waits for it with [`Event::wait_before_release`], which nothing refuses: the range is
+    /// about to be unmapped, and a refusal would leave it mapped for the process's life.
+    WaitBeforeRelease,
+}
+
+/// Whether the stream of a pending free has passed it; with a wait (see [`Settle`]), waits for
+/// that unless the stream still captures. A free on a capturing stream gets its event once the
+/// capture is over.
+fn passed(after: &mut FreedAfter, context: &Context, settle: Settle) -> Result<bool> {
     if let FreedAfter::CaptureEnd(stream) = after {
         if stream.is_capturing()? {
             return Ok(false);
@@ -240,10 +254,11 @@ fn passed(after: &mut FreedAfter, context: &Context, wait: bool) -> Result<bool>
             None => return Ok(true),
         }
     }
-    Ok(match after {
-        FreedAfter::Event(event) if wait => event.synchronize().map(|()| true)?,
-        FreedAfter::Event(event) => event.is_complete()?,
-        FreedAfter::CaptureEnd(_) => false,
+    Ok(match (after, settle) {
+        (FreedAfter::Event(event), Settle::Check) => event.is_complete()?,
+        (FreedAfter::Event(event), Settle::Wait) => event.synchronize().map(|()| true)?,
+        (FreedAfter::Event(event), Settle::WaitBeforeRelease) => event.wait_before_release().map(|()| true)?,
+        (FreedAfter::CaptureEnd(_), _) => false,
     })
 }
 
@@ -441,7 +456,7 @@ impl Arena {
         if state.holds > 0 {
             return Err(Error::MappingsHeld { holders: state.holds });
         }
-        state.settle(&self.context, true)?;
+        state.settle(&self.context, Settle::Wait)?;
         let idle: Vec<usize> = state
             .chunks
             .keys()
@@ -517,14 +532,14 @@ unsafe impl StreamOrderedResource for Arena {
         let align = align.max(POOL_ALIGNMENT);
         let mut state = self.lock();
         // A free that cannot be checked now only keeps its span out of this allocation.
-        if let Err(error) = state.settle(&self.context, false) {
+        if let Err(error) = state.settle(&self.context, Settle::Check) {
             tracing::debug!(%error, "checking an arena's pending frees failed; their spans stay pending");
         }
         let base = self.range.base();
         let mut offset = state.take(base, rounded, align);
         let mut unsettled = None;
         if offset.is_none() && !state.pending.is_empty() {
-            unsettled = state.settle(&self.context, true).err();
+            unsettled = state.settle(&self.context, Settle::Wait).err();
             offset = state.take(base, rounded, align);
         }
         let Some(offset) = offset else {
@@ -543,6 +558,13 @@ unsafe impl StreamOrderedResource for Arena {
         if bytes == 0 {
             return Ok(());
         }
+        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
+        let live = |state: &State| offset.filter(|offset| state.live.contains_key(offset));
+        // Refused before anything reaches the stream. The caller's promise (a live allocation,
+        // freed once) keeps it live until it is taken out below.
+        if live(&self.lock()).is_none() {
+            return Err(Error::NotFromArena { ptr });
+        }
         let after = if self.may_be_capturing(stream) && self.is_capturing(stream)? {
             Some(FreedAfter::CaptureEnd(stream.clone()))
         } else {
@@ -550,8 +572,7 @@ unsafe impl StreamOrderedResource for Arena {
             event_after(stream, &self.context)?
         };
         let mut state = self.lock();
-        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
-        let Some((offset, len)) = offset.and_then(|o| state.live.remove(&o).map(|len| (o, len))) else {
+        let Some((offset, len)) = live(&state).and_then(|o| state.live.remove(&o).map(|len| (o, len))) else {
             return Err(Error::NotFromArena { ptr });
         };
         match after {
@@ -568,7 +589,7 @@ impl Drop for Arena {
         // waited for (its stream still captures, or the wait failed), the range stays mapped
         // for the process's life rather than unmapped under work that may still use it.
         let mut state = self.lock();
-        let settled = state.settle(&self.context, true);
+        let settled = state.settle(&self.context, Settle::WaitBeforeRelease);
         let unsettled = state.pending.len();
         drop(state);
         match settled {

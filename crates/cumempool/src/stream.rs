@@ -851,14 +851,17 @@ impl Event {
 }
 
 impl Event {
-    /// Waits on the host for the work before the last record, where memory is about to be
-    /// released that the work may still use: as [`Stream::wait_before_release`], refused by
-    /// nothing the library controls. The event must have been recorded on a stream that did not
-    /// capture (a captured record is not scheduled to run, and the driver refuses the wait).
+    /// Waits on the host for the work before the last record, where memory that work may still
+    /// use is about to be released (an allocator's teardown, say). Unlike
+    /// [`Event::synchronize`], nothing the library controls refuses it: not a
+    /// [`Stream::capture`] closure on this thread (invalidating that capture is better than a
+    /// use-after-free), nor a failed change of the thread's capture mode. The event must have
+    /// been recorded on a stream that did not capture (a captured record is not scheduled to
+    /// run, and the driver refuses the wait).
     ///
     /// # Errors
     /// The driver's answer; the caller must then keep the memory rather than release it.
-    pub(crate) fn wait_before_release(&self) -> Result<()> {
+    pub fn wait_before_release(&self) -> Result<()> {
         // SAFETY: a live event.
         crate::capture_mode::relaxed_if_possible(|| unsafe { driver_call!(cuEventSynchronize(self.raw.0)) })
     }
