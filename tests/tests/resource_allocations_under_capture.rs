@@ -150,3 +150,25 @@ fn a_free_of_an_address_not_from_the_arena_queues_nothing() {
     assert!(matches!(freed, Err(Error::NotFromArena { ptr: 0x1234_5000 })), "{freed:?}");
     assert!(log.is_empty(), "the refused free reached the driver:\n{log}");
 }
+
+/// A captured allocation whose free node the driver refuses (the stand-in refuses every free on
+/// a capturing stream): launched, the graph would leave that allocation allocated after the
+/// executable is gone, so the capture answers the refusal and gives no graph.
+#[test]
+fn a_capture_whose_free_node_is_refused_gives_no_graph() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let stream = Stream::new(&context).unwrap();
+    let address = std::cell::Cell::new(0);
+    let graph = stream.capture(|capture| {
+        let scratch = capture.alloc(&pool, 4096)?;
+        address.set(scratch.as_raw());
+        capture.fill(&scratch, 1)
+    });
+    let Err(PoolError::Driver(cause)) = &graph else { panic!("{graph:?}") };
+    assert!(cause.to_string().contains("cuMemFreeAsync"), "{cause}");
+    // The stand-in's allocation node is a heap block it counts, which no graph destroy frees
+    // (a driver's would never have been allocated): freed here for the other tests' counts.
+    // SAFETY: the stand-in's block, freed once, on a stream that no longer captures.
+    unsafe { cumempool::free_async(address.get(), &stream) }.unwrap();
+}

@@ -46,7 +46,9 @@ impl Stream {
     /// for a stream borrowed without its context (the private stream is made in it);
     /// [`Error::CaptureRefused`] for the driver's capture refusals (a capture invalidated by
     /// an operation it could not record fails when it ends); `record`'s own error (the graph is
-    /// then destroyed); the driver's answer.
+    /// then destroyed); the driver's refusal to record the free of a captured allocation (the
+    /// graph is destroyed too: launched, it would leave that memory allocated for good); the
+    /// driver's answer.
     ///
     /// See [cuStreamBeginCapture](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture<'env>(&self, record: impl for<'c> FnOnce(&'c Capture<'env>) -> Result<()>) -> Result<Graph<'env>> {
@@ -83,12 +85,16 @@ fn capture_on<'env>(
     let capture = Capture {
         stream: stream.clone(),
         id,
-        live: RefCell::new(Vec::new()),
+        live: RefCell::new(Live::default()),
         outside: RefCell::new(Vec::new()),
         _env: PhantomData,
     };
     let recorded = record(&capture);
-    let outside = capture.finish();
+    let (outside, failed_free) = capture.finish();
+    // A graph whose allocation has no free node would leave that memory allocated after the
+    // executable is gone (destroying it frees no graph memory): refused, the graph destroyed
+    // unlaunched, so that nothing was ever allocated.
+    let recorded = recorded.and(failed_free.map_or(Ok(()), Err));
     drop(capture); // its clone of the private stream, which is kept for reuse only if unshared
                    // Before the end, which runs deferred frees (an import's unmapping waits on the host).
     drop(on_this_thread);
@@ -295,8 +301,9 @@ fn refused_capture(answer: Answer, what: &'static str) -> Result<()> {
 pub struct Capture<'env> {
     stream: Stream,
     id: u64,
-    /// Captured allocations not freed yet: freed in the graph when the closure returns.
-    live: RefCell<Vec<sys::CUdeviceptr>>,
+    /// Captured allocations not freed yet (freed in the graph when the closure returns), and
+    /// the first free node that could not be recorded.
+    live: RefCell<Live>,
     /// The streams of the outside buffers the graph uses, which launches are ordered with.
     outside: RefCell<Vec<Stream>>,
     _env: Invariant<'env>,
@@ -331,7 +338,7 @@ impl<'env> Capture<'env> {
             return Ok(CapturedBuffer { ptr: 0, len: 0, route, capture: self.id, owner: None });
         }
         let ptr = pool.alloc_on(bytes, &self.stream)?;
-        self.live.borrow_mut().push(ptr);
+        self.live.borrow_mut().allocations.push(ptr);
         Ok(CapturedBuffer { ptr, len: bytes, route, capture: self.id, owner: Some((&self.stream, &self.live)) })
     }
 
@@ -426,12 +433,14 @@ impl<'env> Capture<'env> {
     }
 
     /// Frees the captured allocations still alive (a `CapturedBuffer` forgotten with
-    /// `mem::forget`) in the graph, and hands over the outside streams.
-    fn finish(&self) -> Vec<Stream> {
-        for ptr in std::mem::take(&mut *self.live.borrow_mut()) {
-            free_node(ptr, &self.stream);
+    /// `mem::forget`) in the graph, and hands over the outside streams and the first free node
+    /// that could not be recorded.
+    fn finish(&self) -> (Vec<Stream>, Option<Error>) {
+        let mut live = self.live.borrow_mut();
+        for ptr in std::mem::take(&mut live.allocations) {
+            live.free_node(ptr, &self.stream);
         }
-        std::mem::take(&mut *self.outside.borrow_mut())
+        (std::mem::take(&mut *self.outside.borrow_mut()), live.failed_free.take())
     }
 }
 
@@ -448,11 +457,21 @@ fn ranges_overlap(a: sys::CUdeviceptr, b: sys::CUdeviceptr, len: usize) -> bool 
     a < b.saturating_add(len) && b < a.saturating_add(len)
 }
 
-/// Records the free of a captured allocation (a free node); a failure is logged, as in a drop.
-fn free_node(ptr: sys::CUdeviceptr, stream: &Stream) {
-    // SAFETY: a live allocation of this capture, freed once (it left the live list).
-    if let Err(error) = unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) } {
-        tracing::warn!(%error, ptr, "recording the free of a captured allocation failed");
+/// A capture's allocations not freed yet, and the first free node that failed.
+#[derive(Debug, Default)]
+struct Live {
+    allocations: Vec<sys::CUdeviceptr>,
+    failed_free: Option<Error>,
+}
+
+impl Live {
+    /// Records the free of a captured allocation (a free node); the first failure is kept for
+    /// the capture to answer.
+    fn free_node(&mut self, ptr: sys::CUdeviceptr, stream: &Stream) {
+        // SAFETY: a live allocation of this capture, freed once (it left the live list).
+        if let Err(error) = unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) } {
+            self.failed_free.get_or_insert(error);
+        }
     }
 }
 
@@ -465,7 +484,7 @@ pub struct CapturedBuffer<'c> {
     route: Option<Route>,
     capture: u64,
     /// For memory the capture allocated: the capturing stream and the capture's live list.
-    owner: Option<(&'c Stream, &'c RefCell<Vec<sys::CUdeviceptr>>)>,
+    owner: Option<(&'c Stream, &'c RefCell<Live>)>,
 }
 
 impl CapturedBuffer<'_> {
@@ -494,10 +513,9 @@ impl Drop for CapturedBuffer<'_> {
     fn drop(&mut self) {
         let Some((stream, live)) = self.owner else { return };
         let mut live = live.borrow_mut();
-        if let Some(at) = live.iter().position(|p| *p == self.ptr) {
-            live.swap_remove(at);
-            drop(live);
-            free_node(self.ptr, stream);
+        if let Some(at) = live.allocations.iter().position(|p| *p == self.ptr) {
+            live.allocations.swap_remove(at);
+            live.free_node(self.ptr, stream);
         }
     }
 }
@@ -783,7 +801,13 @@ mod tests {
     fn capture_without_a_driver() -> Capture<'static> {
         // SAFETY: never given to a driver by the calls below, which refuse first.
         let stream = unsafe { Stream::borrow_raw(0x5000 as sys::CUstream, None) }.unwrap_or_else(|e| panic!("{e}"));
-        Capture { stream, id: 9, live: RefCell::new(Vec::new()), outside: RefCell::new(Vec::new()), _env: PhantomData }
+        Capture {
+            stream,
+            id: 9,
+            live: RefCell::new(Live::default()),
+            outside: RefCell::new(Vec::new()),
+            _env: PhantomData,
+        }
     }
 
     fn outside(ptr: sys::CUdeviceptr, len: usize) -> CapturedBuffer<'static> {
