@@ -10,7 +10,7 @@ typedef int CUresult;
 int live_streams;
 typedef void *CUcontext;
 enum { GLOBAL = 0, THREAD_LOCAL = 1, RELAXED = 2 };
-enum { UNSUPPORTED = 900, INVALIDATED = 901 };
+enum { UNSUPPORTED = 900, INVALIDATED = 901, ISOLATION = 905 };
 /* `joined`: the stream whose capture this one joined by waiting for an event recorded in it. */
 typedef struct Stream { int capturing, invalidated, mode; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -119,6 +119,16 @@ static CUresult wait_event(Stream *s, void *e, unsigned f) {
         end_capture_before_next_waitevent = 0;
         end_capture(origin, &graph);
         free(graph);
+    }
+    /* A capturing stream waiting for an event recorded outside any capture: refused with
+       CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and the capture invalidated (driver 580, measured). */
+    if (!origin && (uintptr_t)s > 2 && s->capturing) {
+        pthread_mutex_lock(&lock);
+        s->invalidated = 1;
+        if (s->joined) s->joined->invalidated = 1;
+        pthread_mutex_unlock(&lock);
+        log_call("waitevent", s, e, ISOLATION);
+        return ISOLATION;
     }
     /* An event whose capture has ended has nothing to join: the wait orders nothing. */
     if (origin && origin->capturing && (uintptr_t)s > 2) {

@@ -95,7 +95,9 @@ pub fn call_log() -> String {
 /// joins nothing and orders nothing) or `fail_next_waits` (the next `cuEventSynchronize`, and
 /// the next `cuStreamSynchronize` or `cuStreamQuery`, that would succeed fail instead). A stream that waits for an
 /// event recorded in a capture joins that capture; the capture's end then ends it too, and
-/// reports the capture invalidated (unjoined). Only after [`stand_in`] answered a context.
+/// reports the capture invalidated (unjoined). A capturing stream that waits for an event
+/// recorded outside any capture is refused with CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and its
+/// capture invalidated, as driver 580 does. Only after [`stand_in`] answered a context.
 pub fn set_switch(name: &str) {
     let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
     // SAFETY: as in `call_log`; each switch is an `int` the stand-in reads and clears.

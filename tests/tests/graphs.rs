@@ -325,3 +325,33 @@ fn inside_a_capture_the_callers_stream_runs_its_work_and_host_waits_are_refused(
     buffer.copy_to_host(&mut bytes).unwrap();
     assert_eq!(bytes, vec![3; 16], "the fill ran");
 }
+
+/// The driver fact `GraphExec::launch` is built on (docs/driver-behaviour.md): a capturing
+/// stream cannot wait for an event recorded outside its capture. `cuStreamWaitEvent` with no
+/// flags answers CUDA_ERROR_STREAM_CAPTURE_ISOLATION and invalidates the capture, so a launch
+/// whose streams began capturing meanwhile must not order them after it on the device. With
+/// `CU_EVENT_WAIT_EXTERNAL` the wait is recorded (an event-wait node) and the capture ends with
+/// a graph; the library does not use that, since the graph would refer to an event it destroys.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_capturing_stream_cannot_wait_for_an_event_recorded_outside_its_capture() {
+    let Some(capturing) = gpu_stream() else { return };
+    let context = capturing.context().unwrap().clone();
+    let other = Stream::new(&context).unwrap();
+    let event = cumempool::Event::new(&context).unwrap();
+    event.record(&other).unwrap();
+    let driver = cumempool::sys::driver().unwrap();
+    let wait = driver.cuStreamWaitEvent().unwrap();
+    // cuda.h's CUevent_wait_flags: recorded as an event-wait node during a capture.
+    const CU_EVENT_WAIT_EXTERNAL: u32 = 0x1;
+    for (flags, answer, ended) in [
+        (0, CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+        (CU_EVENT_WAIT_EXTERNAL, CUresult::CUDA_SUCCESS, CUresult::CUDA_SUCCESS),
+    ] {
+        begin_foreign_capture(&capturing);
+        // SAFETY: a live stream and event of the current context.
+        let waited = unsafe { wait(capturing.as_raw(), event.as_raw(), flags) };
+        assert_eq!(waited, answer, "flags {flags}");
+        assert_eq!(end_foreign_capture_counting(&capturing).0, ended, "flags {flags}");
+    }
+}

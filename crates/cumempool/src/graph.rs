@@ -634,13 +634,24 @@ impl GraphExec<'_> {
     /// event was recorded into a capture, before anything was launched: that is checked, and
     /// refused with the joined capture invalidated (its end gives no graph).
     ///
+    /// A stream that other code begins capturing once the launch is queued cannot be ordered
+    /// after it on the device (the driver refuses that wait and would invalidate the capture):
+    /// the call then waits for the launch on the host before it returns, and leaves that
+    /// capture alone.
+    ///
     /// # Errors
-    /// [`Error::StreamCapturing`] when `stream` (or an outside buffer's stream) captures;
-    /// [`Error::CaptureRefused`] when other code began capturing one of them during the call
-    /// (nothing was launched); the driver's answer.
+    /// [`Error::StreamCapturing`] when `stream` (or an outside buffer's stream) captures, and
+    /// inside a [`Stream::capture`] closure on this thread;
+    /// [`Error::CaptureRefused`] when other code began capturing one of them while the launch
+    /// was being set up (nothing was launched); the driver's answer (a failure after the launch
+    /// was queued comes only after the launch has finished, where it could be waited for).
     ///
     /// See [cuGraphLaunch](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html).
     pub fn launch(&mut self, stream: &Stream) -> Result<()> {
+        // Setting up the order queries events, and may wait on the host (a stream borrowed
+        // without its context, a stream that begins capturing meanwhile): refused inside a
+        // capture closure on this thread, as every such query and wait is.
+        crate::stream::refuse_host_wait_on_capturing_thread(LAUNCH)?;
         stream.ensure_not_capturing(LAUNCH)?;
         let outside = std::mem::take(&mut self.outside);
         let others: Vec<&Stream> = outside.iter().filter(|other| !other.same_as(stream)).collect();
@@ -667,22 +678,27 @@ impl GraphExec<'_> {
         let launched = crate::capture_mode::relaxed(|| {
             let mut markers = Vec::with_capacity(1 + others.len());
             for before in std::iter::once(stream).chain(others.iter().copied()) {
-                match before.context() {
-                    Some(context) => {
-                        let marker = Event::new(context)?;
+                let ordered = match before.context() {
+                    Some(context) => Event::new(context).and_then(|marker| {
                         marker.record(before)?;
                         private.wait(&marker)?;
                         markers.push(marker);
-                    }
+                        Ok(())
+                    }),
                     // No event can be made for a stream borrowed without its context: its queued
                     // work is waited for on the host instead.
-                    None => before.synchronize()?,
+                    None => before.synchronize(),
+                };
+                // The private stream captures only by joining a capture through a marker that
+                // was recorded into one. Checked after each marker, failed or not, so that a
+                // joined stream waits for no further marker: the driver refuses a capturing
+                // stream's wait for an event from outside its capture, and invalidates it.
+                if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) =
+                    private.capture_status()?
+                {
+                    return Err(crate::buffer::invalidate_capture(&private, LAUNCH, JOINED_CAPTURE, status.id()));
                 }
-            }
-            if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) =
-                private.capture_status()?
-            {
-                return Err(crate::buffer::invalidate_capture(&private, LAUNCH, JOINED_CAPTURE, status.id()));
+                ordered?;
             }
             // A capture that took a marker and ended before the wait leaves nothing to join, and
             // the wait ordered nothing: the marker then says it was captured. Any answer but
@@ -719,15 +735,27 @@ impl GraphExec<'_> {
                 return Err(error);
             }
             for after in std::iter::once(stream).chain(others.iter().copied()) {
-                if let Err(error) = after.wait(&self.done) {
+                // A stream that other code began capturing since the check cannot wait for the
+                // launch's event: the driver refuses a capturing stream's wait for an event
+                // recorded outside its capture, and invalidates that capture. The launch is
+                // waited for on the host instead, which orders every later use of the streams'
+                // memory after it; the launch ran, so that is no error.
+                let began_capturing =
+                    after.may_be_capturing() && !matches!(after.capture_status(), Ok(CaptureStatus::None));
+                let refused = if began_capturing { None } else { after.wait(&self.done).err() };
+                if began_capturing || refused.is_some() {
                     // `after` is not ordered after the launch, and its next free (even of a
                     // leaked executable's buffer) could release memory the launch still uses:
-                    // wait for the launch on the host before saying so, with a wait nothing
-                    // refuses.
-                    if let Err(wait) = self.done.wait_before_release() {
-                        tracing::error!(%wait, %error, "a graph launch whose buffers' streams could not be ordered after it could not be waited for either; its buffers may be freed under it");
-                    }
-                    return Err(error);
+                    // wait for the launch on the host, with a wait nothing refuses.
+                    let waited = self.done.wait_before_release();
+                    return match (refused, waited) {
+                        (None, Ok(())) => Ok(()),
+                        (Some(error), Ok(())) => Err(error),
+                        (refused, Err(wait)) => {
+                            tracing::error!(%wait, ?refused, "a graph launch whose buffers' streams could not be ordered after it could not be waited for either; its buffers may be freed under it");
+                            Err(refused.unwrap_or(wait))
+                        }
+                    };
                 }
             }
             Ok(())
