@@ -172,3 +172,25 @@ fn a_capture_whose_free_node_is_refused_gives_no_graph() {
     // SAFETY: the stand-in's block, freed once, on a stream that no longer captures.
     unsafe { cumempool::free_async(address.get(), &stream) }.unwrap();
 }
+
+/// A capture other code begins on a stream it lent between an arena free's check of that
+/// stream and the event the free records: the event lands in the capture, and every query of
+/// it answers CUDA_ERROR_CAPTURED_EVENT, which kept the span pending for good (and the range
+/// mapped at the arena's drop). Such a free waits for the capture's end instead, as one made
+/// during the capture does.
+#[test]
+fn a_free_whose_event_a_capture_took_comes_back_once_the_capture_ends() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let arena = Arena::builder(0, 16 * CHUNK).chunk_size(CHUNK).build().unwrap();
+    let lender = Box::leak(Box::new(Stream::new(&context).unwrap()));
+    // SAFETY: `lender` is never dropped.
+    let stream = unsafe { Stream::borrow_raw(lender.as_raw(), Some(&context)) }.unwrap();
+    let ptr = arena.allocate(4096, 256, &stream).unwrap();
+    cumempool_tests::stand_in_driver::set_switch("capture_on_next_record");
+    // SAFETY: allocated above with these arguments, unused, freed once.
+    unsafe { arena.deallocate(ptr, 4096, 256, &stream) }.unwrap();
+    assert_eq!(arena.stats().pending_frees, 1);
+    assert_eq!(end_foreign_capture(&stream), CUresult::CUDA_SUCCESS, "the free disturbed the capture");
+    assert_eq!(arena.trim().unwrap(), CHUNK, "the span came back once the capture ended, and its chunk with it");
+    assert_eq!(arena.stats().pending_frees, 0);
+}

@@ -29,7 +29,7 @@
 use crate::error::{Error, Result};
 use crate::memory_kind::DeviceMemory;
 use crate::resource::{StreamOrderedResource, POOL_ALIGNMENT};
-use cumempool::sys::CUdeviceptr;
+use cumempool::sys::{CUdeviceptr, CUresult};
 use cumempool::vmm::{AddressRange, AllocationProperties, PhysicalAllocation};
 use cumempool::{Access, Context, Device, Event, HandleTypes, InvalidArgumentReason, Stream};
 use std::collections::BTreeMap;
@@ -133,8 +133,8 @@ fn check_peers(owner: i32, peers: &[(i32, Access)]) -> Result<()> {
 /// What says that the stream of a pending free has passed it.
 #[derive(Debug)]
 enum FreedAfter {
-    /// An event recorded on the freeing stream after the free.
-    Event(Event),
+    /// An event recorded on the freeing stream after the free, and that stream.
+    Event(Event, Stream),
     /// The free was on a stream capturing into a graph, where an event would be recorded into
     /// the capture and never answer a query. Once the capture has ended, an event recorded on
     /// the stream follows the work queued before the capture.
@@ -244,7 +244,28 @@ enum Settle {
 /// Whether the stream of a pending free has passed it; with a wait (see [`Settle`]), waits for
 /// that unless the stream still captures. A free on a capturing stream gets its event once the
 /// capture is over.
+///
+/// So does a free whose event other code's capture took: a capture begun on a stream it lent
+/// between the free's check of the stream and the record. Every query of such an event answers
+/// CUDA_ERROR_CAPTURED_EVENT, and the work queued before the capture is followed by an event
+/// recorded once it has ended. That is retried once here; a capture that takes the new event too
+/// is found at the next call.
 fn passed(after: &mut FreedAfter, context: &Context, settle: Settle) -> Result<bool> {
+    for _ in 0..2 {
+        match passed_once(after, context, settle) {
+            Err(cumempool::Error::Driver(cause)) if cause.code == CUresult::CUDA_ERROR_CAPTURED_EVENT.0 => {
+                if let FreedAfter::Event(_, stream) = after {
+                    *after = FreedAfter::CaptureEnd(stream.clone());
+                }
+            }
+            answer => return Ok(answer?),
+        }
+    }
+    Ok(false)
+}
+
+/// [`passed`], without the retry of a captured event.
+fn passed_once(after: &mut FreedAfter, context: &Context, settle: Settle) -> cumempool::Result<bool> {
     if let FreedAfter::CaptureEnd(stream) = after {
         if stream.is_capturing()? {
             return Ok(false);
@@ -254,12 +275,12 @@ fn passed(after: &mut FreedAfter, context: &Context, settle: Settle) -> Result<b
             None => return Ok(true),
         }
     }
-    Ok(match (after, settle) {
-        (FreedAfter::Event(event), Settle::Check) => event.is_complete()?,
-        (FreedAfter::Event(event), Settle::Wait) => event.synchronize().map(|()| true)?,
-        (FreedAfter::Event(event), Settle::WaitBeforeRelease) => event.wait_before_release().map(|()| true)?,
-        (FreedAfter::CaptureEnd(_), _) => false,
-    })
+    match (after, settle) {
+        (FreedAfter::Event(event, _), Settle::Check) => event.is_complete(),
+        (FreedAfter::Event(event, _), Settle::Wait) => event.synchronize().map(|()| true),
+        (FreedAfter::Event(event, _), Settle::WaitBeforeRelease) => event.wait_before_release().map(|()| true),
+        (FreedAfter::CaptureEnd(_), _) => Ok(false),
+    }
 }
 
 /// What tells when `stream` (not capturing) has passed a free queued on it now: an event
@@ -270,13 +291,13 @@ fn passed(after: &mut FreedAfter, context: &Context, settle: Settle) -> Result<b
 ///
 /// # Errors
 /// The event's, when neither the event nor the wait worked.
-fn event_after(stream: &Stream, context: &Context) -> Result<Option<FreedAfter>> {
+fn event_after(stream: &Stream, context: &Context) -> cumempool::Result<Option<FreedAfter>> {
     let recorded = Event::new(stream.context().unwrap_or(context)).and_then(|event| {
         event.record(stream)?;
         Ok(event)
     });
     match recorded {
-        Ok(event) => Ok(Some(FreedAfter::Event(event))),
+        Ok(event) => Ok(Some(FreedAfter::Event(event, stream.clone()))),
         Err(record) => {
             stream.synchronize().map_err(|_| record)?;
             Ok(None)
