@@ -407,8 +407,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
         let Some((index, class)) = size_class(bytes) else { return false };
         // Both loads relaxed: see `CapturedBlocks`, and `Stream::may_be_capturing` for the mark.
-        // `deallocate_beyond_lane` applies the capture rules.
-        if self.captured.any() || self.inner.may_be_capturing(stream) {
+        // `deallocate_beyond_lane` applies the capture rules. Both loads always (`|`), so that
+        // one test and branch serves them.
+        if self.captured.any() | self.inner.may_be_capturing(stream) {
             return false;
         }
         self.table.push_to_own_lane(stream.id().get(), ptr, index, class, &self.bound)
@@ -629,6 +630,66 @@ mod tests {
         unsafe { cache.deallocate(ptr, block, 256, &new) }.expect("cached");
         assert!(cache.table.find(idle.id().get()).is_none(), "the idle stream was evicted");
         assert!(cache.table.find(busy.id().get()).is_some(), "the stream busy in its lane kept its slot");
+    }
+
+    /// Warm pairs on `stream`, so that the calling thread remembers its lane of the stream in
+    /// `cache`; answers the block the lane then holds.
+    fn warm(cache: &CachingResource<HostHeap>, stream: &Stream) -> CUdeviceptr {
+        let block = 64 << 10;
+        let blocks = [(); 4].map(|()| cache.allocate(block, 256, stream).expect("host memory"));
+        for ptr in blocks {
+            // SAFETY: allocated just above with these arguments.
+            unsafe { cache.deallocate(ptr, block, 256, stream) }.expect("cached");
+        }
+        let hits = cache.stats().hits;
+        let ptr = cache.allocate(block, 256, stream).expect("a hit");
+        // SAFETY: as above.
+        unsafe { cache.deallocate(ptr, block, 256, stream) }.expect("cached");
+        assert_eq!(cache.stats().hits, hits + 1);
+        ptr
+    }
+
+    /// The lane a thread remembers is for one cache: another cache, or one made where a dropped
+    /// one was (its lanes possibly at the same addresses), looks its slot up.
+    #[test]
+    fn a_remembered_lane_serves_only_its_own_cache() {
+        let _numbers = lock(&TEST_LANE_NUMBERS);
+        let block = 64 << 10;
+        // SAFETY: HostHeap ignores streams, so the handle is never used.
+        let stream = unsafe { Stream::borrow_raw(0x400 as cumempool::sys::CUstream, None) }.expect("a fake stream");
+        let mut cache = CachingResource::new(HostHeap);
+        let other = CachingResource::new(HostHeap);
+        let cached = warm(&cache, &stream);
+        let ptr = other.allocate(block, 256, &stream).expect("host memory");
+        assert_ne!(ptr, cached, "another cache's block");
+        assert_eq!(other.stats().hits, 0);
+        // SAFETY: allocated just above with these arguments.
+        unsafe { other.deallocate(ptr, block, 256, &stream) }.expect("freed");
+        warm(&cache, &stream);
+        cache = CachingResource::new(HostHeap);
+        let ptr = cache.allocate(block, 256, &stream).expect("host memory");
+        assert_eq!(cache.stats().hits, 0, "the new cache holds nothing");
+        // SAFETY: as above.
+        unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("freed");
+    }
+
+    /// A slot given up leaves its lanes ready for no stream: a thread that remembers its lane
+    /// for the stream finds the lane's key reset, and looks the stream up again.
+    #[test]
+    fn a_stream_released_is_not_served_from_the_lane_it_had() {
+        let _numbers = lock(&TEST_LANE_NUMBERS);
+        let block = 64 << 10;
+        // SAFETY: HostHeap ignores streams, so the handle is never used.
+        let stream = unsafe { Stream::borrow_raw(0x401 as cumempool::sys::CUstream, None) }.expect("a fake stream");
+        let cache = CachingResource::new(HostHeap);
+        warm(&cache, &stream);
+        cache.release_stream(&stream).expect("released");
+        let hits = cache.stats().hits;
+        let ptr = cache.allocate(block, 256, &stream).expect("host memory");
+        assert_eq!(cache.stats().hits, hits, "a miss: the released blocks went below");
+        // SAFETY: allocated just above with these arguments.
+        unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("freed");
+        warm(&cache, &stream);
     }
 
     /// Found measuring 32 threads on one stream with the bound spent (1.4 M pairs/s at 100%

@@ -56,6 +56,60 @@ thread_local! {
     static FAST_LANE: Cell<usize> = const { Cell::new(NO_FAST_LANE) };
     /// Gives the number back when the thread exits; made with the number.
     static LANE_RETURN: LaneReturn = const { LaneReturn };
+    /// The thread's own lane of the stream it last entered a lane of, and which stream of which
+    /// cache that lane is for: what the hot path looks up instead of hashing the stream's key,
+    /// finding its slot, and reading `FAST_LANE`. Set only to the lane of number `FAST_LANE`
+    /// (see [`remember_lane`]), and cleared before `FAST_LANE` changes, so a lane found here is
+    /// the thread's own, entered with the light fence.
+    static REMEMBERED: Remembered = const {
+        Remembered { cache: Cell::new(NO_CACHE), key: Cell::new(0), lane: Cell::new(std::ptr::null()) }
+    };
+}
+
+/// See `REMEMBERED`. The lane's type is not known here (lanes build on lane numbers), so its
+/// address is kept untyped.
+struct Remembered {
+    /// The unique id of the cache the lane belongs to, or [`NO_CACHE`].
+    cache: Cell<u64>,
+    /// The key of the stream the lane was entered for.
+    key: Cell<u64>,
+    lane: Cell<*const ()>,
+}
+
+/// No cache has this id: `REMEMBERED` holds no lane.
+pub(super) const NO_CACHE: u64 = 0;
+
+/// The lane the calling thread remembers for stream `key` of the cache with id `cache` (see
+/// `REMEMBERED`), if it remembers that one.
+#[inline(always)]
+pub(super) fn remembered_lane(cache: u64, key: u64) -> Option<*const ()> {
+    REMEMBERED.with(|remembered| {
+        (remembered.key.get() == key && remembered.cache.get() == cache).then(|| remembered.lane.get())
+    })
+}
+
+/// Remembers `lanes[FAST_LANE]`, the calling thread's own lane among `lanes`, for stream `key`
+/// of the cache with id `cache`, if the thread enters its lanes on the hot path. Nothing is
+/// remembered otherwise.
+///
+/// # Safety
+/// `lanes` are lanes of the cache with id `cache`, and live as long as that cache: whoever finds
+/// the lane here with that cache's id dereferences it.
+pub(super) unsafe fn remember_lane<T>(cache: u64, key: u64, lanes: &[T]) {
+    let Some(lane) = lanes.get(fast_lane_number()) else { return };
+    REMEMBERED.with(|remembered| {
+        remembered.cache.set(cache);
+        remembered.key.set(key);
+        remembered.lane.set(std::ptr::from_ref(lane).cast());
+    });
+}
+
+/// Forgets the remembered lane: before `FAST_LANE` changes.
+fn forget_lane() {
+    REMEMBERED.with(|remembered| {
+        remembered.cache.set(NO_CACHE);
+        remembered.lane.set(std::ptr::null());
+    });
 }
 
 struct LaneReturn;
@@ -75,6 +129,9 @@ pub(super) fn fast_lane_number() -> usize {
 /// fences, which it never changes: the hot path's entry uses the light half.
 pub(super) fn allow_fast_lane(number: usize) {
     if number < LANES && LANE_NUMBER.with(Cell::get) == number {
+        if fast_lane_number() != number {
+            forget_lane();
+        }
         FAST_LANE.with(|cell| cell.set(number));
     }
 }
@@ -82,7 +139,8 @@ pub(super) fn allow_fast_lane(number: usize) {
 impl Drop for LaneReturn {
     fn drop(&mut self) {
         // First: the number may go to another thread below, and this thread's destructors may
-        // still use a cache.
+        // still use a cache; the remembered lane is that number's.
+        forget_lane();
         FAST_LANE.with(|cell| cell.set(NO_FAST_LANE));
         let number = LANE_NUMBER.with(|cell| cell.replace(GIVEN_BACK));
         if number < GIVEN_BACK {

@@ -21,7 +21,7 @@
 use super::bound::Bound;
 use super::fence::{self, Fences};
 use super::lane_number::LANES;
-use super::lane_number::{allow_fast_lane, fast_lane_number, lane_number};
+use super::lane_number::{allow_fast_lane, fast_lane_number, lane_number, remember_lane, remembered_lane, NO_CACHE};
 use super::size_class::{class_bytes, CLASSES};
 use cumempool::sys::CUdeviceptr;
 use std::cell::UnsafeCell;
@@ -123,6 +123,27 @@ pub(super) struct LaneState {
     /// Made when the lane first caches a block.
     lists: Option<Box<Lists>>,
     pub hits: u64,
+    /// [`NO_STREAM`] or the key of the lane's slot, and then `lists` are made: what the hot path
+    /// checks inside the lane (see [`enter_remembered`]). Set by the owner inside the lane once
+    /// it has seen that key in the slot there ([`OwnedLane::ready_for`]); a slot's key changes
+    /// from a stream's only while a slow path holds all its lanes' claims, and that path resets
+    /// this ([`drain_into`](Self::drain_into)) before it gives them back. So whenever no slow
+    /// path holds the lane, a key here is the slot's.
+    key: u64,
+}
+
+/// `LaneState::key` of a lane ready for no stream: stream keys start at 1.
+const NO_STREAM: u64 = 0;
+
+/// A cache's identity for the lanes its threads remember: unique in the process, never reused
+/// (a cache dropped and another made at the same address have different ids).
+pub(super) struct CacheId(u64);
+
+impl CacheId {
+    pub(super) fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(NO_CACHE + 1);
+        Self(NEXT.fetch_add(1, Relaxed))
+    }
 }
 
 /// A lane's blocks: fixed-size arrays, so that the hot path checks one index.
@@ -206,6 +227,39 @@ pub(super) fn own_lane_quickly(lanes: &[Lane]) -> Result<Option<OwnedLane<'_>>, 
     Ok(lanes.get(number).and_then(|lane| enter(lane, || compiler_fence(SeqCst))))
 }
 
+/// The calling thread's own lane of the stream with `key` in the cache with id `cache`, entered,
+/// if the thread remembers that lane (see [`OwnedLane::ready_for`]): the hot path's lookup.
+/// [`Entry::Elsewhere`] when it remembers another lane, or that lane is no longer ready for
+/// that stream; [`Entry::Refused`] when the thread is inside it already or a slow path holds it.
+/// A lane ready for the stream has its lists.
+#[inline(always)]
+pub(super) fn enter_remembered(cache: &CacheId, key: u64) -> Result<ReadyLane<'_>, Entry> {
+    let lane = remembered_lane(cache.0, key).ok_or(Entry::Elsewhere)?;
+    // SAFETY: remembered by `OwnedLane::ready_for` for the cache with this id, which is `cache`'s
+    // owner (ids are never reused), and whose lanes live as long as it does (that function's
+    // contract); `&cache` borrows that owner.
+    let lane = unsafe { &*lane.cast::<Lane>() };
+    // A remembered lane is the thread's own lane, of number `FAST_LANE`: it enters with the
+    // light fence (see `allow_fast_lane`).
+    let lane = enter(lane, || compiler_fence(SeqCst)).ok_or(Entry::Refused)?;
+    // Inside the lane: see `LaneState::key`. On a mismatch, dropping `lane` leaves it. The key
+    // remembered is a stream's, never `NO_STREAM` (see `OwnedLane::ready_for`), so the lane is
+    // ready.
+    if lane.key != key {
+        return Err(Entry::Elsewhere);
+    }
+    Ok(ReadyLane(lane))
+}
+
+/// Why [`enter_remembered`] did not enter a lane.
+pub(super) enum Entry {
+    /// The thread remembers no lane for this stream and cache, or its lane is not ready for it:
+    /// the slot must be looked up.
+    Elsewhere,
+    /// The thread is in its lane already, or a slow path holds it.
+    Refused,
+}
+
 /// `own_lane` for a thread without the hot path's entry: takes or trades its lane number, and
 /// fences as the process chose; allows the hot path's entry from then on where it can.
 #[cold]
@@ -252,11 +306,93 @@ impl std::ops::DerefMut for OwnedLane<'_> {
     }
 }
 
-impl OwnedLane<'_> {
+impl<'a> OwnedLane<'a> {
+    /// The lane ready for the stream with `key` if it has its lists (see `LaneState::key`),
+    /// remembered by the calling thread for that stream of the cache `cache` (see
+    /// [`enter_remembered`]); `None` for a lane without lists, which holds no block and takes
+    /// none.
+    ///
+    /// # Safety
+    /// The lane is among `lanes`, the lanes of the slot of that cache whose key the caller read
+    /// inside this lane as `key`; those lanes live as long as `cache` does.
+    pub(super) unsafe fn ready_for(mut self, cache: &'a CacheId, key: u64, lanes: &'a [Lane]) -> Option<ReadyLane<'a>> {
+        if self.lists.is_none() || key == NO_STREAM {
+            return None;
+        }
+        self.key = key;
+        // SAFETY: `lanes` are the cache's and live as long as `cache` (this function's contract).
+        unsafe { remember_lane(cache.0, key, lanes) };
+        Some(ReadyLane(self))
+    }
+}
+
+/// The calling thread in its own lane, which is ready for a stream (`LaneState::key` is that
+/// stream's key, not [`NO_STREAM`]): its lists are made.
+pub(super) struct ReadyLane<'a>(OwnedLane<'a>);
+
+impl std::ops::Deref for ReadyLane<'_> {
+    type Target = LaneState;
+    #[inline]
+    fn deref(&self) -> &LaneState {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ReadyLane<'_> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut LaneState {
+        &mut self.0
+    }
+}
+
+impl ReadyLane<'_> {
+    /// The lane's lists, without a test.
+    #[inline(always)]
+    fn lists(&mut self) -> &mut Lists {
+        // SAFETY: a ready lane's key is a stream's, and a lane whose key is a stream's has its
+        // lists (see `LaneState::key`): `ready_for` sets the key only with the lists made, and
+        // only `drain_into`, which resets the key, takes them away.
+        unsafe { self.0.lists.as_deref_mut().unwrap_unchecked() }
+    }
+
     /// Marks the lane used at `now` on the LRU clock.
     #[inline(always)]
     pub(super) fn mark_used(&self, now: u64) {
-        self.lane.used.store(now, Relaxed);
+        self.0.lane.used.store(now, Relaxed);
+    }
+
+    /// A block of size class `index`, if the lane holds one.
+    #[inline(always)]
+    pub(super) fn pop(&mut self, index: usize) -> Option<CUdeviceptr> {
+        let lists = self.lists();
+        let (count, blocks) = (lists.counts.get_mut(index)?, lists.blocks.get(index)?);
+        *count = count.checked_sub(1)?;
+        // `count` never exceeds `DEPTH`, so the remainder is the count itself; it spares the
+        // hot path a bounds check.
+        Some(blocks[usize::from(*count) % DEPTH])
+    }
+
+    /// Keeps a block of size class `index` (of `class` bytes) if the lane has room in that
+    /// class, and its budget the block's bytes, claimed from `bound` when short; false, with at
+    /// most a chunk of budget claimed, otherwise.
+    #[inline(always)]
+    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
+        let budget = self.budget;
+        let lists = self.lists();
+        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
+            return false;
+        };
+        // No entry at `count` means the class is full (`count == DEPTH`).
+        let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
+        if budget < class {
+            // Out of line, with the state (not this lane handle, which would then live in
+            // memory), so that nothing here lives across the call.
+            return self.0.push_claiming(index, ptr, class, bound);
+        }
+        *entry = ptr;
+        *count += 1;
+        self.budget = budget - class;
+        true
     }
 }
 
@@ -384,49 +520,21 @@ fn back_off(spins: &mut u32) {
 }
 
 impl LaneState {
-    /// A block of size class `index`, if the lane holds one.
-    #[inline(always)]
-    pub(super) fn pop(&mut self, index: usize) -> Option<CUdeviceptr> {
-        let lists = self.lists.as_deref_mut()?;
-        let (count, blocks) = (lists.counts.get_mut(index)?, lists.blocks.get(index)?);
-        *count = count.checked_sub(1)?;
-        // `count` never exceeds `DEPTH`, so the remainder is the count itself; it spares the
-        // hot path a bounds check.
-        Some(blocks[usize::from(*count) % DEPTH])
-    }
-
-    /// Keeps a block of size class `index` (of `class` bytes) if the lane has its lists (see
-    /// [`give_lists_if_missing`]) and room in that class, and its budget the block's bytes,
-    /// claimed from `bound` when short; false, with at most a chunk of budget claimed,
-    /// otherwise.
-    #[inline(always)]
-    pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
+    /// `ReadyLane::push` for a lane short of budget: claims it from `bound` first.
+    #[cold]
+    #[inline(never)]
+    fn push_claiming(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
         let Some(lists) = self.lists.as_deref_mut() else { return false };
         let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
             return false;
         };
-        // No entry at `count` means the class is full (`count == DEPTH`).
         let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
-        if self.budget < class {
-            // Out of line and starting over, so that nothing here lives across the call.
-            return self.push_claiming(index, ptr, class, bound);
-        }
-        self.budget -= class;
-        *entry = ptr;
-        *count += 1;
-        true
-    }
-
-    /// `push` for a lane short of budget: claims it from `bound` first.
-    #[cold]
-    #[inline(never)]
-    fn push_claiming(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
-        // Claimed and given straight back to the lane's budget, which `push` then spends.
         if !bound.claim(&mut self.budget, class) {
             return false;
         }
-        self.budget += class;
-        self.push(index, ptr, class, bound)
+        *entry = ptr;
+        *count += 1;
+        true
     }
 
     /// The blocks of each size class: (class, blocks).
@@ -460,8 +568,10 @@ impl LaneState {
             }
         }
         // A slow path: give the lists' host memory back too (64 lanes of 256 streams would
-        // otherwise keep about 140 MiB); the lane's next free makes them again.
+        // otherwise keep about 140 MiB); the lane's next free makes them again. Called for a
+        // slot given up, under the lane's claim: the lane is ready for no stream now.
         self.lists = None;
+        self.key = NO_STREAM;
         bytes + std::mem::take(&mut self.budget)
     }
 

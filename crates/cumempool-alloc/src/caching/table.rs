@@ -4,7 +4,7 @@
 use super::bound::Bound;
 use super::fence::{prepare_fences, Fences};
 use super::lanes::{
-    claim, own_lane, own_lane_quickly, ClaimedLanes, Lane, OwnedLane, SlowEntry, StreamLanes, Unreachable,
+    claim, enter_remembered, own_lane, CacheId, ClaimedLanes, Entry, Lane, ReadyLane, StreamLanes, Unreachable,
 };
 use super::lock::lock;
 use super::padded::Padded;
@@ -34,6 +34,8 @@ pub(super) struct SlotTable {
     pub(super) fences: Fences,
     /// The process that made the cache: a forked child cannot claim lanes.
     pub(super) made_in: u32,
+    /// Which cache a thread's remembered lane belongs to.
+    id: CacheId,
 }
 
 impl SlotTable {
@@ -51,6 +53,7 @@ impl SlotTable {
             clock: Padded(AtomicU64::new(0)),
             fences,
             made_in: std::process::id(),
+            id: CacheId::new(),
         }
     }
 
@@ -192,18 +195,15 @@ impl SlotTable {
         (states, lanes)
     }
 
-    /// A hit in the calling thread's lane of the stream with `key`: the hot path's lookup. The
-    /// stream's home slot in line, its key checked once, inside the lane (entering the lane of
-    /// another stream's slot is harmless: nothing there is touched unless the key matches). A
-    /// stream further along its probe path (its home slot was taken when it registered) pays
+    /// A hit in the calling thread's lane of the stream with `key`: the hot path's lookup, the
+    /// lane the thread remembers (see [`enter_remembered`]); any other lane of the stream pays
     /// one call more, not the slow paths.
     #[inline(always)]
     pub(super) fn pop_from_own_lane(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        let home = home_of(key);
-        match enter_lane(&self.slots[home], key, true) {
+        match enter_remembered(&self.id, key) {
             Ok(lane) => self.pop_inside(lane, index, class),
-            Err(Missed::OutOfLine) => self.pop_out_of_line(home, key, index, class),
-            Err(Missed::Refused) => None,
+            Err(Entry::Elsewhere) => self.pop_out_of_line(key, index, class),
+            Err(Entry::Refused) => None,
         }
     }
 
@@ -218,43 +218,34 @@ impl SlotTable {
         class: usize,
         bound: &Bound,
     ) -> bool {
-        let home = home_of(key);
-        match enter_lane(&self.slots[home], key, true) {
+        match enter_remembered(&self.id, key) {
             Ok(lane) => push_inside(lane, ptr, index, class, bound),
-            Err(Missed::OutOfLine) => self.push_out_of_line(home, key, ptr, index, class, bound),
-            Err(Missed::Refused) => false,
+            Err(Entry::Elsewhere) => self.push_out_of_line(key, ptr, index, class, bound),
+            Err(Entry::Refused) => false,
         }
     }
 
-    /// `pop_from_own_lane` for a stream not in its home slot, or a thread that needs the slow
-    /// entry to its lanes: along the stream's probe path, within [`NEAR`] slots of its home
-    /// only, so that a stream without a slot, which the slow paths look up again, does not scan
-    /// the whole table twice per call once released slots have filled it.
+    /// `pop_from_own_lane` for a lane the thread does not remember: along the stream's probe
+    /// path, within [`NEAR`] slots of its home only, so that a stream without a slot, which the
+    /// slow paths look up again, does not scan the whole table twice per call once released
+    /// slots have filled it.
     #[inline(never)]
-    fn pop_out_of_line(&self, home: usize, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        let slot = &self.slots[self.probe_in_line(home, key, NEAR)?];
+    fn pop_out_of_line(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+        let slot = &self.slots[self.probe_in_line(home_of(key), key, NEAR)?];
         self.pop_from_lane(slot, key, index, class)
     }
 
     /// `push_to_own_lane` out of line, as [`pop_out_of_line`](Self::pop_out_of_line).
     #[inline(never)]
-    fn push_out_of_line(
-        &self,
-        home: usize,
-        key: u64,
-        ptr: CUdeviceptr,
-        index: usize,
-        class: usize,
-        bound: &Bound,
-    ) -> bool {
-        self.probe_in_line(home, key, NEAR)
+    fn push_out_of_line(&self, key: u64, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
+        self.probe_in_line(home_of(key), key, NEAR)
             .is_some_and(|at| self.push_to_lane(&self.slots[at], key, ptr, index, class, bound))
     }
 
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
     #[inline(always)]
     pub(super) fn pop_from_lane(&self, slot: &Slot, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        self.pop_inside(enter_lane(slot, key, false).ok()?, index, class)
+        self.pop_inside(self.enter_lane(slot, key)?, index, class)
     }
 
     /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
@@ -269,12 +260,32 @@ impl SlotTable {
         class: usize,
         bound: &Bound,
     ) -> bool {
-        enter_lane(slot, key, false).is_ok_and(|lane| push_inside(lane, ptr, index, class, bound))
+        self.enter_lane(slot, key).is_some_and(|lane| push_inside(lane, ptr, index, class, bound))
+    }
+
+    /// The calling thread in its own lane of `slot`, if that is the slot of the stream with
+    /// `key` and the lane has its lists; the thread remembers the lane for the stream from then
+    /// on.
+    #[inline(always)]
+    fn enter_lane<'a>(&'a self, slot: &'a Slot, key: u64) -> Option<ReadyLane<'a>> {
+        let lanes = &slot.lanes.get()?[..];
+        let lane = own_lane(lanes)?;
+        // Inside the lane: a slot given up changes its key while it holds the lanes' claims,
+        // before it empties them, so a thread that sees its stream's key here entered before the
+        // claim (and the lane still holds only that stream's blocks) or after a claim of the
+        // same stream: a block found here was freed on this stream, and one cached here is kept
+        // for it.
+        if slot.key.load(Relaxed) != key {
+            return None;
+        }
+        // SAFETY: `lanes` are this table's slot's, whose key was read inside the lane as `key`,
+        // and live as long as the table, which owns `self.id`.
+        unsafe { lane.ready_for(&self.id, key, lanes) }
     }
 
     /// A block of size class `index` from `lane`, the calling thread's lane of a stream.
     #[inline(always)]
-    fn pop_inside(&self, mut lane: OwnedLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
+    fn pop_inside(&self, mut lane: ReadyLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
         let ptr = lane.pop(index)?;
         lane.budget += class;
         lane.hits += 1;
@@ -283,35 +294,9 @@ impl SlotTable {
     }
 }
 
-/// Why the calling thread is not in its lane of a slot.
-enum Missed {
-    /// The slot is not the stream's or has no lanes, or the thread must enter its lanes out of
-    /// line (see [`own_lane_quickly`]).
-    OutOfLine,
-    /// The thread has no lane, is inside it already, or a slow path holds it.
-    Refused,
-}
-
-/// The calling thread in its own lane of `slot`, if that is the slot of the stream with `key`;
-/// `quickly` on the hot path (see [`own_lane_quickly`]).
-#[inline(always)]
-fn enter_lane(slot: &Slot, key: u64, quickly: bool) -> Result<OwnedLane<'_>, Missed> {
-    let lanes = &slot.lanes.get().ok_or(Missed::OutOfLine)?[..];
-    let lane = if quickly { own_lane_quickly(lanes).map_err(|SlowEntry| Missed::OutOfLine)? } else { own_lane(lanes) };
-    let lane = lane.ok_or(Missed::Refused)?;
-    // Inside the lane: a slot given up changes its key while it holds the lanes' claims, before
-    // it empties them, so a thread that sees its stream's key here entered before the claim (and
-    // the lane still holds only that stream's blocks) or after a claim of the same stream: a
-    // block found here was freed on this stream, and one cached here is kept for it.
-    if slot.key.load(Relaxed) != key {
-        return Err(Missed::OutOfLine);
-    }
-    Ok(lane)
-}
-
 /// Caches a block of size class `index` in `lane` if it has room, and budget (claimed from
 /// `bound` when short). Not touched: the allocation this block served was.
 #[inline(always)]
-fn push_inside(mut lane: OwnedLane<'_>, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
+fn push_inside(mut lane: ReadyLane<'_>, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
     lane.push(index, ptr, class, bound)
 }
