@@ -93,14 +93,19 @@ pub(super) fn remembered_lane(cache: u64, key: u64) -> Option<*const ()> {
 /// remembered otherwise.
 ///
 /// # Safety
-/// `lanes` are lanes of the cache with id `cache`, and live as long as that cache: whoever finds
-/// the lane here with that cache's id dereferences it.
+/// `lanes` is the whole array of [`Lane`](super::lanes::Lane)s of a slot of the cache with id
+/// `cache`, indexed by lane number (a part of it would remember another thread's lane, and two
+/// threads would own it), and lives as long as that cache: whoever finds the lane here with
+/// that cache's id dereferences it as a `Lane`.
 pub(super) unsafe fn remember_lane<T>(cache: u64, key: u64, lanes: &[T]) {
     let Some(lane) = lanes.get(fast_lane_number()) else { return };
     REMEMBERED.with(|remembered| {
-        remembered.cache.set(cache);
+        // The id last: were this interrupted (a signal handler that allocates), the entry in
+        // between matches no cache.
+        remembered.cache.set(NO_CACHE);
         remembered.key.set(key);
         remembered.lane.set(std::ptr::from_ref(lane).cast());
+        remembered.cache.set(cache);
     });
 }
 
@@ -126,7 +131,8 @@ pub(super) fn fast_lane_number() -> usize {
 
 /// Lets the calling thread enter its lanes on the hot path from now on, with `number` (its
 /// current [`lane_number`], below [`LANES`]). Only once the process has chosen the asymmetric
-/// fences, which it never changes: the hot path's entry uses the light half.
+/// fences, which it never changes: the hot path's entry uses the light half (under Miri, a full
+/// fence: see `fast_lane_fence`).
 pub(super) fn allow_fast_lane(number: usize) {
     if number < LANES && LANE_NUMBER.with(Cell::get) == number {
         if fast_lane_number() != number {

@@ -127,8 +127,9 @@ pub(super) struct LaneState {
     /// checks inside the lane (see [`enter_remembered`]). Set by the owner inside the lane once
     /// it has seen that key in the slot there ([`OwnedLane::ready_for`]); a slot's key changes
     /// from a stream's only while a slow path holds all its lanes' claims, and that path resets
-    /// this ([`drain_into`](Self::drain_into)) before it gives them back. So whenever no slow
-    /// path holds the lane, a key here is the slot's.
+    /// this ([`drain_into`](Self::drain_into)) before it gives them back, or when the cache is
+    /// dropped (`&mut`, no lane entered again). So whenever no slow path holds the lane, a key
+    /// here is the slot's.
     key: u64,
 }
 
@@ -143,6 +144,12 @@ impl CacheId {
     pub(super) fn new() -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(NO_CACHE + 1);
         Self(NEXT.fetch_add(1, Relaxed))
+    }
+
+    /// Whether the calling thread remembers a lane of this cache for the stream with `key`.
+    #[cfg(test)]
+    pub(super) fn remembered_by_this_thread(&self, key: u64) -> bool {
+        remembered_lane(self.0, key).is_some()
     }
 }
 
@@ -223,8 +230,20 @@ pub(super) fn own_lane_quickly(lanes: &[Lane]) -> Result<Option<OwnedLane<'_>>, 
     if number >= LANES {
         return Err(SlowEntry);
     }
-    // The process fences asymmetrically: see `allow_fast_lane`.
-    Ok(lanes.get(number).and_then(|lane| enter(lane, || compiler_fence(SeqCst))))
+    Ok(lanes.get(number).and_then(|lane| enter(lane, fast_lane_fence)))
+}
+
+/// The owner's half of the fence for a thread with a fast lane: the process fences
+/// asymmetrically (see `allow_fast_lane`), so a compiler fence, which the slow path's
+/// `membarrier` completes. Under Miri, which has no `membarrier` and so fences symmetrically,
+/// threads take the fast entry all the same with a full fence, which the slow path's full fence
+/// pairs with: Miri then checks the hot path's own code (the remembered lane, the lane's key).
+#[inline(always)]
+fn fast_lane_fence() {
+    #[cfg(not(miri))]
+    compiler_fence(SeqCst);
+    #[cfg(miri)]
+    std::sync::atomic::fence(SeqCst);
 }
 
 /// The calling thread's own lane of the stream with `key` in the cache with id `cache`, entered,
@@ -241,7 +260,7 @@ pub(super) fn enter_remembered(cache: &CacheId, key: u64) -> Result<ReadyLane<'_
     let lane = unsafe { &*lane.cast::<Lane>() };
     // A remembered lane is the thread's own lane, of number `FAST_LANE`: it enters with the
     // light fence (see `allow_fast_lane`).
-    let lane = enter(lane, || compiler_fence(SeqCst)).ok_or(Entry::Refused)?;
+    let lane = enter(lane, fast_lane_fence).ok_or(Entry::Refused)?;
     // Inside the lane: see `LaneState::key`. On a mismatch, dropping `lane` leaves it. The key
     // remembered is a stream's, never `NO_STREAM` (see `OwnedLane::ready_for`), so the lane is
     // ready.
@@ -267,7 +286,7 @@ pub(super) enum Entry {
 fn own_lane_slowly(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
     let fences = fence::prepare_fences();
     let number = lane_number();
-    if fences == Fences::Asymmetric {
+    if fences == Fences::Asymmetric || cfg!(miri) {
         allow_fast_lane(number);
     }
     enter(lanes.get(number)?, || fences.light())
@@ -313,8 +332,11 @@ impl<'a> OwnedLane<'a> {
     /// none.
     ///
     /// # Safety
-    /// The lane is among `lanes`, the lanes of the slot of that cache whose key the caller read
-    /// inside this lane as `key`; those lanes live as long as `cache` does.
+    /// `lanes` is the whole lane array of a slot of that cache, indexed by lane number (the
+    /// thread's own lane is `lanes[FAST_LANE]`, which is remembered: a part of the array would
+    /// remember another thread's lane), this lane is the thread's own among them, and the
+    /// caller read that slot's key inside this lane as `key`; those lanes live as long as
+    /// `cache` does.
     pub(super) unsafe fn ready_for(mut self, cache: &'a CacheId, key: u64, lanes: &'a [Lane]) -> Option<ReadyLane<'a>> {
         if self.lists.is_none() || key == NO_STREAM {
             return None;
@@ -569,7 +591,8 @@ impl LaneState {
         }
         // A slow path: give the lists' host memory back too (64 lanes of 256 streams would
         // otherwise keep about 140 MiB); the lane's next free makes them again. Called for a
-        // slot given up, under the lane's claim: the lane is ready for no stream now.
+        // slot given up, under the lane's claim (or by the cache's drop, which no thread can be
+        // inside): the lane is ready for no stream now.
         self.lists = None;
         self.key = NO_STREAM;
         bytes + std::mem::take(&mut self.budget)

@@ -35,7 +35,7 @@ pub(super) struct SlotTable {
     /// The process that made the cache: a forked child cannot claim lanes.
     pub(super) made_in: u32,
     /// Which cache a thread's remembered lane belongs to.
-    id: CacheId,
+    pub(super) id: CacheId,
 }
 
 impl SlotTable {
