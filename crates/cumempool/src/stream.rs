@@ -6,6 +6,7 @@ use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use crate::owner::Owner;
 use cumempool_sys as sys;
+use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -64,17 +65,20 @@ impl std::fmt::Debug for KeepAlive {
 /// A stream's identity in this process: unique per [`Stream`] (shared by its clones), never
 /// reused, unlike raw handle values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StreamId(u64);
+pub struct StreamId(NonZeroU64);
 
 impl StreamId {
     fn next() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        Self(NEXT.fetch_add(1, Relaxed))
+        // Never 0, so that caches can keep 0 for "no stream" and the compiler knows an id is
+        // not it; the counter cannot reach 2^64 in practice, and saturates if it did.
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self(NonZeroU64::MIN.saturating_add(NEXT.fetch_add(1, Relaxed)))
     }
 
-    /// The number, for logs.
+    /// The number, for logs; never 0.
+    #[inline]
     pub fn get(self) -> u64 {
-        self.0
+        self.0.get()
     }
 }
 

@@ -56,13 +56,14 @@ thread_local! {
     static FAST_LANE: Cell<usize> = const { Cell::new(NO_FAST_LANE) };
     /// Gives the number back when the thread exits; made with the number.
     static LANE_RETURN: LaneReturn = const { LaneReturn };
-    /// The thread's own lane of the stream it last entered a lane of, and which stream of which
-    /// cache that lane is for: what the hot path looks up instead of hashing the stream's key,
-    /// finding its slot, and reading `FAST_LANE`. Set only to the lane of number `FAST_LANE`
+    /// The thread's own lane of the stream it last entered a lane of, and which cache that lane
+    /// belongs to: what the hot path looks up instead of hashing the stream's key, finding its
+    /// slot, and reading `FAST_LANE`. Which stream the lane is for is not kept here: the lane's
+    /// own key says that, and the hot path checks it inside the lane. Set only to the lane of number `FAST_LANE`
     /// (see [`remember_lane`]), and cleared before `FAST_LANE` changes, so a lane found here is
     /// the thread's own, entered with the light fence.
     static REMEMBERED: Remembered = const {
-        Remembered { cache: Cell::new(NO_CACHE), key: Cell::new(0), lane: Cell::new(std::ptr::null()) }
+        Remembered { cache: Cell::new(NO_CACHE), lane: Cell::new(std::ptr::null()) }
     };
 }
 
@@ -71,25 +72,21 @@ thread_local! {
 struct Remembered {
     /// The unique id of the cache the lane belongs to, or [`NO_CACHE`].
     cache: Cell<u64>,
-    /// The key of the stream the lane was entered for.
-    key: Cell<u64>,
     lane: Cell<*const ()>,
 }
 
 /// No cache has this id: `REMEMBERED` holds no lane.
 pub(super) const NO_CACHE: u64 = 0;
 
-/// The lane the calling thread remembers for stream `key` of the cache with id `cache` (see
-/// `REMEMBERED`), if it remembers that one.
+/// The lane the calling thread remembers in the cache with id `cache` (see `REMEMBERED`), if
+/// it remembers one there.
 #[inline(always)]
-pub(super) fn remembered_lane(cache: u64, key: u64) -> Option<*const ()> {
-    REMEMBERED.with(|remembered| {
-        (remembered.key.get() == key && remembered.cache.get() == cache).then(|| remembered.lane.get())
-    })
+pub(super) fn remembered_lane(cache: u64) -> Option<*const ()> {
+    REMEMBERED.with(|remembered| (remembered.cache.get() == cache).then(|| remembered.lane.get()))
 }
 
-/// Remembers `lanes[FAST_LANE]`, the calling thread's own lane among `lanes`, for stream `key`
-/// of the cache with id `cache`, if the thread enters its lanes on the hot path. Nothing is
+/// Remembers `lanes[FAST_LANE]`, the calling thread's own lane among `lanes`, in the cache with
+/// id `cache`, if the thread enters its lanes on the hot path. Nothing is
 /// remembered otherwise.
 ///
 /// # Safety
@@ -97,13 +94,12 @@ pub(super) fn remembered_lane(cache: u64, key: u64) -> Option<*const ()> {
 /// `cache`, indexed by lane number (a part of it would remember another thread's lane, and two
 /// threads would own it), and lives as long as that cache: whoever finds the lane here with
 /// that cache's id dereferences it as a `Lane`.
-pub(super) unsafe fn remember_lane<T>(cache: u64, key: u64, lanes: &[T]) {
+pub(super) unsafe fn remember_lane<T>(cache: u64, lanes: &[T]) {
     let Some(lane) = lanes.get(fast_lane_number()) else { return };
     REMEMBERED.with(|remembered| {
         // The id last: were this interrupted (a signal handler that allocates), the entry in
         // between matches no cache.
         remembered.cache.set(NO_CACHE);
-        remembered.key.set(key);
         remembered.lane.set(std::ptr::from_ref(lane).cast());
         remembered.cache.set(cache);
     });

@@ -146,10 +146,11 @@ impl CacheId {
         Self(NEXT.fetch_add(1, Relaxed))
     }
 
-    /// Whether the calling thread remembers a lane of this cache for the stream with `key`.
+    /// Whether the calling thread remembers a lane of this cache ready for the stream with
+    /// `key`.
     #[cfg(test)]
     pub(super) fn remembered_by_this_thread(&self, key: u64) -> bool {
-        remembered_lane(self.0, key).is_some()
+        enter_remembered(self, key).is_ok()
     }
 }
 
@@ -248,23 +249,27 @@ fn fast_lane_fence() {
 
 /// The calling thread's own lane of the stream with `key` in the cache with id `cache`, entered,
 /// if the thread remembers that lane (see [`OwnedLane::ready_for`]): the hot path's lookup.
-/// [`Entry::Elsewhere`] when it remembers another lane, or that lane is no longer ready for
-/// that stream; [`Entry::Refused`] when the thread is inside it already or a slow path holds it.
-/// A lane ready for the stream has its lists.
+/// [`Entry::Elsewhere`] when it remembers no lane of that cache, or its lane there is not ready
+/// for that stream (it is another stream's, or its slot was given up); [`Entry::Refused`] when
+/// the thread is inside its remembered lane already (a re-entrant call, for any stream) or a
+/// slow path holds it. A lane ready for the stream has its lists.
 #[inline(always)]
 pub(super) fn enter_remembered(cache: &CacheId, key: u64) -> Result<ReadyLane<'_>, Entry> {
-    let lane = remembered_lane(cache.0, key).ok_or(Entry::Elsewhere)?;
+    let lane = remembered_lane(cache.0).ok_or(Entry::Elsewhere)?;
     // SAFETY: remembered by `OwnedLane::ready_for` for the cache with this id, which is `cache`'s
     // owner (ids are never reused), and whose lanes live as long as it does (that function's
     // contract); `&cache` borrows that owner.
     let lane = unsafe { &*lane.cast::<Lane>() };
-    // A remembered lane is the thread's own lane, of number `FAST_LANE`: it enters with the
-    // light fence (see `allow_fast_lane`).
+    // A remembered lane is the thread's own lane, of number `FAST_LANE`, in one of the cache's
+    // slots, whichever stream it is for: it enters with the light fence (see
+    // `allow_fast_lane`), and owning it, may enter it whatever stream it serves.
     let lane = enter(lane, fast_lane_fence).ok_or(Entry::Refused)?;
-    // Inside the lane: see `LaneState::key`. On a mismatch, dropping `lane` leaves it. The key
-    // remembered is a stream's, never `NO_STREAM` (see `OwnedLane::ready_for`), so the lane is
-    // ready.
-    if lane.key != key {
+    // Inside the lane: see `LaneState::key`. A lane whose key is `key` is the thread's own lane
+    // of the slot of the stream with `key`, and ready (its lists made) as long as `key` is a
+    // stream's, not `NO_STREAM`: a stream id is never 0, which the compiler knows of ids read
+    // from a stream, so the first test costs nothing there. On a mismatch, dropping `lane`
+    // leaves it.
+    if key == NO_STREAM || lane.key != key {
         return Err(Entry::Elsewhere);
     }
     Ok(ReadyLane(lane))
@@ -343,7 +348,7 @@ impl<'a> OwnedLane<'a> {
         }
         self.key = key;
         // SAFETY: `lanes` are the cache's and live as long as `cache` (this function's contract).
-        unsafe { remember_lane(cache.0, key, lanes) };
+        unsafe { remember_lane(cache.0, lanes) };
         Some(ReadyLane(self))
     }
 }
