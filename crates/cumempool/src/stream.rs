@@ -70,7 +70,8 @@ pub struct StreamId(NonZeroU64);
 impl StreamId {
     fn next() -> Self {
         // Never 0, so that caches can keep 0 for "no stream" and the compiler knows an id is
-        // not it; the counter cannot reach 2^64 in practice, and saturates if it did.
+        // not it. Unique while the counter does not wrap, which takes 2^64 streams (one a
+        // nanosecond for 584 years).
         static NEXT: AtomicU64 = AtomicU64::new(0);
         Self(NonZeroU64::MIN.saturating_add(NEXT.fetch_add(1, Relaxed)))
     }

@@ -277,10 +277,12 @@ pub(super) fn enter_remembered(cache: &CacheId, key: u64) -> Result<ReadyLane<'_
 
 /// Why [`enter_remembered`] did not enter a lane.
 pub(super) enum Entry {
-    /// The thread remembers no lane for this stream and cache, or its lane is not ready for it:
-    /// the slot must be looked up.
+    /// The thread remembers no lane of this cache, or the lane it remembers is not ready for
+    /// this stream (it is another stream's, or its slot was given up): the slot must be looked
+    /// up.
     Elsewhere,
-    /// The thread is in its lane already, or a slow path holds it.
+    /// The thread is in the lane it remembers already (whichever stream it serves), or a slow
+    /// path holds it.
     Refused,
 }
 
@@ -332,7 +334,7 @@ impl std::ops::DerefMut for OwnedLane<'_> {
 
 impl<'a> OwnedLane<'a> {
     /// The lane ready for the stream with `key` if it has its lists (see `LaneState::key`),
-    /// remembered by the calling thread for that stream of the cache `cache` (see
+    /// remembered by the calling thread as its lane in the cache `cache` (see
     /// [`enter_remembered`]); `None` for a lane without lists, which holds no block and takes
     /// none.
     ///

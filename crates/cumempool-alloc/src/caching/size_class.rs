@@ -7,6 +7,10 @@ const STEPS: u32 = 4;
 /// How many size classes there are; every index [`size_class`] answers is below it.
 pub(super) const CLASSES: usize = 1 + ((MAX_SHIFT - MIN_SHIFT) * STEPS) as usize;
 
+// What `size_class`'s reading of an `f64` rests on: a whole number of mantissa bits per step,
+// every class's bytes exact in an `f64`, and in a `usize` (CUDA 13 has 64-bit hosts only).
+const _: () = assert!(STEPS.is_power_of_two() && MAX_SHIFT < f64::MANTISSA_DIGITS && usize::BITS >= 64);
+
 /// The size class of a request: (index, bytes), with at most 25% rounding above 256 B.
 ///
 /// On every hot path, so without branches but one. The class is read off the exponent and the

@@ -264,8 +264,8 @@ impl SlotTable {
     }
 
     /// The calling thread in its own lane of `slot`, if that is the slot of the stream with
-    /// `key` and the lane has its lists; the thread remembers the lane for the stream from then
-    /// on.
+    /// `key` and the lane has its lists; the thread remembers the lane, ready for that stream,
+    /// from then on.
     #[inline(always)]
     fn enter_lane<'a>(&'a self, slot: &'a Slot, key: u64) -> Option<ReadyLane<'a>> {
         let lanes = &slot.lanes.get()?[..];
