@@ -65,7 +65,7 @@ static CUresult free_async(uint64_t p, Stream *s) {
 /* An event is the capturing stream its last record was on, or null. Querying or waiting for an
    event recorded in a capture answers CUDA_ERROR_CAPTURED_EVENT. */
 enum { CAPTURED_EVENT = 907 };
-static CUresult event_create(void **e, unsigned flags) { *e = calloc(1, sizeof(Stream *)); return 0; }
+static CUresult event_create(void **e, unsigned flags) { *e = calloc(1, sizeof(Stream *)); log_call("eventcreate", *e, 0, 0); return 0; }
 static CUresult event_destroy(void *e) { free(e); return 0; }
 /* Whether the calling thread may make a potentially unsafe call now; invalidates what forbids it. */
 static int forbidden(Stream *on) {

@@ -72,7 +72,7 @@ pub fn live_streams() -> i32 {
 /// The calls that order work, as the stand-in logged them, one per line: `memcpy <stream>`,
 /// `sync <stream> <result>`, `record <event> <stream>`, `waitevent <stream> <event>`,
 /// `eventsync <event> <result>`, `launch <stream> <1 if it captures, else 0>`,
-/// `addressfree <base>` (pointers
+/// `addressfree <base>`, `eventcreate <event>` (pointers
 /// as `{:p}` prints them). Only after [`stand_in`] answered a context.
 pub fn call_log() -> String {
     let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");

@@ -184,3 +184,25 @@ fn a_launch_inside_a_capture_closure_is_refused_before_anything_reaches_the_driv
     assert!(operation.contains("GraphExec::launch"), "{operation}");
     assert!(!log.contains("launch ") && !log.contains("record "), "{log}");
 }
+
+#[test]
+fn later_launches_record_the_markers_of_the_first_again_instead_of_making_events() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (stream, outside) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let mut buffer = pool.alloc(4096, &outside).unwrap();
+    let graph =
+        Stream::new(&context).unwrap().capture(|capture| capture.fill(&capture.buffer(&mut buffer)?, 1)).unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    let made = |log: &str| log.lines().filter(|call| call.starts_with("eventcreate ")).count();
+    let start = call_log().len();
+    exec.launch(&stream).unwrap();
+    let first = call_log()[start..].to_owned();
+    assert_eq!(made(&first), 2, "a marker per ordered stream:\n{first}");
+    let start = call_log().len();
+    exec.launch(&stream).unwrap();
+    exec.launch(&outside).unwrap();
+    let later = call_log()[start..].to_owned();
+    assert_eq!(made(&later), 0, "{later}");
+    assert_eq!(later.lines().filter(|call| call.starts_with("launch ")).count(), 2, "{later}");
+}

@@ -577,6 +577,7 @@ impl<'env> Graph<'env> {
             launched: false,
             outside: self.outside.clone(),
             private: None,
+            markers: Vec::new(),
             _env: PhantomData,
         })
     }
@@ -612,6 +613,9 @@ pub struct GraphExec<'env> {
     outside: Vec<Stream>,
     /// Where launches run (see [`GraphExec::launch`]): made by the first, held by nothing else.
     private: Option<Stream>,
+    /// The marker events of the last launch that succeeded, for the next to record again (an
+    /// event per launch and stream would cost a create and a destroy each time).
+    markers: Vec<Event>,
     _env: Invariant<'env>,
 }
 
@@ -675,16 +679,19 @@ impl GraphExec<'_> {
                 private
             }
         };
+        let mut spare = std::mem::take(&mut self.markers);
+        let mut markers = Vec::with_capacity(1 + others.len());
         let launched = crate::capture_mode::relaxed(|| {
-            let mut markers = Vec::with_capacity(1 + others.len());
             for before in std::iter::once(stream).chain(others.iter().copied()) {
                 let ordered = match before.context() {
-                    Some(context) => Event::new(context).and_then(|marker| {
-                        marker.record(before)?;
-                        private.wait(&marker)?;
-                        markers.push(marker);
-                        Ok(())
-                    }),
+                    Some(context) => {
+                        spare_marker(&mut spare, context).map_or_else(|| Event::new(context), Ok).and_then(|marker| {
+                            marker.record(before)?;
+                            private.wait(&marker)?;
+                            markers.push(marker);
+                            Ok(())
+                        })
+                    }
                     // No event can be made for a stream borrowed without its context: its queued
                     // work is waited for on the host instead.
                     None => before.synchronize(),
@@ -764,6 +771,11 @@ impl GraphExec<'_> {
         if matches!(private.capture_status(), Ok(CaptureStatus::None)) {
             self.private = Some(private);
         }
+        // Only a launch's own markers, and only after it succeeded: one a refused launch recorded
+        // may sit in other code's capture.
+        if launched.is_ok() {
+            self.markers = markers;
+        }
         launched
     }
 
@@ -790,6 +802,12 @@ impl GraphExec<'_> {
 }
 
 const LAUNCH: &str = "launching a graph (GraphExec::launch)";
+
+/// A marker event of an earlier launch in `context`, taken from `spare`.
+fn spare_marker(spare: &mut Vec<Event>, context: &Context) -> Option<Event> {
+    let at = spare.iter().position(|marker| marker.context().as_raw() == context.as_raw())?;
+    Some(spare.swap_remove(at))
+}
 
 /// Why a launch whose private stream joined a capture is refused.
 const JOINED_CAPTURE: &str = "other code began capturing the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched, and that capture was invalidated (its end gives no graph). Launch before another library's capture of the stream begins or after it ends";

@@ -807,6 +807,11 @@ impl Event {
         self.raw.0
     }
 
+    /// The context the event belongs to.
+    pub(crate) fn context(&self) -> &Context {
+        &self.context
+    }
+
     /// Records the event at the current end of `stream`.
     #[inline]
     pub fn record(&self, stream: &Stream) -> Result<()> {
