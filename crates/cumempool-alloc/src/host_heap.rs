@@ -6,7 +6,7 @@ use crate::resource::StreamOrderedResource;
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
 use std::alloc::Layout;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 /// Host memory from the global allocator; streams are ignored (every call is already complete).
@@ -19,8 +19,18 @@ pub struct HostHeap;
 
 /// The ids of the streams a [`SimulatedCapture`] marks, once per live capture.
 static SIMULATED: Mutex<Vec<u64>> = Mutex::new(Vec::new());
-/// How many entries `SIMULATED` holds: the cheap check, like [`Stream::may_be_capturing`].
-static SIMULATED_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// [`Stream::CAPTURE_MARK`] while `SIMULATED` holds any entry, else 0: the cheap check, like
+/// [`Stream::may_be_capturing`], and the mark [`HostHeap`] sets on every stream's id then.
+static SIMULATED_MARK: AtomicU64 = AtomicU64::new(0);
+
+/// What `SIMULATED_MARK` holds for `streams`.
+fn mark_for(streams: &[u64]) -> u64 {
+    if streams.is_empty() {
+        0
+    } else {
+        Stream::CAPTURE_MARK
+    }
+}
 
 fn simulated() -> std::sync::MutexGuard<'static, Vec<u64>> {
     // A push or a swap_remove: whole after any panic.
@@ -35,7 +45,7 @@ impl HostHeap {
         let id = stream.id().get();
         let mut streams = simulated();
         streams.push(id);
-        SIMULATED_COUNT.store(streams.len(), Relaxed);
+        SIMULATED_MARK.store(mark_for(&streams), Relaxed);
         SimulatedCapture { id }
     }
 }
@@ -53,7 +63,7 @@ impl Drop for SimulatedCapture {
         if let Some(at) = streams.iter().position(|&id| id == self.id) {
             streams.swap_remove(at);
         }
-        SIMULATED_COUNT.store(streams.len(), Relaxed);
+        SIMULATED_MARK.store(mark_for(&streams), Relaxed);
     }
 }
 
@@ -86,10 +96,15 @@ unsafe impl StreamOrderedResource for HostHeap {
 
     #[inline(always)]
     fn may_be_capturing(&self, _stream: &Stream) -> bool {
-        SIMULATED_COUNT.load(Relaxed) != 0
+        SIMULATED_MARK.load(Relaxed) != 0
     }
 
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
         Ok(simulated().contains(&stream.id().get()))
+    }
+
+    #[inline(always)]
+    fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
+        stream.id().get_nonzero() | SIMULATED_MARK.load(Relaxed)
     }
 }

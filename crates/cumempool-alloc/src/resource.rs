@@ -20,7 +20,9 @@ pub const POOL_ALIGNMENT: usize = 256;
 /// `Box` as host memory), so implementing this trait is a promise, like `GlobalAlloc`: a
 /// successful `allocate(bytes, align, s)` returns memory of at least `bytes` bytes, aligned to
 /// `align`, of kind [`Self::Kind`], that nothing else uses until it is given to `deallocate`
-/// (0 only for `bytes == 0`).
+/// (0 only for `bytes == 0`). And [`marked_stream_id`](Self::marked_stream_id) marks a stream
+/// whenever [`may_be_capturing`](Self::may_be_capturing) answers true: a cache above trusts it
+/// to keep blocks out of captures.
 pub unsafe trait StreamOrderedResource: Send + Sync {
     /// Which processors may touch the memory.
     type Kind: MemoryKind;
@@ -55,6 +57,16 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     /// The driver's, when it cannot say.
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
         Ok(stream.is_capturing()?)
+    }
+
+    /// The stream's id with [`Stream::CAPTURE_MARK`] set whenever
+    /// [`may_be_capturing`](Self::may_be_capturing) would answer true: what a cache compares with
+    /// the stream ids it keys its blocks by, so that one comparison both finds a stream's blocks
+    /// and turns away a stream that may be capturing. The default answers [`Stream::marked_id`];
+    /// a resource that answers `may_be_capturing` otherwise answers this to match.
+    #[inline(always)]
+    fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
+        stream.marked_id()
     }
 
     /// Allocates with the pool alignment and frees on drop: the convenient form.
@@ -98,6 +110,12 @@ macro_rules! forward_capture_checks {
         fn is_capturing(&self, stream: &cumempool::Stream) -> crate::Result<bool> {
             let $this = self;
             $below.is_capturing(stream)
+        }
+
+        #[inline(always)]
+        fn marked_stream_id(&self, stream: &cumempool::Stream) -> std::num::NonZeroU64 {
+            let $this = self;
+            $below.marked_stream_id(stream)
         }
     };
 }

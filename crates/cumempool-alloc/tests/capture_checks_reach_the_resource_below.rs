@@ -22,11 +22,16 @@ fn follows_the_heap(name: &str, resource: &impl StreamOrderedResource, stream: &
     // Checked before any `is_capturing`: the defaults would hand this fake handle to a driver.
     assert!(!resource.may_be_capturing(stream), "{name}: answered its own default, not the heap's");
     assert!(!resource.is_capturing(stream).unwrap(), "{name}");
+    // The id a cache above compares with its lanes' keys carries the same answer.
+    let id = stream.id().get();
+    assert_eq!(resource.marked_stream_id(stream).get(), id, "{name}: marked its own way, not the heap's");
     let capture = HostHeap::simulate_capture(stream);
     assert!(resource.may_be_capturing(stream), "{name}: missed the capture below");
     assert!(resource.is_capturing(stream).unwrap(), "{name}: missed the capture below");
+    assert_eq!(resource.marked_stream_id(stream).get(), id | Stream::CAPTURE_MARK, "{name}: an unmarked id");
     drop(capture);
     assert!(!resource.is_capturing(stream).unwrap(), "{name}: a capture that ended");
+    assert_eq!(resource.marked_stream_id(stream).get(), id, "{name}: still marked");
 }
 
 #[test]

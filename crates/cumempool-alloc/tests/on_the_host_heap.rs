@@ -236,6 +236,10 @@ unsafe impl StreamOrderedResource for CappedPool {
     fn is_capturing(&self, stream: &Stream) -> cumempool_alloc::Result<bool> {
         HostHeap.is_capturing(stream)
     }
+
+    fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
+        HostHeap.marked_stream_id(stream)
+    }
 }
 
 /// Issue 19, item 7, above a pool's maximum size.

@@ -76,6 +76,10 @@ unsafe impl StreamOrderedResource for Recording {
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
         HostHeap.is_capturing(stream)
     }
+
+    fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
+        HostHeap.marked_stream_id(stream)
+    }
 }
 
 impl Recording {

@@ -32,9 +32,11 @@ struct StreamInner {
     context: Option<Context>,
     owned: bool,
     id: StreamId,
-    /// False only while no capture can be underway on the stream: the library created it and
-    /// nothing that begins or joins a capture has reached it. Once set it stays set.
-    capture_possible: AtomicBool,
+    /// The id, with [`Stream::CAPTURE_MARK`] set once a capture may be underway on the stream
+    /// (unset only while the library created it and nothing that begins or joins a capture has
+    /// reached it); once set it stays set. One word for both, so that a cache reads both with
+    /// one load (see [`Stream::marked_id`]).
+    marked_id: AtomicU64,
     /// Frees of memory allocated outside a capture, asked for while the stream was capturing:
     /// run on the stream once it no longer captures (see [`Stream::defer_free`]).
     deferred_frees: Mutex<Vec<DeferredFree>>,
@@ -70,16 +72,23 @@ pub struct StreamId(NonZeroU64);
 impl StreamId {
     fn next() -> Self {
         // Never 0, so that caches can keep 0 for "no stream" and the compiler knows an id is
-        // not it. Unique while the counter does not wrap, which takes 2^64 streams (one a
-        // nanosecond for 584 years).
+        // not it, and below 2^63, so that `Stream::CAPTURE_MARK` is free. Unique until the
+        // counter reaches 2^63 streams (one a nanosecond for 292 years).
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        Self(NonZeroU64::MIN.saturating_add(NEXT.fetch_add(1, Relaxed)))
+        let next = NEXT.fetch_add(1, Relaxed).min(Stream::CAPTURE_MARK - 2);
+        Self(NonZeroU64::MIN.saturating_add(next))
     }
 
-    /// The number, for logs; never 0.
+    /// The number, for logs; never 0, and below 2^63.
     #[inline]
     pub fn get(self) -> u64 {
         self.0.get()
+    }
+
+    /// The number as a [`NonZeroU64`].
+    #[inline]
+    pub fn get_nonzero(self) -> NonZeroU64 {
+        self.0
     }
 }
 
@@ -98,12 +107,14 @@ impl Stream {
         // it; a stream created here, or the legacy stream (which cannot be captured), is not.
         let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
         let capture_possible = !owned && !legacy;
+        let id = StreamId::next();
+        let marked_id = id.get() | if capture_possible { Self::CAPTURE_MARK } else { 0 };
         Self(Arc::new(StreamInner {
             raw: DriverHandle(raw),
             context,
             owned,
-            id: StreamId::next(),
-            capture_possible: AtomicBool::new(capture_possible),
+            id,
+            marked_id: AtomicU64::new(marked_id),
             deferred_frees: Mutex::new(Vec::new()),
             spare_capture_stream: Mutex::new(None),
             _keep_alive: keep_alive,
@@ -319,14 +330,29 @@ impl Stream {
     /// must call [`Stream::note_capture_possible`] first.
     #[inline(always)]
     pub fn may_be_capturing(&self) -> bool {
-        self.0.capture_possible.load(Relaxed)
+        self.0.marked_id.load(Relaxed) & Self::CAPTURE_MARK != 0
+    }
+
+    /// The bit [`Stream::marked_id`] sets while a capture may be underway: the top one, which
+    /// no [`StreamId`] has.
+    pub const CAPTURE_MARK: u64 = 1 << 63;
+
+    /// The stream's id ([`StreamId::get`]) with [`Stream::CAPTURE_MARK`] set while
+    /// [`Stream::may_be_capturing`] answers true: both in one relaxed load. A cache that keys
+    /// its blocks by stream id compares this with its keys, so that the one comparison that
+    /// finds a stream's blocks also turns away a stream that may be capturing.
+    #[inline(always)]
+    pub fn marked_id(&self) -> NonZeroU64 {
+        // SAFETY: every value stored is a stream id, which is not 0, with or without a bit set.
+        unsafe { NonZeroU64::new_unchecked(self.0.marked_id.load(Relaxed)) }
     }
 
     /// Records that a capture may be underway on this stream from now on (see
     /// [`Stream::may_be_capturing`]): every capture-aware operation then asks the driver.
     #[inline]
     pub fn note_capture_possible(&self) {
-        self.0.capture_possible.store(true, Relaxed);
+        // The word holds the id or the marked id; either way it becomes the marked id.
+        self.0.marked_id.store(self.0.id.get() | Self::CAPTURE_MARK, Relaxed);
     }
 
     /// The driver's answer: whether work queued on the stream now runs or is recorded into a
@@ -726,7 +752,7 @@ impl Drop for StreamInner {
     fn drop(&mut self) {
         let raw = self.raw.0;
         let mut owned = self.owned;
-        let may_capture = self.capture_possible.load(Relaxed);
+        let may_capture = *self.marked_id.get_mut() & Stream::CAPTURE_MARK != 0;
         let mut frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
         let mut keep_alive = vec![std::mem::replace(&mut self._keep_alive, KeepAlive(None))];
         if may_capture {
@@ -912,9 +938,14 @@ mod tests {
         assert!(borrowed.may_be_capturing(), "the lender may capture it");
         let own = Stream::from_parts(0x2000 as sys::CUstream, None, true);
         assert!(!own.may_be_capturing());
+        assert_eq!(own.marked_id(), own.id().get_nonzero(), "unmarked while no capture is possible");
+        assert_eq!(borrowed.marked_id().get(), borrowed.id().get() | Stream::CAPTURE_MARK);
         let clone = own.clone();
         clone.note_capture_possible();
         assert!(own.may_be_capturing(), "clones share the mark");
+        assert_eq!(own.marked_id().get(), own.id().get() | Stream::CAPTURE_MARK, "the id carries the mark");
+        clone.note_capture_possible();
+        assert_eq!(own.marked_id().get() & !Stream::CAPTURE_MARK, own.id().get(), "marked twice, still the id");
         std::mem::forget(own); // not a real stream: no destroy
         std::mem::forget(clone);
     }

@@ -81,13 +81,15 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// A cache over `inner` holding at most `max_cached` bytes of free blocks.
     pub fn with_max_cached(inner: R, max_cached: usize) -> Self {
+        let table = SlotTable::new();
+        let captured = Padded(CapturedBlocks::new(&table.id));
         Self {
             inner,
-            table: SlotTable::new(),
+            table,
             bound: Padded(Bound::new(max_cached, SLOTS)),
             overflow_misses: Padded(AtomicU64::new(0)),
             timers: Padded(Timers::new()),
-            captured: Padded(CapturedBlocks::default()),
+            captured,
         }
     }
 
@@ -392,13 +394,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     #[inline(always)]
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
         let (index, class) = size_class(bytes)?;
-        // After the size class, so that a free inlined next to this allocation can reuse it
-        // (measured: 14 instructions per pair otherwise); `allocate_beyond_lane` applies the
-        // capture rules.
-        if self.inner.may_be_capturing(stream) {
-            return None;
-        }
-        self.table.pop_from_own_lane(stream.id().get(), index, class)
+        // The stream's key, marked if a capture may be underway: a marked key matches no lane
+        // and no slot, so `allocate_beyond_lane` applies the capture rules.
+        self.table.pop_from_own_lane(self.inner.marked_stream_id(stream).get(), index, class)
     }
 
     /// Caches a block in the calling thread's lane of a stream with a slot, if it has room
@@ -406,13 +404,26 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     #[inline(always)]
     fn push_to_lane(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) -> bool {
         let Some((index, class)) = size_class(bytes) else { return false };
-        // Both loads relaxed: see `CapturedBlocks`, and `Stream::may_be_capturing` for the mark.
-        // `deallocate_beyond_lane` applies the capture rules. Both loads always (`|`), so that
-        // one test and branch serves them.
-        if self.captured.any() | self.inner.may_be_capturing(stream) {
+        // The capture rules (which `deallocate_beyond_lane` applies) ride on the comparisons
+        // that find the lane: a stream that may be capturing has a marked key, which matches no
+        // lane, and while blocks handed out during a capture are out, the gate matches no
+        // remembered cache. Both loads relaxed: see `CapturedBlocks` and `Stream::marked_id`.
+        let key = self.inner.marked_stream_id(stream).get();
+        match self.table.push_to_remembered_lane(&self.captured.gate, key, ptr, index, class, &self.bound) {
+            Some(pushed) => pushed,
+            None => self.push_to_lane_looked_up(ptr, key, index, class),
+        }
+    }
+
+    /// `push_to_lane` for a thread that must look its lane up: false while a capture may be
+    /// underway on the stream (`key` is marked) or blocks handed out during a capture are out,
+    /// which `deallocate_beyond_lane` looks at.
+    #[inline(never)]
+    fn push_to_lane_looked_up(&self, ptr: CUdeviceptr, key: u64, index: usize, class: usize) -> bool {
+        if key & Stream::CAPTURE_MARK != 0 || self.captured.any() {
             return false;
         }
-        self.table.push_to_own_lane(stream.id().get(), ptr, index, class, &self.bound)
+        self.table.push_out_of_line(key, ptr, index, class, &self.bound)
     }
 
     #[inline(never)]

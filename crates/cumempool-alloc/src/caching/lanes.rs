@@ -142,6 +142,7 @@ pub(super) struct CacheId(u64);
 
 impl CacheId {
     pub(super) fn new() -> Self {
+        // Neither `NO_CACHE` nor `CLOSED` until 2^64 caches have been made.
         static NEXT: AtomicU64 = AtomicU64::new(NO_CACHE + 1);
         Self(NEXT.fetch_add(1, Relaxed))
     }
@@ -154,9 +155,41 @@ impl CacheId {
     }
 }
 
+/// What a closed [`FreeGate`] holds: no cache's id, and not `NO_CACHE`, so no thread's
+/// remembered cache matches it.
+const CLOSED: u64 = u64::MAX;
+
+/// Whether frees may enter the lanes threads remember in one cache without a look at the block:
+/// the cache's id while they may, [`CLOSED`] while they may not. The free's hot path compares
+/// it with the cache the thread remembers, in place of the cache's id, so that the one
+/// comparison finds the lane and keeps out frees that must be looked at first.
+pub(super) struct FreeGate {
+    open: u64,
+    value: AtomicU64,
+}
+
+impl FreeGate {
+    /// An open gate of the cache with id `cache`.
+    pub(super) fn new(cache: &CacheId) -> Self {
+        Self { open: cache.0, value: AtomicU64::new(cache.0) }
+    }
+
+    /// Keeps frees out of remembered lanes until [`open`](Self::open). A free that
+    /// happens after this (through whatever ordered it after) sees it, or a later change.
+    pub(super) fn close(&self) {
+        self.value.store(CLOSED, Relaxed);
+    }
+
+    /// Lets frees into remembered lanes again.
+    pub(super) fn open(&self) {
+        self.value.store(self.open, Relaxed);
+    }
+}
+
 /// A lane's blocks: fixed-size arrays, so that the hot path checks one index.
 struct Lists {
-    /// Blocks held per size class.
+    /// Blocks held per size class: at most `DEPTH` each, which `pop` relies on (a count grows
+    /// only where an entry at its index exists, in `push` and `push_claiming`).
     counts: [u8; CLASSES],
     /// `DEPTH` entries per size class, the first `counts[class]` of them held.
     blocks: [[CUdeviceptr; DEPTH]; CLASSES],
@@ -251,19 +284,40 @@ fn fast_lane_fence() {
 /// if the thread remembers that lane (see [`OwnedLane::ready_for`]): the hot path's lookup.
 /// [`Entry::Elsewhere`] when it remembers no lane of that cache, or its lane there is not ready
 /// for that stream (it is another stream's, or its slot was given up); [`Entry::Refused`] when
-/// the thread is inside its remembered lane already (a re-entrant call, for any stream) or a
-/// slow path holds it. A lane ready for the stream has its lists.
+/// a slow path holds it. A lane ready for the stream has its lists.
 #[inline(always)]
 pub(super) fn enter_remembered(cache: &CacheId, key: u64) -> Result<ReadyLane<'_>, Entry> {
-    let lane = remembered_lane(cache.0).ok_or(Entry::Elsewhere)?;
-    // SAFETY: remembered by `OwnedLane::ready_for` for the cache with this id, which is `cache`'s
-    // owner (ids are never reused), and whose lanes live as long as it does (that function's
-    // contract); `&cache` borrows that owner.
+    enter_remembered_past(cache, cache.0, key)
+}
+
+/// [`enter_remembered`] for a free: [`Entry::Elsewhere`] too while `gate`, the gate of the cache
+/// with id `cache`, is closed.
+#[inline(always)]
+pub(super) fn enter_remembered_to_free<'a>(
+    cache: &'a CacheId,
+    gate: &FreeGate,
+    key: u64,
+) -> Result<ReadyLane<'a>, Entry> {
+    debug_assert_eq!(gate.open, cache.0, "the gate of another cache");
+    enter_remembered_past(cache, gate.value.load(Relaxed), key)
+}
+
+/// [`enter_remembered`] with `compare`, the id of `cache` or [`CLOSED`], in place of that id in
+/// the comparison with the cache the thread remembers.
+#[inline(always)]
+fn enter_remembered_past(cache: &CacheId, compare: u64, key: u64) -> Result<ReadyLane<'_>, Entry> {
+    debug_assert!(compare == cache.0 || compare == CLOSED);
+    let lane = remembered_lane(compare).ok_or(Entry::Elsewhere)?;
+    // SAFETY: remembered by `OwnedLane::ready_for` for the cache with id `compare`: no thread
+    // remembers `CLOSED`, so `compare` is `cache`'s id, whose owner (ids are never reused) has
+    // lanes that live as long as it does (that function's contract); `&cache` borrows that
+    // owner.
     let lane = unsafe { &*lane.cast::<Lane>() };
     // A remembered lane is the thread's own lane, of number `FAST_LANE`, in one of the cache's
     // slots, whichever stream it is for: it enters with the light fence (see
-    // `allow_fast_lane`), and owning it, may enter it whatever stream it serves.
-    let lane = enter(lane, fast_lane_fence).ok_or(Entry::Refused)?;
+    // `allow_fast_lane`), and owning it, may enter it whatever stream it serves. The thread is
+    // not inside it now: see `enter_from_outside`.
+    let lane = enter_from_outside(lane).ok_or(Entry::Refused)?;
     // Inside the lane: see `LaneState::key`. A lane whose key is `key` is the thread's own lane
     // of the slot of the stream with `key`, and ready (its lists made) as long as `key` is a
     // stream's, not `NO_STREAM`: a stream id is never 0, which the compiler knows of ids read
@@ -281,8 +335,7 @@ pub(super) enum Entry {
     /// this stream (it is another stream's, or its slot was given up): the slot must be looked
     /// up.
     Elsewhere,
-    /// The thread is in the lane it remembers already (whichever stream it serves), or a slow
-    /// path holds it.
+    /// A slow path holds the lane the thread remembers.
     Refused,
 }
 
@@ -299,6 +352,23 @@ fn own_lane_slowly(lanes: &[Lane]) -> Option<OwnedLane<'_>> {
     enter(lanes.get(number)?, || fences.light())
 }
 
+/// Enters `lane`, the calling thread's own lane, with the light fence, for a thread known not
+/// to be inside it: [`enter`] without the test for that.
+///
+/// A thread is inside a lane only while the cache's own code runs between [`enter`] (or this)
+/// and the `OwnedLane`'s drop, and that code calls out to nothing that could reach the cache
+/// again: no heap allocation (a global allocator could call the cache; `give_lists_if_missing`
+/// allocates before it enters), no lock, no callback, no logging. So no call of the hot path can
+/// begin while its thread is inside its remembered lane, and the test `enter` makes for such a
+/// call cannot fail. (A signal handler that allocates from the cache could interrupt a thread
+/// inside a lane: the cache, which takes locks on its slow paths, is not async-signal-safe, as
+/// no allocator is.) Debug builds keep the test.
+#[inline(always)]
+fn enter_from_outside(lane: &Lane) -> Option<OwnedLane<'_>> {
+    debug_assert!(!lane.busy.load(Relaxed), "a thread entered its lane from inside it");
+    enter_unless_claimed(lane, fast_lane_fence)
+}
+
 /// Enters `lane` as its owner, with `light` the owner's half of the fence.
 #[inline(always)]
 fn enter(lane: &Lane, light: impl FnOnce()) -> Option<OwnedLane<'_>> {
@@ -306,6 +376,12 @@ fn enter(lane: &Lane, light: impl FnOnce()) -> Option<OwnedLane<'_>> {
     if lane.busy.load(Relaxed) {
         return None;
     }
+    enter_unless_claimed(lane, light)
+}
+
+/// [`enter`] for its owner, known to be outside it: enters unless a slow path claimed it.
+#[inline(always)]
+fn enter_unless_claimed(lane: &Lane, light: impl FnOnce()) -> Option<OwnedLane<'_>> {
     lane.busy.store(true, Relaxed);
     light();
     if lane.claimed.load(Acquire) {
@@ -395,10 +471,11 @@ impl ReadyLane<'_> {
     pub(super) fn pop(&mut self, index: usize) -> Option<CUdeviceptr> {
         let lists = self.lists();
         let (count, blocks) = (lists.counts.get_mut(index)?, lists.blocks.get(index)?);
-        *count = count.checked_sub(1)?;
-        // `count` never exceeds `DEPTH`, so the remainder is the count itself; it spares the
-        // hot path a bounds check.
-        Some(blocks[usize::from(*count) % DEPTH])
+        let left = usize::from(*count).checked_sub(1)?;
+        // Below `DEPTH`, so it fits.
+        *count = left as u8;
+        // SAFETY: a count is at most `DEPTH` (see `Lists::counts`), so `left` is below it.
+        Some(unsafe { *blocks.get_unchecked(left) })
     }
 
     /// Keeps a block of size class `index` (of `class` bytes) if the lane has room in that

@@ -37,8 +37,11 @@ pub(super) fn size_class(bytes: usize) -> Option<(usize, usize)> {
 /// The exponent and two leading mantissa bits of 255.0, as `size_class` shifts them: class 0.
 const FIRST_QUARTERS: u64 = (1023 + MIN_SHIFT as u64 - 1) * STEPS as u64 + (STEPS as u64 - 1);
 
-/// The bytes of every size class, so that the hot path reads them with one load.
-static CLASS_BYTES: [usize; CLASSES] = {
+/// The bytes of every size class, so that the hot path reads them with one load. A `const`, not
+/// a `static`: each crate the hot path is inlined into gets its own copy, which it addresses
+/// directly rather than through the global offset table, and which the compiler knows cannot
+/// change, so a free inlined after an allocation reuses the bytes the allocation read.
+const CLASS_BYTES: [usize; CLASSES] = {
     let mut bytes = [0; CLASSES];
     let mut index = 0;
     while index < CLASSES {

@@ -4,13 +4,15 @@
 use super::bound::Bound;
 use super::fence::{prepare_fences, Fences};
 use super::lanes::{
-    claim, enter_remembered, own_lane, CacheId, ClaimedLanes, Entry, Lane, ReadyLane, StreamLanes, Unreachable,
+    claim, enter_remembered, enter_remembered_to_free, own_lane, CacheId, ClaimedLanes, Entry, FreeGate, Lane,
+    ReadyLane, StreamLanes, Unreachable,
 };
 use super::lock::lock;
 use super::padded::Padded;
 use super::size_class::CLASSES;
 use super::slot::{home_of, lanes_of, Slot, SlotState, Taken, EMPTY, RELEASED, SLOTS};
 use cumempool::sys::CUdeviceptr;
+use cumempool::Stream;
 use std::sync::atomic::{
     AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
@@ -207,21 +209,25 @@ impl SlotTable {
         }
     }
 
-    /// Caches a block in the calling thread's lane of the stream with `key`, if it has room and
-    /// budget: the hot path's lookup, as in [`pop_from_own_lane`](Self::pop_from_own_lane).
+    /// Caches a block in the calling thread's remembered lane, if that is the lane of the stream
+    /// with `key`, `gate` (this table's cache's) is open, and the lane has room and budget: the
+    /// hot path's lookup, as in [`pop_from_own_lane`](Self::pop_from_own_lane). `None` when the
+    /// lane must be looked up (see [`push_out_of_line`](Self::push_out_of_line)): the thread
+    /// remembers another lane, or the gate is closed.
     #[inline(always)]
-    pub(super) fn push_to_own_lane(
+    pub(super) fn push_to_remembered_lane(
         &self,
+        gate: &FreeGate,
         key: u64,
         ptr: CUdeviceptr,
         index: usize,
         class: usize,
         bound: &Bound,
-    ) -> bool {
-        match enter_remembered(&self.id, key) {
-            Ok(lane) => push_inside(lane, ptr, index, class, bound),
-            Err(Entry::Elsewhere) => self.push_out_of_line(key, ptr, index, class, bound),
-            Err(Entry::Refused) => false,
+    ) -> Option<bool> {
+        match enter_remembered_to_free(&self.id, gate, key) {
+            Ok(lane) => Some(push_inside(lane, ptr, index, class, bound)),
+            Err(Entry::Elsewhere) => None,
+            Err(Entry::Refused) => Some(false),
         }
     }
 
@@ -231,13 +237,25 @@ impl SlotTable {
     /// slots have filled it.
     #[inline(never)]
     fn pop_out_of_line(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+        // A key marked for a possible capture matches no slot: no need to probe.
+        if key & Stream::CAPTURE_MARK != 0 {
+            return None;
+        }
         let slot = &self.slots[self.probe_in_line(home_of(key), key, NEAR)?];
         self.pop_from_lane(slot, key, index, class)
     }
 
-    /// `push_to_own_lane` out of line, as [`pop_out_of_line`](Self::pop_out_of_line).
-    #[inline(never)]
-    fn push_out_of_line(&self, key: u64, ptr: CUdeviceptr, index: usize, class: usize, bound: &Bound) -> bool {
+    /// `push_to_remembered_lane` after a lookup, as [`pop_out_of_line`](Self::pop_out_of_line).
+    /// In line: its caller is out of line.
+    #[inline(always)]
+    pub(super) fn push_out_of_line(
+        &self,
+        key: u64,
+        ptr: CUdeviceptr,
+        index: usize,
+        class: usize,
+        bound: &Bound,
+    ) -> bool {
         self.probe_in_line(home_of(key), key, NEAR)
             .is_some_and(|at| self.push_to_lane(&self.slots[at], key, ptr, index, class, bound))
     }

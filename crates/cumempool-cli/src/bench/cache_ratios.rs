@@ -88,6 +88,11 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for NeverCaptured<R>
     fn is_capturing(&self, _stream: &Stream) -> cumempool_alloc::Result<bool> {
         Ok(false)
     }
+
+    #[inline(always)]
+    fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
+        stream.id().get_nonzero()
+    }
 }
 
 /// The three loops a round times.
