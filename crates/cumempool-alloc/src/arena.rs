@@ -28,7 +28,7 @@
 
 use crate::error::{Error, Result};
 use crate::memory_kind::DeviceMemory;
-use crate::resource::{StreamOrderedResource, POOL_ALIGNMENT};
+use crate::resource::{CaptureMark, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::{CUdeviceptr, CUresult};
 use cumempool::vmm::{AddressRange, AllocationProperties, PhysicalAllocation};
 use cumempool::{Access, Context, Device, Event, HandleTypes, InvalidArgumentReason, Stream};

@@ -44,9 +44,11 @@
 //!   straight below, which records them in the capture. A block handed out during a capture is
 //!   graph memory: the cache remembers its address until it is freed, and that free, whenever
 //!   and on whatever stream, goes below with the size and alignment it was asked with. The
-//!   hot path pays for this with two relaxed loads: the stream's mark that no capture is
-//!   possible ([`StreamOrderedResource::may_be_capturing`](crate::StreamOrderedResource::may_be_capturing)) and a count of such blocks; the
-//!   driver is asked, and the blocks' set locked, only when those say so.
+//!   hot path pays for this with no instruction of its own: the stream's key it compares with
+//!   the lane's carries the mark that a capture may be underway
+//!   ([`StreamOrderedResource::marked_stream_id`](crate::StreamOrderedResource::marked_stream_id)),
+//!   and while such blocks are out, the free compares the thread's remembered cache with a gate
+//!   that matches none. The driver is asked, and the blocks' set locked, only when those say so.
 
 // Modules in the order they build on each other: each uses only modules listed above it.
 mod bound;

@@ -94,11 +94,6 @@ unsafe impl StreamOrderedResource for HostHeap {
         Ok(())
     }
 
-    #[inline(always)]
-    fn may_be_capturing(&self, _stream: &Stream) -> bool {
-        SIMULATED_MARK.load(Relaxed) != 0
-    }
-
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
         Ok(simulated().contains(&stream.id().get()))
     }

@@ -57,4 +57,4 @@ pub use error::{Error, Result};
 pub use host_heap::{HostHeap, SimulatedCapture};
 pub use memory_kind::{DeviceMemory, HostAccessible, HostMemory, ManagedMemory, MemoryKind};
 pub use pool_resource::{CurrentPoolResource, PoolResource};
-pub use resource::{Allocation, StreamOrderedResource, POOL_ALIGNMENT};
+pub use resource::{Allocation, CaptureMark, StreamOrderedResource, POOL_ALIGNMENT};

@@ -21,8 +21,8 @@ pub const POOL_ALIGNMENT: usize = 256;
 /// successful `allocate(bytes, align, s)` returns memory of at least `bytes` bytes, aligned to
 /// `align`, of kind [`Self::Kind`], that nothing else uses until it is given to `deallocate`
 /// (0 only for `bytes == 0`). And [`marked_stream_id`](Self::marked_stream_id) marks a stream
-/// whenever [`may_be_capturing`](Self::may_be_capturing) answers true: a cache above trusts it
-/// to keep blocks out of captures.
+/// whenever a capture may be underway on it as far as this resource can tell: a cache above
+/// trusts it to keep blocks out of captures.
 pub unsafe trait StreamOrderedResource: Send + Sync {
     /// Which processors may touch the memory.
     type Kind: MemoryKind;
@@ -37,21 +37,10 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     /// freed once, and no work may use it after the free in the order of `stream`.
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()>;
 
-    /// Whether a capture may be underway on `stream`, without asking the driver: false means
-    /// none can be, true means ask [`is_capturing`](Self::is_capturing). Layers that must not
-    /// hand out or keep memory across a capture boundary (a [`CachingResource`](crate::CachingResource))
-    /// call it on every allocation and free, so it must cost no more than a relaxed load.
-    ///
-    /// The default answers [`Stream::may_be_capturing`]. Adaptors forward to the resource
-    /// below; only a resource that stands in for the driver (the test heap) answers otherwise.
-    #[inline(always)]
-    fn may_be_capturing(&self, stream: &Stream) -> bool {
-        stream.may_be_capturing()
-    }
-
     /// Whether a capture is underway on `stream` (active or invalidated): work queued on it now
-    /// is recorded into a graph rather than run. The default answers [`Stream::is_capturing`],
-    /// which asks the driver only when [`Stream::may_be_capturing`] is true.
+    /// is recorded into a graph rather than run. Asked only where
+    /// [`may_be_capturing`](CaptureMark::may_be_capturing) answers true. The default answers
+    /// [`Stream::is_capturing`].
     ///
     /// # Errors
     /// The driver's, when it cannot say.
@@ -59,11 +48,16 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
         Ok(stream.is_capturing()?)
     }
 
-    /// The stream's id with [`Stream::CAPTURE_MARK`] set whenever
-    /// [`may_be_capturing`](Self::may_be_capturing) would answer true: what a cache compares with
-    /// the stream ids it keys its blocks by, so that one comparison both finds a stream's blocks
-    /// and turns away a stream that may be capturing. The default answers [`Stream::marked_id`];
-    /// a resource that answers `may_be_capturing` otherwise answers this to match.
+    /// The stream's id, with [`Stream::CAPTURE_MARK`] set if a capture may be underway on it,
+    /// without asking the driver: unmarked means none can be, marked means ask
+    /// [`is_capturing`](Self::is_capturing). The one cheap capture check of a resource (see
+    /// [`CaptureMark`]): a cache compares it with the stream ids it keys its blocks by, so that
+    /// one comparison both finds a stream's blocks and turns away a stream that may be
+    /// capturing. It is asked on every allocation and free, so it must cost no more than a
+    /// relaxed load.
+    ///
+    /// The default answers [`Stream::marked_id`]. Adaptors forward to the resource below; only a
+    /// resource that stands in for the driver (the test heap) answers otherwise.
     #[inline(always)]
     fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
         stream.marked_id()
@@ -97,16 +91,27 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     }
 }
 
+/// Whether a capture may be underway on a stream, as a resource sees it: read off
+/// [`StreamOrderedResource::marked_stream_id`], so that the two can never disagree. Implemented
+/// for every resource, and for no other type: a resource changes the answer through
+/// `marked_stream_id`.
+pub trait CaptureMark {
+    /// Whether a capture may be underway on `stream`, without asking the driver: false means
+    /// none can be, true means ask [`StreamOrderedResource::is_capturing`].
+    fn may_be_capturing(&self, stream: &Stream) -> bool;
+}
+
+impl<R: StreamOrderedResource + ?Sized> CaptureMark for R {
+    #[inline(always)]
+    fn may_be_capturing(&self, stream: &Stream) -> bool {
+        self.marked_stream_id(stream).get() & Stream::CAPTURE_MARK != 0
+    }
+}
+
 /// The capture checks of a resource that wraps another, forwarded to it: `|this| expr` names the
 /// resource below, given the wrapper as `this`.
 macro_rules! forward_capture_checks {
     (|$this:ident| $below:expr) => {
-        #[inline(always)]
-        fn may_be_capturing(&self, stream: &cumempool::Stream) -> bool {
-            let $this = self;
-            $below.may_be_capturing(stream)
-        }
-
         fn is_capturing(&self, stream: &cumempool::Stream) -> crate::Result<bool> {
             let $this = self;
             $below.is_capturing(stream)

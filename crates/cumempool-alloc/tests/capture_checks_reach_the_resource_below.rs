@@ -1,5 +1,5 @@
 //! Every layer that wraps a resource answers the capture checks
-//! (`StreamOrderedResource::may_be_capturing` and `is_capturing`) of the resource below, as the
+//! (`StreamOrderedResource::marked_stream_id` and `is_capturing`) of the resource below, as the
 //! trait asks: otherwise a layer above it (a cache over an adaptor, an adaptor over a cache)
 //! asks the driver where the resource below answers otherwise, and misses a capture that
 //! resource reports. The host heap's simulated captures stand in for a driver's. Simulated
@@ -10,7 +10,7 @@ mod support;
 
 use cumempool::Stream;
 use cumempool_alloc::{
-    CachingResource, HostHeap, Limit, OnOutOfMemory, Statistics, StreamOrderedResource, Traced, Tracking,
+    CachingResource, CaptureMark, HostHeap, Limit, OnOutOfMemory, Statistics, StreamOrderedResource, Traced, Tracking,
 };
 use std::sync::{Arc, Mutex};
 use support::fake_stream;

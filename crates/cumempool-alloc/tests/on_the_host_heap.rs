@@ -229,10 +229,6 @@ unsafe impl StreamOrderedResource for CappedPool {
         unsafe { HostHeap.deallocate(ptr, bytes, align, stream) }
     }
 
-    fn may_be_capturing(&self, stream: &Stream) -> bool {
-        HostHeap.may_be_capturing(stream)
-    }
-
     fn is_capturing(&self, stream: &Stream) -> cumempool_alloc::Result<bool> {
         HostHeap.is_capturing(stream)
     }

@@ -69,10 +69,6 @@ unsafe impl StreamOrderedResource for Recording {
         unsafe { HostHeap.deallocate(ptr, bytes, align, stream) }
     }
 
-    fn may_be_capturing(&self, stream: &Stream) -> bool {
-        HostHeap.may_be_capturing(stream)
-    }
-
     fn is_capturing(&self, stream: &Stream) -> Result<bool> {
         HostHeap.is_capturing(stream)
     }

@@ -13,7 +13,7 @@ use super::stats::CacheStats;
 use super::table::SlotTable;
 use super::timers::{nanos_of, Timers, LANE_SWEEP_INTERVAL};
 use crate::error::Result;
-use crate::resource::{check_alignment, StreamOrderedResource, POOL_ALIGNMENT};
+use crate::resource::{check_alignment, CaptureMark, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
 use std::sync::atomic::{

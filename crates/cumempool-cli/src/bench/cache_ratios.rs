@@ -80,11 +80,6 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for NeverCaptured<R>
         unsafe { self.0.deallocate(ptr, bytes, align, stream) }
     }
 
-    #[inline(always)]
-    fn may_be_capturing(&self, _stream: &Stream) -> bool {
-        false
-    }
-
     fn is_capturing(&self, _stream: &Stream) -> cumempool_alloc::Result<bool> {
         Ok(false)
     }
