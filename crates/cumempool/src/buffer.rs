@@ -9,6 +9,7 @@ use crate::capture_registry::{self, FreeAction};
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
 use crate::location::{AllocationType, Location};
+use crate::marker;
 use crate::owner::Owner;
 use crate::route::Route;
 use crate::stream::{CaptureStatus, DeferredFree, Event, Stream};
@@ -346,20 +347,8 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         let (queued, done) = (Event::new(context)?, Event::new(context)?);
         let private = stream.take_capture_stream(context)?;
         let copied = crate::capture_mode::relaxed(|| {
-            queued.record(stream)?;
-            private.wait(&queued)?;
-            if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) =
-                private.capture_status()?
-            {
-                return Err(Self::refuse_joined_capture(what, &private, status));
-            }
-            // A capture that took the marker and ended before the wait leaves nothing to join,
-            // and the wait orders nothing: the event then says it was captured.
-            if let Err(Error::Driver(cause)) = queued.is_complete() {
-                if cause.code == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT.0 {
-                    return Err(Error::CaptureRefused { what, hint: Self::CAPTURED_MARKER, cause });
-                }
-            }
+            marker::order_after(&private, stream, &queued, what, &Self::MARKER_HINTS)?;
+            marker::refuse_if_captured(&queued, what, &Self::MARKER_HINTS)?;
             // SAFETY: the caller vouches for both ranges.
             unsafe { driver_call!(cuMemcpyAsync(dst, src, len, private.as_raw())) }?;
             // From here the copy may be running: no return before it has finished.
@@ -385,21 +374,12 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         copied
     }
 
-    /// Why a copy whose marker event other code's capture took, and ended, is refused.
-    const CAPTURED_MARKER: &'static str = "other code captured the buffer's stream while the copy was being set up; nothing was copied. Copy before another library's capture of the stream begins or after it ends";
-
-    /// The private stream of a copy joined a capture other code began on the buffer's stream
-    /// since the check: nothing of the copy is queued. The capture is invalidated (a wait on the
-    /// joined stream, which the driver refuses and which invalidates the capture), so its graph
-    /// never waits for a copy that will not come.
-    fn refuse_joined_capture(what: &'static str, private: &Stream, status: CaptureStatus) -> Error {
-        invalidate_capture(
-            private,
-            what,
-            "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
-            status.id(),
-        )
-    }
+    /// Why a copy whose private stream other code's capture reached through its marker is
+    /// refused (nothing of the copy is queued then).
+    const MARKER_HINTS: marker::Hints = marker::Hints {
+        joined: "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
+        captured: "other code captured the buffer's stream while the copy was being set up; nothing was copied. Copy before another library's capture of the stream begins or after it ends",
+    };
 
     /// [`copy_unified`](Self::copy_unified) for a stream borrowed without its context (no event
     /// can be made for it): the copy on the stream itself, then a wait for the stream.
@@ -443,7 +423,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     /// not sharing a stream with other threads while it captures.
     fn copy_recorded_into_capture(&self, what: &'static str, capture: u64) -> Error {
         let stream = self.on();
-        let refused = invalidate_capture(
+        let refused = marker::invalidate_capture(
             stream,
             what,
             "other code began capturing the stream while the copy was being queued, so the copy may have been recorded into its graph, which would use memory released since: that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
@@ -628,23 +608,6 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         let ptr = self.host_ptr()?;
         // SAFETY: as in `host_slice`, and the borrow is exclusive.
         Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.len) })
-    }
-}
-
-/// Invalidates the capture `stream` takes part in, with a host wait on it (always refused there,
-/// and the refusal invalidates the capture), and answers why `what` was refused: with `hint`
-/// and the refused wait as its cause, or, if the wait was not refused (the capture had ended),
-/// [`Error::StreamCapturing`] for `capture`.
-pub(crate) fn invalidate_capture(
-    stream: &Stream,
-    what: &'static str,
-    hint: &'static str,
-    capture: Option<u64>,
-) -> Error {
-    // SAFETY: a live stream.
-    match unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) } {
-        Err(Error::Driver(cause)) => Error::CaptureRefused { what, hint, cause },
-        _ => Error::StreamCapturing { operation: what, capture },
     }
 }
 

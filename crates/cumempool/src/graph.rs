@@ -6,6 +6,7 @@ use crate::driver::{driver_answer, driver_call, Answer};
 use crate::driver_handle::DriverHandle;
 use crate::error::{Error, InvalidArgumentReason, Result};
 use crate::location::AllocationType;
+use crate::marker;
 use crate::pool::Pool;
 use crate::route::Route;
 use crate::stream::{CaptureStatus, Event, Stream, ThreadCapture};
@@ -683,48 +684,19 @@ impl GraphExec<'_> {
         let mut markers = Vec::with_capacity(1 + others.len());
         let launched = crate::capture_mode::relaxed(|| {
             for before in std::iter::once(stream).chain(others.iter().copied()) {
-                let ordered = match before.context() {
+                match before.context() {
                     Some(context) => {
-                        spare_marker(&mut spare, context).map_or_else(|| Event::new(context), Ok).and_then(|marker| {
-                            marker.record(before)?;
-                            private.wait(&marker)?;
-                            markers.push(marker);
-                            Ok(())
-                        })
+                        let marker = spare_marker(&mut spare, context).map_or_else(|| Event::new(context), Ok)?;
+                        marker::order_after(&private, before, &marker, LAUNCH, &MARKER_HINTS)?;
+                        markers.push(marker);
                     }
                     // No event can be made for a stream borrowed without its context: its queued
-                    // work is waited for on the host instead.
-                    None => before.synchronize(),
-                };
-                // The private stream captures only by joining a capture through a marker that
-                // was recorded into one. Checked after each marker, failed or not, so that a
-                // joined stream waits for no further marker: the driver refuses a capturing
-                // stream's wait for an event from outside its capture, and invalidates it.
-                if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) =
-                    private.capture_status()?
-                {
-                    return Err(crate::buffer::invalidate_capture(&private, LAUNCH, JOINED_CAPTURE, status.id()));
+                    // work is waited for on the host instead (no marker, so nothing to join).
+                    None => before.synchronize()?,
                 }
-                ordered?;
             }
-            // A capture that took a marker and ended before the wait leaves nothing to join, and
-            // the wait ordered nothing: the marker then says it was captured. Any answer but
-            // "done" or "not yet" leaves that unknown, and nothing is launched.
             for marker in &markers {
-                // SAFETY: a live event; a query waits for nothing, and in relaxed mode it
-                // disturbs no capture.
-                let answer = unsafe { driver_answer!(cuEventQuery(marker.as_raw())) }?;
-                match answer.code {
-                    sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                    sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
-                        return Err(Error::CaptureRefused {
-                            what: LAUNCH,
-                            hint: CAPTURED_MARKER,
-                            cause: answer.cause(),
-                        })
-                    }
-                    _ => return Err(answer.error()),
-                }
+                marker::refuse_if_captured(marker, LAUNCH, &MARKER_HINTS)?;
             }
             private.bind()?;
             // SAFETY: a live executable, on a live stream that does not capture; the memory the
@@ -809,11 +781,12 @@ fn spare_marker(spare: &mut Vec<Event>, context: &Context) -> Option<Event> {
     Some(spare.swap_remove(at))
 }
 
-/// Why a launch whose private stream joined a capture is refused.
-const JOINED_CAPTURE: &str = "other code began capturing the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched, and that capture was invalidated (its end gives no graph). Launch before another library's capture of the stream begins or after it ends";
-
-/// Why a launch whose marker event other code's capture took, and ended, is refused.
-const CAPTURED_MARKER: &str = "other code captured the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched. Launch before another library's capture of the stream begins or after it ends";
+/// Why a launch is refused whose private stream a capture of other code reached through a marker
+/// (nothing was launched).
+const MARKER_HINTS: marker::Hints = marker::Hints {
+    joined: "other code began capturing the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched, and that capture was invalidated (its end gives no graph). Launch before another library's capture of the stream begins or after it ends",
+    captured: "other code captured the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched. Launch before another library's capture of the stream begins or after it ends",
+};
 
 impl Drop for GraphExec<'_> {
     fn drop(&mut self) {

@@ -62,6 +62,7 @@ mod header_coverage;
 mod location;
 #[cfg(feature = "cuda-13040")]
 mod location_info;
+mod marker;
 mod owner;
 mod pool;
 mod raw_pool;

@@ -10,7 +10,7 @@ thread_local! {
 /// One allocation+free pair from this thread's free lists: pop a block of the size's class (or
 /// make one up), push it back. Blocks are numbers, never memory: only the lists' own work is
 /// timed.
-#[inline]
+#[inline(always)]
 pub(super) fn free_list_pair(bytes: usize) -> bool {
     FREE_LISTS.with(|lists| {
         let mut lists = lists.borrow_mut();
