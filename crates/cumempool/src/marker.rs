@@ -27,7 +27,13 @@ pub(crate) struct Hints {
 /// the record and the wait succeeded, so that a joined stream waits for no further marker: the
 /// driver refuses a capturing stream's wait for an event recorded outside its capture, and
 /// invalidates that capture.
-pub(crate) fn order_after(private: &Stream, before: &Stream, marker: &Event, what: &'static str, hints: &Hints) -> Result<()> {
+pub(crate) fn order_after(
+    private: &Stream,
+    before: &Stream,
+    marker: &Event,
+    what: &'static str,
+    hints: &Hints,
+) -> Result<()> {
     let ordered = marker.record(before).and_then(|()| private.wait(marker));
     if let status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. }) = private.capture_status()? {
         return Err(invalidate_capture(private, what, hints.joined, status.id()));
@@ -55,7 +61,12 @@ pub(crate) fn refuse_if_captured(marker: &Event, what: &'static str, hints: &Hin
 /// and the refusal invalidates the capture), and answers why `what` was refused: with `hint`
 /// and the refused wait as its cause, or, if the wait was not refused (the capture had ended),
 /// [`Error::StreamCapturing`] for `capture`.
-pub(crate) fn invalidate_capture(stream: &Stream, what: &'static str, hint: &'static str, capture: Option<u64>) -> Error {
+pub(crate) fn invalidate_capture(
+    stream: &Stream,
+    what: &'static str,
+    hint: &'static str,
+    capture: Option<u64>,
+) -> Error {
     // SAFETY: a live stream.
     match unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) } {
         Err(Error::Driver(cause)) => Error::CaptureRefused { what, hint, cause },

@@ -393,10 +393,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     /// (any other case is retried by `allocate_beyond_lane`).
     #[inline(always)]
     fn pop_from_lane(&self, bytes: usize, stream: &Stream) -> Option<CUdeviceptr> {
-        let (index, class) = size_class(bytes)?;
+        let (index, _) = size_class(bytes)?;
         // The stream's key, marked if a capture may be underway: a marked key matches no lane
         // and no slot, so `allocate_beyond_lane` applies the capture rules.
-        self.table.pop_from_own_lane(self.inner.marked_stream_id(stream).get(), index, class)
+        self.table.pop_from_own_lane(self.inner.marked_stream_id(stream).get(), index)
     }
 
     /// Caches a block in the calling thread's lane of a stream with a slot, if it has room
@@ -441,7 +441,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         let found = self.table.find(key).map(|index| &self.table.slots[index]);
         match found {
             Some(slot) => {
-                if let Some(ptr) = self.table.pop_from_lane(slot, key, index, class) {
+                if let Some(ptr) = self.table.pop_from_lane(slot, key, index) {
                     return Ok(ptr);
                 }
                 let mut state = lock(&slot.state);
@@ -524,7 +524,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
                 // full never goes below while budget sits in that lane.
                 if state.budget < class {
                     if let Some(mut lane) = own_lane(&lanes[..]) {
-                        state.budget += std::mem::take(&mut lane.budget);
+                        state.budget += lane.take_unfilled();
                     }
                 }
                 if let Some(list) = state.blocks.get_mut(index) {
@@ -711,6 +711,47 @@ mod tests {
         warm(&cache, &stream);
     }
 
+    /// A hit leaves its block's bytes reserved for the size class in the lane (the hot path
+    /// moves no byte count). Whatever path the blocks take next (hits, a gather into the shared
+    /// lists, a release), the bound is whole again once nothing is cached: no reservation is
+    /// counted twice or lost.
+    #[test]
+    fn reserved_blocks_are_counted_once_on_every_path_back_to_the_bound() {
+        let _numbers = lock(&TEST_LANE_NUMBERS);
+        let block = 64 << 10;
+        let cache = CachingResource::with_max_cached(HostHeap, 64 * block);
+        // SAFETY: HostHeap ignores streams, so the handle is never used.
+        let stream = unsafe { Stream::borrow_raw(0x500 as cumempool::sys::CUstream, None) }.expect("a fake stream");
+        let round = |n: usize| {
+            let blocks: Vec<u64> = (0..n).map(|_| cache.allocate(block, 256, &stream).expect("host memory")).collect();
+            for ptr in blocks {
+                // SAFETY: allocated just above with these arguments.
+                unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("cached");
+            }
+        };
+        round(6);
+        // Hits empty the lane's reserved blocks; the sweep takes them back with the budget.
+        let out: Vec<u64> = (0..6).map(|_| cache.allocate(block, 256, &stream).expect("a hit")).collect();
+        assert_eq!(cache.stats().cached_bytes, 0);
+        cache.return_unfilled_budgets_now();
+        assert_eq!(cache.bound.unclaimed(), cache.bound.max(), "reservations left empty went back");
+        for ptr in out {
+            // SAFETY: allocated above with these arguments.
+            unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("cached");
+        }
+        // Blocks gathered from the lane into the shared lists take their reservation along.
+        round(6);
+        {
+            let slot = &cache.table.slots[cache.table.find(stream.id().get()).expect("a slot")];
+            let mut state = lock(&slot.state);
+            gather_from_lanes(lanes_of(slot), cache.table.made_in, &mut state);
+        }
+        assert_eq!(where_blocks_are(&cache, &stream).1, 0, "the lane was emptied");
+        cache.release().expect("released");
+        assert_eq!(cache.stats().cached_bytes, 0);
+        assert_eq!(cache.bound.unclaimed(), cache.bound.max(), "each block's bytes went back once");
+    }
+
     /// Found measuring 32 threads on one stream with the bound spent (1.4 M pairs/s at 100%
     /// hits): a block taken from the shared lists went back to them at its free, since the lane
     /// had no budget and the bound none to claim, so the threads kept queueing on the slot's
@@ -737,7 +778,7 @@ mod tests {
             let mut state = lock(&slot.state);
             gather_from_lanes(lanes_of(slot), cache.table.made_in, &mut state);
             let mut lanes = claim(vec![lanes_of(slot)], cache.table.made_in).expect("claimed");
-            let budgets: usize = lanes.group(0).map(|lane| std::mem::take(&mut lane.budget)).sum();
+            let budgets: usize = lanes.group(0).map(crate::caching::lanes::LaneState::take_unfilled).sum();
             cache.bound.give(budgets + std::mem::take(&mut state.budget));
             assert_eq!(state.cached_bytes, 4 * block);
             assert_eq!(cache.bound.unclaimed(), 0, "the bound is spent");

@@ -89,7 +89,7 @@ pub(super) fn return_unfilled_budgets(table: &SlotTable, bound: &Bound, timers: 
     for (group, state) in states.iter_mut().enumerate() {
         let mut bytes = std::mem::take(&mut state.budget);
         for lane in lanes.group(group) {
-            bytes += std::mem::take(&mut lane.budget);
+            bytes += lane.take_unfilled();
         }
         bound.give(bytes);
     }

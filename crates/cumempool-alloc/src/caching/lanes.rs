@@ -111,14 +111,14 @@ pub(super) struct Lane {
 // protocol with ordinary fences on both sides, and native stress tests run the asymmetric one.
 unsafe impl Sync for Lane {}
 
-/// In this order (`repr(C)`): with `budget` and `hits` side by side, the compiler updates both
-/// with one 16-byte load and store on a hit, and the next hit's 16-byte load then spans the
-/// free's 8-byte store of `budget` alone, which the processor cannot forward from its store
-/// buffer: a stall of a dozen cycles on every pair.
+/// The bytes of the bound a lane has claimed are its `budget`, and for each size class, its
+/// `Lists::reserved` blocks' bytes: the blocks it holds fill the reserved ones, and the hot path
+/// moves blocks between held and reserved-but-empty without touching a byte count. A
+/// reservation left empty (the thread's sizes moved on) is budget like any other to the slow
+/// paths: [`take_unfilled`](Self::take_unfilled) takes both back.
 #[derive(Default)]
-#[repr(C)]
 pub(super) struct LaneState {
-    /// Budget this lane has claimed from the bound and not yet filled with blocks.
+    /// Budget this lane has claimed from the bound and not yet reserved for a size class.
     pub budget: usize,
     /// Made when the lane first caches a block.
     lists: Option<Box<Lists>>,
@@ -188,9 +188,12 @@ impl FreeGate {
 
 /// A lane's blocks: fixed-size arrays, so that the hot path checks one index.
 struct Lists {
-    /// Blocks held per size class: at most `DEPTH` each, which `pop` relies on (a count grows
-    /// only where an entry at its index exists, in `push` and `push_claiming`).
+    /// Blocks held per size class: at most `reserved` each, which `pop` and `push` rely on (a
+    /// count grows only in `push` and `push_reserving`, below `reserved`).
     counts: [u8; CLASSES],
+    /// Blocks per size class whose bytes the lane has claimed (see [`LaneState`]): at least
+    /// `counts`, at most `DEPTH`.
+    reserved: [u8; CLASSES],
     /// `DEPTH` entries per size class, the first `counts[class]` of them held.
     blocks: [[CUdeviceptr; DEPTH]; CLASSES],
 }
@@ -203,7 +206,7 @@ pub(super) fn give_lists_if_missing(lanes: &[Lane]) {
     if own_lane(lanes).is_none_or(|lane| lane.lists.is_some()) {
         return;
     }
-    let lists = Box::new(Lists { counts: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] });
+    let lists = Box::new(Lists { counts: [0; CLASSES], reserved: [0; CLASSES], blocks: [[0; DEPTH]; CLASSES] });
     let spare = match own_lane(lanes) {
         Some(mut lane) if lane.lists.is_none() => {
             lane.lists = Some(lists);
@@ -466,7 +469,8 @@ impl ReadyLane<'_> {
         self.0.lane.used.store(now, Relaxed);
     }
 
-    /// A block of size class `index`, if the lane holds one.
+    /// A block of size class `index`, if the lane holds one. Its bytes stay reserved for the
+    /// class in this lane.
     #[inline(always)]
     pub(super) fn pop(&mut self, index: usize) -> Option<CUdeviceptr> {
         let lists = self.lists();
@@ -479,25 +483,24 @@ impl ReadyLane<'_> {
     }
 
     /// Keeps a block of size class `index` (of `class` bytes) if the lane has room in that
-    /// class, and its budget the block's bytes, claimed from `bound` when short; false, with at
-    /// most a chunk of budget claimed, otherwise.
+    /// class: in a block reserved and empty, or else one reserved now from the lane's budget,
+    /// claimed from `bound` when short; false, with at most a chunk of budget claimed, otherwise.
     #[inline(always)]
     pub(super) fn push(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
-        let budget = self.budget;
         let lists = self.lists();
-        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
+        let (Some(count), Some(&reserved), Some(blocks)) =
+            (lists.counts.get_mut(index), lists.reserved.get(index), lists.blocks.get_mut(index))
+        else {
             return false;
         };
-        // No entry at `count` means the class is full (`count == DEPTH`).
-        let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
-        if budget < class {
+        if *count >= reserved {
             // Out of line, with the state (not this lane handle, which would then live in
             // memory), so that nothing here lives across the call.
-            return self.0.push_claiming(index, ptr, class, bound);
+            return self.0.push_reserving(index, ptr, class, bound);
         }
-        *entry = ptr;
+        // SAFETY: `count` is below `reserved`, which is at most `DEPTH` (see `Lists::reserved`).
+        unsafe { *blocks.get_unchecked_mut(usize::from(*count)) = ptr };
         *count += 1;
-        self.budget = budget - class;
         true
     }
 }
@@ -626,21 +629,41 @@ fn back_off(spins: &mut u32) {
 }
 
 impl LaneState {
-    /// `ReadyLane::push` for a lane short of budget: claims it from `bound` first.
+    /// `ReadyLane::push` for a class whose reserved blocks are all held: reserves one more from
+    /// the budget (claimed from `bound` when short), unless the class holds `DEPTH` already.
     #[cold]
     #[inline(never)]
-    fn push_claiming(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
+    fn push_reserving(&mut self, index: usize, ptr: CUdeviceptr, class: usize, bound: &Bound) -> bool {
         let Some(lists) = self.lists.as_deref_mut() else { return false };
-        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get_mut(index)) else {
+        let (Some(count), Some(reserved), Some(blocks)) =
+            (lists.counts.get_mut(index), lists.reserved.get_mut(index), lists.blocks.get_mut(index))
+        else {
             return false;
         };
+        // No entry at `count` means the class is full (`count == DEPTH`).
         let Some(entry) = blocks.get_mut(usize::from(*count)) else { return false };
         if !bound.claim(&mut self.budget, class) {
             return false;
         }
         *entry = ptr;
         *count += 1;
+        // Held blocks never outnumber reserved ones: `count` was at least `reserved`, and is at
+        // most `DEPTH` now.
+        *reserved = (*reserved).max(*count);
         true
+    }
+
+    /// Takes back what the lane claimed and holds no block in: its budget, and its reserved
+    /// blocks left empty; answers those bytes.
+    pub(super) fn take_unfilled(&mut self) -> usize {
+        let mut bytes = std::mem::take(&mut self.budget);
+        if let Some(lists) = self.lists.as_deref_mut() {
+            for (index, (reserved, &count)) in lists.reserved.iter_mut().zip(&lists.counts).enumerate() {
+                bytes += usize::from(*reserved - count) * class_bytes(index);
+                *reserved = count;
+            }
+        }
+        bytes
     }
 
     /// The blocks of each size class: (class, blocks).
@@ -658,16 +681,22 @@ impl LaneState {
     /// Moves the blocks of size class `index` into `list`; answers how many.
     pub(super) fn take_class(&mut self, index: usize, list: &mut Vec<CUdeviceptr>) -> usize {
         let Some(lists) = self.lists.as_deref_mut() else { return 0 };
-        let (Some(count), Some(blocks)) = (lists.counts.get_mut(index), lists.blocks.get(index)) else { return 0 };
+        let (Some(count), Some(reserved), Some(blocks)) =
+            (lists.counts.get_mut(index), lists.reserved.get_mut(index), lists.blocks.get(index))
+        else {
+            return 0;
+        };
         let n = usize::from(std::mem::take(count));
+        // Their bytes go with them (the caller counts them where they land).
+        *reserved -= n as u8;
         list.extend_from_slice(blocks.get(..n).unwrap_or_default());
         n
     }
 
     /// Moves every block into `lists` (by size class) and empties the lane; answers the bytes
-    /// it held, blocks and budget, for the bound.
+    /// it claimed, blocks and budget, for the bound.
     pub(super) fn drain_into(&mut self, lists: &mut [Vec<CUdeviceptr>]) -> usize {
-        let bytes = self.cached_bytes();
+        let bytes = self.cached_bytes() + self.take_unfilled();
         for (index, held) in self.held() {
             if let Some(list) = lists.get_mut(index) {
                 list.extend_from_slice(held);
@@ -679,7 +708,7 @@ impl LaneState {
         // inside): the lane is ready for no stream now.
         self.lists = None;
         self.key = NO_STREAM;
-        bytes + std::mem::take(&mut self.budget)
+        bytes
     }
 
     /// Bytes held: counted on slow paths, so that the hot path updates only the budget.

@@ -201,10 +201,10 @@ impl SlotTable {
     /// lane the thread remembers (see [`enter_remembered`]); any other lane of the stream pays
     /// one call more, not the slow paths.
     #[inline(always)]
-    pub(super) fn pop_from_own_lane(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+    pub(super) fn pop_from_own_lane(&self, key: u64, index: usize) -> Option<CUdeviceptr> {
         match enter_remembered(&self.id, key) {
-            Ok(lane) => self.pop_inside(lane, index, class),
-            Err(Entry::Elsewhere) => self.pop_out_of_line(key, index, class),
+            Ok(lane) => self.pop_inside(lane, index),
+            Err(Entry::Elsewhere) => self.pop_out_of_line(key, index),
             Err(Entry::Refused) => None,
         }
     }
@@ -236,13 +236,13 @@ impl SlotTable {
     /// slow paths look up again, does not scan the whole table twice per call once released
     /// slots have filled it.
     #[inline(never)]
-    fn pop_out_of_line(&self, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
+    fn pop_out_of_line(&self, key: u64, index: usize) -> Option<CUdeviceptr> {
         // A key marked for a possible capture matches no slot: no need to probe.
         if key & Stream::CAPTURE_MARK != 0 {
             return None;
         }
         let slot = &self.slots[self.probe_in_line(home_of(key), key, NEAR)?];
-        self.pop_from_lane(slot, key, index, class)
+        self.pop_from_lane(slot, key, index)
     }
 
     /// `push_to_remembered_lane` after a lookup, as [`pop_out_of_line`](Self::pop_out_of_line).
@@ -262,8 +262,8 @@ impl SlotTable {
 
     /// A hit in the calling thread's lane of `slot`, the slot of the stream with `key`.
     #[inline(always)]
-    pub(super) fn pop_from_lane(&self, slot: &Slot, key: u64, index: usize, class: usize) -> Option<CUdeviceptr> {
-        self.pop_inside(self.enter_lane(slot, key)?, index, class)
+    pub(super) fn pop_from_lane(&self, slot: &Slot, key: u64, index: usize) -> Option<CUdeviceptr> {
+        self.pop_inside(self.enter_lane(slot, key)?, index)
     }
 
     /// Caches a block in the calling thread's lane of `slot`, the slot of the stream with `key`,
@@ -303,9 +303,8 @@ impl SlotTable {
 
     /// A block of size class `index` from `lane`, the calling thread's lane of a stream.
     #[inline(always)]
-    fn pop_inside(&self, mut lane: ReadyLane<'_>, index: usize, class: usize) -> Option<CUdeviceptr> {
+    fn pop_inside(&self, mut lane: ReadyLane<'_>, index: usize) -> Option<CUdeviceptr> {
         let ptr = lane.pop(index)?;
-        lane.budget += class;
         lane.hits += 1;
         lane.mark_used(self.clock.load(Relaxed));
         Some(ptr)

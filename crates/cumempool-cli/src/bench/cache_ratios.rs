@@ -118,7 +118,9 @@ pub fn measure(context: &Context, options: &Options) -> Result<Report> {
                 match which {
                     Loop::FreeList => pairs_through(sizes, count, free_list_pair),
                     Loop::Cache => pairs_through(sizes, count, |bytes| cached_pair(&cache, stream, bytes)),
-                    Loop::CacheWithoutChecks => pairs_through(sizes, count, |bytes| cached_pair(&unchecked, stream, bytes)),
+                    Loop::CacheWithoutChecks => {
+                        pairs_through(sizes, count, |bytes| cached_pair(&unchecked, stream, bytes))
+                    }
                 }
             };
             let times = interleaved(&streams[..threads], rounds, pairs, &run)?;
