@@ -52,6 +52,8 @@
 
 // Modules in the order they build on each other: each uses only modules listed above it.
 mod bound;
+#[cfg(test)]
+mod bound_stays_exact;
 mod cache;
 mod captured;
 mod eviction;

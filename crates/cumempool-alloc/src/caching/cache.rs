@@ -51,8 +51,8 @@ pub struct CachingResource<R: StreamOrderedResource> {
     inner: R,
     /// What the hot path reads, beside `inner`; what slow paths write (below) sits on cache
     /// lines of its own.
-    table: SlotTable,
-    bound: Padded<Bound>,
+    pub(super) table: SlotTable,
+    pub(super) bound: Padded<Bound>,
     /// Misses of streams that found no slot.
     overflow_misses: Padded<AtomicU64>,
     timers: Padded<Timers>,
@@ -255,7 +255,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     }
 
     /// Takes back every slot's and lane's unfilled budget, whatever the sweep limit.
-    fn return_unfilled_budgets_now(&self) {
+    pub(super) fn return_unfilled_budgets_now(&self) {
         let _registry = self.table.registry();
         eviction::return_unfilled_budgets(&self.table, &self.bound, &self.timers, true);
     }

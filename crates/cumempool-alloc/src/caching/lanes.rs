@@ -716,6 +716,23 @@ impl LaneState {
         self.held().map(|(index, held)| held.len() * class_bytes(index)).sum()
     }
 
+    /// The bytes of the bound the lane has claimed: its budget and its reserved blocks (see
+    /// [`LaneState`]), after asserting `counts <= reserved <= DEPTH`.
+    #[cfg(test)]
+    pub(super) fn claimed_bytes(&self) -> usize {
+        let lists = self.lists.iter().flat_map(|lists| lists.counts.iter().zip(&lists.reserved).enumerate());
+        self.budget
+            + lists
+                .map(|(index, (&count, &reserved))| {
+                    assert!(
+                        count <= reserved && usize::from(reserved) <= DEPTH,
+                        "class {index}: {count} of {reserved}"
+                    );
+                    usize::from(reserved) * class_bytes(index)
+                })
+                .sum::<usize>()
+    }
+
     /// Blocks held.
     pub(super) fn blocks(&self) -> usize {
         self.held().map(|(_, held)| held.len()).sum()
