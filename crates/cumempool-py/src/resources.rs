@@ -49,7 +49,10 @@ impl ResourceBase {
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let stream = Stream::from_object(py, stream, self.device)?;
-        refuse_capturing_stream(&stream.get().stream)?;
+        // What it allocates on a capturing stream is graph memory (an allocation node), and the
+        // Buffer, freed outside the graph, would either have its free refused before a launch
+        // (each launch then allocates memory nothing frees) or run unordered after one.
+        stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
         let interruptions = Interruptions::collect();
         // The GIL is released, and the caller's context put back, only around driver calls, at
         // the bottom of the stack (a cache hit makes none).
@@ -98,24 +101,9 @@ impl ResourceBase {
     }
 }
 
-/// Refuses `alloc` on a stream capturing into a graph: what it allocates there is graph memory
-/// (an allocation node), and the Buffer, freed outside the graph, would either have its free
-/// refused before a launch (each launch then allocates memory nothing frees) or run unordered
-/// after one. Allocate before the capture begins, or through the capturing library's allocator
-/// (the plug-ins serve captures through the raw path, freed inside the capture).
-fn refuse_capturing_stream(stream: &cumempool::Stream) -> Outcome<()> {
-    if !stream.may_be_capturing() {
-        return Ok(());
-    }
-    match stream.capture_status()?.id() {
-        None => Ok(()),
-        Some(id) => Err(cumempool::Error::StreamCapturing {
-            operation: "allocating with Resource.alloc (a Buffer cannot hold a capture's graph memory: allocate before the capture, or through the capturing library's allocator plug-in)",
-            capture: Some(id),
-        }
-        .into()),
-    }
-}
+/// Why `alloc` is refused on a stream capturing into a graph, and what to do instead (the
+/// allocator plug-ins serve captures through the raw path, freed inside the capture).
+const ALLOC_DURING_CAPTURE: &str = "allocating with Resource.alloc (a Buffer cannot hold a capture's graph memory: allocate before the capture, or through the capturing library's allocator plug-in)";
 
 /// A pool as a resource (the base of a stack of adaptors).
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool")]

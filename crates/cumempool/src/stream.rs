@@ -383,12 +383,14 @@ impl Stream {
 
     /// Refuses `operation` with [`Error::StreamCapturing`] while a capture is underway on the
     /// stream, before any driver call that could invalidate it; otherwise runs the frees
-    /// deferred by an earlier capture. One relaxed load when no capture is possible.
+    /// deferred by an earlier capture. One relaxed load when no capture is possible. For layers
+    /// above (the Python package's `Resource.alloc`) that refuse what a capture must not see as
+    /// this crate does; `operation` names what was refused and what to do instead.
     ///
     /// # Errors
     /// [`Error::StreamCapturing`]; the driver's refusal to say whether the stream captures.
     #[inline]
-    pub(crate) fn ensure_not_capturing(&self, operation: &'static str) -> Result<()> {
+    pub fn ensure_not_capturing(&self, operation: &'static str) -> Result<()> {
         if !self.may_be_capturing() {
             return Ok(());
         }
