@@ -111,7 +111,7 @@ fn on_one_thread_after_every_step() {
     for seed in 1..=scaled(10, 1) as u64 {
         let cache = CachingResource::with_max_cached(HostHeap, 6 << 20);
         let streams: Vec<Stream> = (0..3).map(|i| fake_stream(0x7000 + i)).collect();
-        random_steps(&cache, &streams, seed * 7919, scaled(1000, 40), true);
+        random_steps(&cache, &streams, seed * 7919, scaled(1000, 15), true);
         assert_whole_after_release(&cache);
     }
 }
@@ -126,7 +126,7 @@ fn on_four_threads_sharing_streams() {
             for thread in 0..4u64 {
                 let (cache, streams) = (&cache, &streams);
                 scope.spawn(move || {
-                    random_steps(cache, streams, seed * 1_000_003 + thread * 31, scaled(4000, 30), false)
+                    random_steps(cache, streams, seed * 1_000_003 + thread * 31, scaled(4000, 10), false)
                 });
             }
         });
@@ -141,13 +141,12 @@ fn over_waves_of_short_lived_threads() {
     let _numbers = lock(&TEST_LANE_NUMBERS);
     let cache = CachingResource::with_max_cached(HostHeap, 3 << 20);
     let streams: Vec<Stream> = (0..4).map(|i| fake_stream(0x7200 + i)).collect();
-    for wave in 0..scaled(6, 2) as u64 {
+    for wave in 0..scaled(6, 1) as u64 {
         let threads = if wave % 2 == 0 { scaled(8, 2) } else { scaled(70, 3) } as u64;
         std::thread::scope(|scope| {
             for thread in 0..threads {
                 let (cache, streams) = (&cache, &streams);
-                scope
-                    .spawn(move || random_steps(cache, streams, wave * 7777 + thread * 13 + 5, scaled(300, 10), false));
+                scope.spawn(move || random_steps(cache, streams, wave * 7777 + thread * 13 + 5, scaled(300, 6), false));
             }
         });
         assert_exact(&cache);
