@@ -621,11 +621,7 @@ mod tests {
         // Three blocks each: the first two frees go to the shared lists, the third to this
         // thread's lane; the bound is then spent.
         for stream in [&busy, &idle] {
-            let blocks = [(); 3].map(|()| cache.allocate(block, 256, stream).expect("host memory"));
-            for ptr in blocks {
-                // SAFETY: allocated just above with these arguments.
-                unsafe { cache.deallocate(ptr, block, 256, stream) }.expect("cached");
-            }
+            allocate_then_free(&cache, stream, block, 3);
         }
         assert_eq!(cache.bound.unclaimed(), 0, "the bound is spent");
         // Later than `idle` registered, `busy` is used through its lane only.
@@ -643,15 +639,21 @@ mod tests {
         assert!(cache.table.find(busy.id().get()).is_some(), "the stream busy in its lane kept its slot");
     }
 
+    /// `n` blocks of `bytes` allocated on `stream`, then all freed there (the first frees go to
+    /// the stream's slot and make its lanes, the later ones to this thread's lane).
+    fn allocate_then_free(cache: &CachingResource<HostHeap>, stream: &Stream, bytes: usize, n: usize) {
+        let blocks: Vec<u64> = (0..n).map(|_| cache.allocate(bytes, 256, stream).expect("host memory")).collect();
+        for ptr in blocks {
+            // SAFETY: allocated just above with these arguments.
+            unsafe { cache.deallocate(ptr, bytes, 256, stream) }.expect("cached");
+        }
+    }
+
     /// Warm pairs on `stream`, so that the calling thread remembers its lane of the stream in
     /// `cache`; answers the block the lane then holds.
     fn warm(cache: &CachingResource<HostHeap>, stream: &Stream) -> CUdeviceptr {
         let block = 64 << 10;
-        let blocks = [(); 4].map(|()| cache.allocate(block, 256, stream).expect("host memory"));
-        for ptr in blocks {
-            // SAFETY: allocated just above with these arguments.
-            unsafe { cache.deallocate(ptr, block, 256, stream) }.expect("cached");
-        }
+        allocate_then_free(cache, stream, block, 4);
         let hits = cache.stats().hits;
         let ptr = cache.allocate(block, 256, stream).expect("a hit");
         // SAFETY: as above.
@@ -722,14 +724,7 @@ mod tests {
         let cache = CachingResource::with_max_cached(HostHeap, 64 * block);
         // SAFETY: HostHeap ignores streams, so the handle is never used.
         let stream = unsafe { Stream::borrow_raw(0x500 as cumempool::sys::CUstream, None) }.expect("a fake stream");
-        let round = |n: usize| {
-            let blocks: Vec<u64> = (0..n).map(|_| cache.allocate(block, 256, &stream).expect("host memory")).collect();
-            for ptr in blocks {
-                // SAFETY: allocated just above with these arguments.
-                unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("cached");
-            }
-        };
-        round(6);
+        allocate_then_free(&cache, &stream, block, 6);
         // Hits empty the lane's reserved blocks; the sweep takes them back with the budget.
         let out: Vec<u64> = (0..6).map(|_| cache.allocate(block, 256, &stream).expect("a hit")).collect();
         assert_eq!(cache.stats().cached_bytes, 0);
@@ -740,7 +735,7 @@ mod tests {
             unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("cached");
         }
         // Blocks gathered from the lane into the shared lists take their reservation along.
-        round(6);
+        allocate_then_free(&cache, &stream, block, 6);
         {
             let slot = &cache.table.slots[cache.table.find(stream.id().get()).expect("a slot")];
             let mut state = lock(&slot.state);
@@ -763,14 +758,7 @@ mod tests {
         let cache = CachingResource::with_max_cached(HostHeap, 4 * block);
         // SAFETY: HostHeap ignores streams, so the handle is never used.
         let stream = unsafe { Stream::borrow_raw(0x100 as cumempool::sys::CUstream, None) }.expect("a fake stream");
-        let pair = || {
-            let blocks = [(); 4].map(|()| cache.allocate(block, 256, &stream).expect("host memory"));
-            for ptr in blocks {
-                // SAFETY: allocated just above with these arguments.
-                unsafe { cache.deallocate(ptr, block, 256, &stream) }.expect("cached");
-            }
-        };
-        pair();
+        allocate_then_free(&cache, &stream, block, 4);
         // Everything into the shared lists, every lane's budget to the slot: the bound is spent
         // and the lanes hold nothing.
         {
