@@ -13,8 +13,13 @@
 //! range of addresses, never dereferenced. Every function the stand-in does not model answers
 //! success.
 //!
-//! The stand-in replaces the driver for the whole process: a test binary that uses it uses
-//! nothing else.
+//! The same library is also a stand-in for libnccl (`stand_in_nccl.c`, loaded through
+//! `CUMEMPOOL_LIBNCCL`): collectives are logged in the same call log, as `nccl <stream>`, when
+//! NCCL would launch them (at the outermost group's end inside a group), and registrations as
+//! `register <address> <bytes>`; the switch `fail_next_init` fails the next `ncclCommInitRank`.
+//!
+//! The stand-in replaces the driver (and NCCL) for the whole process: a test binary that uses it
+//! uses nothing else.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{Context, Device};
@@ -22,6 +27,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 const SOURCE: &str = include_str!("stand_in_driver.c");
+const NCCL_SOURCE: &str = include_str!("stand_in_nccl.c");
 
 /// Where the stand-in was compiled to.
 static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
@@ -37,11 +43,14 @@ pub fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
         let directory = std::env::temp_dir().join(format!("cumempool-stand-in-driver-{}", std::process::id()));
         std::fs::create_dir_all(&directory).unwrap();
         let (source, library) = (directory.join("stand_in_driver.c"), directory.join("libstandin.so"));
+        let nccl_source = directory.join("stand_in_nccl.c");
         std::fs::write(&source, SOURCE).unwrap();
+        std::fs::write(&nccl_source, NCCL_SOURCE).unwrap();
         let compiled = std::process::Command::new("cc")
             .args(["-shared", "-fPIC", "-pthread", "-o"])
             .arg(&library)
             .arg(&source)
+            .arg(&nccl_source)
             .status();
         if !compiled.is_ok_and(|status| status.success()) {
             eprintln!("skipped: no C compiler for the stand-in driver");
@@ -50,7 +59,10 @@ pub fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
         LIBRARY.set(library.clone()).unwrap();
         // SAFETY: set before any thread of this binary reads the environment through the loader
         // (every test takes `SERIAL` and reaches the driver only after this).
-        unsafe { std::env::set_var("CUMEMPOOL_LIBCUDA", &library) };
+        unsafe {
+            std::env::set_var("CUMEMPOOL_LIBCUDA", &library);
+            std::env::set_var("CUMEMPOOL_LIBNCCL", &library);
+        }
         Some(Device::get(0).unwrap().primary_context().unwrap())
     });
     context.clone().map(|context| (serial, context))

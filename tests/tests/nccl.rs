@@ -107,9 +107,9 @@ fn a_one_rank_communicator_copies_on_every_collective() {
             0 => comm.all_gather::<f32>(&send, &fresh, n, &stream).unwrap(),
             1 => comm.reduce_scatter::<f32>(&send, &fresh, n, ReduceOp::Max, &stream).unwrap(),
             2 => comm.broadcast::<f32>(&send, &fresh, n, 0, &stream).unwrap(),
-            _ => group(|| {
-                comm.send::<f32>(&send, n, 0, &stream)?;
-                comm.recv::<f32>(&fresh, n, 0, &stream)
+            _ => group(|g| {
+                g.send::<f32>(&comm, &send, n, 0, &stream)?;
+                g.recv::<f32>(&comm, &fresh, n, 0, &stream)
             })
             .unwrap(),
         }
@@ -119,6 +119,83 @@ fn a_one_rank_communicator_copies_on_every_collective() {
     comm.all_reduce::<f32>(&send, &send, n, ReduceOp::Sum, &stream).unwrap();
     check("in-place all-reduce", &send);
     comm.destroy().unwrap();
+}
+
+/// Keeps `stream` busy for a while (copies of 1 GiB), so that work queued on another stream
+/// without waiting for it runs first.
+fn delay(pool: &MemPool, stream: &Stream) {
+    let big = pool.alloc(1 << 30, stream).unwrap();
+    let mut other = pool.alloc(1 << 30, stream).unwrap();
+    for _ in 0..40 {
+        other.copy_from_async(&big).unwrap();
+    }
+}
+
+/// A collective on another stream than its buffers' waits for the work their stream queued
+/// before it (the fill that produced the data), and their stream waits for it before their
+/// frees: the memory is not handed out again while NCCL still writes it. Before the ordering,
+/// the collective read the source before its fill, and its write landed in the next owner's
+/// bytes (0x33 over 0x44) on the H200.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_collective_on_another_stream_is_ordered_with_its_buffers_streams_both_ways() {
+    let Some(a) = one_gpu() else { return };
+    let b = Stream::new(&Device::get(0).unwrap().primary_context().unwrap()).unwrap();
+    let comm = Communicator::init_all(&[0]).unwrap().pop().unwrap();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    pool.set_release_threshold(u64::MAX).unwrap();
+    let n = 4 << 20;
+    // The data is written on A after a delay; the collective on B must read it.
+    let mut src = pool.alloc(n, &a).unwrap();
+    let mut dst = pool.alloc(n, &b).unwrap();
+    dst.fill(0).unwrap();
+    delay(&pool, &a);
+    src.fill(0x33).unwrap();
+    comm.all_reduce::<u8>(&src, &dst, n, ReduceOp::Sum, &b).unwrap();
+    comm.wait(&b, TIMEOUT).unwrap();
+    let mut out = vec![0u8; n];
+    dst.copy_to_host(&mut out).unwrap();
+    assert!(out.iter().all(|&x| x == 0x33), "the collective read the source before its stream wrote it");
+
+    // The destination is freed on A while the collective on B is still behind a delay; A's
+    // next allocation must not receive bytes the collective writes after it.
+    let target = pool.alloc(n, &a).unwrap();
+    delay(&pool, &b);
+    comm.all_reduce::<u8>(&src, &target, n, ReduceOp::Sum, &b).unwrap();
+    let freed = target.as_raw();
+    drop(target);
+    let mut next = pool.alloc(n, &a).unwrap();
+    eprintln!("the next allocation on A reused the freed address: {}", next.as_raw() == freed);
+    next.fill(0x44).unwrap();
+    b.synchronize().unwrap();
+    a.synchronize().unwrap();
+    next.copy_to_host(&mut out).unwrap();
+    assert!(out.iter().all(|&x| x == 0x44), "the collective wrote into memory freed and handed out again");
+    drop((src, dst, next));
+}
+
+/// A collective on a capturing stream, over a buffer from outside the capture, would be
+/// recorded into a graph that outlives the buffer: refused, with nothing queued.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_collective_inside_a_capture_is_refused() {
+    let Some(stream) = one_gpu() else { return };
+    let comm = Communicator::init_all(&[0]).unwrap().pop().unwrap();
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let outside = pool.alloc(1 << 20, &stream).unwrap();
+    let mut refused = None;
+    let graph = stream
+        .capture(|capture| {
+            refused = Some(comm.all_reduce::<u8>(&outside, &outside, 1 << 20, ReduceOp::Sum, capture.stream()));
+            Ok(())
+        })
+        .unwrap();
+    let refused = refused.unwrap();
+    assert!(matches!(refused, Err(Error::Cuda(cumempool::Error::StreamCapturing { .. }))), "{refused:?}");
+    assert_eq!(graph.node_count().unwrap(), 0, "nothing of NCCL's was recorded");
+    drop(graph);
+    comm.all_reduce::<u8>(&outside, &outside, 1 << 20, ReduceOp::Sum, &stream).unwrap();
+    comm.wait(&stream, TIMEOUT).unwrap();
 }
 
 /// What NCCL answers when pool memory and arena memory are registered. Pool memory has no VMM
@@ -165,7 +242,7 @@ fn registration_of_pool_memory_versus_arena_memory() {
         Err(error) => panic!("a window on arena memory: {error}"),
     }
     // SAFETY: 4096 bytes inside the arena allocation above, on device 0, alive until the end.
-    let unaligned = unsafe { DeviceSlice::from_raw(slice.device_ptr() + 256, 4096, 0) };
+    let unaligned = unsafe { DeviceSlice::from_raw(slice.device_ptr() + 256, 4096, 0, Some(&stream)) };
     let refused = comm.register_window(&unaligned, true).map(|_| ());
     assert!(
         matches!(refused, Err(Error::InvalidArgument { reason: Reason::Misaligned { alignment: 4096, .. }, .. })),
@@ -222,9 +299,9 @@ fn all_reduce_on_pool_buffers_is_exact_across_two_gpus_in_one_process() {
     b1.copy_from_host(&floats((0..n).map(|i| 2.0 * i as f32))).unwrap();
     let wrong = comms[0].all_reduce::<f32>(&b1, &b1, n, ReduceOp::Sum, &s0).unwrap_err();
     assert!(matches!(wrong, Error::WrongDevice { device: 0, .. }), "a buffer of another device: {wrong}");
-    group(|| {
-        comms[0].all_reduce::<f32>(&b0, &b0, n, ReduceOp::Sum, &s0)?;
-        comms[1].all_reduce::<f32>(&b1, &b1, n, ReduceOp::Sum, &s1)
+    group(|g| {
+        g.all_reduce::<f32>(&comms[0], &b0, &b0, n, ReduceOp::Sum, &s0)?;
+        g.all_reduce::<f32>(&comms[1], &b1, &b1, n, ReduceOp::Sum, &s1)
     })
     .unwrap();
     comms[0].wait(&s0, TIMEOUT).unwrap();
@@ -255,7 +332,7 @@ fn registration_on_two_gpus_pool_arena_and_nccl_memory() {
     let blocks: Vec<_> = (0..2).map(|r| arenas[r].alloc(8 << 20, streams[r]).unwrap()).collect();
     let registrations: Vec<_> = comms.iter().zip(&arenas).map(|(c, a)| c.register_arena(a).unwrap()).collect();
     let slices: Vec<_> = (0..2).map(|r| DeviceSlice::of_arena(&arenas[r], &blocks[r]).unwrap()).collect();
-    let windows = group(|| {
+    let windows = group(|_| {
         let w0 = comms[0].register_window(&slices[0], true);
         let w1 = comms[1].register_window(&slices[1], true);
         Ok((w0, w1))
@@ -263,7 +340,7 @@ fn registration_on_two_gpus_pool_arena_and_nccl_memory() {
     .unwrap();
     eprintln!("windows on arena memory: {:?} / {:?}", windows.0.as_ref().err(), windows.1.as_ref().err());
     assert!(windows.0.is_ok() && windows.1.is_ok(), "windows on arena memory");
-    let nccl_memory: Vec<_> = (0..2).map(|d| NcclMemory::new(d, 8 << 20).unwrap()).collect();
+    let nccl_memory: Vec<_> = (0..2).map(|d| NcclMemory::new(d as i32, 8 << 20, streams[d]).unwrap()).collect();
     for (comm, memory) in comms.iter().zip(&nccl_memory) {
         let registered = comm.register(memory).map(|r| r.len());
         eprintln!("rank {}: ncclMemAlloc memory: {registered:?}", comm.rank());
@@ -398,7 +475,12 @@ fn bus_bandwidth_table() {
             drop(registrations);
             // ncclMemAlloc buffers, registered.
             let memory: Vec<_> = (0..2)
-                .map(|d| (NcclMemory::new(d, gathered).unwrap(), NcclMemory::new(d, gathered).unwrap()))
+                .map(|d| {
+                    (
+                        NcclMemory::new(d as i32, gathered, streams[d]).unwrap(),
+                        NcclMemory::new(d as i32, gathered, streams[d]).unwrap(),
+                    )
+                })
                 .collect();
             let registered: Vec<_> = comms
                 .iter()
@@ -428,13 +510,13 @@ fn time_collective<B: cumempool_nccl::DeviceBuffer>(
     buffers: [(&B, &B); 2],
 ) -> f64 {
     let run = || {
-        group(|| {
+        group(|g| {
             for r in 0..2 {
                 let (send, recv) = buffers[r];
                 match collective {
-                    "all-reduce" => comms[r].all_reduce::<f32>(send, recv, bytes / 4, ReduceOp::Sum, streams[r])?,
-                    "all-gather" => comms[r].all_gather::<f32>(send, recv, bytes / 4, streams[r])?,
-                    _ => comms[r].reduce_scatter::<f32>(send, recv, bytes / 4, ReduceOp::Sum, streams[r])?,
+                    "all-reduce" => g.all_reduce::<f32>(&comms[r], send, recv, bytes / 4, ReduceOp::Sum, streams[r])?,
+                    "all-gather" => g.all_gather::<f32>(&comms[r], send, recv, bytes / 4, streams[r])?,
+                    _ => g.reduce_scatter::<f32>(&comms[r], send, recv, bytes / 4, ReduceOp::Sum, streams[r])?,
                 }
             }
             Ok(())

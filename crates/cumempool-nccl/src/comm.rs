@@ -5,7 +5,9 @@ use crate::bindings::{self, ncclComm_t, ncclResult_t, ncclUniqueId};
 use crate::buffers::{DeviceBuffer, Element, ReduceOp};
 use crate::error::{check, nccl_error, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
+use crate::ordering::{self, refuse_inside_group, Ordered};
 use cumempool::{Context, Device, Stream};
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::ffi::{c_int, c_void};
 use std::io::{Read, Write};
@@ -189,13 +191,16 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::NoSuchRank`] for a rank outside `0..ranks`; [`Error::UniqueIdReused`] for an
-    /// id this process already created this rank from; NCCL's refusal.
+    /// id this process already created this rank from (or is creating it from on another
+    /// thread); NCCL's refusal, after which the same id may be tried again.
     pub fn init_rank(id: &UniqueId, ranks: i32, rank: i32, device: i32) -> Result<Self> {
         if ranks < 1 || !(0..ranks).contains(&rank) {
             return Err(Error::NoSuchRank { what: "creating a communicator", rank, size: ranks });
         }
         let context = Device::get(device)?.primary_context()?;
         context.make_current()?;
+        // Reserved while NCCL joins the ranks, so a second call with the same id and rank is
+        // refused meanwhile; given back if the init fails, so the id can be tried again.
         let key = (id.to_bytes(), rank);
         {
             let mut used = USED_IDS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -203,6 +208,18 @@ impl Communicator {
                 return Err(Error::UniqueIdReused { rank });
             }
         }
+        let made = Self::init_rank_raw(id, ranks, rank, context);
+        if made.is_err() {
+            let mut used = USED_IDS.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(used) = used.as_mut() {
+                used.remove(&key);
+            }
+        }
+        made
+    }
+
+    /// `ncclCommInitRank` and the queries after it.
+    fn init_rank_raw(id: &UniqueId, ranks: i32, rank: i32, context: Context) -> Result<Self> {
         let init = nccl()?.ncclCommInitRank()?;
         let mut raw: ncclComm_t = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; the id is passed by value.
@@ -244,7 +261,11 @@ impl Communicator {
     }
 
     /// Refuses a buffer of another device, or not of a device at all.
-    pub(crate) fn check_buffer(&self, what: &'static str, buffer: &impl DeviceBuffer) -> Result<*mut c_void> {
+    pub(crate) fn check_buffer(
+        &self,
+        what: &'static str,
+        buffer: &(impl DeviceBuffer + ?Sized),
+    ) -> Result<*mut c_void> {
         match buffer.device() {
             Ok(device) if device == self.device => Ok(buffer.device_ptr() as *mut c_void),
             Ok(device) => Err(Error::WrongDevice { what, found: format!("on device {device}"), device: self.device }),
@@ -332,20 +353,6 @@ impl Communicator {
         // SAFETY: a live communicator, destroyed once (the flag above).
         check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None)
     }
-
-    fn queue<R>(
-        &self,
-        what: &'static str,
-        stream: &Stream,
-        call: impl FnOnce(ncclComm_t, bindings::cudaStream_t) -> Result<R>,
-    ) -> Result<R> {
-        let raw = self.usable()?;
-        if stream.context().is_some_and(|c| c.device().ordinal() != self.device) {
-            return Err(Error::WrongDevice { what, found: "a stream of another device".into(), device: self.device });
-        }
-        stream.bind()?;
-        call(raw, stream.as_raw().cast())
-    }
 }
 
 impl Drop for Communicator {
@@ -367,6 +374,39 @@ fn bytes_of<T: Element>(what: &'static str, count: usize, ranks: usize, capacity
     }
 }
 
+/// Which collective, with what it needs beyond buffers, count and stream.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Collective {
+    AllReduce(ReduceOp),
+    AllGather,
+    ReduceScatter(ReduceOp),
+    Broadcast { root: i32 },
+    Send { peer: i32 },
+    Recv { peer: i32 },
+}
+
+impl Collective {
+    /// What it is called in messages, and NCCL's function.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Self::AllReduce(_) => ("an all-reduce", "ncclAllReduce"),
+            Self::AllGather => ("an all-gather", "ncclAllGather"),
+            Self::ReduceScatter(_) => ("a reduce-scatter", "ncclReduceScatter"),
+            Self::Broadcast { .. } => ("a broadcast", "ncclBroadcast"),
+            Self::Send { .. } => ("a send", "ncclSend"),
+            Self::Recv { .. } => ("a receive", "ncclRecv"),
+        }
+    }
+}
+
+/// Where the second half of a collective's ordering (its buffers' streams after it) goes.
+pub(crate) enum After<'g> {
+    /// Now: NCCL launched the collective when it was called.
+    Now,
+    /// At the end of the group whose list this is, when NCCL launches it.
+    GroupEnd(&'g RefCell<Vec<Ordered>>),
+}
+
 impl Communicator {
     fn ranks(&self) -> usize {
         usize::try_from(self.size).unwrap_or(0)
@@ -381,10 +421,13 @@ impl Communicator {
     }
 
     /// Reduces `count` elements of every rank's `send` into every rank's `recv` (they may be
-    /// the same buffer), queued on `stream`.
+    /// the same buffer), queued on `stream`, ordered with the buffers' streams (see
+    /// [`DeviceBuffer`]). Inside [`group`](crate::group()) use [`Group::all_reduce`](crate::Group::all_reduce).
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`], [`Error::WrongDevice`], [`Error::Aborted`]; NCCL's refusal.
+    /// [`Error::DoesNotFit`], [`Error::WrongDevice`], [`Error::Aborted`];
+    /// [`cumempool::Error::StreamCapturing`] while `stream` or a buffer's stream captures
+    /// (collectives are not recorded into graphs); [`Error::InsideGroup`]; NCCL's refusal.
     pub fn all_reduce<T: Element>(
         &self,
         send: &impl DeviceBuffer,
@@ -393,15 +436,11 @@ impl Communicator {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        let function = nccl()?.ncclAllReduce()?;
-        self.collective::<T>(("all-reduce", "ncclAllReduce"), send, recv, (count, 1, 1), stream, |s, r, comm, st| {
-            // SAFETY: `collective` checked both buffers for `count` elements of this device.
-            unsafe { function(s, r, count, T::DATA_TYPE, op.to_raw(), comm, st) }
-        })
+        self.queue_now::<T>(Collective::AllReduce(op), send, recv, count, stream)
     }
 
     /// Gathers `count` elements from every rank's `send` into every rank's `recv`, rank by rank
-    /// (`recv` holds `count * size` elements).
+    /// (`recv` holds `count * size` elements). Inside [`group`](crate::group()) use [`Group::all_gather`](crate::Group::all_gather).
     ///
     /// # Errors
     /// As [`Communicator::all_reduce`].
@@ -412,22 +451,12 @@ impl Communicator {
         count: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let function = nccl()?.ncclAllGather()?;
-        self.collective::<T>(
-            ("all-gather", "ncclAllGather"),
-            send,
-            recv,
-            (count, 1, self.ranks()),
-            stream,
-            |s, r, comm, st| {
-                // SAFETY: `collective` checked `count` elements in `send`, `count * size` in `recv`.
-                unsafe { function(s, r, count, T::DATA_TYPE, comm, st) }
-            },
-        )
+        self.queue_now::<T>(Collective::AllGather, send, recv, count, stream)
     }
 
     /// Reduces every rank's `send` (`count * size` elements) and leaves block `rank` of the
-    /// result (`count` elements) in each rank's `recv`.
+    /// result (`count` elements) in each rank's `recv`. Inside [`group`](crate::group()) use
+    /// [`Group::reduce_scatter`](crate::Group::reduce_scatter).
     ///
     /// # Errors
     /// As [`Communicator::all_reduce`].
@@ -439,22 +468,11 @@ impl Communicator {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        let function = nccl()?.ncclReduceScatter()?;
-        self.collective::<T>(
-            ("reduce-scatter", "ncclReduceScatter"),
-            send,
-            recv,
-            (count, self.ranks(), 1),
-            stream,
-            |s, r, comm, st| {
-                // SAFETY: `collective` checked `count * size` elements in `send`, `count` in `recv`.
-                unsafe { function(s, r, count, T::DATA_TYPE, op.to_raw(), comm, st) }
-            },
-        )
+        self.queue_now::<T>(Collective::ReduceScatter(op), send, recv, count, stream)
     }
 
     /// Copies `count` elements of `root`'s `send` into every rank's `recv` (`send` is read on
-    /// the root only; it may be `recv`).
+    /// the root only; it may be `recv`). Inside [`group`](crate::group()) use [`Group::broadcast`](crate::Group::broadcast).
     ///
     /// # Errors
     /// [`Error::NoSuchRank`] for a root outside the communicator; as [`Communicator::all_reduce`].
@@ -466,26 +484,17 @@ impl Communicator {
         root: i32,
         stream: &Stream,
     ) -> Result<()> {
-        self.peer("broadcast", root)?;
-        let function = nccl()?.ncclBroadcast()?;
-        self.collective::<T>(("broadcast", "ncclBroadcast"), send, recv, (count, 1, 1), stream, |s, r, comm, st| {
-            // SAFETY: `collective` checked both buffers; the root is a rank.
-            unsafe { function(s, r, count, T::DATA_TYPE, root, comm, st) }
-        })
+        self.queue_now::<T>(Collective::Broadcast { root }, send, recv, count, stream)
     }
 
-    /// Sends `count` elements of `buffer` to `peer`, which must post a matching
-    /// [`Communicator::recv`]; pair them inside [`group`] when ranks both send and receive.
+    /// Sends `count` elements of `buffer` to `peer`, which must post a matching receive. Ranks
+    /// that both send and receive pair them inside [`group`](crate::group()), with [`Group::send`](crate::Group::send) and
+    /// [`Group::recv`](crate::Group::recv).
     ///
     /// # Errors
     /// [`Error::NoSuchRank`]; as [`Communicator::all_reduce`].
     pub fn send<T: Element>(&self, buffer: &impl DeviceBuffer, count: usize, peer: i32, stream: &Stream) -> Result<()> {
-        self.peer("send", peer)?;
-        let function = nccl()?.ncclSend()?;
-        self.collective::<T>(("send", "ncclSend"), buffer, buffer, (count, 1, 1), stream, |s, _, comm, st| {
-            // SAFETY: `collective` checked the buffer; the peer is a rank.
-            unsafe { function(s, count, T::DATA_TYPE, peer, comm, st) }
-        })
+        self.queue_now::<T>(Collective::Send { peer }, buffer, buffer, count, stream)
     }
 
     /// Receives `count` elements from `peer` into `buffer`.
@@ -493,48 +502,110 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::send`].
     pub fn recv<T: Element>(&self, buffer: &impl DeviceBuffer, count: usize, peer: i32, stream: &Stream) -> Result<()> {
-        self.peer("receive", peer)?;
-        let function = nccl()?.ncclRecv()?;
-        self.collective::<T>(("receive", "ncclRecv"), buffer, buffer, (count, 1, 1), stream, |_, r, comm, st| {
-            // SAFETY: `collective` checked the buffer; the peer is a rank.
-            unsafe { function(r, count, T::DATA_TYPE, peer, comm, st) }
-        })
+        self.queue_now::<T>(Collective::Recv { peer }, buffer, buffer, count, stream)
     }
 
-    /// `function` (the NCCL call, doing `what`) after checking that `send` holds `count * send_ranks` elements and `recv` `count * recv_ranks`,
-    /// both of this rank's device, then queues `call` with their addresses on `stream`.
-    fn collective<T: Element>(
+    /// A collective outside any group: NCCL launches it when called, so its buffers' streams
+    /// are ordered after it at once.
+    fn queue_now<T: Element>(
         &self,
-        (what, function): (&'static str, &'static str),
-        send: &impl DeviceBuffer,
-        recv: &impl DeviceBuffer,
-        (count, send_ranks, recv_ranks): (usize, usize, usize),
+        collective: Collective,
+        send: &dyn DeviceBuffer,
+        recv: &dyn DeviceBuffer,
+        count: usize,
         stream: &Stream,
-        call: impl FnOnce(*const c_void, *mut c_void, ncclComm_t, bindings::cudaStream_t) -> ncclResult_t,
     ) -> Result<()> {
+        let (what, _) = collective.names();
+        refuse_inside_group(
+            what,
+            "queue it through the Group the closure was given (group.all_reduce(&comm, ...)), whose buffers outlive the group's launch",
+        )?;
+        self.queue::<T>(collective, send, recv, count, stream, After::Now)
+    }
+
+    /// Checks `collective`'s buffers (`count` elements each, times the rank count where it
+    /// gathers or scatters; this rank's device), its peer, the communicator and the stream's
+    /// device; orders `stream` after the buffers' streams; queues it; and orders the buffers'
+    /// streams after it as `after` says.
+    pub(crate) fn queue<T: Element>(
+        &self,
+        collective: Collective,
+        send: &dyn DeviceBuffer,
+        recv: &dyn DeviceBuffer,
+        count: usize,
+        stream: &Stream,
+        after: After<'_>,
+    ) -> Result<()> {
+        let (what, function) = collective.names();
+        let (send_ranks, recv_ranks) = match collective {
+            Collective::AllGather => (1, self.ranks()),
+            Collective::ReduceScatter(_) => (self.ranks(), 1),
+            _ => (1, 1),
+        };
+        match collective {
+            Collective::Broadcast { root: peer } | Collective::Send { peer } | Collective::Recv { peer } => {
+                self.peer(what, peer)?;
+            }
+            _ => {}
+        }
         bytes_of::<T>(what, count, send_ranks, send.byte_len())?;
         bytes_of::<T>(what, count, recv_ranks, recv.byte_len())?;
         let (s, r) = (self.check_buffer(what, send)?, self.check_buffer(what, recv)?);
-        self.queue(what, stream, |comm, st| self.check(function, call(s, r, comm, st)))
+        let raw = self.usable()?;
+        if stream.context().is_some_and(|c| c.device().ordinal() != self.device) {
+            return Err(Error::WrongDevice { what, found: "a stream of another device".into(), device: self.device });
+        }
+        let nccl = nccl()?;
+        // Resolved before anything is queued, so a missing function orders nothing.
+        let call = match collective {
+            Collective::AllReduce(_) => Call::AllReduce(nccl.ncclAllReduce()?),
+            Collective::AllGather => Call::AllGather(nccl.ncclAllGather()?),
+            Collective::ReduceScatter(_) => Call::ReduceScatter(nccl.ncclReduceScatter()?),
+            Collective::Broadcast { .. } => Call::Broadcast(nccl.ncclBroadcast()?),
+            Collective::Send { .. } => Call::Send(nccl.ncclSend()?),
+            Collective::Recv { .. } => Call::Recv(nccl.ncclRecv()?),
+        };
+        stream.bind()?;
+        let ordered = ordering::before(what, stream, [send.stream(), recv.stream()])?;
+        let st: bindings::cudaStream_t = stream.as_raw().cast();
+        let dt = T::DATA_TYPE;
+        // SAFETY: both buffers were checked above for what the collective reads and writes, on
+        // this rank's device; their memory stays allocated until the collective has finished
+        // (their streams are ordered after it below, or at the group's end); a live
+        // communicator; a stream of its device.
+        let result = unsafe {
+            match (call, collective) {
+                (Call::AllReduce(f), Collective::AllReduce(op)) => f(s, r, count, dt, op.to_raw(), raw, st),
+                (Call::AllGather(f), _) => f(s, r, count, dt, raw, st),
+                (Call::ReduceScatter(f), Collective::ReduceScatter(op)) => f(s, r, count, dt, op.to_raw(), raw, st),
+                (Call::Broadcast(f), Collective::Broadcast { root }) => f(s, r, count, dt, root, raw, st),
+                (Call::Send(f), Collective::Send { peer }) => f(s, count, dt, peer, raw, st),
+                (Call::Recv(f), Collective::Recv { peer }) => f(r, count, dt, peer, raw, st),
+                _ => ncclResult_t::ncclInternalError,
+            }
+        };
+        let queued = self.check(function, result);
+        // Ordered even when NCCL refused: what it may have queued is then covered too.
+        let ordered = match after {
+            After::Now => ordered.after(),
+            After::GroupEnd(pending) => {
+                pending.borrow_mut().push(ordered);
+                Ok(())
+            }
+        };
+        queued.and(ordered)
     }
 }
 
-/// Runs `calls` between `ncclGroupStart` and `ncclGroupEnd`, so NCCL launches them together:
-/// needed for send/recv pairs and for driving several communicators from one thread. The group
-/// is ended even when `calls` fails.
-///
-/// # Errors
-/// The first failure of `calls`, else `ncclGroupEnd`'s.
-pub fn group<T>(calls: impl FnOnce() -> Result<T>) -> Result<T> {
-    let nccl = nccl()?;
-    let (start, end) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?);
-    // SAFETY: no arguments; balanced by the end below.
-    check("ncclGroupStart", unsafe { start() }, None)?;
-    let outcome = calls();
-    // SAFETY: ends the group started above.
-    let ended = check("ncclGroupEnd", unsafe { end() }, None);
-    let value = outcome?;
-    ended.map(|()| value)
+/// NCCL's function for a [`Collective`], resolved.
+#[derive(Clone, Copy)]
+enum Call {
+    AllReduce(bindings::PFN_ncclAllReduce),
+    AllGather(bindings::PFN_ncclAllGather),
+    ReduceScatter(bindings::PFN_ncclReduceScatter),
+    Broadcast(bindings::PFN_ncclBroadcast),
+    Send(bindings::PFN_ncclSend),
+    Recv(bindings::PFN_ncclRecv),
 }
 
 #[cfg(test)]

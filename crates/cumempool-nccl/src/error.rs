@@ -110,6 +110,16 @@ pub enum Error {
         waited: Duration,
     },
 
+    /// A call that cannot be made inside [`group`](crate::group)'s closure, where NCCL launches
+    /// only at the group's end.
+    #[error("{what} was called inside cumempool_nccl::group, where NCCL launches only at the group's end; {instead}")]
+    InsideGroup {
+        /// What was called.
+        what: &'static str,
+        /// What to do instead.
+        instead: &'static str,
+    },
+
     /// A communicator that was aborted (after a timeout or an asynchronous error).
     #[error("the communicator was aborted (after a failure or timeout) and cannot be used; create a new one")]
     Aborted,

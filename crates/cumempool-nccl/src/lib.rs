@@ -37,7 +37,9 @@
 mod buffers;
 mod comm;
 mod error;
+mod group;
 mod loader;
+mod ordering;
 mod registration;
 
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, missing_docs, clippy::all)]
@@ -45,8 +47,9 @@ mod registration;
 pub mod bindings;
 
 pub use buffers::{DeviceBuffer, DeviceSlice, Element, NcclMemory, ReduceOp};
-pub use comm::{group, Communicator, UniqueId, ID_MESSAGE_LEN};
+pub use comm::{Communicator, UniqueId, ID_MESSAGE_LEN};
 pub use error::{Error, InvalidArgumentReason, Result};
+pub use group::{group, Group};
 pub use loader::{candidates, nccl, LoadError, Nccl, NcclVersion, DEFAULT_LIBRARY, LIBNCCL_ENV};
 pub use registration::{ArenaRegistration, Registration, Window};
 

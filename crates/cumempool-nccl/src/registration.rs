@@ -139,24 +139,47 @@ impl ArenaRegistration<'_> {
     }
 
     /// Registers the chunks the arena mapped since; returns how many spans were added.
+    ///
+    /// Every part of a mapped span that no registration covers is registered, wherever it lies:
+    /// past the registered part, before it, or between two registrations (a chunk unmapped by a
+    /// trim before registering and mapped again since).
+    ///
+    /// # Errors
+    /// NCCL's refusal; the spans registered before it stay registered.
     pub fn refresh(&mut self) -> Result<usize> {
         let before = self.spans.len();
         for (ptr, len) in self.arena.mapped_spans() {
-            let covered = self.spans.iter().any(|r| r.ptr <= ptr && ptr + len as u64 <= r.ptr + r.len as u64);
-            if !covered {
-                // Spans merge as the arena grows: register the part past what is covered.
-                let (start, len) = self
-                    .spans
-                    .iter()
-                    .filter(|r| r.ptr >= ptr && r.ptr < ptr + len as u64)
-                    .map(|r| r.ptr + r.len as u64)
-                    .max()
-                    .map_or((ptr, len), |end| (end, (ptr + len as u64 - end) as usize));
+            let registered: Vec<(CUdeviceptr, usize)> = self.spans.iter().map(|r| (r.ptr, r.len)).collect();
+            for (start, len) in uncovered((ptr, len), &registered) {
                 self.spans.push(self.comm.register_raw(start, len)?);
             }
         }
         Ok(self.spans.len() - before)
     }
+}
+
+/// The parts of `span` that none of `covered` covers, in address order. Spans are `(address,
+/// bytes)` of one address range, so no end overflows.
+fn uncovered((start, len): (CUdeviceptr, usize), covered: &[(CUdeviceptr, usize)]) -> Vec<(CUdeviceptr, usize)> {
+    let end = start.saturating_add(len as u64);
+    let mut inside: Vec<(CUdeviceptr, CUdeviceptr)> = covered
+        .iter()
+        .map(|&(address, bytes)| (address.max(start), address.saturating_add(bytes as u64).min(end)))
+        .filter(|(from, to)| from < to)
+        .collect();
+    inside.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut at = start;
+    for (from, to) in inside {
+        if from > at {
+            gaps.push((at, (from - at) as usize));
+        }
+        at = at.max(to);
+    }
+    if at < end {
+        gaps.push((at, (end - at) as usize));
+    }
+    gaps
 }
 
 impl Communicator {
@@ -237,5 +260,26 @@ impl Communicator {
         // SAFETY: this rank's device memory (checked), kept alive by the window's borrow.
         self.check("ncclCommWindowRegister", unsafe { register(raw, ptr, buffer.byte_len(), &mut window, flags) })?;
         Ok(Window { comm: self, window, memory: PhantomData })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::uncovered;
+
+    #[test]
+    fn every_uncovered_part_of_a_span_is_found_before_between_and_after_registrations() {
+        let span = (1000, 600);
+        assert_eq!(uncovered(span, &[]), vec![(1000, 600)]);
+        assert_eq!(uncovered(span, &[(1000, 600)]), vec![]);
+        assert_eq!(uncovered(span, &[(1000, 200), (1400, 200)]), vec![(1200, 200)], "the gap between two");
+        assert_eq!(uncovered(span, &[(1200, 200)]), vec![(1000, 200), (1400, 200)], "before and after");
+        assert_eq!(uncovered(span, &[(800, 300), (1500, 300)]), vec![(1100, 400)], "overlapping the ends");
+        assert_eq!(
+            uncovered(span, &[(1100, 100), (1150, 100)]),
+            vec![(1000, 100), (1250, 350)],
+            "overlapping each other"
+        );
+        assert_eq!(uncovered(span, &[(0, 100), (5000, 10)]), vec![(1000, 600)], "outside the span");
     }
 }

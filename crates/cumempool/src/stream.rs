@@ -474,8 +474,13 @@ impl Stream {
 
     /// Makes later work on this stream wait for the work queued on `other` so far: an event
     /// recorded on `other` (in its context), or, for a stream borrowed without its context, a
-    /// host wait for `other`.
-    pub(crate) fn order_after(&self, other: &Stream) -> Result<()> {
+    /// host wait for `other`. Layers above use it to order work on one stream with memory whose
+    /// free is queued on another (as [`BufferOn::copy_from_async`](crate::BufferOn::copy_from_async)
+    /// does, an event each way).
+    ///
+    /// # Errors
+    /// The driver's refusals; the host wait's (refused inside [`Stream::capture`]'s closure).
+    pub fn order_after(&self, other: &Stream) -> Result<()> {
         match other.context() {
             Some(context) => {
                 let ready = Event::new(context)?;
@@ -496,7 +501,10 @@ impl Stream {
     /// stream that captures cannot be waited for (its work is not scheduled to run): that, and
     /// the driver's refusal, is the error, and the caller must then keep the memory (leak it)
     /// rather than release it.
-    pub(crate) fn wait_before_release(&self) -> Result<()> {
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`] for a stream that captures; the driver's refusal.
+    pub fn wait_before_release(&self) -> Result<()> {
         const WHAT: &str = "waiting for queued work before releasing the memory it uses";
         if self.may_be_capturing() {
             if let Ok(status @ (CaptureStatus::Active { .. } | CaptureStatus::Invalidated { .. })) =

@@ -1,0 +1,85 @@
+/* A stand-in for libnccl, compiled into the same library as stand_in_driver.c and loaded through
+   CUMEMPOOL_LIBNCCL, so that NCCL's calls land in the same call log as the driver's: what orders
+   a collective with its buffers' streams can be checked on a host without a GPU.
+
+   A collective is logged as `nccl <stream>` when NCCL would launch it: at once outside a group,
+   at the outermost ncclGroupEnd inside one (as NCCL does). Registrations are logged as
+   `register <address> <bytes>`. `fail_next_init` makes the next ncclCommInitRank fail with
+   ncclSystemError, as a bootstrap that could not reach its root does. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+void stand_in_log(const char *what, const void *a, const void *b, int r);
+typedef int ncclResult_t;
+typedef struct Comm { int rank, size, device; } Comm;
+typedef struct { char internal[128]; } ncclUniqueId;
+int fail_next_init;
+static __thread int group_depth;
+static __thread void *grouped[256];
+static __thread int grouped_len;
+static uint64_t next_unique_id = 1;
+
+ncclResult_t ncclGetVersion(int *version) { *version = 22809; return 0; }
+const char *ncclGetErrorString(ncclResult_t r) { return "an error of the stand-in NCCL"; }
+const char *ncclGetLastError(void *comm) { return ""; }
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+    memset(id, 0, sizeof *id);
+    memcpy(id->internal, &next_unique_id, sizeof next_unique_id);
+    next_unique_id++;
+    return 0;
+}
+static Comm *new_comm(int rank, int size, int device) {
+    Comm *c = calloc(1, sizeof *c);
+    c->rank = rank; c->size = size; c->device = device;
+    return c;
+}
+ncclResult_t ncclCommInitAll(Comm **comms, int n, const int *devices) {
+    for (int i = 0; i < n; i++) comms[i] = new_comm(i, n, devices ? devices[i] : i);
+    return 0;
+}
+ncclResult_t ncclCommInitRank(Comm **comm, int n, ncclUniqueId id, int rank) {
+    if (fail_next_init) { fail_next_init = 0; return 2; }
+    *comm = new_comm(rank, n, 0);
+    return 0;
+}
+ncclResult_t ncclCommUserRank(const Comm *c, int *rank) { *rank = c->rank; return 0; }
+ncclResult_t ncclCommCount(const Comm *c, int *count) { *count = c->size; return 0; }
+ncclResult_t ncclCommCuDevice(const Comm *c, int *device) { *device = c->device; return 0; }
+ncclResult_t ncclCommDestroy(Comm *c) { free(c); return 0; }
+ncclResult_t ncclCommAbort(Comm *c) { free(c); return 0; }
+ncclResult_t ncclCommGetAsyncError(Comm *c, ncclResult_t *state) { *state = 0; return 0; }
+
+/* A collective's launch on `stream`: now, or at the end of the group. */
+static ncclResult_t launch(void *stream) {
+    if (group_depth > 0) {
+        if (grouped_len == 256) return 3;
+        grouped[grouped_len++] = stream;
+        return 0;
+    }
+    stand_in_log("nccl", stream, 0, 0);
+    return 0;
+}
+ncclResult_t ncclGroupStart(void) { group_depth++; return 0; }
+ncclResult_t ncclGroupEnd(void) {
+    if (group_depth == 0) return 4;
+    if (--group_depth == 0) {
+        for (int i = 0; i < grouped_len; i++) stand_in_log("nccl", grouped[i], 0, 0);
+        grouped_len = 0;
+    }
+    return 0;
+}
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, void *c, void *stream) { return launch(stream); }
+ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int t, void *c, void *stream) { return launch(stream); }
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, void *c, void *stream) { return launch(stream); }
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, void *c, void *stream) { return launch(stream); }
+ncclResult_t ncclSend(const void *s, size_t n, int t, int peer, void *c, void *stream) { return launch(stream); }
+ncclResult_t ncclRecv(void *r, size_t n, int t, int peer, void *c, void *stream) { return launch(stream); }
+
+ncclResult_t ncclCommRegister(void *c, void *buffer, size_t size, void **handle) {
+    stand_in_log("register", buffer, (void *)(uintptr_t)size, 0);
+    *handle = malloc(1);
+    return 0;
+}
+ncclResult_t ncclCommDeregister(void *c, void *handle) { free(handle); return 0; }
+ncclResult_t ncclMemAlloc(void **ptr, size_t size) { *ptr = malloc(size ? size : 1); return 0; }
+ncclResult_t ncclMemFree(void *ptr) { stand_in_log("ncclmemfree", ptr, 0, 0); free(ptr); return 0; }

@@ -1,0 +1,186 @@
+//! cumempool-nccl on a host without a GPU, through the stand-in libcuda and libnccl of
+//! `cumempool_tests::stand_in_driver` (one library, one call log): a collective is ordered with
+//! its buffers' streams (an event each way), a collective that a capture would record is
+//! refused, a failed `ncclCommInitRank` can be retried with the same id, and an arena's
+//! registration covers every mapped chunk after `refresh`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::{Error as CudaError, MemPool, Route, Stream};
+use cumempool_alloc::{Arena, StreamOrderedResource, POOL_ALIGNMENT};
+use cumempool_nccl::{group, Communicator, Error, ReduceOp, UniqueId};
+use cumempool_tests::stand_in_driver::{call_log, set_switch, stand_in};
+
+/// The calls logged since `start`, each as its fields.
+fn calls_since(start: usize) -> Vec<Vec<String>> {
+    call_log()[start..].lines().map(|line| line.split(' ').map(str::to_owned).collect()).collect()
+}
+
+/// The stand-in's name for a stream in its log (`%p` of the handle).
+fn name(stream: &Stream) -> String {
+    format!("{:p}", stream.as_raw())
+}
+
+/// Whether `calls` make `waiter` wait, at or after `from`, for an event recorded on `recorded`
+/// before that wait; and where the wait is.
+fn wait_for(calls: &[Vec<String>], from: usize, waiter: &str, recorded: &str) -> Option<usize> {
+    calls.iter().enumerate().skip(from).find_map(|(at, call)| {
+        let [kind, stream, event, result] = &call[..] else { return None };
+        let ordered = kind == "waitevent"
+            && stream == waiter
+            && result == "0"
+            && calls[..at]
+                .iter()
+                .any(|c| matches!(&c[..], [r, e, s, _] if r == "record" && e == event && s == recorded));
+        ordered.then_some(at)
+    })
+}
+
+/// A one-rank communicator and a device pool, on the stand-in.
+fn one_rank() -> (Communicator, MemPool) {
+    (Communicator::init_all(&[0]).unwrap().pop().unwrap(), MemPool::new(Route::device(0)).unwrap())
+}
+
+#[test]
+fn a_collective_on_another_stream_waits_for_its_buffers_streams_and_they_for_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (a, b, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let send = pool.alloc(4096, &a).unwrap();
+    let recv = pool.alloc(4096, &b).unwrap();
+    let start = call_log().len();
+    comm.all_reduce::<f32>(&send, &recv, 1024, ReduceOp::Sum, &c).unwrap();
+    let calls = calls_since(start);
+    let launch = calls.iter().position(|call| call[0] == "nccl").expect("the collective was launched");
+    assert_eq!(calls[launch][1], name(&c), "on the collective's stream");
+    for buffer_stream in [&a, &b] {
+        let before = wait_for(&calls, 0, &name(&c), &name(buffer_stream));
+        assert!(before.is_some_and(|at| at < launch), "the collective waits for the buffer's stream: {calls:?}");
+        let after = wait_for(&calls, launch, &name(buffer_stream), &name(&c));
+        assert!(after.is_some(), "the buffer's stream (its free) waits for the collective: {calls:?}");
+    }
+    // On the buffers' own stream nothing needs ordering.
+    let start = call_log().len();
+    comm.all_reduce::<f32>(&send, &send, 1024, ReduceOp::Sum, &a).unwrap();
+    let calls = calls_since(start);
+    assert!(calls.iter().all(|call| call[0] != "waitevent"), "{calls:?}");
+}
+
+#[test]
+fn a_collective_that_a_capture_would_record_is_refused_before_nccl() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (outer, other) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let outside = pool.alloc(4096, &other).unwrap();
+    let start = call_log().len();
+    let mut on_the_capture = None;
+    let graph = outer.capture(|capture| {
+        on_the_capture = Some(comm.all_reduce::<u8>(&outside, &outside, 4096, ReduceOp::Sum, capture.stream()));
+        Ok(())
+    });
+    let refused = on_the_capture.unwrap();
+    assert!(matches!(refused, Err(Error::Cuda(CudaError::StreamCapturing { .. }))), "{refused:?}");
+    assert!(calls_since(start).iter().all(|call| call[0] != "nccl"), "nothing reached NCCL");
+    drop(graph);
+}
+
+#[test]
+fn a_unique_id_whose_init_failed_can_be_used_again() {
+    let Some((_serial, _context)) = stand_in() else { return };
+    let id = UniqueId::new().unwrap();
+    set_switch("fail_next_init");
+    let failed = Communicator::init_rank(&id, 1, 0, 0).map(|_| ());
+    assert!(matches!(failed, Err(Error::Nccl { function: "ncclCommInitRank", .. })), "{failed:?}");
+    let retried = Communicator::init_rank(&id, 1, 0, 0);
+    assert!(retried.is_ok(), "a retry after a failed init: {:?}", retried.err());
+    let again = Communicator::init_rank(&id, 1, 0, 0).map(|_| ());
+    assert!(matches!(again, Err(Error::UniqueIdReused { rank: 0 })), "a used id is still refused: {again:?}");
+}
+
+#[test]
+fn refresh_registers_a_chunk_mapped_again_between_two_registered_spans() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let comm = Communicator::init_all(&[0]).unwrap().pop().unwrap();
+    let arena = Arena::builder(0, 64 << 20).build().unwrap();
+    let chunk = arena.chunk_size();
+    let blocks: Vec<u64> = (0..3).map(|_| arena.allocate(chunk, POOL_ALIGNMENT, &stream).unwrap()).collect();
+    // SAFETY: allocated above with these arguments, freed once, not used after.
+    unsafe { arena.deallocate(blocks[1], chunk, POOL_ALIGNMENT, &stream) }.unwrap();
+    assert_eq!(arena.trim().unwrap(), chunk, "the middle chunk is unmapped");
+    let mut registration = comm.register_arena(&arena).unwrap();
+    assert_eq!(registration.spans().len(), 2, "two spans around the gap");
+    let middle = arena.allocate(chunk, POOL_ALIGNMENT, &stream).unwrap();
+    assert_eq!(middle, blocks[1], "first fit maps the middle chunk again");
+    let start = call_log().len();
+    assert_eq!(registration.refresh().unwrap(), 1, "the gap is registered");
+    let registered: Vec<_> = calls_since(start).into_iter().filter(|call| call[0] == "register").collect();
+    assert_eq!(registered.len(), 1, "{registered:?}");
+    assert_eq!(registered[0][1], format!("{:p}", middle as *const u8), "exactly the middle chunk");
+    assert_eq!(registered[0][2], format!("{:p}", chunk as *const u8));
+    let mut covered: Vec<(u64, usize)> = registration.spans();
+    covered.sort_unstable();
+    assert_eq!(covered, vec![(blocks[0], chunk), (blocks[1], chunk), (blocks[2], chunk)]);
+    assert_eq!(registration.refresh().unwrap(), 0, "nothing new to register");
+    drop(registration);
+    for block in [blocks[0], middle, blocks[2]] {
+        // SAFETY: as above.
+        unsafe { arena.deallocate(block, chunk, POOL_ALIGNMENT, &stream) }.unwrap();
+    }
+}
+
+#[test]
+fn a_group_orders_its_buffers_streams_after_the_launch_at_its_end() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let buffer = pool.alloc(4096, &a).unwrap();
+    let start = call_log().len();
+    let mut inside = None;
+    group(|g| {
+        g.send::<u8>(&comm, &buffer, 4096, 0, &c)?;
+        g.recv::<u8>(&comm, &buffer, 4096, 0, &c)?;
+        // The communicator's own methods launch at once, which a group does not: refused.
+        inside = Some(comm.all_reduce::<u8>(&buffer, &buffer, 16, ReduceOp::Sum, &c));
+        // A group inside a group would end before the outer one launches: refused.
+        let nested = group(|_| Ok(()));
+        assert!(matches!(nested, Err(Error::InsideGroup { what: "a group", .. })), "{nested:?}");
+        Ok(())
+    })
+    .unwrap();
+    let refused = inside.unwrap();
+    assert!(matches!(refused, Err(Error::InsideGroup { what: "an all-reduce", .. })), "{refused:?}");
+    let calls = calls_since(start);
+    let launches: Vec<usize> = calls.iter().enumerate().filter(|(_, c)| c[0] == "nccl").map(|(at, _)| at).collect();
+    assert_eq!(launches.len(), 2, "both launched, at the group's end: {calls:?}");
+    let before = wait_for(&calls, 0, &name(&c), &name(&a));
+    assert!(before.is_some_and(|at| at < launches[0]), "the collective's stream waits for the buffer's: {calls:?}");
+    let after = wait_for(&calls, launches[1], &name(&a), &name(&c));
+    assert!(after.is_some(), "the buffer's stream waits for the launch, after it: {calls:?}");
+    assert!(
+        wait_for(&calls, 0, &name(&a), &name(&c)).is_some_and(|at| at > launches[1]),
+        "no wait of the buffer's stream before the launch, which would order nothing: {calls:?}"
+    );
+}
+
+#[test]
+fn a_group_whose_closure_panics_is_ended_and_ordered_all_the_same() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let buffer = pool.alloc(4096, &a).unwrap();
+    let start = call_log().len();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        group::<()>(|g| {
+            g.all_reduce::<u8>(&comm, &buffer, &buffer, 4096, ReduceOp::Sum, &c)?;
+            panic!("the closure fails");
+        })
+    }));
+    assert!(panicked.is_err());
+    let calls = calls_since(start);
+    let launch = calls.iter().position(|call| call[0] == "nccl").expect("launched at the group's end");
+    assert!(wait_for(&calls, launch, &name(&a), &name(&c)).is_some(), "{calls:?}");
+    // The thread is no longer inside a group: the communicator launches at once again.
+    let start = call_log().len();
+    comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
+    assert_eq!(calls_since(start).iter().filter(|call| call[0] == "nccl").count(), 1);
+}
