@@ -266,3 +266,29 @@ fn a_change_made_outside_the_library_is_not_overwritten() {
     cumempool::reset_current_pool(route).unwrap();
     raw_destroy(foreign);
 }
+
+/// A routed pool keeps its memory between synchronisations (threshold raised from the driver's
+/// 0, as CuPy and cuda.core do), so the libraries the route serves do not map memory afresh at
+/// every step; a threshold set by the program is left alone, and trimming still gives memory back.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn a_routed_pool_keeps_its_memory_unless_its_threshold_was_set() {
+    let context = gpu().expect("a GPU");
+    let _lock = routing_lock();
+    let stream = cumempool::Stream::new(&context).unwrap();
+    let route = Route::device(0);
+    let pool = MemPool::builder(route).max_size(256 << 20).build().unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), 0, "the driver's default");
+    let guard = set_current_pool(route, &pool).unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), u64::MAX, "raised when routed");
+    drop(pool.alloc(64 << 20, &stream).unwrap());
+    stream.synchronize().unwrap();
+    assert!(pool.reserved_mem_current().unwrap() >= 64 << 20, "kept across a synchronisation");
+    pool.trim_to(0).unwrap();
+    assert_eq!(pool.reserved_mem_current().unwrap(), 0, "trim_to still gives it back");
+    drop(guard);
+    let chosen = MemPool::builder(route).release_threshold(1 << 20).build().unwrap();
+    let guard = set_current_pool(route, &chosen).unwrap();
+    assert_eq!(chosen.release_threshold().unwrap(), 1 << 20, "a threshold the program set is kept");
+    drop(guard);
+}

@@ -210,9 +210,18 @@ static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
 /// A pool created for another route is refused with [`Error::PoolRouteMismatch`] before the
 /// driver is called.
 ///
+/// A pool whose release threshold is 0 (the driver's default) has it raised to `u64::MAX` first,
+/// as CuPy's `MemoryAsyncPool` and cuda.core do for the pool they serve from: with 0 the driver
+/// gives the pool's memory back at every synchronisation and maps it again on the next
+/// allocation, and the libraries the route serves (PyTorch's `cudaMallocAsync` backend among them)
+/// only raise the threshold of pools they configure themselves. The pool's `max_size` still caps
+/// it, and [`Pool::trim_to`](crate::Pool::trim_to) still gives memory back. A threshold set to
+/// anything else is left as it is; to route a pool that gives memory back at every
+/// synchronisation, set its threshold to 0 after routing it.
+///
 /// # Errors
 /// [`Error::PoolRouteMismatch`], an invalid route, or the driver's refusal as
-/// [`Error::RouteRefused`]; the route is unchanged then.
+/// [`Error::RouteRefused`] (or of the threshold's read or write); the route is unchanged then.
 ///
 /// See [cuMemSetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 #[must_use = "dropping the guard at once puts the previous pool back; call .keep() to make the change last"]
@@ -227,6 +236,9 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     let current = current_raw(valid)?;
     // Everything that can fail is asked before the route changes, so a refusal changes nothing.
     let base = base_of(valid, current)?;
+    if pool.release_threshold()? == 0 {
+        pool.set_release_threshold(u64::MAX)?;
+    }
     // Before the route shows it: from then on a thread may read it, so it is never destroyed.
     crate::retirement::note_current(pool.as_raw());
     set_raw(valid, pool.as_raw())?;
