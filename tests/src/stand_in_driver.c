@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdio.h>
+#include <fcntl.h>
 typedef int CUresult;
 /* Streams made and not destroyed, read by the tests through the symbol. */
 int live_streams;
@@ -155,6 +156,11 @@ static CUresult address_reserve(uint64_t *base, size_t size, size_t align, uint6
     return 0;
 }
 static CUresult address_free(uint64_t base, size_t size) { log_call("addressfree", (void *)(uintptr_t)base, 0, 0); return 0; }
+/* A chunk exported as a file descriptor: a new descriptor of /dev/null, which the caller owns. */
+static CUresult export_shareable(void *handle, uint64_t memory, int type, uint64_t flags) {
+    *(int *)handle = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    return 0;
+}
 static CUresult begin_capture(Stream *s, int mode) {
     pthread_mutex_lock(&lock);
     s->capturing = 1; s->invalidated = 0; s->mode = mode; s->thread = pthread_self(); s->id = next_id++;
@@ -199,7 +205,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},
     {"cuMemGetAllocationGranularity", granularity}, {"cuMemAddressReserve", address_reserve},
-    {"cuMemAddressFree", address_free},
+    {"cuMemAddressFree", address_free}, {"cuMemExportToShareableHandle", export_shareable},
     {"cuGraphLaunch", graph_launch}, {"cuGraphInstantiateWithFlags", graph_instantiate},
     {"cuGraphExecDestroy", graph_exec_destroy},
     {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},

@@ -10,7 +10,8 @@
 //! capturing stream is refused whatever the mode. An event last recorded on a capturing stream
 //! answers CUDA_ERROR_CAPTURED_EVENT to a query or wait. Pool allocations are heap blocks, counted;
 //! so are the streams alive ([`live_streams`]). Virtual memory has 2 MiB granules and one
-//! range of addresses, never dereferenced. Every function the stand-in does not model answers
+//! range of addresses, never dereferenced; exporting physical memory as a file descriptor hands
+//! out a new descriptor of `/dev/null`. Every function the stand-in does not model answers
 //! success.
 //!
 //! The stand-in replaces the driver for the whole process: a test binary that uses it uses

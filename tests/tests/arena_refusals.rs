@@ -47,3 +47,52 @@ fn a_request_larger_than_the_range_is_refused_and_overlaps_nothing() {
         arena.deallocate(next, 4096, POOL_ALIGNMENT, &stream).unwrap();
     }
 }
+
+/// Chunks are the unit another process maps, so exporting an allocation that shares a chunk
+/// with others would hand the peer those neighbours too. Only an allocation that owns its
+/// chunks (it starts on a chunk boundary and is a whole number of chunks long, so nothing else
+/// can be placed in them while it lives) is exported; any other is refused, saying how to
+/// allocate one that can be.
+#[test]
+fn only_an_allocation_that_owns_its_chunks_is_exported() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let arena = Arena::builder(0, 16 * CHUNK)
+        .chunk_size(CHUNK)
+        .export_handle_types(cumempool::HandleTypes::POSIX_FILE_DESCRIPTOR)
+        .build()
+        .unwrap();
+    let pad = arena.allocate(4096, POOL_ALIGNMENT, &stream).unwrap();
+    let straddling = arena.allocate(CHUNK, POOL_ALIGNMENT, &stream).unwrap();
+    assert_eq!(straddling, pad + 4096, "it shares its first chunk with the pad");
+    let filler = arena.allocate(CHUNK - 4096, POOL_ALIGNMENT, &stream).unwrap();
+    let owning = arena.allocate(2 * CHUNK, CHUNK, &stream).unwrap();
+    let small = arena.allocate(4096, CHUNK, &stream).unwrap();
+    let neighbour = arena.allocate(4096, POOL_ALIGNMENT, &stream).unwrap();
+    assert_eq!(neighbour, small + 4096, "a chunk-aligned small block still shares its chunk");
+    for (what, ptr) in [("a block inside a shared chunk", straddling), ("a block smaller than a chunk", small)] {
+        match arena.export_fd(ptr) {
+            Err(error @ Error::NotExportable { .. }) => {
+                let message = error.to_string();
+                let advice = format!("arena.allocate(k * {CHUNK}, {CHUNK}, &stream)");
+                assert!(message.contains(&advice), "{what}: says how to allocate one that can be: {message}");
+            }
+            other => panic!("{what} was exported with its neighbours: {other:?}"),
+        }
+    }
+    let export = arena.export_fd(owning).unwrap();
+    assert_eq!((export.descriptors.len(), export.offset, export.len), (2, 0, 2 * CHUNK));
+    // SAFETY: allocated above with these arguments, freed once, unused after.
+    unsafe {
+        for (ptr, len) in [
+            (pad, 4096),
+            (straddling, CHUNK),
+            (filler, CHUNK - 4096),
+            (owning, 2 * CHUNK),
+            (small, 4096),
+            (neighbour, 4096),
+        ] {
+            arena.deallocate(ptr, len, POOL_ALIGNMENT, &stream).unwrap();
+        }
+    }
+}

@@ -15,6 +15,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! An allocation that owns its chunks (a multiple of the chunk size, aligned to it:
+//! `arena.allocate(k * chunk, chunk, &stream)`) can be shared with another process through
+//! [`Arena::export_fd`]; one that shares a chunk with others cannot, since a peer maps whole
+//! chunks and would reach the neighbours.
+//!
 //! Frees are stream-ordered: a freed span is reused once an event recorded on the freeing
 //! stream has completed (checked without waiting at each allocation; waited for only when
 //! nothing else fits, and by [`Arena::trim`]).
@@ -372,7 +377,8 @@ impl Drop for MappingHold<'_> {
     }
 }
 
-/// The chunks under an exported allocation, for another process to map with [`ArenaImport`].
+/// The chunks of an exported allocation, which owns them whole, for another process to map with
+/// [`ArenaImport`].
 #[cfg(unix)]
 #[derive(Debug)]
 pub struct ArenaExport {
@@ -380,9 +386,10 @@ pub struct ArenaExport {
     pub descriptors: Vec<OwnedFd>,
     /// The size of each chunk.
     pub chunk_size: usize,
-    /// The allocation's offset into the first chunk.
+    /// The allocation's offset into the first chunk: 0, since an exported allocation starts on
+    /// a chunk boundary (kept for [`ArenaImport::map`], which takes any offset).
     pub offset: usize,
-    /// The allocation's length.
+    /// The allocation's length: a whole number of chunks.
     pub len: usize,
     /// The device the memory lives on.
     pub device: i32,
@@ -533,33 +540,42 @@ impl Arena {
         Ok(released)
     }
 
-    /// Exports the chunks under the live allocation at `ptr` as file descriptors, for another
+    /// Exports the chunks of the live allocation at `ptr` as file descriptors, for another
     /// process to map with [`ArenaImport::map`].
     ///
+    /// A peer maps whole chunks, so only an allocation that owns its chunks is exported: one
+    /// that starts on a chunk boundary and is a whole number of chunks long, which nothing else
+    /// can share while it lives (`arena.allocate(k * chunk, chunk, &stream)`, with `chunk` from
+    /// [`Arena::chunk_size`]). The peer must stop using the memory before the allocation is
+    /// freed here: its chunks are then handed out again.
+    ///
     /// # Errors
-    /// [`Error::NotFromArena`] for a pointer that is no live allocation of this arena; the
+    /// [`Error::NotFromArena`] for a pointer that is no live allocation of this arena;
+    /// [`Error::NotExportable`] for one that shares a chunk with other allocations; the
     /// export's refusals (an arena built without `POSIX_FILE_DESCRIPTOR`).
     #[cfg(unix)]
     pub fn export_fd(&self, ptr: CUdeviceptr) -> Result<ArenaExport> {
         let state = self.lock();
-        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
-        let Some((offset, len)) = offset.and_then(|o| state.live.get(&o).map(|len| (o, *len))) else {
+        let Some((offset, len)) = self.offset_of(ptr).and_then(|o| state.live.get(&o).map(|len| (o, *len))) else {
             return Err(Error::NotFromArena { ptr });
         };
+        if !offset.is_multiple_of(self.chunk) || !len.is_multiple_of(self.chunk) {
+            return Err(Error::NotExportable {
+                ptr,
+                len,
+                offset_in_chunk: offset % self.chunk,
+                chunk_size: self.chunk,
+            });
+        }
+        // Whole chunks inside the range: `offset + len` is at most its length.
         let first = offset / self.chunk;
-        let descriptors = (first..(offset + len).div_ceil(self.chunk))
+        let descriptors = (first..first.saturating_add(len / self.chunk))
             .map(|index| match state.chunks.get(&index) {
                 Some(memory) => Ok(memory.export_fd()?),
                 None => Err(Error::NotFromArena { ptr }),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ArenaExport {
-            descriptors,
-            chunk_size: self.chunk,
-            offset: offset - first * self.chunk,
-            len,
-            device: self.device(),
-        })
+        Ok(ArenaExport { descriptors, chunk_size: self.chunk, offset: 0, len, device: self.device() })
     }
 }
 

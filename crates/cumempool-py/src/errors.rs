@@ -209,7 +209,7 @@ fn alloc_class(error: &cumempool_alloc::Error) -> &'static str {
         E::KindMismatch { .. } => "KindMismatchError",
         E::LanesUnreachable { .. } => "LanesUnreachableError",
         E::HostOutOfMemory { .. } | E::ArenaExhausted { .. } => "OutOfMemoryError",
-        E::NotFromArena { .. } => "InvalidArgumentError",
+        E::NotFromArena { .. } | E::NotExportable { .. } => "InvalidArgumentError",
         E::MappingsHeld { .. } => "MappingsHeldError",
         _ => "CumempoolError",
     }
