@@ -23,13 +23,14 @@ static CUcontext primary = &primary_storage;
 static __thread CUcontext current;
 static size_t live_bytes;
 static CUresult generic(void) { return 0; }
-/* A log of the calls that order work, and two one-shot switches (see stand_in_driver.rs). */
+/* A log of the calls that order work, and one-shot switches (see stand_in_driver.rs). */
 char call_log[1 << 16];
 int call_log_len;
 int fail_next_exchange;
 int capture_on_next_record;
 int end_capture_before_next_waitevent;
 int fail_next_waits;
+int null_next_alloc;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -55,6 +56,7 @@ static CUresult pool_attribute(void *pool, int attribute, void *value) {
     return 0;
 }
 static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
+    if (null_next_alloc) { null_next_alloc = 0; *p = 0; return 0; } /* success with no memory */
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
 }

@@ -166,7 +166,7 @@ fn core_class(error: &cumempool::Error) -> &'static str {
     match error {
         E::Load(_) => "LoadError",
         E::ForkedChild => "ForkedChildError",
-        E::Driver(_) => "DriverError",
+        E::Driver(_) | E::DriverGaveNullPointer { .. } => "DriverError",
         E::OutOfMemory { .. } => "OutOfMemoryError",
         E::InvalidDevice { .. } | E::InvalidLocalityDomain { .. } => "InvalidDeviceError",
         E::InvalidGranularity { .. } | E::InvalidArgument { .. } => "InvalidArgumentError",

@@ -66,6 +66,17 @@ pub enum Error {
         function: &'static str,
     },
 
+    /// The driver answered an allocation of a non-zero size with success and address 0: a broken
+    /// answer, refused rather than handed out as memory (nothing was allocated that could be
+    /// freed).
+    #[error("{function} reported success but handed out address 0 for {requested} bytes, which is no allocation; the allocation was refused. The driver broke its contract: update it, or report it with the driver version")]
+    DriverGaveNullPointer {
+        /// The driver call that answered.
+        function: &'static str,
+        /// The bytes asked for.
+        requested: usize,
+    },
+
     /// A device ordinal that does not exist on this machine.
     #[error("there is no CUDA device {ordinal}: {}", devices_present(*.count))]
     InvalidDevice {

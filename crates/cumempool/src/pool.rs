@@ -248,7 +248,8 @@ impl Pool {
     /// [`Error::ImportedPoolAllocation`] for a pool imported from another process;
     /// [`Error::StreamCapturing`] on a stream capturing into a graph (captured memory is the
     /// graph's, and a buffer could outlive it: use [`Capture::alloc`](crate::Capture::alloc));
-    /// else the driver's answer.
+    /// [`Error::DriverGaveNullPointer`] when the driver answers success with address 0; else
+    /// the driver's answer.
     ///
     /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[inline]
@@ -319,6 +320,11 @@ impl Pool {
         // SAFETY: valid out-pointer, live pool and stream, context current.
         let answer = unsafe { driver_answer!(cuMemAllocFromPoolAsync(&mut ptr, bytes, self.raw.0, stream.as_raw())) }?;
         match answer.code {
+            // A success with no memory would become a buffer at address 0 that copies, host
+            // slices and the free on drop all take for memory.
+            sys::CUresult::CUDA_SUCCESS if ptr == 0 && bytes > 0 => {
+                Err(Error::DriverGaveNullPointer { function: answer.function, requested: bytes })
+            }
             sys::CUresult::CUDA_SUCCESS => Ok(ptr),
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 Err(Error::OutOfMemory { requested: bytes, limit: self.max_size, function: answer.function })
