@@ -189,7 +189,7 @@ fn core_class(error: &cumempool::Error) -> &'static str {
         E::SharingRefused { .. } => "SharingRefusedError",
         E::MalformedMessage { .. } => "MalformedMessageError",
         E::AlreadyImported { .. } => "AlreadyImportedError",
-        E::ImportedMemoryNotSliceable => "NotHostAccessibleError",
+        E::ImportedMemoryNotSliceable | E::ExportableMemoryNotSliceable { .. } => "NotHostAccessibleError",
         E::SharedLengthMismatch { .. } => "SharedLengthMismatchError",
         E::Io { .. } => "CumempoolOSError",
         E::UnknownValue(_) => "UnknownValueError",

@@ -52,6 +52,11 @@ impl Pool {
         Self { raw: DriverHandle(raw), route, max_size: None, handle_types: None, owner: None }
     }
 
+    /// A route's default pool, which the driver made without export handle types.
+    pub(crate) fn default_of(raw: sys::CUmemoryPool, route: Route) -> Self {
+        Self::borrowed(raw, Some(route)).with_handle_types(HandleTypes::NONE)
+    }
+
     pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
         let owner = Arc::new(Owner::new(raw, imported));
         Self { raw: DriverHandle(raw), route, max_size, handle_types: None, owner: Some(owner) }
@@ -125,7 +130,9 @@ impl Pool {
         self.owner.clone()
     }
 
-    /// The export handle types the pool was created with, where this process created it.
+    /// The export handle types the pool was created with, where known: a pool this process
+    /// built, and a route's default pool (none). `None` for a pool borrowed or taken over with
+    /// `from_raw`, and for an imported one.
     pub fn created_handle_types(&self) -> Option<HandleTypes> {
         self.handle_types
     }
@@ -260,7 +267,7 @@ impl Pool {
         }
         let ptr = self.alloc_on(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
-        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream, self.route, self.owner.clone()) })
+        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream, self.route, self.owner.clone(), self.handle_types) })
     }
 
     /// Like [`Pool::alloc`], but the buffer holds a clone of `stream` instead of borrowing it:
@@ -274,7 +281,9 @@ impl Pool {
         }
         let ptr = self.alloc_on(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
-        Ok(unsafe { OwnedBuffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone()) })
+        Ok(unsafe {
+            OwnedBuffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone(), self.handle_types)
+        })
     }
 
     /// The allocation behind [`Pool::alloc`], as a raw address the caller frees with
