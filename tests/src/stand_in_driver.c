@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdio.h>
+#include <fcntl.h>
 typedef int CUresult;
 /* Streams made and not destroyed, read by the tests through the symbol. */
 int live_streams;
@@ -22,13 +23,14 @@ static CUcontext primary = &primary_storage;
 static __thread CUcontext current;
 static size_t live_bytes;
 static CUresult generic(void) { return 0; }
-/* A log of the calls that order work, and two one-shot switches (see stand_in_driver.rs). */
+/* A log of the calls that order work, and one-shot switches (see stand_in_driver.rs). */
 char call_log[1 << 16];
 int call_log_len;
 int fail_next_exchange;
 int capture_on_next_record;
 int end_capture_before_next_waitevent;
 int fail_next_waits;
+int null_next_alloc;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -56,6 +58,7 @@ static CUresult pool_attribute(void *pool, int attribute, void *value) {
     return 0;
 }
 static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
+    if (null_next_alloc) { null_next_alloc = 0; *p = 0; return 0; } /* success with no memory */
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
 }
@@ -157,6 +160,11 @@ static CUresult address_reserve(uint64_t *base, size_t size, size_t align, uint6
     return 0;
 }
 static CUresult address_free(uint64_t base, size_t size) { log_call("addressfree", (void *)(uintptr_t)base, 0, 0); return 0; }
+/* A chunk exported as a file descriptor: a new descriptor of /dev/null, which the caller owns. */
+static CUresult export_shareable(void *handle, uint64_t memory, int type, uint64_t flags) {
+    *(int *)handle = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    return 0;
+}
 static CUresult begin_capture(Stream *s, int mode) {
     pthread_mutex_lock(&lock);
     s->capturing = 1; s->invalidated = 0; s->mode = mode; s->thread = pthread_self(); s->id = next_id++;
@@ -201,7 +209,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},
     {"cuThreadExchangeStreamCaptureMode", exchange_mode},
     {"cuMemGetAllocationGranularity", granularity}, {"cuMemAddressReserve", address_reserve},
-    {"cuMemAddressFree", address_free},
+    {"cuMemAddressFree", address_free}, {"cuMemExportToShareableHandle", export_shareable},
     {"cuGraphLaunch", graph_launch}, {"cuGraphInstantiateWithFlags", graph_instantiate},
     {"cuGraphExecDestroy", graph_exec_destroy},
     {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},

@@ -10,7 +10,8 @@
 //! capturing stream is refused whatever the mode. An event last recorded on a capturing stream
 //! answers CUDA_ERROR_CAPTURED_EVENT to a query or wait. Pool allocations are heap blocks, counted;
 //! so are the streams alive ([`live_streams`]). Virtual memory has 2 MiB granules and one
-//! range of addresses, never dereferenced. Every function the stand-in does not model answers
+//! range of addresses, never dereferenced; exporting physical memory as a file descriptor hands
+//! out a new descriptor of `/dev/null`. Every function the stand-in does not model answers
 //! success.
 //!
 //! The same library is also a stand-in for libnccl (`stand_in_nccl.c`, loaded through
@@ -105,7 +106,9 @@ pub fn call_log() -> String {
 /// would: the record lands in it), `end_capture_before_next_waitevent` (the next
 /// `cuStreamWaitEvent` on an event recorded in a capture ends that capture first, so the wait
 /// joins nothing and orders nothing) or `fail_next_waits` (the next `cuEventSynchronize`, and
-/// the next `cuStreamSynchronize` or `cuStreamQuery`, that would succeed fail instead). A stream that waits for an
+/// the next `cuStreamSynchronize` or `cuStreamQuery`, that would succeed fail instead) or
+/// `null_next_alloc` (the next `cuMemAllocFromPoolAsync` answers success with address 0, as a
+/// misbehaving driver would). A stream that waits for an
 /// event recorded in a capture joins that capture; the capture's end then ends it too, and
 /// reports the capture invalidated (unjoined). A capturing stream that waits for an event
 /// recorded outside any capture is refused with CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and its

@@ -104,18 +104,25 @@ fn an_allocation_shared_through_descriptors_shows_the_same_bytes() {
     let stream = Stream::new(&context).unwrap();
     let arena = Arena::builder(0, 1 << 30).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
     let chunk = arena.chunk_size();
-    let _pad = arena.alloc(4096, &stream).unwrap();
-    let block = arena.alloc(chunk, &stream).unwrap(); // starts inside the first chunk, spans two
-    write(block.as_raw(), &pattern(chunk, 6), &stream);
-    let export = arena.export_fd(block.as_raw()).unwrap();
-    assert_eq!((export.descriptors.len(), export.offset, export.len), (2, 4096, chunk));
+    let pad = arena.alloc(4096, &stream).unwrap();
+    // Two whole chunks, aligned to one: it owns them, so the pad is not exported with it.
+    let block = arena.allocate(2 * chunk, chunk, &stream).unwrap();
+    write(block, &pattern(2 * chunk, 6), &stream);
+    let export = arena.export_fd(block).unwrap();
+    assert_eq!((export.descriptors.len(), export.offset, export.len), (2, 0, 2 * chunk));
     let mapped = ArenaImport::map(&export.descriptors, export.chunk_size, export.offset, export.len, 0).unwrap();
-    assert_ne!(mapped.as_raw(), block.as_raw());
-    assert_eq!(read(mapped.as_raw(), chunk, &stream), pattern(chunk, 6));
-    assert!(matches!(arena.export_fd(block.as_raw() + 256), Err(Error::NotFromArena { .. })));
+    assert_ne!(mapped.as_raw(), block);
+    assert_eq!(read(mapped.as_raw(), 2 * chunk, &stream), pattern(2 * chunk, 6));
+    assert!(matches!(arena.export_fd(block + 256), Err(Error::NotFromArena { .. })));
+    assert!(matches!(arena.export_fd(pad.as_raw()), Err(Error::NotExportable { .. })));
+    drop(mapped);
+    // SAFETY: allocated above with these arguments, freed once, unused after (the import is gone).
+    unsafe { arena.deallocate(block, 2 * chunk, chunk, &stream) }.unwrap();
     let plain = Arena::builder(0, 1 << 30).build().unwrap();
-    let unshareable = plain.alloc(256, &stream).unwrap();
-    assert!(plain.export_fd(unshareable.as_raw()).unwrap_err().to_string().contains("POSIX_FILE_DESCRIPTOR"));
+    let unshareable = plain.allocate(chunk, chunk, &stream).unwrap();
+    assert!(plain.export_fd(unshareable).unwrap_err().to_string().contains("POSIX_FILE_DESCRIPTOR"));
+    // SAFETY: as above.
+    unsafe { plain.deallocate(unshareable, chunk, chunk, &stream) }.unwrap();
 }
 
 /// The child side of the two-process test: the chunks' descriptors arrive on stdin (a Unix
@@ -156,11 +163,12 @@ fn another_process_maps_an_arena_allocation_from_its_descriptors() {
     let Some(context) = gpu() else { return };
     let stream = Stream::new(&context).unwrap();
     let arena = Arena::builder(0, 1 << 30).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
-    let len = arena.chunk_size() + 8192;
+    let chunk = arena.chunk_size();
+    let len = 2 * chunk;
     let _pad = arena.alloc(4096, &stream).unwrap();
-    let block = arena.alloc(len, &stream).unwrap();
-    write(block.as_raw(), &pattern(len, 7), &stream);
-    let export = arena.export_fd(block.as_raw()).unwrap();
+    let block = arena.allocate(len, chunk, &stream).unwrap();
+    write(block, &pattern(len, 7), &stream);
+    let export = arena.export_fd(block).unwrap();
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["another_process_maps_an_arena_allocation_from_its_descriptors", "--exact", "--include-ignored"])
@@ -177,5 +185,7 @@ fn another_process_maps_an_arena_allocation_from_its_descriptors() {
     (&ours).read_to_end(&mut answer).unwrap();
     assert!(child.wait().unwrap().success(), "the child failed");
     assert_eq!(answer, b"ok");
-    assert_eq!(read(block.as_raw(), len, &stream), pattern(len, 8), "the child's bytes, seen by the exporter");
+    assert_eq!(read(block, len, &stream), pattern(len, 8), "the child's bytes, seen by the exporter");
+    // SAFETY: allocated above with these arguments, freed once; the child has unmapped it.
+    unsafe { arena.deallocate(block, len, chunk, &stream) }.unwrap();
 }

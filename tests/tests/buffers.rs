@@ -1,7 +1,7 @@
 //! Buffers on the real driver: bytes through every pool kind, host access, zero size.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cumempool::{default_pool, Error, Location, MemPool, Route};
+use cumempool::{default_pool, Error, HandleTypes, Location, MemPool, Route};
 use cumempool_tests::{gpu_stream, pattern, ROUTE_KINDS};
 
 #[test]
@@ -38,6 +38,40 @@ fn the_host_writes_host_and_managed_buffers_and_the_device_sees_it() {
         buffer.copy_to_host(&mut back).unwrap();
         assert_eq!(back, data, "{route}: the host's writes are visible to copies");
     }
+}
+
+/// A host NUMA pool built with `POSIX_FILE_DESCRIPTOR` may be exported at any moment, and an
+/// importer may then write its memory: its buffers are copied, never lent as slices. The
+/// default host NUMA pool has no export handle types, so its buffers still are, and exporting
+/// it is refused.
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn exportable_host_memory_is_copied_not_sliced() {
+    let stream = gpu_stream().expect("a GPU");
+    let route = Route::host_numa(0);
+    let exportable = MemPool::builder(route).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
+    let mut buffer = exportable.alloc(1 << 20, &stream).unwrap();
+    let refused = buffer.host_slice().unwrap_err();
+    assert!(matches!(refused, Error::ExportableMemoryNotSliceable { .. }), "{refused}");
+    assert!(matches!(buffer.host_slice_mut(), Err(Error::ExportableMemoryNotSliceable { .. })));
+    let data = pattern(1 << 20, 3);
+    buffer.copy_from_host(&data).unwrap();
+    let mut back = vec![0; data.len()];
+    buffer.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, data, "copies still work");
+    let default = default_pool(route).unwrap();
+    assert_eq!(default.created_handle_types(), Some(HandleTypes::NONE));
+    // What the library assumes of default pools, asked of the driver where it can say (13.2).
+    #[cfg(feature = "cuda-13020")]
+    match default.export_handle_types() {
+        Ok(types) => assert_eq!(types, HandleTypes::NONE, "the driver's default pool has export handle types"),
+        Err(error) => assert!(matches!(error, Error::DriverTooOld { .. }), "{error}"),
+    }
+    let mut plain = default.alloc(4096, &stream).unwrap();
+    plain.host_slice_mut().unwrap().fill(5);
+    assert!(plain.host_slice().unwrap().iter().all(|b| *b == 5));
+    let export = default.export_fd().unwrap_err();
+    assert!(matches!(export, Error::NotShareable { .. }), "{export}");
 }
 
 #[test]

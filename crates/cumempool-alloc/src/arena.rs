@@ -15,6 +15,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! An allocation that owns its chunks (a multiple of the chunk size, aligned to it:
+//! `arena.allocate(k * chunk, chunk, &stream)`) can be shared with another process through
+//! [`Arena::export_fd`]; one that shares a chunk with others cannot, since a peer maps whole
+//! chunks and would reach the neighbours.
+//!
 //! Frees are stream-ordered: a freed span is reused once an event recorded on the freeing
 //! stream has completed (checked without waiting at each allocation; waited for only when
 //! nothing else fits, and by [`Arena::trim`]).
@@ -105,6 +110,7 @@ impl ArenaBuilder {
                 invalid(InvalidArgumentReason::RoundingOverflows { bytes: self.reserve, unit: chunk })
             })?;
         let range = AddressRange::reserve(reserve, chunk)?;
+        check_range_end(&range, "building a VMM arena")?;
         let mut free = BTreeMap::new();
         free.insert(0, reserve);
         let state = State {
@@ -121,6 +127,24 @@ impl ArenaBuilder {
 
 fn invalid(reason: InvalidArgumentReason) -> Error {
     Error::Pool(cumempool::Error::InvalidArgument { what: "building a VMM arena", reason })
+}
+
+/// Refuses a range whose end would pass the end of the address space, so that every offset
+/// into it (at most its length) names an address without wrapping.
+fn check_range_end(range: &AddressRange, what: &'static str) -> Result<()> {
+    if range.base().checked_add(range.len() as u64).is_none() {
+        return Err(Error::Pool(cumempool::Error::InvalidArgument {
+            what,
+            reason: InvalidArgumentReason::RangePastAddressSpace { start: range.base(), size: range.len() },
+        }));
+    }
+    Ok(())
+}
+
+/// The address `offset` bytes into `range`: exact for offsets up to its length, which
+/// [`check_range_end`] let through; never wraps.
+fn address_in(range: &AddressRange, offset: usize) -> CUdeviceptr {
+    range.base().saturating_add(offset as u64)
 }
 
 fn check_peers(owner: i32, peers: &[(i32, Access)]) -> Result<()> {
@@ -142,6 +166,10 @@ enum FreedAfter {
 }
 
 /// The arena's bookkeeping, under one lock.
+///
+/// Every span it records lies inside the range: `offset + len` is at most the reserved length
+/// ([`State::take`] checks that with checked arithmetic), so sums of recorded offsets and
+/// lengths cannot overflow; they saturate all the same, so a broken invariant never wraps.
 #[derive(Debug)]
 struct State {
     /// Mapped chunks by index (offset / chunk size).
@@ -159,15 +187,15 @@ struct State {
 
 impl State {
     fn give_back(&mut self, offset: usize, len: usize) {
-        let (mut start, mut end) = (offset, offset + len);
+        let (mut start, mut end) = (offset, offset.saturating_add(len));
         if let Some((&before, &size)) = self.free.range(..start).next_back() {
-            if before + size == start {
+            if before.saturating_add(size) == start {
                 self.free.remove(&before);
                 start = before;
             }
         }
         if let Some(size) = self.free.remove(&end) {
-            end += size;
+            end = end.saturating_add(size);
         }
         self.free.insert(start, end - start);
     }
@@ -200,20 +228,25 @@ impl State {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// First fit of `bytes` aligned to `align` (relative to the chunk-aligned base).
+    /// First fit of `bytes` aligned to `align` (relative to the chunk-aligned base). A span
+    /// whose aligned start or end cannot be computed without overflow does not fit: no request,
+    /// however large, wraps around to an offset that is in use.
     fn take(&mut self, base: CUdeviceptr, bytes: usize, align: usize) -> Option<usize> {
         let found = self.free.iter().find_map(|(&offset, &len)| {
-            let start = (base + offset as u64).next_multiple_of(align as u64) - base;
-            let start = usize::try_from(start).ok()?;
-            (start + bytes <= offset + len).then_some((offset, len, start))
+            let end = offset.checked_add(len)?;
+            let address = base.checked_add(u64::try_from(offset).ok()?)?;
+            let aligned = address.checked_next_multiple_of(u64::try_from(align).ok()?)?;
+            let start = usize::try_from(aligned.checked_sub(base)?).ok()?;
+            let stop = start.checked_add(bytes)?;
+            (stop <= end).then_some((offset, start, stop, end))
         });
-        let (offset, len, start) = found?;
+        let (offset, start, stop, end) = found?;
         self.free.remove(&offset);
         if start > offset {
             self.free.insert(offset, start - offset);
         }
-        if offset + len > start + bytes {
-            self.free.insert(start + bytes, offset + len - start - bytes);
+        if end > stop {
+            self.free.insert(stop, end - stop);
         }
         self.live.insert(start, bytes);
         Some(start)
@@ -223,8 +256,8 @@ impl State {
     /// `[start, end)`.
     fn chunk_in_use(&self, start: usize, end: usize) -> bool {
         let last = self.live.range(..end).next_back();
-        last.is_some_and(|(&offset, &len)| offset + len > start)
-            || self.pending.iter().any(|&(_, offset, len)| offset < end && offset + len > start)
+        last.is_some_and(|(&offset, &len)| offset.saturating_add(len) > start)
+            || self.pending.iter().any(|&(_, offset, len)| offset < end && offset.saturating_add(len) > start)
     }
 }
 
@@ -344,7 +377,8 @@ impl Drop for MappingHold<'_> {
     }
 }
 
-/// The chunks under an exported allocation, for another process to map with [`ArenaImport`].
+/// The chunks of an exported allocation, which owns them whole, for another process to map with
+/// [`ArenaImport`].
 #[cfg(unix)]
 #[derive(Debug)]
 pub struct ArenaExport {
@@ -352,9 +386,10 @@ pub struct ArenaExport {
     pub descriptors: Vec<OwnedFd>,
     /// The size of each chunk.
     pub chunk_size: usize,
-    /// The allocation's offset into the first chunk.
+    /// The allocation's offset into the first chunk: 0, since an exported allocation starts on
+    /// a chunk boundary (kept for [`ArenaImport::map`], which takes any offset).
     pub offset: usize,
-    /// The allocation's length.
+    /// The allocation's length: a whole number of chunks.
     pub len: usize,
     /// The device the memory lives on.
     pub device: i32,
@@ -392,8 +427,17 @@ impl Arena {
 
     /// Whether `[ptr, ptr + len)` lies in the arena's range.
     pub fn contains(&self, ptr: CUdeviceptr, len: usize) -> bool {
-        let base = self.range.base();
-        ptr >= base && ptr.checked_add(len as u64).is_some_and(|end| end <= base + self.range.len() as u64)
+        self.offset_of(ptr).and_then(|offset| offset.checked_add(len)).is_some_and(|end| end <= self.range.len())
+    }
+
+    /// `ptr`'s offset into the range, where it lies at or above the base.
+    fn offset_of(&self, ptr: CUdeviceptr) -> Option<usize> {
+        ptr.checked_sub(self.range.base()).and_then(|offset| usize::try_from(offset).ok())
+    }
+
+    /// The offset of chunk `index` (at most the range's length for the chunks of the range).
+    fn chunk_offset(&self, index: usize) -> usize {
+        index.saturating_mul(self.chunk)
     }
 
     /// Reserved, mapped and used bytes.
@@ -401,7 +445,7 @@ impl Arena {
         let state = self.lock();
         ArenaStats {
             reserved: self.range.len(),
-            mapped: state.chunks.len() * self.chunk,
+            mapped: state.chunks.len().saturating_mul(self.chunk),
             in_use: state.live.values().sum(),
             pending_frees: state.pending.len(),
         }
@@ -412,9 +456,9 @@ impl Arena {
         let state = self.lock();
         let mut spans: Vec<(CUdeviceptr, usize)> = Vec::new();
         for &index in state.chunks.keys() {
-            let address = self.range.base() + (index * self.chunk) as u64;
+            let address = address_in(&self.range, self.chunk_offset(index));
             match spans.last_mut() {
-                Some((start, len)) if *start + *len as u64 == address => *len += self.chunk,
+                Some((start, len)) if start.saturating_add(*len as u64) == address => *len += self.chunk,
                 _ => spans.push((address, self.chunk)),
             }
         }
@@ -436,7 +480,7 @@ impl Arena {
         check_peers(self.device(), &[(device, access)])?;
         let mut state = self.lock();
         for &index in state.chunks.keys() {
-            self.range.set_access(index * self.chunk, self.chunk, &[(device, access)])?;
+            self.range.set_access(self.chunk_offset(index), self.chunk, &[(device, access)])?;
         }
         state.peers.retain(|(d, _)| *d != device);
         state.peers.push((device, access));
@@ -452,10 +496,10 @@ impl Arena {
                 continue;
             }
             let memory = PhysicalAllocation::create(&self.props, self.chunk)?;
-            self.range.map(index * self.chunk, &memory)?;
-            if let Err(error) = self.range.set_access(index * self.chunk, self.chunk, &access) {
+            self.range.map(self.chunk_offset(index), &memory)?;
+            if let Err(error) = self.range.set_access(self.chunk_offset(index), self.chunk, &access) {
                 // SAFETY: mapped just now, never handed out.
-                if let Err(unmap) = unsafe { self.range.unmap(index * self.chunk) } {
+                if let Err(unmap) = unsafe { self.range.unmap(self.chunk_offset(index)) } {
                     tracing::warn!(%unmap, "unmapping a chunk whose access was refused failed");
                 }
                 return Err(error.into());
@@ -482,45 +526,56 @@ impl Arena {
             .chunks
             .keys()
             .copied()
-            .filter(|&index| !state.chunk_in_use(index * self.chunk, (index + 1) * self.chunk))
+            .filter(|&index| {
+                !state.chunk_in_use(self.chunk_offset(index), self.chunk_offset(index).saturating_add(self.chunk))
+            })
             .collect();
         let mut released = 0;
         for index in idle {
             // SAFETY: no live or pending allocation lies in the chunk: every free in it was passed.
-            unsafe { self.range.unmap(index * self.chunk) }?;
+            unsafe { self.range.unmap(self.chunk_offset(index)) }?;
             state.chunks.remove(&index);
             released += self.chunk;
         }
         Ok(released)
     }
 
-    /// Exports the chunks under the live allocation at `ptr` as file descriptors, for another
+    /// Exports the chunks of the live allocation at `ptr` as file descriptors, for another
     /// process to map with [`ArenaImport::map`].
     ///
+    /// A peer maps whole chunks, so only an allocation that owns its chunks is exported: one
+    /// that starts on a chunk boundary and is a whole number of chunks long, which nothing else
+    /// can share while it lives (`arena.allocate(k * chunk, chunk, &stream)`, with `chunk` from
+    /// [`Arena::chunk_size`]). The peer must stop using the memory before the allocation is
+    /// freed here: its chunks are then handed out again.
+    ///
     /// # Errors
-    /// [`Error::NotFromArena`] for a pointer that is no live allocation of this arena; the
+    /// [`Error::NotFromArena`] for a pointer that is no live allocation of this arena;
+    /// [`Error::NotExportable`] for one that shares a chunk with other allocations; the
     /// export's refusals (an arena built without `POSIX_FILE_DESCRIPTOR`).
     #[cfg(unix)]
     pub fn export_fd(&self, ptr: CUdeviceptr) -> Result<ArenaExport> {
         let state = self.lock();
-        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
-        let Some((offset, len)) = offset.and_then(|o| state.live.get(&o).map(|len| (o, *len))) else {
+        let Some((offset, len)) = self.offset_of(ptr).and_then(|o| state.live.get(&o).map(|len| (o, *len))) else {
             return Err(Error::NotFromArena { ptr });
         };
+        if !offset.is_multiple_of(self.chunk) || !len.is_multiple_of(self.chunk) {
+            return Err(Error::NotExportable {
+                ptr,
+                len,
+                offset_in_chunk: offset % self.chunk,
+                chunk_size: self.chunk,
+            });
+        }
+        // Whole chunks inside the range: `offset + len` is at most its length.
         let first = offset / self.chunk;
-        let descriptors = (first..(offset + len).div_ceil(self.chunk))
+        let descriptors = (first..first.saturating_add(len / self.chunk))
             .map(|index| match state.chunks.get(&index) {
                 Some(memory) => Ok(memory.export_fd()?),
                 None => Err(Error::NotFromArena { ptr }),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ArenaExport {
-            descriptors,
-            chunk_size: self.chunk,
-            offset: offset - first * self.chunk,
-            len,
-            device: self.device(),
-        })
+        Ok(ArenaExport { descriptors, chunk_size: self.chunk, offset: 0, len, device: self.device() })
     }
 }
 
@@ -547,9 +602,12 @@ unsafe impl StreamOrderedResource for Arena {
         if bytes == 0 {
             return Ok(0);
         }
-        let rounded = bytes
-            .checked_next_multiple_of(POOL_ALIGNMENT)
-            .ok_or(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() })?;
+        let exhausted = || Error::ArenaExhausted { requested: bytes, reserved: self.range.len() };
+        // Refused before any arithmetic on offsets: a span this large cannot fit.
+        if bytes > self.range.len() {
+            return Err(exhausted());
+        }
+        let rounded = bytes.checked_next_multiple_of(POOL_ALIGNMENT).ok_or_else(exhausted)?;
         let align = align.max(POOL_ALIGNMENT);
         let mut state = self.lock();
         // A free that cannot be checked now only keeps its span out of this allocation.
@@ -565,21 +623,22 @@ unsafe impl StreamOrderedResource for Arena {
         }
         let Some(offset) = offset else {
             // Exhausted, unless frees that could not be waited for would have made room.
-            return Err(unsettled.unwrap_or(Error::ArenaExhausted { requested: bytes, reserved: self.range.len() }));
+            return Err(unsettled.unwrap_or_else(exhausted));
         };
-        if let Err(error) = self.map_chunks(&mut state, offset, offset + rounded) {
+        // `take` found `offset + rounded` inside the range.
+        if let Err(error) = self.map_chunks(&mut state, offset, offset.saturating_add(rounded)) {
             state.live.remove(&offset);
             state.give_back(offset, rounded);
             return Err(error);
         }
-        Ok(base + offset as u64)
+        Ok(address_in(&self.range, offset))
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, _align: usize, stream: &Stream) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        let offset = ptr.checked_sub(self.range.base()).and_then(|o| usize::try_from(o).ok());
+        let offset = self.offset_of(ptr);
         let live = |state: &State| offset.filter(|offset| state.live.contains_key(offset));
         // Refused before anything reaches the stream. The caller's promise (a live allocation,
         // freed once) keeps it live until it is taken out below.
@@ -658,6 +717,7 @@ impl ArenaImport {
         }
         let props = AllocationProperties::device(device).handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR);
         let range = AddressRange::reserve(total, chunk_size)?;
+        check_range_end(&range, "mapping an imported arena allocation")?;
         for (index, fd) in descriptors.iter().enumerate() {
             let memory = PhysicalAllocation::import_fd(fd, chunk_size, &props)?;
             range.map(index * chunk_size, &memory)?;
@@ -668,7 +728,7 @@ impl ArenaImport {
 
     /// The allocation's address in this process.
     pub fn as_raw(&self) -> CUdeviceptr {
-        self.range.base() + self.offset as u64
+        address_in(&self.range, self.offset)
     }
 
     /// The allocation's length.
@@ -709,6 +769,25 @@ mod tests {
         assert_eq!(state.free.len(), 1, "everything coalesced: {:?}", state.free);
         assert_eq!(state.free.get(&0), Some(&(1 << 20)));
         assert!(state.take(base, (1 << 20) + 256, 256).is_none(), "more than the range is refused");
+    }
+
+    #[test]
+    fn a_span_that_cannot_be_computed_without_overflow_does_not_fit() {
+        let chunk = 1 << 21;
+        let mut state = state(16 * chunk);
+        let first = state.take(chunk as u64, 256, 256).unwrap();
+        for huge in [usize::MAX - 300, usize::MAX - 255, usize::MAX, 16 * chunk + 1] {
+            assert_eq!(state.take(chunk as u64, huge, 256), None, "{huge} bytes");
+        }
+        // A base near the end of the address space: aligning the start would wrap.
+        assert_eq!(state.take(u64::MAX - 4095, 256, 1 << 20), None);
+        // An alignment of 0 (no multiple exists) and one past the address space.
+        assert_eq!(state.take(chunk as u64, 256, 0), None);
+        assert_eq!(state.take(chunk as u64, 256, usize::MAX), None);
+        assert_eq!(state.live.len(), 1, "the refusals took nothing: {:?}", state.live);
+        assert_eq!(state.free.get(&256), Some(&(16 * chunk - 256)), "and left the free list whole");
+        let next = state.take(chunk as u64, 4096, 256).unwrap();
+        assert!(next >= first + 256, "{next} overlaps the live span at {first}");
     }
 
     #[test]

@@ -78,6 +78,21 @@ pub enum Error {
         ptr: u64,
     },
 
+    /// An arena allocation that shares a chunk with other allocations, which
+    /// [`Arena::export_fd`](crate::Arena::export_fd) refuses: a peer maps whole chunks, so it
+    /// would reach the neighbours too.
+    #[error("the arena allocation at {ptr:#x} ({len} bytes, starting {offset_in_chunk} bytes into a chunk) does not own its chunks, and exporting it would let another process reach the allocations that share them; export only an allocation that is a multiple of the chunk size ({chunk_size} bytes) and aligned to it: arena.allocate(k * {chunk_size}, {chunk_size}, &stream)")]
+    NotExportable {
+        /// The allocation's address.
+        ptr: u64,
+        /// Its length as the arena keeps it (rounded up to 256 bytes).
+        len: usize,
+        /// How far into its first chunk it starts.
+        offset_in_chunk: usize,
+        /// The arena's chunk size.
+        chunk_size: usize,
+    },
+
     /// [`Arena::trim`](crate::Arena::trim) while registrations need every chunk mapped.
     #[error("the arena cannot unmap chunks while {holders} registration(s) hold its mappings (NCCL caches them); drop the registrations first")]
     MappingsHeld {
@@ -95,7 +110,7 @@ impl Error {
             Self::Pool(error) => error.is_out_of_memory(),
             Self::LimitExceeded { .. } | Self::HostOutOfMemory { .. } | Self::ArenaExhausted { .. } => true,
             Self::Alignment { .. } | Self::KindMismatch { .. } | Self::LanesUnreachable { .. } => false,
-            Self::NotFromArena { .. } | Self::MappingsHeld { .. } => false,
+            Self::NotFromArena { .. } | Self::NotExportable { .. } | Self::MappingsHeld { .. } => false,
         }
     }
 }

@@ -166,7 +166,7 @@ fn core_class(error: &cumempool::Error) -> &'static str {
     match error {
         E::Load(_) => "LoadError",
         E::ForkedChild => "ForkedChildError",
-        E::Driver(_) => "DriverError",
+        E::Driver(_) | E::DriverGaveNullPointer { .. } => "DriverError",
         E::OutOfMemory { .. } => "OutOfMemoryError",
         E::InvalidDevice { .. } | E::InvalidLocalityDomain { .. } => "InvalidDeviceError",
         E::InvalidGranularity { .. } | E::InvalidArgument { .. } => "InvalidArgumentError",
@@ -189,7 +189,7 @@ fn core_class(error: &cumempool::Error) -> &'static str {
         E::SharingRefused { .. } => "SharingRefusedError",
         E::MalformedMessage { .. } => "MalformedMessageError",
         E::AlreadyImported { .. } => "AlreadyImportedError",
-        E::ImportedMemoryNotSliceable => "NotHostAccessibleError",
+        E::ImportedMemoryNotSliceable | E::ExportableMemoryNotSliceable { .. } => "NotHostAccessibleError",
         E::SharedLengthMismatch { .. } => "SharedLengthMismatchError",
         E::Io { .. } => "CumempoolOSError",
         E::UnknownValue(_) => "UnknownValueError",
@@ -209,7 +209,7 @@ fn alloc_class(error: &cumempool_alloc::Error) -> &'static str {
         E::KindMismatch { .. } => "KindMismatchError",
         E::LanesUnreachable { .. } => "LanesUnreachableError",
         E::HostOutOfMemory { .. } | E::ArenaExhausted { .. } => "OutOfMemoryError",
-        E::NotFromArena { .. } => "InvalidArgumentError",
+        E::NotFromArena { .. } | E::NotExportable { .. } => "InvalidArgumentError",
         E::MappingsHeld { .. } => "MappingsHeldError",
         _ => "CumempoolError",
     }

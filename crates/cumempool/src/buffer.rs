@@ -8,6 +8,7 @@
 use crate::capture_registry::{self, FreeAction};
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
+use crate::export_handles::HandleTypes;
 use crate::location::{AllocationType, Location};
 use crate::marker;
 use crate::owner::Owner;
@@ -32,6 +33,9 @@ pub struct BufferOn<S: Borrow<Stream>> {
     /// `None` for memory imported from a pool whose route this process does not know.
     route: Option<Route>,
     pool: Option<Arc<Owner>>,
+    /// The pool's export handle types, where known ([`Pool::created_handle_types`](crate::Pool::created_handle_types)):
+    /// host memory another process may map is never borrowed as a slice.
+    handle_types: Option<HandleTypes>,
 }
 
 /// A buffer that borrows its stream, so the compiler keeps the stream alive for it.
@@ -67,20 +71,22 @@ pub type OwnedBuffer = BufferOn<Stream>;
 
 impl<S: Borrow<Stream>> BufferOn<S> {
     pub(crate) fn empty(stream: S, route: Option<Route>) -> Self {
-        Self { ptr: 0, len: 0, stream, route, pool: None }
+        Self { ptr: 0, len: 0, stream, route, pool: None, handle_types: None }
     }
 
     /// # Safety
     /// `ptr` must be a live allocation of `len` bytes from the pool `pool` keeps alive (or a
-    /// driver-owned pool), ordered on `stream`, that nothing else frees.
+    /// driver-owned pool), ordered on `stream`, that nothing else frees; `handle_types` the
+    /// pool's export handle types where known, else `None`.
     pub(crate) unsafe fn from_pool(
         ptr: sys::CUdeviceptr,
         len: usize,
         stream: S,
         route: Option<Route>,
         pool: Option<Arc<Owner>>,
+        handle_types: Option<HandleTypes>,
     ) -> Self {
-        Self { ptr, len, stream, route, pool }
+        Self { ptr, len, stream, route, pool, handle_types }
     }
 
     /// The stream the buffer is ordered on and freed on.
@@ -573,6 +579,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         if !self.is_host_accessible() {
             return Err(Error::NotHostAccessible { route: self.route });
         }
+        if self.handle_types.is_none_or(|types| !types.is_empty()) {
+            // The pool may be exported at any moment, and an importer may then write this
+            // memory while the slice lives: the same race as above, from the exporting side.
+            return Err(Error::ExportableMemoryNotSliceable { handle_types: self.handle_types });
+        }
         if self.route.is_some_and(|r| r.allocation_type == AllocationType::Managed) {
             crate::device::require_concurrent_managed_access()?;
         }
@@ -585,7 +596,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     ///
     /// Only for host-accessible memory (host, host NUMA, managed); device memory is
     /// [`Error::NotHostAccessible`], and managed memory on a machine whose devices lack
-    /// concurrent managed access is [`Error::ManagedMemoryNotHostAccessible`].
+    /// concurrent managed access is [`Error::ManagedMemoryNotHostAccessible`]. Memory another
+    /// process may map is copied, never borrowed: imported memory is
+    /// [`Error::ImportedMemoryNotSliceable`], and memory of a pool with export handle types (a
+    /// host NUMA pool with `POSIX_FILE_DESCRIPTOR`), or of a pool whose handle types this
+    /// process does not know (`from_raw`), [`Error::ExportableMemoryNotSliceable`].
     ///
     /// # Errors
     /// The refusals above, or the stream's failure while waiting for it.

@@ -66,6 +66,17 @@ pub enum Error {
         function: &'static str,
     },
 
+    /// The driver answered an allocation of a non-zero size with success and address 0: a broken
+    /// answer, refused rather than handed out as memory (nothing was allocated that could be
+    /// freed).
+    #[error("{function} reported success but handed out address 0 for {requested} bytes, which is no allocation; the allocation was refused. The driver broke its contract: update it, or report it with the driver version")]
+    DriverGaveNullPointer {
+        /// The driver call that answered.
+        function: &'static str,
+        /// The bytes asked for.
+        requested: usize,
+    },
+
     /// A device ordinal that does not exist on this machine.
     #[error("there is no CUDA device {ordinal}: {}", devices_present(*.count))]
     InvalidDevice {
@@ -281,6 +292,16 @@ pub enum Error {
     #[error("memory imported from another process cannot be borrowed as a slice (the other process may write it at any time); copy it with Buffer::copy_to_host / copy_from_host")]
     ImportedMemoryNotSliceable,
 
+    /// Host memory of a pool that other processes may map (created with export handle types, or
+    /// of unknown handle types): it is copied, never borrowed as a slice. The pool may be
+    /// exported at any moment, so the pool's handle types decide, not whether it was exported.
+    #[error("the buffer's pool {}, so another process may map this memory and write it at any time, and a slice over it would be a data race; copy it with Buffer::copy_to_host / copy_from_host, or allocate from a pool built without export handle types", exportable_text(*.handle_types))]
+    ExportableMemoryNotSliceable {
+        /// The pool's export handle types; `None` where this process does not know them (a pool
+        /// borrowed or taken over with `from_raw`).
+        handle_types: Option<HandleTypes>,
+    },
+
     /// Export data whose length (sent by the peer) is more than the driver mapped.
     #[error("the shared allocation claims {claimed} bytes but the driver mapped {mapped}: the export data's length is wrong (or not from Buffer::export); the mapping was undone")]
     SharedLengthMismatch {
@@ -341,6 +362,13 @@ pub enum Error {
 
 fn capture_text(capture: Option<u64>) -> String {
     capture.map_or_else(|| "(id unknown)".to_owned(), |id| id.to_string())
+}
+
+fn exportable_text(handle_types: Option<HandleTypes>) -> String {
+    match handle_types {
+        Some(types) => format!("was created with export handle types {types}"),
+        None => "was not built by this process (from_raw), so its export handle types are unknown".to_owned(),
+    }
 }
 
 fn route_text(route: &Option<Route>) -> String {

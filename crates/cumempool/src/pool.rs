@@ -52,6 +52,11 @@ impl Pool {
         Self { raw: DriverHandle(raw), route, max_size: None, handle_types: None, owner: None }
     }
 
+    /// A route's default pool, which the driver made without export handle types.
+    pub(crate) fn default_of(raw: sys::CUmemoryPool, route: Route) -> Self {
+        Self::borrowed(raw, Some(route)).with_handle_types(HandleTypes::NONE)
+    }
+
     pub(crate) fn owned(raw: sys::CUmemoryPool, route: Option<Route>, max_size: Option<u64>, imported: bool) -> Self {
         let owner = Arc::new(Owner::new(raw, imported));
         Self { raw: DriverHandle(raw), route, max_size, handle_types: None, owner: Some(owner) }
@@ -125,7 +130,9 @@ impl Pool {
         self.owner.clone()
     }
 
-    /// The export handle types the pool was created with, where this process created it.
+    /// The export handle types the pool was created with, where known: a pool this process
+    /// built, and a route's default pool (none). `None` for a pool borrowed or taken over with
+    /// `from_raw`, and for an imported one.
     pub fn created_handle_types(&self) -> Option<HandleTypes> {
         self.handle_types
     }
@@ -248,7 +255,8 @@ impl Pool {
     /// [`Error::ImportedPoolAllocation`] for a pool imported from another process;
     /// [`Error::StreamCapturing`] on a stream capturing into a graph (captured memory is the
     /// graph's, and a buffer could outlive it: use [`Capture::alloc`](crate::Capture::alloc));
-    /// else the driver's answer.
+    /// [`Error::DriverGaveNullPointer`] when the driver answers success with address 0; else
+    /// the driver's answer.
     ///
     /// See [cuMemAllocFromPoolAsync](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     #[inline]
@@ -259,7 +267,7 @@ impl Pool {
         }
         let ptr = self.alloc_on(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
-        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream, self.route, self.owner.clone()) })
+        Ok(unsafe { Buffer::from_pool(ptr, bytes, stream, self.route, self.owner.clone(), self.handle_types) })
     }
 
     /// Like [`Pool::alloc`], but the buffer holds a clone of `stream` instead of borrowing it:
@@ -273,7 +281,9 @@ impl Pool {
         }
         let ptr = self.alloc_on(bytes, stream)?;
         // SAFETY: `ptr` was just allocated from this pool on `stream` with `bytes` bytes.
-        Ok(unsafe { OwnedBuffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone()) })
+        Ok(unsafe {
+            OwnedBuffer::from_pool(ptr, bytes, stream.clone(), self.route, self.owner.clone(), self.handle_types)
+        })
     }
 
     /// The allocation behind [`Pool::alloc`], as a raw address the caller frees with
@@ -319,6 +329,11 @@ impl Pool {
         // SAFETY: valid out-pointer, live pool and stream, context current.
         let answer = unsafe { driver_answer!(cuMemAllocFromPoolAsync(&mut ptr, bytes, self.raw.0, stream.as_raw())) }?;
         match answer.code {
+            // A success with no memory would become a buffer at address 0 that copies, host
+            // slices and the free on drop all take for memory.
+            sys::CUresult::CUDA_SUCCESS if ptr == 0 && bytes > 0 => {
+                Err(Error::DriverGaveNullPointer { function: answer.function, requested: bytes })
+            }
             sys::CUresult::CUDA_SUCCESS => Ok(ptr),
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 Err(Error::OutOfMemory { requested: bytes, limit: self.max_size, function: answer.function })

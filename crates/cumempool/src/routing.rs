@@ -107,7 +107,7 @@ impl RouteStack {
 /// See [cuMemGetDefaultMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn default_pool(route: Route) -> Result<PoolRef> {
     let raw = default_raw(route.validated()?)?;
-    Ok(PoolRef::new(Pool::borrowed(raw, Some(route))))
+    Ok(PoolRef::new(Pool::default_of(raw, route)))
 }
 
 fn default_raw(route: ValidRoute) -> Result<sys::CUmemoryPool> {
@@ -158,7 +158,7 @@ pub fn current_pool(route: Route) -> Result<Pool> {
     }
     drop(map);
     if raw == default_raw(valid)? {
-        return Ok(Pool::borrowed(raw, Some(route)));
+        return Ok(Pool::default_of(raw, route));
     }
     Err(Error::ForeignCurrentPool { route, handle: raw as usize as u64 })
 }

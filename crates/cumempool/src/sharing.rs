@@ -294,7 +294,9 @@ impl Pool {
         }
         // SAFETY: a fresh mapping of at least `len` bytes (checked above); freeing it
         // (cuMemFreeAsync) unmaps it, and the buffer keeps the imported pool alive until then.
-        Ok(unsafe { Buffer::from_pool(ptr, shared.len(), stream, self.route(), self.owner_handle()) })
+        Ok(unsafe {
+            Buffer::from_pool(ptr, shared.len(), stream, self.route(), self.owner_handle(), self.created_handle_types())
+        })
     }
 }
 
