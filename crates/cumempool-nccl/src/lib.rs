@@ -34,15 +34,15 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod bindings;
 mod buffers;
 mod comm;
 mod error;
-mod loader;
-mod registration;
-
 #[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, missing_docs, clippy::all)]
 #[path = "generated/nccl_23007.rs"]
-pub mod bindings;
+mod generated;
+mod loader;
+mod registration;
 
 pub use buffers::{DeviceBuffer, DeviceSlice, Element, NcclMemory, ReduceOp};
 pub use comm::{group, Communicator, UniqueId, ID_MESSAGE_LEN};
