@@ -518,7 +518,7 @@ mod tests {
 
     #[test]
     fn the_workspace_has_no_module_cycles() {
-        let cycles = find(&crate::workspace_root()).unwrap();
+        let cycles = find(&crate::workspace::root()).unwrap();
         let failing: Vec<String> = cycles.iter().filter(|c| !c.pending).map(ToString::to_string).collect();
         assert!(failing.is_empty(), "module cycles:\n{}", failing.concat());
     }

@@ -99,7 +99,7 @@ fn pinned_header(root: &Path) -> Result<PathBuf, String> {
 pub fn run(check: bool) -> Result<(), String> {
     let libclang = crate::libclang::load()?;
     eprintln!("libclang: {}", libclang.display());
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     let nccl_h = pinned_header(&root)?;
     let generated = generate(&root, &nccl_h)?;
     let relative = format!("crates/cumempool-nccl/src/generated/nccl_{VERSION_CODE}.rs");
