@@ -197,7 +197,7 @@ pub fn run(options: &Options) -> Result<(), String> {
     // Before any download: without libclang nothing can be generated.
     let libclang = crate::libclang::load()?;
     eprintln!("libclang: {}", libclang.display());
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     let mut jobs: Vec<(Headers, u32)> = Vec::new();
     if let Some(header) = &options.header {
         jobs.push(headers::explicit(header)?);

@@ -30,7 +30,7 @@ impl Options {
 const RUNNER: &str = include_str!("gpu_pack/run.sh");
 
 pub fn run(options: &Options) -> Result<(), String> {
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     let dir = options.dir.clone().unwrap_or_else(|| root.join(".gpu"));
     clear(&dir)?;
     let bin = dir.join("bin");

@@ -17,8 +17,8 @@ mod libclang;
 mod module_cycles;
 mod nccl;
 mod python;
+mod workspace;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -28,7 +28,7 @@ fn main() -> ExitCode {
         Some("bindgen") => bindgen::Options::parse(&args[1..]).and_then(|o| bindgen::run(&o)),
         Some("gpu-pack") => gpu_pack::Options::parse(&args[1..]).and_then(|o| gpu_pack::run(&o)),
         Some("test") => python::test(&args[1..]),
-        Some("module-cycles") => module_cycles::run(&workspace_root()),
+        Some("module-cycles") => module_cycles::run(&workspace::root()),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -69,12 +69,6 @@ module-cycles: list the modules of each crate that depend on each other (a paren
 test: `cargo test --workspace`, then the Python wheel built into target/wheels with maturin and
   installed into target/py-venv (created, with maturin, pytest and numpy, when missing), then
   pytest on crates/cumempool-py/tests (GPU tests skip without a GPU). --python-only skips cargo test.";
-
-/// The workspace root: xtask lives one level below it.
-fn workspace_root() -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
-}
 
 /// `--nccl` with at most `--check`: whether to check.
 fn nccl_options(args: &[String]) -> Result<bool, String> {

@@ -2,14 +2,20 @@
 //! (a parent using its child's items while the child uses the parent's, two siblings using each
 //! other) or through others, in every crate of the workspace.
 //!
-//! A module depends on another when its code names an item of it: a `use` of `crate::`,
-//! `super::` or `self::` paths, or such a path (or one through a child module) in its code.
-//! Paths are followed through `pub use` re-exports to the module that defines the item, and a
-//! re-export itself is no dependency: a facade that re-exports its children does not depend on
-//! them. The crate root declares and wires every module, so what it names is no dependency
-//! either; a module that uses an item the root defines does depend on the root. Inline modules
-//! (`mod tests { .. }`) count as part of their file's module. A macro invocation's path is seen,
-//! the tokens inside it are not.
+//! A module file depends on another when its code names an item of it: a `use` of `crate::`,
+//! `super::` or `self::` paths (whatever its visibility), or such a path (or one through a
+//! child module) in its code, in a macro's tokens included. Paths are followed through
+//! `pub use` re-exports to the module that defines the item. The one `use` that is no
+//! dependency is a top-level `pub use` of an item below the file's own module: a facade that
+//! re-exports its children does not depend on them (its code that names them does). The crate
+//! root is a file like the others: its `mod` and re-exports wire the crate, its code depends.
+//! Inline modules (`mod tests { .. }`) count as part of their file's module.
+//!
+//! A module is its file and every module below it, so cycles are looked for at each module,
+//! among its parts: its own file and each child with what lies below it. `error.rs` naming an
+//! item of `route/key.rs` depends on `route`, and with `route.rs` using `error.rs` the two
+//! modules make a cycle though no two files do. A cycle of files is always one among the parts
+//! of the module that holds them all, so no separate rule for files is needed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -31,6 +37,10 @@ struct Module {
     file: PathBuf,
     /// `pub use` re-exports: the name visible here, and the absolute path it stands for.
     reexports: BTreeMap<String, ModulePath>,
+    /// `pub use x::*` re-exports: the absolute paths whose names are visible here too.
+    globs: Vec<ModulePath>,
+    /// The names of the items the file defines at its top level.
+    defines: BTreeSet<String>,
     /// Absolute paths (crate-relative segments) this module's code refers to.
     references: Vec<ModulePath>,
 }
@@ -39,7 +49,8 @@ struct Module {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Cycle {
     pub krate: String,
-    /// The modules of the cycle (`crate` for the root), sorted.
+    /// The parts of the cycle, sorted: children of one module (each with what lies below it) and
+    /// that module's own file (`crate` for the root).
     pub modules: Vec<String>,
     /// `from -> to (path)` for each dependency inside the cycle.
     pub edges: Vec<String>,
@@ -115,8 +126,7 @@ fn load_crate(root_file: &Path) -> Result<BTreeMap<ModulePath, Module>, String> 
             (false, Some(parent)) => parent.join(path.last().map_or("", String::as_str)),
             (_, None) => PathBuf::new(),
         };
-        let mut collector = Collector { module: path.clone(), depth: 0, ..Collector::default() };
-        collector.visit_file(&syntax);
+        let collector = Collector::new(path.clone(), &syntax).collect(&syntax);
         for (name, attribute_path) in &collector.file_children {
             let mut child = path.clone();
             child.push(name.clone());
@@ -129,9 +139,30 @@ fn load_crate(root_file: &Path) -> Result<BTreeMap<ModulePath, Module>, String> 
                 queue.push((child, child_file, child_owns_dir));
             }
         }
-        modules.insert(path, Module { file, reexports: collector.reexports, references: collector.references });
+        let defines = syntax.items.iter().filter_map(item_name).collect();
+        let Collector { reexports, globs, references, .. } = collector;
+        modules.insert(path, Module { file, reexports, globs, defines, references });
     }
     Ok(modules)
+}
+
+/// The name an item defines, if any.
+fn item_name(item: &syn::Item) -> Option<String> {
+    let ident = match item {
+        syn::Item::Const(i) => &i.ident,
+        syn::Item::Enum(i) => &i.ident,
+        syn::Item::Fn(i) => &i.sig.ident,
+        syn::Item::Macro(i) => i.ident.as_ref()?,
+        syn::Item::Mod(i) => &i.ident,
+        syn::Item::Static(i) => &i.ident,
+        syn::Item::Struct(i) => &i.ident,
+        syn::Item::Trait(i) => &i.ident,
+        syn::Item::TraitAlias(i) => &i.ident,
+        syn::Item::Type(i) => &i.ident,
+        syn::Item::Union(i) => &i.ident,
+        _ => return None,
+    };
+    Some(ident.to_string())
 }
 
 /// Walks one file, collecting its child modules, re-exports and the paths its code names.
@@ -143,12 +174,47 @@ struct Collector {
     depth: usize,
     /// `mod x;` declarations, with a `#[path]` if one is given.
     file_children: Vec<(String, Option<String>)>,
+    /// The file's top-level modules, inline or not: known before the walk, so a `use` above
+    /// its `mod` resolves too.
     children: BTreeSet<String>,
     reexports: BTreeMap<String, ModulePath>,
+    globs: Vec<ModulePath>,
+    /// Names a top-level `pub use` of a module below this one brings in: the facade's own code
+    /// may name them bare (`impl Route`), which does depend on the child.
+    facade_names: BTreeMap<String, ModulePath>,
+    /// Top-level paths that start with a name of neither this crate nor a child, resolved once
+    /// the whole file is walked (a bare name may come from a `pub use` further down).
+    bare_paths: Vec<Vec<String>>,
     references: Vec<ModulePath>,
 }
 
 impl Collector {
+    /// A collector for `file`, the module `module`.
+    fn new(module: ModulePath, file: &syn::File) -> Self {
+        let children = file
+            .items
+            .iter()
+            .filter_map(|item| match item {
+                syn::Item::Mod(m) => Some(m.ident.to_string()),
+                _ => None,
+            })
+            .collect();
+        Collector { module, children, ..Collector::default() }
+    }
+
+    /// Walks `file` and settles the bare names its code used.
+    fn collect(mut self, file: &syn::File) -> Self {
+        self.visit_file(file);
+        for path in std::mem::take(&mut self.bare_paths) {
+            if let Some(target) = self.facade_names.get(&path[0]) {
+                let mut target = target.clone();
+                target.extend(path[1..].iter().cloned());
+                self.references.push(target);
+            }
+        }
+        self
+    }
+
     /// The absolute form of `segments`, named in the module being walked; `None` for paths
     /// that do not start in this crate (`std::`, other crates, local names).
     fn absolute(&self, segments: &[String]) -> Option<ModulePath> {
@@ -175,6 +241,12 @@ impl Collector {
         Some(base)
     }
 
+    /// Whether `target` lies below the file's own module: re-exporting it is a facade's work.
+    fn below_this_file(&self, target: &[String]) -> bool {
+        let file_module = &self.module[..self.module.len() - self.depth];
+        target.len() > file_module.len() && target.starts_with(file_module)
+    }
+
     fn add_use(&mut self, tree: &syn::UseTree, prefix: &mut Vec<String>, public: bool) {
         match tree {
             syn::UseTree::Path(p) => {
@@ -191,7 +263,13 @@ impl Collector {
             syn::UseTree::Rename(r) => self.add_import(prefix, &r.ident.to_string(), &r.rename.to_string(), public),
             syn::UseTree::Glob(_) => {
                 if let Some(target) = self.absolute(prefix) {
-                    if !public {
+                    // One that re-exports a child is the facade's, any other is a dependency
+                    // like a private one.
+                    let facade = public && self.depth == 0 && self.below_this_file(&target);
+                    if public && self.depth == 0 {
+                        self.globs.push(target.clone());
+                    }
+                    if !facade {
                         self.references.push(target);
                     }
                 }
@@ -199,6 +277,11 @@ impl Collector {
         }
     }
 
+    /// One imported name. Every `use` is a dependency of the file, with one exception: a
+    /// top-level `pub use` (any `pub(..)` too) of an item below the file's own module, which
+    /// only re-exports a child's item; the facade's code that names it bare still depends on
+    /// it. A `pub use` of a module elsewhere is both a re-export and a dependency: the file
+    /// imports the item like any `use`, and its users reach it through the file.
     fn add_import(&mut self, prefix: &[String], name: &str, visible_as: &str, public: bool) {
         let mut segments = prefix.to_vec();
         if name != "self" {
@@ -206,9 +289,48 @@ impl Collector {
         }
         let Some(target) = self.absolute(&segments) else { return };
         if public && self.depth == 0 {
-            self.reexports.insert(visible_as.to_owned(), target);
-        } else if !public {
-            self.references.push(target);
+            self.reexports.insert(visible_as.to_owned(), target.clone());
+            if self.below_this_file(&target) {
+                self.facade_names.insert(visible_as.to_owned(), target);
+                return;
+            }
+        }
+        self.references.push(target);
+    }
+
+    /// The paths among a macro's tokens (`crate::x`, `$crate::x`, `super::x`, `child::x`): the
+    /// tokens of `format!`, `wrap_pyfunction!` or a `macro_rules!` body are code as much as any.
+    fn add_token_paths(&mut self, tokens: proc_macro2::TokenStream) {
+        use proc_macro2::{Spacing, TokenTree};
+        let tokens: Vec<TokenTree> = tokens.into_iter().collect();
+        let is_colons = |i: usize| {
+            matches!((tokens.get(i), tokens.get(i + 1)),
+                (Some(TokenTree::Punct(a)), Some(TokenTree::Punct(b)))
+                    if a.as_char() == ':' && a.spacing() == Spacing::Joint && b.as_char() == ':')
+        };
+        let mut i = 0;
+        while i < tokens.len() {
+            match &tokens[i] {
+                TokenTree::Group(group) => self.add_token_paths(group.stream()),
+                TokenTree::Ident(ident) if is_colons(i + 1) && !(i >= 2 && is_colons(i - 2)) => {
+                    let mut segments = vec![ident.to_string()];
+                    let mut j = i + 1;
+                    while is_colons(j) {
+                        let Some(TokenTree::Ident(next)) = tokens.get(j + 2) else { break };
+                        segments.push(next.to_string());
+                        j += 3;
+                    }
+                    if let Some(target) = self.absolute(&segments) {
+                        self.references.push(target);
+                    } else if self.depth == 0 {
+                        self.bare_paths.push(segments);
+                    }
+                    i = j;
+                    continue;
+                }
+                _ => {}
+            }
+            i += 1;
         }
     }
 }
@@ -216,9 +338,6 @@ impl Collector {
 impl<'ast> Visit<'ast> for Collector {
     fn visit_item_mod(&mut self, item: &'ast syn::ItemMod) {
         let name = item.ident.to_string();
-        if self.depth == 0 {
-            self.children.insert(name.clone());
-        }
         match &item.content {
             None => {
                 if self.depth == 0 {
@@ -256,20 +375,38 @@ impl<'ast> Visit<'ast> for Collector {
         let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
         if let Some(target) = self.absolute(&segments) {
             self.references.push(target);
+        } else if self.depth == 0 && path.leading_colon.is_none() {
+            self.bare_paths.push(segments);
         }
         syn::visit::visit_path(self, path);
     }
+
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        syn::visit::visit_macro(self, mac);
+        self.add_token_paths(mac.tokens.clone());
+    }
 }
 
-/// The module file `target` lies in, following re-exports to where an item is defined.
+/// The module file `target` lies in, following re-exports (named or glob) to where an item is
+/// defined.
 fn resolve(modules: &BTreeMap<ModulePath, Module>, target: &[String]) -> Option<ModulePath> {
     let mut target = target.to_vec();
     for _ in 0..16 {
         let module = (0..=target.len()).rev().map(|n| &target[..n]).find(|p| modules.contains_key(*p))?.to_vec();
-        let next = target.get(module.len());
-        match next.and_then(|name| modules[&module].reexports.get(name)) {
+        let Some(name) = target.get(module.len()) else { return Some(module) };
+        let here = &modules[&module];
+        let origin = match here.reexports.get(name) {
+            Some(origin) => Some(origin.clone()),
+            None if here.defines.contains(name) => None,
+            None => here.globs.iter().find(|glob| provides(modules, glob, name, 8)).map(|glob| {
+                let mut origin = glob.clone();
+                origin.push(name.clone());
+                origin
+            }),
+        };
+        match origin {
             Some(origin) if origin.as_slice() != target.as_slice() => {
-                let mut followed = origin.clone();
+                let mut followed = origin;
                 followed.extend(target[module.len() + 1..].iter().cloned());
                 target = followed;
             }
@@ -279,36 +416,55 @@ fn resolve(modules: &BTreeMap<ModulePath, Module>, target: &[String]) -> Option<
     None
 }
 
-/// The cycles of one crate: its strongly connected groups of more than one module.
+/// Whether the module `module` defines or re-exports `name`.
+fn provides(modules: &BTreeMap<ModulePath, Module>, module: &[String], name: &str, depth: usize) -> bool {
+    let Some(here) = modules.get(module) else { return false };
+    here.defines.contains(name)
+        || here.reexports.contains_key(name)
+        || (depth > 0 && here.globs.iter().any(|glob| provides(modules, glob, name, depth - 1)))
+}
+
+/// Where a dependency of `from` on `to` (two module files) counts: at the deepest module that
+/// holds both (`level`), between the two parts of it that hold them: the level's own file, or
+/// one of its children with everything below it. So `error -> route::key` is `error -> route`
+/// among the crate's top-level modules, and `route::key -> route` is a child using its parent.
+fn placed(from: &[String], to: &[String]) -> (ModulePath, ModulePath, ModulePath) {
+    let shared = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+    let part = |module: &[String]| module[..module.len().min(shared + 1)].to_vec();
+    (from[..shared].to_vec(), part(from), part(to))
+}
+
+/// The cycles of one crate: at each module, the strongly connected groups of more than one of
+/// its parts (its own file and each child with what lies below it). A cycle between files is
+/// always one between the parts of the module that holds them all, so this finds those too;
+/// and a dependency on a child's file is one on the child, however the path reached it
+/// (`crate::route::Route` re-exported from `route::key` is still `route`).
 fn crate_cycles(krate: &str, modules: &BTreeMap<ModulePath, Module>) -> Vec<Cycle> {
-    let mut edges: BTreeMap<ModulePath, BTreeMap<ModulePath, String>> = BTreeMap::new();
+    type Edges = BTreeMap<ModulePath, BTreeMap<ModulePath, String>>;
+    let mut levels: BTreeMap<ModulePath, Edges> = BTreeMap::new();
     for (from, module) in modules {
         for reference in &module.references {
-            if let Some(to) = resolve(modules, reference) {
-                // The root declares and wires every module, so each lies below it: what the
-                // root itself names is no dependency that could close a cycle.
-                if to != *from && !from.is_empty() {
-                    edges.entry(from.clone()).or_default().entry(to).or_insert_with(|| display(reference));
-                }
+            let Some(to) = resolve(modules, reference) else { continue };
+            if to == *from {
+                continue;
             }
+            let (level, from_part, to_part) = placed(from, &to);
+            let defined_in = if to == to_part { String::new() } else { format!(" in {}", display(&to)) };
+            let via = format!("{}{defined_in}, {}", display(reference), module.file.display());
+            levels.entry(level).or_default().entry(from_part).or_default().entry(to_part).or_insert(via);
         }
     }
-    let groups = strongly_connected(modules.keys().cloned().collect(), &edges);
-    groups
-        .into_iter()
-        .filter(|group| group.len() > 1)
-        .map(|group| {
+    let mut cycles = Vec::new();
+    for (level, edges) in &levels {
+        let parts: Vec<ModulePath> =
+            modules.keys().filter(|m| m.starts_with(level) && m.len() <= level.len() + 1).cloned().collect();
+        for group in strongly_connected(parts, edges).into_iter().filter(|group| group.len() > 1) {
             let members: BTreeSet<&ModulePath> = group.iter().collect();
             let mut steps = Vec::new();
             for from in &group {
                 for (to, via) in edges.get(from).into_iter().flatten() {
                     if members.contains(to) {
-                        steps.push(format!(
-                            "{} -> {} ({via}, {})",
-                            display(from),
-                            display(to),
-                            modules[from].file.display()
-                        ));
+                        steps.push(format!("{} -> {} ({via})", display(from), display(to)));
                     }
                 }
             }
@@ -316,9 +472,10 @@ fn crate_cycles(krate: &str, modules: &BTreeMap<ModulePath, Module>) -> Vec<Cycl
             names.sort();
             steps.sort();
             let pending = PENDING.iter().any(|&(k, listed, _)| k == krate && names.iter().all(|m| covers(listed, m)));
-            Cycle { krate: krate.to_owned(), modules: names, edges: steps, pending }
-        })
-        .collect()
+            cycles.push(Cycle { krate: krate.to_owned(), modules: names, edges: steps, pending });
+        }
+    }
+    cycles
 }
 
 /// Whether `module` (as [`display`] writes it) is one of the top-level modules `listed`, or lies
@@ -516,9 +673,108 @@ mod tests {
         assert!(found.is_empty(), "{found:?}");
     }
 
+    /// The shape `cumempool` had: error.rs names `crate::route::InvalidRoute`, which route.rs
+    /// re-exports from its child route/key.rs, while route.rs uses error.rs. No two files use
+    /// each other, but the modules `error` and `route` do.
+    #[test]
+    fn a_module_that_uses_a_child_of_a_module_that_uses_it_is_a_cycle() {
+        let found = cycles_of(
+            "through_a_child",
+            &[
+                ("lib.rs", "mod error;\nmod route;\npub use route::InvalidRoute;\n"),
+                ("error.rs", "use crate::route::InvalidRoute;\npub enum Error { Route(InvalidRoute) }\n"),
+                (
+                    "route.rs",
+                    "mod key;\npub use key::InvalidRoute;\nuse crate::error::Error;\nfn check() -> Error { todo!() }\n",
+                ),
+                ("route/key.rs", "pub struct InvalidRoute;\n"),
+            ],
+        );
+        assert_eq!(found, vec![vec!["error".to_owned(), "route".to_owned()]]);
+    }
+
+    /// What the old check took for no dependency: a `pub(crate) use` of a sibling (a re-export,
+    /// but an import too), a path inside a macro's tokens, and the crate root's own code.
+    #[test]
+    fn restricted_re_exports_macro_tokens_and_the_root_s_code_are_dependencies() {
+        let re_export = cycles_of(
+            "restricted_re_export",
+            &[
+                ("lib.rs", "mod a;\nmod b;\n"),
+                ("a.rs", "pub(crate) use crate::b::Limit;\npub struct Size;\n"),
+                ("b.rs", "use crate::a::Size;\npub struct Limit;\n"),
+            ],
+        );
+        assert_eq!(re_export, vec![vec!["a".to_owned(), "b".to_owned()]]);
+        let macro_tokens = cycles_of(
+            "macro_tokens",
+            &[
+                ("lib.rs", "mod a;\nmod b;\n"),
+                ("a.rs", "pub const N: u8 = 1;\nfn f() -> String { format!(\"{}\", crate::b::M) }\n"),
+                ("b.rs", "pub const M: u8 = crate::a::N;\n"),
+            ],
+        );
+        assert_eq!(macro_tokens, vec![vec!["a".to_owned(), "b".to_owned()]]);
+        let child_in_tokens = cycles_of(
+            "child_in_macro_tokens",
+            &[
+                ("lib.rs", "mod m;\n"),
+                ("m.rs", "mod key;\npub const N: u8 = 1;\nfn f() -> String { format!(\"{}\", key::K) }\n"),
+                ("m/key.rs", "pub const K: u8 = super::N;\n"),
+            ],
+        );
+        assert_eq!(child_in_tokens, vec![vec!["m".to_owned(), "m::key".to_owned()]]);
+        let root_code = cycles_of(
+            "root_code",
+            &[
+                ("lib.rs", "mod a;\nfn root() {}\nfn main() { a::run() }\n"),
+                ("a.rs", "pub fn run() { crate::root() }\n"),
+            ],
+        );
+        assert_eq!(root_code, vec![vec!["a".to_owned(), "crate".to_owned()]]);
+    }
+
+    /// A facade's code that names its child's item through its own `pub use` depends on the
+    /// child: with the child using the facade, the two files make a cycle.
+    #[test]
+    fn a_facade_that_uses_what_it_re_exports_depends_on_the_child() {
+        let found = cycles_of(
+            "facade_use",
+            &[
+                ("lib.rs", "mod route;\n"),
+                ("route.rs", "pub use key::Route;\nmod key;\nfn limit() -> u8 { 1 }\nimpl Route { fn f() {} }\n"),
+                ("route/key.rs", "pub struct Route(u8);\nfn g() -> u8 { super::limit() }\n"),
+            ],
+        );
+        assert_eq!(found, vec![vec!["route".to_owned(), "route::key".to_owned()]]);
+    }
+
+    /// The generated bindings' shape: a list macro that names `$crate::bindings::..`, which
+    /// re-exports the generated file with a glob. Followed through the glob, the loader uses
+    /// the generated file and not the facade that re-exports the loader's table; a generated
+    /// file that re-exports the loader's table itself is a cycle.
+    #[test]
+    fn glob_re_exports_are_followed_to_where_the_item_is() {
+        let files = |generated_tail: &'static str| {
+            [
+                ("lib.rs", "mod generated;\nmod loader;\npub mod bindings;\n"),
+                ("bindings.rs", "pub use crate::generated::*;\npub use crate::loader::Table;\n"),
+                ("loader.rs", "use crate::bindings::Code;\npub struct Table(Code);\n"),
+                ("generated.rs", generated_tail),
+            ]
+        };
+        let generated = "pub struct Code;\nmacro_rules! each { () => { $crate::bindings::Code } }\n";
+        assert!(cycles_of("glob_followed", &files(generated)).is_empty());
+        let re_exporting = "pub struct Code;\npub use crate::loader::Table;\n";
+        assert_eq!(
+            cycles_of("generated_re_exports_the_loader", &files(re_exporting)),
+            vec![vec!["generated".to_owned(), "loader".to_owned()]]
+        );
+    }
+
     #[test]
     fn the_workspace_has_no_module_cycles() {
-        let cycles = find(&crate::workspace_root()).unwrap();
+        let cycles = find(&crate::workspace::root()).unwrap();
         let failing: Vec<String> = cycles.iter().filter(|c| !c.pending).map(ToString::to_string).collect();
         assert!(failing.is_empty(), "module cycles:\n{}", failing.concat());
     }

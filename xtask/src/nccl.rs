@@ -99,7 +99,7 @@ fn pinned_header(root: &Path) -> Result<PathBuf, String> {
 pub fn run(check: bool) -> Result<(), String> {
     let libclang = crate::libclang::load()?;
     eprintln!("libclang: {}", libclang.display());
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     let nccl_h = pinned_header(&root)?;
     let generated = generate(&root, &nccl_h)?;
     let relative = format!("crates/cumempool-nccl/src/generated/nccl_{VERSION_CODE}.rs");
@@ -121,7 +121,8 @@ pub fn run(check: bool) -> Result<(), String> {
 
 /// The list of functions as a macro that calls back with it: the loader builds its table from
 /// it, so these declarations depend on nothing hand-written. `bindings::EntryPoints` and
-/// `bindings::ENTRY_POINTS` stay public paths through a re-export of the loader's table.
+/// `bindings::ENTRY_POINTS` are public paths through `bindings.rs`, which re-exports these
+/// declarations and the loader's table.
 const LIST_MACRO_HEAD: &str = concat!(
     "/// Calls `$callback! { name: $crate::bindings::PFN_name = since, ... }` with every function\n",
     "/// these bindings declare and the NCCL release that added it.\n",
@@ -129,15 +130,7 @@ const LIST_MACRO_HEAD: &str = concat!(
     "    ($callback:ident) => {\n",
     "        $callback! {\n",
 );
-const LIST_MACRO_TAIL: &str = concat!(
-    "        }\n",
-    "    };\n",
-    "}\n",
-    "pub(crate) use for_each_entry_point;\n",
-    "\n",
-    "/// The functions above, resolved by the loader.\n",
-    "pub use crate::loader::{EntryPoints, ENTRY_POINTS};\n",
-);
+const LIST_MACRO_TAIL: &str = concat!("        }\n", "    };\n", "}\n", "pub(crate) use for_each_entry_point;\n",);
 
 fn generate(root: &Path, nccl_h: &Path) -> Result<String, String> {
     let names: Vec<&str> = FUNCTIONS.iter().map(|(name, _)| *name).collect();

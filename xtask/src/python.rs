@@ -104,7 +104,7 @@ pub fn test(args: &[String]) -> Result<(), String> {
         [flag] if flag == "--python-only" => true,
         _ => return Err(format!("unexpected arguments {args:?} (see `cargo xtask help`)")),
     };
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     if !python_only {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         run(Command::new(cargo).args(["test", "--workspace"]).current_dir(&root), "cargo test --workspace")?;

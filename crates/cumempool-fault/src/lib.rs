@@ -20,8 +20,13 @@ mod plan;
 mod real_driver;
 
 use cumempool_sys::{cuuint64_t, CUdriverProcAddressQueryResult, CUresult};
-use real_driver::real_driver;
+use real_driver::RealDriver;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+
+/// The real driver, never this library itself.
+fn real_driver() -> Option<&'static RealDriver> {
+    real_driver::real_driver(cuGetProcAddress_v2 as *const ())
+}
 
 /// The real driver's version. Fails with `CUDA_ERROR_INVALID_VALUE` when the startup plan does
 /// not parse (the reason is on stderr), so no process runs with a plan other than the one asked.

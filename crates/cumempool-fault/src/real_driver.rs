@@ -14,10 +14,12 @@ pub(crate) struct RealDriver {
     pub(crate) get_proc_address: PFN_cuGetProcAddress,
 }
 
-/// The real driver, or why it could not be opened (said once on stderr).
-pub(crate) fn real_driver() -> Option<&'static RealDriver> {
+/// The real driver, or why it could not be opened (said once on stderr). `this_library` is this
+/// library's own `cuGetProcAddress_v2`, refused as the real one; the crate root, which defines
+/// it, passes it, so this module stays below the exports that call it.
+pub(crate) fn real_driver(this_library: *const ()) -> Option<&'static RealDriver> {
     static REAL: OnceLock<Option<RealDriver>> = OnceLock::new();
-    REAL.get_or_init(|| match open() {
+    REAL.get_or_init(|| match open(this_library) {
         Ok(real) => Some(real),
         Err(reason) => {
             eprintln!("cumempool-fault: {reason}");
@@ -27,7 +29,7 @@ pub(crate) fn real_driver() -> Option<&'static RealDriver> {
     .as_ref()
 }
 
-fn open() -> Result<RealDriver, String> {
+fn open(this_library: *const ()) -> Result<RealDriver, String> {
     let path = std::env::var(REAL_LIBCUDA_ENV).ok().filter(|p| !p.is_empty());
     let path = path.as_deref().unwrap_or(cumempool_sys::DEFAULT_LIBRARY);
     // SAFETY: opening libcuda runs its initialisers, which is what loading a driver means. The
@@ -46,7 +48,7 @@ fn open() -> Result<RealDriver, String> {
             get_proc_address: symbol(library, path, b"cuGetProcAddress_v2")?,
         }
     };
-    if real.get_proc_address as *const () == crate::cuGetProcAddress_v2 as *const () {
+    if real.get_proc_address as *const () == this_library {
         return Err(format!("{REAL_LIBCUDA_ENV}={path} names this fault library, not the real driver"));
     }
     Ok(real)

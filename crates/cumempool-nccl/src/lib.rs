@@ -34,17 +34,17 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod bindings;
 mod buffers;
 mod comm;
 mod error;
+#[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, missing_docs, clippy::all)]
+#[path = "generated/nccl_23007.rs"]
+mod generated;
 mod group;
 mod loader;
 mod ordering;
 mod registration;
-
-#[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, missing_docs, clippy::all)]
-#[path = "generated/nccl_23007.rs"]
-pub mod bindings;
 
 pub use buffers::{DeviceBuffer, DeviceSlice, Element, NcclMemory, ReduceOp};
 pub use comm::{Communicator, UniqueId, ID_MESSAGE_LEN};

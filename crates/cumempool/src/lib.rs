@@ -74,6 +74,7 @@ mod routing;
 mod sharing;
 mod stream;
 mod unknown_value;
+mod valid_route;
 pub mod vmm;
 
 pub use access::Access;

@@ -254,6 +254,3 @@ macro_rules! for_each_entry_point {
     };
 }
 pub(crate) use for_each_entry_point;
-
-/// The functions above, resolved by the loader.
-pub use crate::loader::{EntryPoints, ENTRY_POINTS};
