@@ -1,7 +1,8 @@
 //! The Python package's build and tests: a virtual environment under `target/py-venv` with
-//! maturin, pytest and numpy (installed with pip when missing), the abi3 wheel built by maturin,
-//! and `cargo xtask test`, the README's one test command (`cargo test --workspace`, then the
-//! wheel, then pytest on `crates/cumempool-py/tests`).
+//! maturin, pytest, numpy and mypy (installed with pip when missing), the abi3 wheel built by
+//! maturin, and `cargo xtask test`, the README's one test command (`cargo test --workspace`,
+//! then the wheel, its type stubs checked against it, then pytest on
+//! `crates/cumempool-py/tests`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,7 +22,7 @@ pub fn environment(root: &Path) -> Result<PathBuf, String> {
         run(Command::new(&host).args(["-m", "venv"]).arg(&venv), "creating the Python environment")?;
     }
     let mut missing = Vec::new();
-    for (module, requirement) in [("maturin", MATURIN), ("pytest", "pytest"), ("numpy", "numpy")] {
+    for (module, requirement) in [("maturin", MATURIN), ("pytest", "pytest"), ("numpy", "numpy"), ("mypy", "mypy")] {
         let found = Command::new(&python).args(["-c", &format!("import {module}")]).output();
         if !found.is_ok_and(|o| o.status.success()) {
             missing.push(requirement);
@@ -83,6 +84,7 @@ pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String
         Command::new(python).args(["-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall"]).arg(wheel),
         "installing the wheel",
     )?;
+    check_types(root, python)?;
     let tests = root.join("crates").join("cumempool-py").join("tests");
     let status = Command::new(python)
         .args(["-m", "pytest", "-q"])
@@ -95,6 +97,26 @@ pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String
         Some(0 | PYTEST_NO_TESTS) => Ok(()),
         _ => Err(format!("the Python tests failed ({status})")),
     }
+}
+
+/// Checks the installed package's stubs against the module (mypy's stubtest imports it only,
+/// which needs no driver) and type-checks the quick start with them (mypy's settings, such as
+/// which libraries may be missing, are in the package's pyproject.toml).
+fn check_types(root: &Path, python: &Path) -> Result<(), String> {
+    let package = root.join("crates").join("cumempool-py");
+    run(
+        Command::new(python)
+            .args(["-m", "mypy.stubtest", "--mypy-config-file", "pyproject.toml"])
+            .args(["--allowlist", "stubtest-allowlist.txt", "cumempool"])
+            .current_dir(&package),
+        "stubtest (the stubs differ from the module)",
+    )?;
+    run(
+        Command::new(python)
+            .args(["-m", "mypy", "--config-file", "pyproject.toml", "examples/quickstart.py"])
+            .current_dir(&package),
+        "mypy on examples/quickstart.py",
+    )
 }
 
 /// `cargo xtask test [--python-only]`.

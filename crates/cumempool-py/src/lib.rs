@@ -9,6 +9,7 @@ mod buffers;
 mod contexts;
 mod dlpack;
 mod dyn_resource;
+mod enums;
 mod errors;
 mod gil;
 mod memory;
@@ -46,18 +47,21 @@ fn init(py: Python<'_>) -> errors::Outcome<()> {
 #[pyo3(name = "_native")]
 fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<routes::Location>()?;
-    module.add_class::<routes::AllocationType>()?;
+    module.add("AllocationType", routes::ALLOCATION_TYPE.class(module.py())?)?;
     module.add_class::<routes::Route>()?;
     module.add_class::<routing::RouteGuard>()?;
     module.add_class::<streams::Device>()?;
     module.add_class::<streams::Stream>()?;
-    module.add_class::<pools::Access>()?;
-    module.add_class::<pools::HandleTypes>()?;
+    module.add("Access", enums::ACCESS.class(module.py())?)?;
+    // MemPool.set_access and MemPool.access take and return this class: the package converts
+    // `Access` members to it at its edge (cumempool/__init__.py).
+    module.add("_NativeAccess", module.py().get_type::<pools::Access>())?;
+    module.add("HandleTypes", enums::HANDLE_TYPES.class(module.py())?)?;
     module.add_class::<pools::MemPool>()?;
     module.add_class::<buffers::Buffer>()?;
     module.add_class::<sharing::SharedAllocation>()?;
     module.add_class::<resources::ResourceBase>()?;
-    module.add("PoolResource", module.py().get_type::<resources::PoolResourceBinding>())?;
+    module.add_class::<resources::PoolResourceBinding>()?;
     module.add_class::<resources::Statistics>()?;
     module.add_class::<resources::Limit>()?;
     module.add_class::<resources::Tracking>()?;
@@ -69,6 +73,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(routing::is_default, module)?)?;
     module.add_function(wrap_pyfunction!(routing::reset_current_pool, module)?)?;
     module.add_function(wrap_pyfunction!(routing::set_current_pool, module)?)?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add_function(wrap_pyfunction!(driver_version, module)?)?;
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
     module.add_function(wrap_pyfunction!(init, module)?)?;

@@ -96,6 +96,30 @@ impl ResourceBase {
         self.device
     }
 
+    /// `CachingResource(PoolResource(MemPool(...)), max_cached=...)`: the stack from the top,
+    /// each layer with the arguments it was made with.
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let name = slf.get_type().qualname()?;
+        let below = slf.get().below.bind(slf.py()).repr()?;
+        let arguments = if let Ok(limit) = slf.cast::<Limit>() {
+            format!(", {}", limit.get().0.limit())
+        } else if let Ok(cache) = slf.cast::<Caching>() {
+            format!(", max_cached={}", cache.get().0.max_cached())
+        } else if let Ok(on_oom) = slf.cast::<OnOutOfMemory>() {
+            let slot = on_oom.get().callback.lock().unwrap_or_else(PoisonError::into_inner);
+            let callback = slot.as_ref().map(|c| c.clone_ref(slf.py()));
+            // Released before the repr runs Python code.
+            drop(slot);
+            match callback {
+                Some(callback) => format!(", {}", callback.bind(slf.py()).repr()?),
+                None => ", None".to_owned(),
+            }
+        } else {
+            String::new()
+        };
+        Ok(format!("{name}({below}{arguments})"))
+    }
+
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.below)
     }
@@ -106,7 +130,7 @@ impl ResourceBase {
 const ALLOC_DURING_CAPTURE: &str = "allocating with Resource.alloc (a Buffer cannot hold a capture's graph memory: allocate before the capture, or through the capturing library's allocator plug-in)";
 
 /// A pool as a resource (the base of a stack of adaptors).
-#[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
+#[pyclass(extends = ResourceBase, frozen, module = "cumempool", name = "PoolResource")]
 pub struct PoolResourceBinding;
 
 #[pymethods]

@@ -1,5 +1,6 @@
 //! Locations, allocation types and routes: the keys the driver keeps pools under.
 
+use crate::enums::PyEnum;
 use crate::errors::{Failure, Outcome};
 use pyo3::prelude::*;
 use pyo3::types::{PyTuple, PyType};
@@ -67,31 +68,50 @@ impl Location {
     /// process (`multiprocessing`). A location only the driver reports (invisible, unknown)
     /// has no constructor and is refused.
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Reduced<'py>> {
-        use cumempool::Location as L;
-        let py = slf.py();
-        let (name, args) = match slf.get().0 {
-            L::Device(ordinal) => ("device", PyTuple::new(py, [ordinal])?),
-            L::Host => ("host", PyTuple::empty(py)),
-            L::HostNuma(node) => ("host_numa", PyTuple::new(py, [node])?),
-            L::HostNumaCurrent => ("host_numa_current", PyTuple::empty(py)),
-            L::Unspecified => ("unspecified", PyTuple::empty(py)),
-            #[cfg(feature = "cuda-13040")]
-            L::DeviceLocalityDomain { device, domain } => ("locality_domain", (device, domain).into_pyobject(py)?),
-            other => {
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                    "the location {other} is one only the driver reports, and cannot be pickled"
-                )))
-            }
+        let location = slf.get().0;
+        let Some((name, args)) = constructor(location) else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "the location {location} is one only the driver reports, and cannot be pickled"
+            )));
         };
-        Ok((slf.get_type().getattr(name)?, args))
+        Ok((slf.get_type().getattr(name)?, PyTuple::new(slf.py(), args)?))
     }
 
+    /// The constructor call that makes it again (`Location.device(0)`), or the driver's words
+    /// in angle brackets for a location only the driver reports.
     fn __repr__(&self) -> String {
-        format!("Location({})", self.0)
+        location_repr(self.0)
     }
 
     fn __str__(&self) -> String {
         self.0.to_string()
+    }
+}
+
+/// The static method of `Location` that makes `location` again and its arguments; `None` for a
+/// location only the driver reports (invisible, unknown).
+fn constructor(location: cumempool::Location) -> Option<(&'static str, Vec<i64>)> {
+    use cumempool::Location as L;
+    Some(match location {
+        L::Device(ordinal) => ("device", vec![ordinal.into()]),
+        L::Host => ("host", Vec::new()),
+        L::HostNuma(node) => ("host_numa", vec![node.into()]),
+        L::HostNumaCurrent => ("host_numa_current", Vec::new()),
+        L::Unspecified => ("unspecified", Vec::new()),
+        #[cfg(feature = "cuda-13040")]
+        L::DeviceLocalityDomain { device, domain } => ("locality_domain", vec![device.into(), domain.into()]),
+        _ => return None,
+    })
+}
+
+/// `Location.device(0)`: Python that makes `location` again in the package's namespace.
+fn location_repr(location: cumempool::Location) -> String {
+    match constructor(location) {
+        Some((name, args)) => {
+            let args: Vec<String> = args.iter().map(i64::to_string).collect();
+            format!("Location.{name}({})", args.join(", "))
+        }
+        None => format!("<Location {location}>"),
     }
 }
 
@@ -108,48 +128,72 @@ fn locality_domain_location(_device: i32, _domain: u8) -> Outcome<cumempool::Loc
     ))
 }
 
-/// The kind of memory a pool hands out.
-#[pyclass(frozen, eq, eq_int, hash, module = "cumempool", from_py_object)]
+/// The kind of memory a pool hands out; Python sees `cumempool.AllocationType`, an `enum.Enum`
+/// whose values are the driver's `CUmemAllocationType` constants.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum AllocationType {
     /// Memory that stays where it was allocated.
-    PINNED,
+    Pinned,
     /// Managed (unified) memory, which migrates between host and devices.
-    MANAGED,
+    Managed,
 }
 
-#[pymethods]
-impl AllocationType {
-    /// Pickles as `getattr(AllocationType, name)`: the one member of that name.
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Reduced<'py>> {
-        let name = match *slf.get() {
-            Self::PINNED => "PINNED",
-            Self::MANAGED => "MANAGED",
-        };
-        let getattr = PyModule::import(slf.py(), "builtins")?.getattr("getattr")?;
-        Ok((getattr, (slf.as_any().get_type(), name).into_pyobject(slf.py())?))
-    }
-}
+/// The Python class of [`AllocationType`].
+pub(crate) static ALLOCATION_TYPE: PyEnum = PyEnum::new(
+    "AllocationType",
+    "Enum",
+    "The kind of memory a pool hands out: PINNED stays where it was allocated, MANAGED \
+     (unified memory) migrates between host and devices.",
+    &[("PINNED", 1), ("MANAGED", 2)],
+);
 
 impl AllocationType {
     fn to_rust(self) -> cumempool::AllocationType {
         match self {
-            Self::PINNED => cumempool::AllocationType::Pinned,
-            Self::MANAGED => cumempool::AllocationType::Managed,
+            Self::Pinned => cumempool::AllocationType::Pinned,
+            Self::Managed => cumempool::AllocationType::Managed,
         }
     }
 
     pub(crate) fn from_rust(value: cumempool::AllocationType) -> Self {
         match value {
-            cumempool::AllocationType::Managed => Self::MANAGED,
-            _ => Self::PINNED,
+            cumempool::AllocationType::Managed => Self::Managed,
+            _ => Self::Pinned,
         }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Pinned => "PINNED",
+            Self::Managed => "MANAGED",
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for AllocationType {
+    type Error = PyErr;
+
+    fn extract(object: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match ALLOCATION_TYPE.name_of(&object)? {
+            "MANAGED" => Ok(Self::Managed),
+            _ => Ok(Self::Pinned),
+        }
+    }
+}
+
+impl<'py> IntoPyObject<'py> for AllocationType {
+    type Target = PyAny;
+    type Output = Bound<'py, PyAny>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        ALLOCATION_TYPE.member(py, self.name())
     }
 }
 
 /// A (location, allocation type) pair: the key under which CUDA keeps a default pool and a
 /// current pool. Routes that cannot exist on any machine are refused when made.
+/// `Route(location, allocation_type=None)`: `None` means `AllocationType.PINNED`.
 #[pyclass(frozen, eq, hash, module = "cumempool", from_py_object)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Route(pub cumempool::Route);
@@ -163,9 +207,12 @@ impl Route {
 
 #[pymethods]
 impl Route {
+    // The default is spelled `None` (meaning PINNED) because `inspect.signature`, and so
+    // `help()`, reads only literals in a native signature.
     #[new]
-    #[pyo3(signature = (location, allocation_type = AllocationType::PINNED))]
-    fn new(location: Location, allocation_type: AllocationType) -> Outcome<Self> {
+    #[pyo3(signature = (location, allocation_type = None))]
+    fn new(location: Location, allocation_type: Option<AllocationType>) -> Outcome<Self> {
+        let allocation_type = allocation_type.unwrap_or(AllocationType::Pinned);
         Self::checked(cumempool::Route::new(location.0, allocation_type.to_rust()))
     }
 
@@ -232,8 +279,10 @@ impl Route {
         (slf.get_type(), (Location(route.location), AllocationType::from_rust(route.allocation_type)))
     }
 
+    /// `Route(Location.device(0), AllocationType.PINNED)`: Python that makes it again.
     fn __repr__(&self) -> String {
-        format!("Route({})", self.0)
+        let allocation_type = AllocationType::from_rust(self.0.allocation_type).name();
+        format!("Route({}, AllocationType.{allocation_type})", location_repr(self.0.location))
     }
 
     fn __str__(&self) -> String {

@@ -11,7 +11,7 @@ every rule is checked in Rust and every error is one of :mod:`cumempool.errors`.
 >>> buffer = pool.alloc(1 << 20, cm.Stream(0))
 
 The plug-ins import their library only when used: :mod:`cumempool.torch`,
-:mod:`cumempool.cupy` and :mod:`cumempool.cuda_core`.
+:mod:`cumempool.cupy`, :mod:`cumempool.cuda_core` and :mod:`cumempool.numba`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from ._native import (
     Statistics,
     Stream,
     Tracking,
+    __version__,
+    _NativeAccess,
     bindings_version,
     current_pool,
     current_pool_handle,
@@ -47,6 +49,30 @@ from ._native import (
     set_current_pool,
 )
 from .errors import *  # noqa: F401,F403  (the exception classes, at the top level too)
+
+
+def _access_at_the_edge() -> None:
+    """MemPool.set_access and MemPool.access speak the native module's own access class; users
+    see the ``Access`` enum, converted here by member name."""
+    native_set_access = MemPool.set_access
+    native_access = MemPool.access
+
+    def set_access(self: MemPool, device: Device, access: Access) -> None:
+        if not isinstance(access, Access):
+            raise TypeError(f"expected a member of cumempool.Access, not {access!r}")
+        native_set_access(self, device, getattr(_NativeAccess, access.name))
+
+    def access(self: MemPool, device: Device) -> Access:
+        granted = native_access(self, device)
+        return next(a for a in Access if getattr(_NativeAccess, a.name) == granted)
+
+    set_access.__doc__ = native_set_access.__doc__
+    access.__doc__ = native_access.__doc__
+    MemPool.set_access = set_access  # type: ignore[method-assign]
+    MemPool.access = access  # type: ignore[method-assign]
+
+
+_access_at_the_edge()
 
 
 def native_library_path() -> str:
@@ -85,6 +111,7 @@ __all__ = [
     "Statistics",
     "Stream",
     "Tracking",
+    "__version__",
     "bindings_version",
     "current_pool",
     "current_pool_handle",
@@ -97,5 +124,5 @@ __all__ = [
     "native_library_path",
     "reset_current_pool",
     "set_current_pool",
-    *errors.__all__,
 ]
+__all__ += errors.__all__

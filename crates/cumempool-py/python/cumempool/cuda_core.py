@@ -11,11 +11,13 @@ current pool, which ``cumempool.set_current_pool`` sets.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._native import MemPool, PoolResource, Resource, Stream
 from .errors import StreamNotBorrowableError
 
 
-def _base():
+def _base() -> Any:
     try:
         from cuda.core import MemoryResource as base
     except ImportError:  # older cuda.core releases kept it under experimental
@@ -23,7 +25,7 @@ def _base():
     return base
 
 
-def _buffer_type():
+def _buffer_type() -> Any:
     try:
         from cuda.core import Buffer
     except ImportError:
@@ -31,8 +33,8 @@ def _buffer_type():
     return Buffer
 
 
-def _make_class():
-    base = _base()
+def _make_class() -> type:
+    base: Any = _base()
 
     class CumempoolMemoryResource(base):
         """Allocates from ``source`` on the stream cuda.core gives; each ``Buffer`` it returns
@@ -77,13 +79,51 @@ def _make_class():
     return CumempoolMemoryResource
 
 
-_class = None
+_class: type | None = None
 
 
-def MemoryResource(source: MemPool | Resource):  # noqa: N802 (a class to its users)
-    """A ``cuda.core`` ``MemoryResource`` over ``source`` (the class is made on first use, so
-    importing this module does not import cuda.core)."""
+def _implementation() -> type:
+    """The cuda.core subclass, made on first use so that importing this module does not import
+    cuda.core."""
     global _class
     if _class is None:
-        _class = _make_class()
-    return _class(source)
+        try:
+            _class = _make_class()
+        except ImportError as error:
+            raise ImportError(
+                "cumempool.cuda_core.MemoryResource needs cuda.core (pip install cuda-core): "
+                f"{error}"
+            ) from error
+    return _class
+
+
+class _MadeOnFirstUse(type):
+    """The metaclass of ``MemoryResource``: calling the class makes an instance of the cuda.core
+    subclass, and ``isinstance`` and ``issubclass`` look at that subclass (before it exists no
+    object can be one)."""
+
+    def __call__(cls, source: MemPool | Resource) -> Any:
+        return _implementation()(source)
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return _class is not None and isinstance(instance, _class)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return subclass is cls or (_class is not None and issubclass(subclass, _class))
+
+
+class MemoryResource(metaclass=_MadeOnFirstUse):
+    """A ``cuda.core`` ``MemoryResource`` over ``source`` (a MemPool or a Resource):
+    ``MemoryResource(source)`` returns an instance of a subclass of cuda.core's
+    ``MemoryResource``, made on first use, so importing this module does not import cuda.core.
+    ``isinstance(x, MemoryResource)`` tells whether ``x`` is one."""
+
+    def __init__(self, source: MemPool | Resource) -> None: ...
+
+    def allocate(self, size: int, stream: object = None) -> object:
+        """A cuda.core ``Buffer`` of ``size`` bytes ordered on ``stream``."""
+        raise NotImplementedError  # never called: instances are of the cuda.core subclass
+
+    def deallocate(self, ptr: int, size: int, stream: object = None) -> None:
+        """Frees ``ptr`` on ``stream``."""
+        raise NotImplementedError  # never called: instances are of the cuda.core subclass

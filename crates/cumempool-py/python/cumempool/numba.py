@@ -1,0 +1,100 @@
+"""Numba plug-in: an External Memory Manager (EMM) that draws Numba's device arrays from a
+cumempool pool or resource.
+
+>>> import cumempool as cm, cumempool.numba as cmn
+>>> pool = cm.MemPool(cm.Route.device(0), max_size=1 << 30)
+>>> cmn.use(pool)                        # before Numba creates its context (its first CUDA use)
+>>> from numba import cuda
+>>> a = cuda.device_array(1 << 20)       # drawn from `pool`
+
+Numba's ``memalloc`` takes no stream: memory is allocated and freed on the legacy default
+stream of the source's device, which waits for the work queued on Numba's default stream and on
+every blocking stream (``cuda.stream()``). Work queued on a non-blocking stream
+(``CU_STREAM_NON_BLOCKING``, or the per-thread default stream) must be done before the last
+reference to an array goes. Host allocations (``cuda.pinned_array``, ``cuda.mapped_array``) and
+pinning stay with Numba. Importing this module does not import Numba.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from ._native import MemPool, PoolResource, Resource
+from .errors import InvalidDeviceError
+
+
+def _numba_cuda() -> Any:
+    try:
+        from numba import cuda
+    except ImportError as error:
+        raise ImportError(
+            "cumempool.numba needs Numba's CUDA target (pip install numba-cuda): " f"{error}"
+        ) from error
+    return cuda
+
+
+def manager(source: MemPool | Resource) -> type:
+    """A ``numba.cuda.HostOnlyCUDAMemoryManager`` subclass allocating from ``source`` (a MemPool
+    or a Resource), for ``numba.cuda.set_memory_manager``. Each call makes a new class."""
+    cuda = _numba_cuda()
+    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    from numba.cuda.cudadrv.driver import MemoryInfo
+
+    base: Any = cuda.HostOnlyCUDAMemoryManager
+
+    class CumempoolNumbaManager(base):
+        """Numba's device allocations from a cumempool resource, on the legacy default stream
+        of its device; host allocations and pinning are Numba's own."""
+
+        source = resource
+
+        def initialize(self) -> None:
+            pass  # the resource is ready when the class is made
+
+        def memalloc(self, size: int) -> Any:
+            device = self.context.device.id
+            if device != resource.device:
+                raise InvalidDeviceError(
+                    f"Numba asked for memory on device {device}, but this memory manager's "
+                    f"resource serves device {resource.device}: install a manager per device "
+                    "or allocate under that device"
+                )
+            buffer = resource.alloc(size, None)
+            # The finalizer holds the buffer: closing it frees the memory on the legacy stream.
+            return cuda.MemoryPointer(
+                self.context, ctypes.c_void_p(buffer.ptr), size, finalizer=buffer.close
+            )
+
+        def get_ipc_handle(self, memory: Any) -> Any:
+            raise NotImplementedError(
+                "pool memory has no legacy IPC handle: share it with a MemPool created with "
+                "handle_types=cumempool.HandleTypes.POSIX_FILE_DESCRIPTOR and Buffer.export()"
+            )
+
+        def get_memory_info(self) -> Any:
+            free, total = _device_memory(self.context)
+            return MemoryInfo(free=free, total=total)
+
+        @property
+        def interface_version(self) -> int:
+            return 1
+
+    return CumempoolNumbaManager
+
+
+def _device_memory(context: Any) -> tuple[int, int]:
+    """Free and total bytes of the context's device (what Numba's own manager reports)."""
+    from numba.cuda.cudadrv.driver import driver
+
+    free, total = driver.cuMemGetInfo()
+    return int(free), int(total)
+
+
+def use(source: MemPool | Resource) -> type:
+    """Makes Numba allocate device memory from ``source``: ``set_memory_manager(manager(source))``.
+    Call it before Numba's first CUDA use (Numba creates its context then, with the manager in
+    force at that moment). Returns the manager class."""
+    cls = manager(source)
+    _numba_cuda().set_memory_manager(cls)
+    return cls
