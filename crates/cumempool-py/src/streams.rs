@@ -136,6 +136,20 @@ impl Stream {
         }
     }
 
+    /// The raw handle, for code outside this package: the stream is marked as one that may
+    /// capture first (`cumempool::Stream::note_capture_possible`, the lender's duty the core
+    /// crate's `Stream::may_be_capturing` states), since the code it goes to may begin a
+    /// capture on it that nothing here would see. Every path that hands a handle out goes
+    /// through here. The legacy stream cannot be captured and is not marked (which would make
+    /// each use of it ask the driver).
+    pub(crate) fn lent_raw(&self) -> usize {
+        let raw = self.stream.as_raw() as usize;
+        if raw != 0 && raw != LEGACY_HANDLE {
+            self.stream.note_capture_possible();
+        }
+        raw
+    }
+
     /// Whether another library lent the stream (its object is held).
     pub(crate) fn is_lent(&self) -> bool {
         self.owner.is_some()
@@ -212,7 +226,7 @@ impl Stream {
             // (cuda.core's `Stream.close()`), and the handle may name another stream by now. A
             // closed object's own error surfaces; one that names another stream is looked up
             // anew.
-            if naming != Naming::Protocol || protocol_handle(obj)? == known.get().handle() {
+            if naming != Naming::Protocol || protocol_handle(obj)? == known.get().stream.as_raw() as usize {
                 return Ok(known);
             }
         }
@@ -489,10 +503,13 @@ impl Stream {
         Self::from_object(py, Some(obj), device.unwrap_or(0))
     }
 
-    /// The raw `CUstream` as an int.
+    /// The raw `CUstream` as an int. Whoever reads it may capture the stream into a CUDA graph
+    /// (`torch.cuda.ExternalStream(s.handle)` under `torch.cuda.graph`), so the stream is marked
+    /// as one that may capture: every capture-aware use here (a cache's alloc, a free) asks the
+    /// driver from now on.
     #[getter]
     fn handle(&self) -> usize {
-        self.stream.as_raw() as usize
+        self.lent_raw()
     }
 
     /// The device ordinal.
@@ -525,16 +542,18 @@ impl Stream {
         Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.is_idle()))?)
     }
 
-    /// cuda.core's stream protocol: `(0, handle)`.
+    /// cuda.core's stream protocol: `(0, handle)`. Marks the stream as `handle` does.
     fn __cuda_stream__(&self) -> (u32, usize) {
-        (0, self.handle())
+        (0, self.lent_raw())
     }
 
+    /// The raw handle, marking the stream as `handle` does.
     fn __int__(&self) -> usize {
-        self.handle()
+        self.lent_raw()
     }
 
     fn __repr__(&self) -> String {
-        format!("Stream(handle={:#x}, device={}, owned={})", self.handle(), self.device, self.stream.is_owned())
+        // The handle shown can be copied into another library as well.
+        format!("Stream(handle={:#x}, device={}, owned={})", self.lent_raw(), self.device, self.stream.is_owned())
     }
 }
