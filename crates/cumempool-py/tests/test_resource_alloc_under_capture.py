@@ -18,15 +18,21 @@ from conftest import libcuda
 STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src" / "stand_in_driver.c"
 
 
-def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
-    # What alloc allocates on a capturing stream is the graph's memory (an allocation node): a
-    # Buffer holding it would be freed outside the graph, refused before a launch (each launch
-    # then allocating memory nothing frees) or unordered after one.
+def capture_functions():
+    """The driver, and its functions another library begins and ends a capture with."""
     cuda = libcuda()
     begin, end = cuda.cuStreamBeginCapture_v2, cuda.cuStreamEndCapture
     begin.argtypes = [ctypes.c_void_p, ctypes.c_int]
     end.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
     cuda.cuGraphDestroy.argtypes = [ctypes.c_void_p]
+    return cuda, begin, end
+
+
+def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
+    # What alloc allocates on a capturing stream is the graph's memory (an allocation node): a
+    # Buffer holding it would be freed outside the graph, refused before a launch (each launch
+    # then allocating memory nothing frees) or unordered after one.
+    cuda, begin, end = capture_functions()
     pool = cm.MemPool(cm.Route.device(0))
     cache = cm.CachingResource(cm.PoolResource(pool))
     handle = stream.handle

@@ -101,7 +101,7 @@ class AccessNotGrantableError(CumempoolError):
 
 
 class StreamNotBorrowableError(CumempoolError, ValueError):
-    """A stream handle that cannot be borrowed safely (the per-thread default stream, say)."""
+    """A stream handle that cannot be borrowed safely (one of a context cumempool cannot find, say)."""
 
 
 class SharingError(CumempoolError):
