@@ -123,7 +123,8 @@ impl Buffer {
         dict.set_item("version", version)?;
         dict.set_item("strides", py.None())?;
         if with_stream {
-            dict.set_item("stream", (core.stream().as_raw() as usize).max(1))?;
+            // The consumer may capture the stream it reads here: marked as `Stream.handle` does.
+            dict.set_item("stream", core.stream_object().get().lent_raw().max(1))?;
         }
         this.viewed = true;
         Ok(dict.unbind())

@@ -76,6 +76,7 @@ impl Failure {
             Self::Core(error) => error.cuda_code(),
             _ => None,
         };
+        let message = pythonic(&message);
         match raise(py, class, &message, code, driver, reason) {
             Ok(error) | Err(error) => error,
         }
@@ -213,4 +214,65 @@ fn alloc_class(error: &cumempool_alloc::Error) -> &'static str {
         E::MappingsHeld { .. } => "MappingsHeldError",
         _ => "CumempoolError",
     }
+}
+
+/// The Rust advice in a core crate's message, phrase by phrase, as the Python API says it: the
+/// Rust crates' messages name Rust calls (`MemPool::builder(..)`, `Stream::legacy(&context)`),
+/// which a Python user cannot make. The longest phrases come first (a shorter one is part of
+/// some); what no phrase covers still loses its Rust syntax in `pythonic`.
+const PYTHON_ADVICE: &[(&str, &str)] = &[
+    (
+        "Record captured work through Capture (Stream::capture: Capture::alloc, fill, copy), or do this before the capture begins or after it ends",
+        "Allocate, copy and fill before the capture begins or after it ends (a graph's own memory comes from the capturing library's allocator, such as torch.cuda.graph's pool)",
+    ),
+    (" (allocate inside a capture with Capture::alloc)", ""),
+    ("MemPool::builder(..).export_handle_types(..)", "cumempool.MemPool(route, handle_types=cumempool.HandleTypes.POSIX_FILE_DESCRIPTOR)"),
+    ("Pool::export_fd or descriptor_passing::send_pool", "MemPool.export_fd() or MemPool.send()"),
+    ("Stream::legacy(&context)", "cumempool.Stream.legacy(device)"),
+    ("Stream::borrow_raw(raw, Some(&context))", "cumempool.Stream.borrow(handle, device)"),
+    ("MemPool::builder(..).export_handle_types(HandleTypes::", "cumempool.MemPool(route, handle_types=cumempool.HandleTypes."),
+    ("Buffer::copy_to_host / copy_from_host", "Buffer.to_bytes() / Buffer.copy_from()"),
+    ("Buffer::copy_to_host_async", "Buffer.to_bytes()"),
+    ("Buffer::copy_to_host", "Buffer.to_bytes()"),
+    ("Buffer::copy_from_host_async", "Buffer.copy_from()"),
+    ("Buffer::copy_from_host", "Buffer.copy_from()"),
+    ("Buffer::copy_from_async", "Buffer.copy_from_buffer()"),
+    ("Buffer::copy_from", "Buffer.copy_from_buffer()"),
+    ("Buffer::fill", "Buffer.fill()"),
+    ("Buffer::export", "Buffer.export()"),
+    ("MemPool::import_fd", "cumempool.MemPool.import_fd()"),
+    ("Pool::export_fd", "MemPool.export_fd()"),
+    ("Pool::alloc", "MemPool.alloc()"),
+    ("StreamOrderedResource::alloc", "a resource's alloc()"),
+    ("Stream::synchronize", "Stream.synchronize()"),
+    ("Stream::is_idle", "Stream.is_idle()"),
+    ("std::process::Command", "subprocess, or multiprocessing's spawn context"),
+    ("descriptor_passing", "MemPool.send() and MemPool.receive()"),
+    ("Route::managed(Location::Device(n))", "cumempool.Route.managed(cumempool.Location.device(n))"),
+    ("Location::HostNuma", "cumempool.Route.host_numa(node)"),
+    ("Access::ReadWrite or Access::None", "cumempool.Access.READ_WRITE or cumempool.Access.NONE"),
+    ("i32::MAX", "2**31 - 1"),
+    ("usize::MAX", "2**64 - 1"),
+];
+
+/// `message` with its Rust advice in Python terms (`PYTHON_ADVICE`), and any Rust path left
+/// (`Type::item`, `&value`) written as Python would (`Type.item`, `value`).
+pub(crate) fn pythonic(message: &str) -> String {
+    let mut text = message.to_owned();
+    for (rust, python) in PYTHON_ADVICE {
+        if text.contains(rust) {
+            text = text.replace(rust, python);
+        }
+    }
+    text = text.replace("HandleTypes::", "cumempool.HandleTypes.").replace("::", ".");
+    // `&` before a name is a Rust reference; `&&` and ` & ` are left (neither is in a message).
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '&' && chars.peek().is_some_and(|n| n.is_ascii_alphabetic()) {
+            continue;
+        }
+        out.push(c);
+    }
+    out
 }

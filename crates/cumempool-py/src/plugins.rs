@@ -26,9 +26,13 @@ static SERVED: RwLock<Option<Served>> = RwLock::new(None);
 /// device's own legacy stream.
 static STREAMS: Mutex<Option<HashMap<(usize, i32), cumempool::Stream>>> = Mutex::new(None);
 
-/// The resource each live allocation came from, so a free goes back to it even after Python
-/// switched or stopped what is served.
-static LIVE: Mutex<Option<HashMap<usize, Arc<dyn Resource>>>> = Mutex::new(None);
+/// The resource each live allocation came from and its size, so a free goes back to it even
+/// after Python switched or stopped what is served, with the size it was allocated with (a
+/// cache files a block under its size: a wrong size PyTorch passes is never trusted).
+static LIVE: Mutex<Option<HashMap<usize, Live>>> = Mutex::new(None);
+
+/// A live allocation: the resource it came from and its size.
+type Live = (Arc<dyn Resource>, usize);
 
 fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
     let mut streams = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -87,7 +91,7 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
     match answer {
         Ok(ptr) => {
             let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
-            live.get_or_insert_with(HashMap::new).insert(ptr as usize, served.resource.clone());
+            live.get_or_insert_with(HashMap::new).insert(ptr as usize, (served.resource.clone(), size));
             ptr as usize as *mut c_void
         }
         Err(error) => {
@@ -100,7 +104,8 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
 /// PyTorch's pluggable free function: gives `ptr` back on `stream`.
 ///
 /// # Safety
-/// `ptr` must come from `cumempool_torch_alloc` with the same size, device and stream, freed once.
+/// `ptr` must come from `cumempool_torch_alloc` with the same device and stream, freed once. The
+/// size is the one recorded at allocation, whatever `size` says.
 #[no_mangle]
 pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, device: i32, stream: *mut c_void) {
     // The null pointer is what an empty allocation got: nothing to give back.
@@ -109,14 +114,23 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
     }
     // As in `cumempool_torch_alloc`.
     let _unmarked = crate::gil::Unmarked::new();
-    let resource = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
-    let (Some(resource), Ok(size)) = (resource, usize::try_from(size)) else {
+    let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
+    let Some((resource, allocated)) = live else {
         tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");
         return;
     };
+    if usize::try_from(size) != Ok(allocated) {
+        tracing::warn!(
+            ?ptr,
+            size,
+            allocated,
+            "cumempool_torch_free given another size than allocated: freed with the allocated size"
+        );
+    }
+    let size = allocated;
     let answer = stream_for(stream as usize, device).map_err(cumempool_alloc::Error::from).and_then(|s| {
-        // SAFETY: PyTorch frees what cumempool_torch_alloc gave (it was live), with its size
-        // and stream, to the resource it came from.
+        // SAFETY: PyTorch frees what cumempool_torch_alloc gave (it was live), with the size
+        // recorded then, on its stream, to the resource it came from.
         unsafe { resource.deallocate(ptr as usize as sys::CUdeviceptr, size, &s) }
     });
     if let Err(error) = answer {

@@ -227,7 +227,7 @@ impl MemPool {
 
     /// Every attribute the driver answers, as a dict of the attribute's C name to its value;
     /// attributes the driver refuses (too old) are left out.
-    fn attributes(&self, py: Python<'_>) -> Outcome<Vec<(&'static str, u64)>> {
+    fn attributes(&self, py: Python<'_>) -> Outcome<std::collections::BTreeMap<&'static str, u64>> {
         let pool = self.pool()?;
         let all = crate::gil::detach(py, || pool.attributes());
         Ok(all.into_iter().filter_map(|(a, v)| v.ok().map(|v| (a.name(), v))).collect())

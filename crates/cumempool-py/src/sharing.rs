@@ -106,11 +106,60 @@ pub(crate) fn send_pool(py: Python<'_>, pool: &cumempool::Pool, socket: &Bound<'
     Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
 }
 
-/// Receives a pool sent with `send_pool` and imports it.
+/// Receives a pool sent with `send_pool` and imports it, waiting as `socket` says: up to its
+/// timeout (`socket.gettimeout()`), for ever where it has none (a blocking `socket.socket`, a
+/// `multiprocessing` connection, an int), whether or not its descriptor is non-blocking.
 pub(crate) fn receive_pool(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<cumempool::Pool> {
     let fd = descriptor_of(socket, "receiving a pool")?;
-    let received = crate::gil::detach(py, || on_socket(fd, dp::receive_pool))?;
-    Ok(cumempool::Pool::clone(&received.pool))
+    let timeout = timeout_of(socket)?;
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    loop {
+        wait_readable(py, fd, deadline, timeout.is_some_and(|t| t.is_zero()))?;
+        // One `recvmsg`: a message that is not there yet (another reader took it, or readiness
+        // was spurious) fails with nothing consumed, and is waited for again.
+        match crate::gil::detach(py, || on_socket(fd, dp::receive_pool)) {
+            Ok(received) => return Ok(cumempool::Pool::clone(&received.pool)),
+            Err(cumempool::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// The timeout `socket.gettimeout()` gives (`None`: wait for ever; objects without it, such as
+/// an int or a `multiprocessing` connection, have none).
+fn timeout_of(socket: &Bound<'_, PyAny>) -> Outcome<Option<std::time::Duration>> {
+    let py = socket.py();
+    if socket.is_instance_of::<PyInt>() || !socket.hasattr(pyo3::intern!(py, "gettimeout"))? {
+        return Ok(None);
+    }
+    let seconds: Option<f64> = socket.call_method0(pyo3::intern!(py, "gettimeout"))?.extract()?;
+    Ok(seconds.map(|s| std::time::Duration::from_secs_f64(s.max(0.0))))
+}
+
+/// Waits with `select.poll` (which releases the GIL, and retries on a signal as PEP 475 says)
+/// until `fd` is readable or `deadline` passes: `TimeoutError` then (`socket.timeout`), or
+/// `BlockingIOError` for a socket whose timeout is 0 (non-blocking mode), as Python's own
+/// `recv` raises.
+fn wait_readable(py: Python<'_>, fd: RawFd, deadline: Option<std::time::Instant>, non_blocking: bool) -> Outcome<()> {
+    let select = py.import(pyo3::intern!(py, "select"))?;
+    let poll = select.call_method0(pyo3::intern!(py, "poll"))?;
+    let readable = select.getattr(pyo3::intern!(py, "POLLIN"))?;
+    poll.call_method1(pyo3::intern!(py, "register"), (fd, readable))?;
+    let milliseconds = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()).as_millis() as u64);
+    let events = poll.call_method1(pyo3::intern!(py, "poll"), (milliseconds,))?;
+    if events.len()? > 0 {
+        return Ok(());
+    }
+    Err(if non_blocking {
+        pyo3::exceptions::PyBlockingIOError::new_err(
+            "receiving a pool: no message is waiting on this non-blocking socket (timeout 0); wait for one, or set a timeout",
+        )
+    } else {
+        pyo3::exceptions::PyTimeoutError::new_err(
+            "receiving a pool: no message came within the socket's timeout (socket.settimeout); the peer has not sent one yet",
+        )
+    }
+    .into())
 }
 
 /// Maps `shared` from `pool` (an imported pool), ordered on `stream`.

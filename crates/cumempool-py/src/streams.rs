@@ -136,6 +136,20 @@ impl Stream {
         }
     }
 
+    /// The raw handle, for code outside this package: the stream is marked as one that may
+    /// capture first (`cumempool::Stream::note_capture_possible`, the lender's duty the core
+    /// crate's `Stream::may_be_capturing` states), since the code it goes to may begin a
+    /// capture on it that nothing here would see. Every path that hands a handle out goes
+    /// through here. The legacy stream cannot be captured and is not marked (which would make
+    /// each use of it ask the driver).
+    pub(crate) fn lent_raw(&self) -> usize {
+        let raw = self.stream.as_raw() as usize;
+        if raw != 0 && raw != LEGACY_HANDLE {
+            self.stream.note_capture_possible();
+        }
+        raw
+    }
+
     /// Whether another library lent the stream (its object is held).
     pub(crate) fn is_lent(&self) -> bool {
         self.owner.is_some()
@@ -165,6 +179,35 @@ impl Stream {
         }
         legacy.push((device, made.clone_ref(py)));
         Ok(made)
+    }
+
+    /// What the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`, handle 2)
+    /// of `device` is served as: the device's legacy stream. Handle 2 names another stream on
+    /// each thread, and memory allocated on one thread's may be freed from another thread,
+    /// where 2 names that thread's. The per-thread stream is a blocking stream, which the
+    /// legacy stream synchronises with both ways (CUDA's stream semantics): work queued on the
+    /// legacy stream from any thread runs after the work queued before it on every thread's
+    /// per-thread stream of the context, and before the work queued on them after it. So an
+    /// allocation, a free, a cached block handed out, ordered on the legacy stream, is ordered
+    /// with the calling thread's per-thread stream, from whichever thread the free comes (at
+    /// the price of ordering with the context's other blocking streams too; non-blocking
+    /// streams, such as every `Stream(device)`, are not affected).
+    ///
+    /// The per-thread stream can be captured, and the legacy stream must not be used while a
+    /// blocking stream of its context captures (the driver would invalidate the capture): the
+    /// calling thread's per-thread stream is asked first, and a capture on it raises
+    /// `StreamCapturingError`, the capture left intact.
+    fn per_thread(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
+        let context = Self::context(py, device)?;
+        let capture = crate::gil::detach(py, || crate::contexts::while_current(&context, per_thread_capture))?;
+        if let Some(capture) = capture {
+            return Err(cumempool::Error::StreamCapturing {
+                operation: "using the per-thread default stream (handle 2), served as the device's legacy stream, which must not be used while it captures",
+                capture,
+            }
+            .into());
+        }
+        Self::shared_legacy(py, device)
     }
 
     /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as any clone of the
@@ -212,7 +255,7 @@ impl Stream {
             // (cuda.core's `Stream.close()`), and the handle may name another stream by now. A
             // closed object's own error surfaces; one that names another stream is looked up
             // anew.
-            if naming != Naming::Protocol || protocol_handle(obj)? == known.get().handle() {
+            if naming != Naming::Protocol || protocol_handle(obj)? == known.get().stream.as_raw() as usize {
                 return Ok(known);
             }
         }
@@ -221,6 +264,10 @@ impl Stream {
         // the device's own object, so two devices' legacy streams are never one stream.
         if raw == 0 || raw == LEGACY_HANDLE {
             return Self::shared_legacy(py, device);
+        }
+        // Never remembered: each use is checked on its own thread (`per_thread`).
+        if raw == PER_THREAD_HANDLE {
+            return Self::per_thread(py, device);
         }
         let known =
             lock(&LENT).streams.iter().find(|(r, d, _)| (*r, *d) == (raw, device)).map(|(_, _, s)| s.clone_ref(py));
@@ -332,6 +379,33 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// `CU_STREAM_LEGACY`.
 const LEGACY_HANDLE: usize = 1;
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
+const PER_THREAD_HANDLE: usize = 2;
+
+/// Whether the calling thread's per-thread default stream (of the current context) captures:
+/// `Some(id)` (the driver's capture id, where it gave one) while it does.
+fn per_thread_capture() -> Outcome<Option<Option<u64>>> {
+    let info = cumempool::sys::driver().and_then(|d| d.cuStreamGetCaptureInfo()).map_err(cumempool::Error::from)?;
+    let mut status = cumempool::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: cumempool::sys::cuuint64_t = 0;
+    // SAFETY: the per-thread stream of the current context (made current by the caller)
+    // always exists; valid out-pointers, the optional ones null.
+    let code = unsafe {
+        info(
+            PER_THREAD_HANDLE as cumempool::sys::CUstream,
+            &mut status,
+            &mut id,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    crate::contexts::check("cuStreamGetCaptureInfo", code)?;
+    Ok((status != cumempool::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        .then_some((id != 0).then_some(id)))
+}
 
 /// How many other libraries' streams are kept (with their objects) for reuse.
 const LENT_KEPT: usize = 64;
@@ -484,15 +558,21 @@ impl Stream {
             if raw == 0 || raw == LEGACY_HANDLE {
                 return Self::shared_legacy(py, device);
             }
+            if raw == PER_THREAD_HANDLE {
+                return Self::per_thread(py, device);
+            }
             return Ok(Py::new(py, Self::borrow_handle(py, raw, device, None)?)?);
         }
         Self::from_object(py, Some(obj), device.unwrap_or(0))
     }
 
-    /// The raw `CUstream` as an int.
+    /// The raw `CUstream` as an int. Whoever reads it may capture the stream into a CUDA graph
+    /// (`torch.cuda.ExternalStream(s.handle)` under `torch.cuda.graph`), so the stream is marked
+    /// as one that may capture: every capture-aware use here (a cache's alloc, a free) asks the
+    /// driver from now on.
     #[getter]
     fn handle(&self) -> usize {
-        self.stream.as_raw() as usize
+        self.lent_raw()
     }
 
     /// The device ordinal.
@@ -525,16 +605,18 @@ impl Stream {
         Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.is_idle()))?)
     }
 
-    /// cuda.core's stream protocol: `(0, handle)`.
+    /// cuda.core's stream protocol: `(0, handle)`. Marks the stream as `handle` does.
     fn __cuda_stream__(&self) -> (u32, usize) {
-        (0, self.handle())
+        (0, self.lent_raw())
     }
 
+    /// The raw handle, marking the stream as `handle` does.
     fn __int__(&self) -> usize {
-        self.handle()
+        self.lent_raw()
     }
 
     fn __repr__(&self) -> String {
-        format!("Stream(handle={:#x}, device={}, owned={})", self.handle(), self.device, self.stream.is_owned())
+        // The handle shown can be copied into another library as well.
+        format!("Stream(handle={:#x}, device={}, owned={})", self.lent_raw(), self.device, self.stream.is_owned())
     }
 }

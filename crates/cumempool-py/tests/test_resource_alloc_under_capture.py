@@ -18,15 +18,21 @@ from conftest import libcuda
 STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src" / "stand_in_driver.c"
 
 
-def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
-    # What alloc allocates on a capturing stream is the graph's memory (an allocation node): a
-    # Buffer holding it would be freed outside the graph, refused before a launch (each launch
-    # then allocating memory nothing frees) or unordered after one.
+def capture_functions():
+    """The driver, and its functions another library begins and ends a capture with."""
     cuda = libcuda()
     begin, end = cuda.cuStreamBeginCapture_v2, cuda.cuStreamEndCapture
     begin.argtypes = [ctypes.c_void_p, ctypes.c_int]
     end.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
     cuda.cuGraphDestroy.argtypes = [ctypes.c_void_p]
+    return cuda, begin, end
+
+
+def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
+    # What alloc allocates on a capturing stream is the graph's memory (an allocation node): a
+    # Buffer holding it would be freed outside the graph, refused before a launch (each launch
+    # then allocating memory nothing frees) or unordered after one.
+    cuda, begin, end = capture_functions()
     pool = cm.MemPool(cm.Route.device(0))
     cache = cm.CachingResource(cm.PoolResource(pool))
     handle = stream.handle
@@ -55,20 +61,36 @@ def stand_in_libcuda(tmp_path_factory):
     return str(library)
 
 
+# The stand-in's capture functions as another library calls them (`begin`, `end`): it hands its
+# entry points out through cuGetProcAddress only.
+STAND_IN_CAPTURE = """
+import ctypes, os
+import cumempool as cm
+lib = ctypes.CDLL(os.environ["CUMEMPOOL_LIBCUDA"])
+def entry(name, *argtypes):
+    fn = ctypes.c_void_p()
+    lib.cuGetProcAddress_v2(name.encode(), ctypes.byref(fn), 13000, ctypes.c_uint64(0), None)
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(fn.value)
+begin = entry("cuStreamBeginCapture", ctypes.c_void_p, ctypes.c_int)
+end = entry("cuStreamEndCapture", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+"""
+
+
+def run_on_stand_in(stand_in_libcuda, code):
+    """Runs `code` (dedented, after STAND_IN_CAPTURE) on the stand-in driver; its stdout words."""
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    code = STAND_IN_CAPTURE + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 def test_a_resource_alloc_on_a_capturing_stream_is_refused_on_the_stand_in(stand_in_libcuda):
-    # As above, without a GPU. The stand-in hands its entry points out through cuGetProcAddress
-    # only; a Rust-side allocation would succeed there, so only the refusal shows.
-    code = textwrap.dedent(
+    # As above, without a GPU. A Rust-side allocation would succeed on the stand-in, so only
+    # the refusal shows.
+    words = run_on_stand_in(
+        stand_in_libcuda,
         """
-        import ctypes, os
-        import cumempool as cm
-        lib = ctypes.CDLL(os.environ["CUMEMPOOL_LIBCUDA"])
-        def entry(name, *argtypes):
-            fn = ctypes.c_void_p()
-            lib.cuGetProcAddress_v2(name.encode(), ctypes.byref(fn), 13000, ctypes.c_uint64(0), None)
-            return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(fn.value)
-        begin = entry("cuStreamBeginCapture", ctypes.c_void_p, ctypes.c_int)
-        end = entry("cuStreamEndCapture", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
         pool = cm.MemPool(cm.Route.device(0))
         stream = cm.Stream(0)
         handle = stream.handle
@@ -81,9 +103,6 @@ def test_a_resource_alloc_on_a_capturing_stream_is_refused_on_the_stand_in(stand
                 print("refused")
         graph = ctypes.c_void_p()
         print(end(handle, ctypes.byref(graph)), pool.used_mem_current)
-        """
+        """,
     )
-    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["refused", "refused", "0", "0"], "refused, the capture intact, nothing allocated"
+    assert words == ["refused", "refused", "0", "0"], "refused, the capture intact, nothing allocated"

@@ -11,8 +11,43 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 
 from __future__ import annotations
 
+from . import errors
 from ._native import MemPool, PoolResource, Resource
 from .errors import InvalidDeviceError
+
+_out_of_memory_class = None
+
+
+def out_of_memory_error():
+    """The class the allocator raises at its resource's limit: a subclass of both
+    ``cupy.cuda.memory.OutOfMemoryError`` (what CuPy code catches, and what CuPy's own memory
+    pool retries after freeing its cached blocks for) and :class:`cumempool.OutOfMemoryError`.
+    Its message is cumempool's; ``__cause__`` is the cumempool error itself, whose ``code``,
+    ``name`` and ``function`` it carries too."""
+    global _out_of_memory_class
+    if _out_of_memory_class is None:
+        import cupy
+
+        class OutOfMemoryError(cupy.cuda.memory.OutOfMemoryError, errors.OutOfMemoryError):
+            __doc__ = out_of_memory_error.__doc__
+
+            def __init__(self, size: int, cause: errors.OutOfMemoryError):
+                cupy.cuda.memory.OutOfMemoryError.__init__(self, size, 0, 0)
+                self.args = (str(cause),)
+                for name in ("code", "name", "function", "reason"):
+                    setattr(self, name, getattr(cause, name, None))
+
+            def __str__(self):
+                return self.args[0]
+
+            def __reduce__(self):
+                # CuPy's class takes (size, total, limit); the message is kept as it is.
+                return (errors.OutOfMemoryError, self.args)
+
+        OutOfMemoryError.__module__ = __name__
+        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
+        _out_of_memory_class = OutOfMemoryError
+    return _out_of_memory_class
 
 
 class Allocator:
@@ -25,7 +60,11 @@ class Allocator:
 
     It serves the resource's device only: under ``cupy.cuda.Device(n)`` for another device it
     raises :class:`cumempool.InvalidDeviceError` (make an allocator per device), since CuPy
-    would use the memory on that device's streams, unordered with the ones it was given on."""
+    would use the memory on that device's streams, unordered with the ones it was given on.
+
+    At the resource's limit (a pool's ``max_size``, a :class:`cumempool.Limit`) it raises
+    :func:`out_of_memory_error`'s class, which is CuPy's ``OutOfMemoryError`` and
+    cumempool's at once."""
 
     def __init__(self, source: MemPool | Resource):
         self.resource = PoolResource(source) if isinstance(source, MemPool) else source
@@ -39,6 +78,9 @@ class Allocator:
                 f"this allocator serves device {self.resource.device} and CuPy's current device is "
                 f"device {current}: give each device an Allocator of its own resource"
             )
-        buffer = self.resource.alloc(size, cupy.cuda.get_current_stream())
+        try:
+            buffer = self.resource.alloc(size, cupy.cuda.get_current_stream())
+        except errors.OutOfMemoryError as error:
+            raise out_of_memory_error()(size, error) from error
         memory = cupy.cuda.UnownedMemory(buffer.ptr, size, buffer, buffer.device)
         return cupy.cuda.MemoryPointer(memory, 0)

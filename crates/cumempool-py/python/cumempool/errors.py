@@ -3,7 +3,7 @@
 Every class derives from :class:`CumempoolError`. Where a built-in exception says the same
 thing, the class derives from it too, so ``except MemoryError`` catches a pool that ran out and
 ``except ValueError`` catches a route that cannot exist. Messages are the Rust errors' text,
-with their causes. Errors the driver reported carry ``code`` (the ``CUresult``), ``name``
+with their causes, and with advice that names a Rust call given as the Python call. Errors the driver reported carry ``code`` (the ``CUresult``), ``name``
 (such as ``CUDA_ERROR_INVALID_VALUE``) and ``function`` (the entry point); others carry
 ``None`` there. :class:`InvalidArgumentError` and :class:`NotShareableError` raised for the
 core crate's refusals carry ``reason``, the name of the Rust reason a program can match (such
@@ -101,7 +101,7 @@ class AccessNotGrantableError(CumempoolError):
 
 
 class StreamNotBorrowableError(CumempoolError, ValueError):
-    """A stream handle that cannot be borrowed safely (the per-thread default stream, say)."""
+    """A stream handle that cannot be borrowed safely (one of a context cumempool cannot find, say)."""
 
 
 class SharingError(CumempoolError):

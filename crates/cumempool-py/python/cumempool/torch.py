@@ -17,6 +17,13 @@ Streams: PyTorch passes raw handles, which the plug-in borrows for the life of t
 cache it serves gives blocks back on the handle they were freed on, later. PyTorch's own streams
 are never destroyed. A stream lent through ``torch.cuda.ExternalStream`` must live until the
 served resource's ``release()`` ran after its last tensor was freed (or to the end of the process).
+
+Sizes: a free uses the size recorded at allocation, never the one PyTorch passes.
+
+CUDA graphs: under ``torch.cuda.graph(g, pool=...)`` (any capture of the stream PyTorch
+allocates on), what the plug-in allocates while the stream captures is recorded into the graph
+as an allocation node. That memory is the graph's, not the pool's: the pool's ``max_size`` and
+counters, and a ``Limit`` below the served resource, do not govern it.
 """
 
 from __future__ import annotations
