@@ -4,6 +4,7 @@
 # compute-sanitizer. Command outputs land in $OUT (default .gpu/results); every log in
 # $OUT/logs.tgz.
 #   BENCH=0          skip the benches        SANITIZE_RUN=0     skip the sanitizer pass
+#   WORKLOADS=0      skip the workload bench (bench/workloads.py: about 5 minutes, needs torch/CuPy)
 #   PROBES=0         skip the driver probes of tests/probes (they need nvcc)
 #   SANITIZE_LIMIT=S stop a sanitized test binary after S seconds (default 300)
 #   PACK=DIR         the pack, if not .gpu
@@ -29,6 +30,13 @@ if [ "${BENCH:-1}" = 1 ]; then
   if [ -d "$pack/py" ]; then
     PYTHONPATH="$pack/py" timeout 300 python3 crates/cumempool-py/bench/alloc_pair.py > "$OUT/python-bench.txt" 2>&1
     echo "python bench rc=$?"; cat "$OUT/python-bench.txt"
+    # Real workloads on every allocator: a fresh process per configuration and round (progress
+    # and each failure's details in workloads.err).
+    if [ "${WORKLOADS:-1}" = 1 ]; then
+      PYTHONPATH="$pack/py" timeout 480 python3 crates/cumempool-py/bench/workloads.py \
+        --json-out "$OUT/workloads.json" > "$OUT/workloads.txt" 2> "$OUT/workloads.err"
+      echo "workloads rc=$?"; cat "$OUT/workloads.txt"
+    fi
   fi
 fi
 if [ "${PROBES:-1}" = 1 ] && command -v nvcc >/dev/null; then
