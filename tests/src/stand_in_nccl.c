@@ -4,7 +4,10 @@
 
    A collective is logged as `nccl <stream>` when NCCL would launch it: at once outside a group,
    at the outermost ncclGroupEnd inside one (as NCCL does). Registrations are logged as
-   `register <address> <bytes>`. `fail_next_init` makes the next ncclCommInitRank fail with
+   `register <address> <bytes>`; a communicator's creation as `ncclinit`. Inside a group,
+   ncclCommInitRank and ncclCommWindowRegister are deferred to the outermost ncclGroupEnd, as NCCL
+   2.28 defers them: the window's handle would be written through the caller's out-pointer only
+   then (logged as `windowdeferred <out-pointer>` instead of written). `fail_next_init` makes the next ncclCommInitRank fail with
    ncclSystemError, as a bootstrap that could not reach its root does. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,11 +37,13 @@ static Comm *new_comm(int rank, int size, int device) {
     return c;
 }
 ncclResult_t ncclCommInitAll(Comm **comms, int n, const int *devices) {
+    stand_in_log("ncclinit", 0, 0, n);
     for (int i = 0; i < n; i++) comms[i] = new_comm(i, n, devices ? devices[i] : i);
     return 0;
 }
 ncclResult_t ncclCommInitRank(Comm **comm, int n, ncclUniqueId id, int rank) {
     if (fail_next_init) { fail_next_init = 0; return 2; }
+    stand_in_log("ncclinit", 0, 0, n);
     *comm = new_comm(rank, n, 0);
     return 0;
 }
@@ -81,5 +86,16 @@ ncclResult_t ncclCommRegister(void *c, void *buffer, size_t size, void **handle)
     return 0;
 }
 ncclResult_t ncclCommDeregister(void *c, void *handle) { free(handle); return 0; }
-ncclResult_t ncclMemAlloc(void **ptr, size_t size) { *ptr = malloc(size ? size : 1); return 0; }
+/* Aligned as NCCL's VMM memory is (to its granularity), so that windows may be registered. */
+ncclResult_t ncclMemAlloc(void **ptr, size_t size) { return posix_memalign(ptr, 4096, size ? size : 1) ? 1 : 0; }
 ncclResult_t ncclMemFree(void *ptr) { stand_in_log("ncclmemfree", ptr, 0, 0); free(ptr); return 0; }
+ncclResult_t ncclCommWindowRegister(void *c, void *buffer, size_t size, void **window, int flags) {
+    if (group_depth > 0) {
+        stand_in_log("windowdeferred", window, 0, 0);
+        return 0;
+    }
+    stand_in_log("windowregister", buffer, (void *)(uintptr_t)size, flags);
+    *window = malloc(1);
+    return 0;
+}
+ncclResult_t ncclCommWindowDeregister(void *c, void *window) { free(window); return 0; }

@@ -762,9 +762,11 @@ fn a_refused_route_change_leaves_the_route_unchanged() {
     let Some((_lock, suite)) = suite() else { return };
     let route = Route::host();
     let pool = MemPool::new(route).unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), 0, "the driver's default");
     let set = suite.failing("cuMemSetMemPool", 1, UNKNOWN, || set_current_pool(route, &pool));
     refused_by(set, "cuMemSetMemPool", UNKNOWN);
     assert!(is_default(route).unwrap(), "the route is unchanged");
+    assert_eq!(pool.release_threshold().unwrap(), 0, "and so is the pool's release threshold");
     // The lookup of the default pool comes after the driver has switched the route: a failure
     // there must not leave the route showing a pool nothing keeps alive.
     let base = suite.failing("cuMemGetDefaultMemPool", 1, UNKNOWN, || set_current_pool(route, &pool));

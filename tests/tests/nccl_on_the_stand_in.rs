@@ -184,3 +184,68 @@ fn a_group_whose_closure_panics_is_ended_and_ordered_all_the_same() {
     comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
     assert_eq!(calls_since(start).iter().filter(|call| call[0] == "nccl").count(), 1);
 }
+
+#[test]
+fn a_window_registered_inside_a_group_is_refused_before_nccl_defers_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let stream = Stream::new(&context).unwrap();
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &stream).unwrap();
+    let start = call_log().len();
+    let mut inside = None;
+    group(|_| {
+        // NCCL 2.28 would write the window's handle through `register_window`'s out-pointer only
+        // at the group's end, into a stack frame that has returned by then.
+        inside = Some(comm.register_window(&memory, false).map(|window| window.as_raw()));
+        Ok(())
+    })
+    .unwrap();
+    let refused = inside.unwrap();
+    assert!(matches!(refused, Err(Error::InsideGroup { what: "registering a window", .. })), "{refused:?}");
+    let calls = calls_since(start);
+    assert!(calls.iter().all(|call| !call[0].starts_with("window")), "nothing reached NCCL: {calls:?}");
+    // Outside a group it is registered at once.
+    let window = comm.register_window(&memory, false).unwrap();
+    assert!(!window.as_raw().is_null());
+}
+
+#[test]
+fn communicators_are_not_created_inside_a_group() {
+    let Some((_serial, _context)) = stand_in() else { return };
+    let id = UniqueId::new().unwrap();
+    let start = call_log().len();
+    let mut inside = None;
+    group(|_| {
+        // Inside a group NCCL creates a communicator only at the group's end: the rank, size and
+        // device asked at once would not be known, and a failure would destroy it before NCCL
+        // had made it.
+        inside = Some((Communicator::init_all(&[0]).map(|_| ()), Communicator::init_rank(&id, 1, 0, 0).map(|_| ())));
+        Ok(())
+    })
+    .unwrap();
+    let (all, rank) = inside.unwrap();
+    assert!(matches!(all, Err(Error::InsideGroup { what: "creating communicators", .. })), "{all:?}");
+    assert!(matches!(rank, Err(Error::InsideGroup { what: "creating a communicator", .. })), "{rank:?}");
+    assert!(calls_since(start).iter().all(|call| call[0] != "ncclinit"), "nothing reached NCCL");
+    assert!(Communicator::init_rank(&id, 1, 0, 0).is_ok(), "the id was not used up by the refusal");
+}
+
+#[test]
+fn a_communicator_with_collectives_queued_in_a_group_is_not_aborted_inside_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let buffer = pool.alloc(4096, &a).unwrap();
+    let mut inside = None;
+    group(|g| {
+        g.all_reduce::<u8>(&comm, &buffer, &buffer, 4096, ReduceOp::Sum, &c)?;
+        // NCCL would reclaim the communicator at the group's end, beside the launch it still owes.
+        inside = Some((comm.abort(), comm.wait(&c, std::time::Duration::ZERO)));
+        Ok(())
+    })
+    .unwrap();
+    let (aborted, waited) = inside.unwrap();
+    assert!(matches!(aborted, Err(Error::InsideGroup { what: "aborting a communicator", .. })), "{aborted:?}");
+    assert!(matches!(waited, Err(Error::InsideGroup { .. })), "{waited:?}");
+    comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
+}

@@ -92,6 +92,14 @@ impl UniqueId {
     }
 }
 
+/// What to do instead of creating a communicator inside a group: NCCL creates one only at the
+/// group's end, so its rank, size and device, asked at once, are not known yet.
+const CREATE_BEFORE_THE_GROUP: &str = "create communicators before the group";
+
+/// What to do instead of waiting for or aborting a communicator inside a group, whose
+/// collectives NCCL launches only at the group's end.
+const AFTER_THE_GROUP: &str = "do it after group returns, once NCCL has launched the group's collectives";
+
 /// Ids and ranks this process created communicators from: NCCL would wait for a root that is
 /// gone, so a reuse is refused instead.
 static USED_IDS: Mutex<Option<HashSet<UsedId>>> = Mutex::new(None);
@@ -152,9 +160,10 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an empty or repeated device list; the CUDA errors of a
-    /// device that does not exist; NCCL's refusal.
+    /// device that does not exist; [`Error::InsideGroup`]; NCCL's refusal.
     pub fn init_all(devices: &[i32]) -> Result<Vec<Self>> {
         const WHAT: &str = "creating communicators";
+        refuse_inside_group(WHAT, CREATE_BEFORE_THE_GROUP)?;
         if devices.is_empty() {
             return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::NoDevices });
         }
@@ -192,8 +201,10 @@ impl Communicator {
     /// # Errors
     /// [`Error::NoSuchRank`] for a rank outside `0..ranks`; [`Error::UniqueIdReused`] for an
     /// id this process already created this rank from (or is creating it from on another
-    /// thread); NCCL's refusal, after which the same id may be tried again.
+    /// thread); [`Error::InsideGroup`]; NCCL's refusal, after which the same id may be tried
+    /// again.
     pub fn init_rank(id: &UniqueId, ranks: i32, rank: i32, device: i32) -> Result<Self> {
+        refuse_inside_group("creating a communicator", CREATE_BEFORE_THE_GROUP)?;
         if ranks < 1 || !(0..ranks).contains(&rank) {
             return Err(Error::NoSuchRank { what: "creating a communicator", rank, size: ranks });
         }
@@ -299,7 +310,10 @@ impl Communicator {
     /// # Errors
     /// [`Error::Timeout`] at the timeout; NCCL's asynchronous error; [`Error::Aborted`] for a
     /// communicator aborted before. Either way this communicator is unusable afterwards.
+    /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure, where nothing has been
+    /// launched yet (and an abort could not stop it).
     pub fn wait(&self, stream: &Stream, timeout: Duration) -> Result<()> {
+        refuse_inside_group("waiting for a communicator's collectives", AFTER_THE_GROUP)?;
         self.usable()?;
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
@@ -328,7 +342,13 @@ impl Communicator {
 
     /// Aborts the communicator (`ncclCommAbort`): its pending operations stop and it frees its
     /// resources; every later call answers [`Error::Aborted`].
+    ///
+    /// # Errors
+    /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure: NCCL would reclaim the
+    /// communicator only at the group's end, beside the launch of the collectives queued for it
+    /// there; NCCL's refusal.
     pub fn abort(&self) -> Result<()> {
+        refuse_inside_group("aborting a communicator", AFTER_THE_GROUP)?;
         if self.gone.swap(true, Ordering::AcqRel) {
             return Ok(());
         }

@@ -110,7 +110,7 @@ pub enum Error {
         waited: Duration,
     },
 
-    /// A call that cannot be made inside [`group`](crate::group)'s closure, where NCCL launches
+    /// A call that cannot be made inside [`group`](crate::group())'s closure, where NCCL launches
     /// only at the group's end.
     #[error("{what} was called inside cumempool_nccl::group, where NCCL launches only at the group's end; {instead}")]
     InsideGroup {

@@ -1,5 +1,5 @@
 //! How a collective is ordered with the streams its buffers are released on, and whether this
-//! thread is inside [`group`](crate::group)'s closure.
+//! thread is inside [`group`](crate::group())'s closure.
 //!
 //! A buffer's free is queued on its own stream. A collective queued on another stream is made to
 //! wait for the work queued on each buffer's stream (the work that produced its data), and each
@@ -8,7 +8,7 @@
 //! `BufferOn::copy_from_async` orders a copy.
 //!
 //! Inside a group NCCL launches only at the outermost `ncclGroupEnd`, so the second half waits
-//! until then ([`crate::group`] runs it); the group keeps the collective's stream alive until the
+//! until then ([`crate::group()`] runs it); the group keeps the collective's stream alive until the
 //! launch.
 
 use crate::error::{Error, Result};
@@ -16,16 +16,16 @@ use cumempool::Stream;
 use std::cell::Cell;
 
 thread_local! {
-    /// How many [`crate::group`] closures run on this thread (0 or 1: groups do not nest).
+    /// How many [`crate::group()`] closures run on this thread (0 or 1: groups do not nest).
     static GROUP_DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Whether this thread runs inside [`crate::group`]'s closure.
+/// Whether this thread runs inside [`crate::group()`]'s closure.
 pub(crate) fn inside_group() -> bool {
     GROUP_DEPTH.with(Cell::get) > 0
 }
 
-/// Refuses `what` inside [`crate::group`]'s closure, saying what to do `instead`.
+/// Refuses `what` inside [`crate::group()`]'s closure, saying what to do `instead`.
 pub(crate) fn refuse_inside_group(what: &'static str, instead: &'static str) -> Result<()> {
     if inside_group() {
         return Err(Error::InsideGroup { what, instead });

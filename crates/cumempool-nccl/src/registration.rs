@@ -25,6 +25,7 @@ use crate::buffers::DeviceBuffer;
 use crate::comm::Communicator;
 use crate::error::{Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
+use crate::ordering::refuse_inside_group;
 use cumempool::sys::CUdeviceptr;
 use cumempool_alloc::{Arena, MappingHold};
 use std::ffi::c_void;
@@ -238,10 +239,13 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an address not aligned to 4096 bytes;
-    /// [`Error::WrongDevice`]; [`Error::Load`] naming NCCL 2.27 on older NCCL; NCCL's refusal
-    /// (memory that is not VMM memory among them).
+    /// [`Error::WrongDevice`]; [`Error::Load`] naming NCCL 2.27 on older NCCL;
+    /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure (NCCL would register the
+    /// window only at the group's end, writing its handle through a pointer to this call's
+    /// stack frame, long returned); NCCL's refusal (memory that is not VMM memory among them).
     pub fn register_window<'a>(&'a self, buffer: &'a impl DeviceBuffer, symmetric: bool) -> Result<Window<'a>> {
         const WHAT: &str = "registering a window";
+        refuse_inside_group(WHAT, "register windows before the group")?;
         let ptr = self.check_buffer(WHAT, buffer)?;
         let alignment = u64::from(NCCL_WIN_REQUIRED_ALIGNMENT);
         if !buffer.device_ptr().is_multiple_of(alignment) {

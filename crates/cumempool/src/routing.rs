@@ -237,12 +237,21 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     let current = current_raw(valid)?;
     // Everything that can fail is asked before the route changes, so a refusal changes nothing.
     let base = base_of(valid, current)?;
-    if pool.release_threshold()? == 0 {
+    let raised = pool.release_threshold()? == 0;
+    if raised {
         pool.set_release_threshold(u64::MAX)?;
     }
     // Before the route shows it: from then on a thread may read it, so it is never destroyed.
     crate::retirement::note_current(pool.as_raw());
-    set_raw(valid, pool.as_raw())?;
+    if let Err(error) = set_raw(valid, pool.as_raw()) {
+        // A refused change leaves the pool as it found it too.
+        if raised {
+            if let Err(reset) = pool.set_release_threshold(0) {
+                tracing::warn!(%reset, "putting back the release threshold of a pool whose routing was refused failed");
+            }
+        }
+        return Err(error);
+    }
     let stack = map.entry(route).or_insert_with(|| RouteStack::new(base));
     if stack.expected() != current {
         // Changes made outside this crate since it last looked end this crate's changes.
