@@ -7,7 +7,7 @@
    `register <address> <bytes>`; a communicator's creation as `ncclinit`. Inside a group,
    ncclCommInitRank and ncclCommWindowRegister are deferred to the outermost ncclGroupEnd, as NCCL
    2.28 defers them: the window's handle would be written through the caller's out-pointer only
-   then (logged as `windowdeferred <out-pointer>` instead of written). `fail_next_init` makes the next ncclCommInitRank fail with
+   then (logged as `windowdeferred <out-pointer>`, and `windowwritten <out-pointer>` when written). `fail_next_init` makes the next ncclCommInitRank fail with
    ncclSystemError, as a bootstrap that could not reach its root does. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -65,11 +65,19 @@ static ncclResult_t launch(void *stream) {
     return 0;
 }
 ncclResult_t ncclGroupStart(void) { group_depth++; return 0; }
+/* Out-pointers of windows registered inside the group, written at its end as NCCL does. */
+static __thread void **deferred_windows[64];
+static __thread int deferred_windows_len;
 ncclResult_t ncclGroupEnd(void) {
     if (group_depth == 0) return 4;
     if (--group_depth == 0) {
         for (int i = 0; i < grouped_len; i++) stand_in_log("nccl", grouped[i], 0, 0);
         grouped_len = 0;
+        for (int i = 0; i < deferred_windows_len; i++) {
+            *deferred_windows[i] = malloc(1);
+            stand_in_log("windowwritten", deferred_windows[i], 0, 0);
+        }
+        deferred_windows_len = 0;
     }
     return 0;
 }
@@ -91,6 +99,8 @@ ncclResult_t ncclMemAlloc(void **ptr, size_t size) { return posix_memalign(ptr, 
 ncclResult_t ncclMemFree(void *ptr) { stand_in_log("ncclmemfree", ptr, 0, 0); free(ptr); return 0; }
 ncclResult_t ncclCommWindowRegister(void *c, void *buffer, size_t size, void **window, int flags) {
     if (group_depth > 0) {
+        if (deferred_windows_len == 64) return 3;
+        deferred_windows[deferred_windows_len++] = window;
         stand_in_log("windowdeferred", window, 0, 0);
         return 0;
     }

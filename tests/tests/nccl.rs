@@ -332,14 +332,9 @@ fn registration_on_two_gpus_pool_arena_and_nccl_memory() {
     let blocks: Vec<_> = (0..2).map(|r| arenas[r].alloc(8 << 20, streams[r]).unwrap()).collect();
     let registrations: Vec<_> = comms.iter().zip(&arenas).map(|(c, a)| c.register_arena(a).unwrap()).collect();
     let slices: Vec<_> = (0..2).map(|r| DeviceSlice::of_arena(&arenas[r], &blocks[r]).unwrap()).collect();
-    let windows = group(|_| {
-        let w0 = comms[0].register_window(&slices[0], true);
-        let w1 = comms[1].register_window(&slices[1], true);
-        Ok((w0, w1))
-    })
-    .unwrap();
-    eprintln!("windows on arena memory: {:?} / {:?}", windows.0.as_ref().err(), windows.1.as_ref().err());
-    assert!(windows.0.is_ok() && windows.1.is_ok(), "windows on arena memory");
+    let windows = cumempool_nccl::register_windows(&[(&comms[0], &slices[0]), (&comms[1], &slices[1])], true);
+    eprintln!("windows on arena memory: {:?}", windows.as_ref().err());
+    assert!(windows.is_ok(), "windows on arena memory");
     let nccl_memory: Vec<_> = (0..2).map(|d| NcclMemory::new(d as i32, 8 << 20, streams[d]).unwrap()).collect();
     for (comm, memory) in comms.iter().zip(&nccl_memory) {
         let registered = comm.register(memory).map(|r| r.len());

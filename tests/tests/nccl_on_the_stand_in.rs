@@ -209,6 +209,32 @@ fn a_window_registered_inside_a_group_is_refused_before_nccl_defers_it() {
     assert!(!window.as_raw().is_null());
 }
 
+/// The windows of several ranks of one process are registered in one NCCL group, whose handles
+/// NCCL writes at the group's end: `register_windows` keeps them until then.
+#[test]
+fn windows_of_the_ranks_of_one_process_are_registered_together_and_come_back_written() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let stream = Stream::new(&context).unwrap();
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &stream).unwrap();
+    let start = call_log().len();
+    let windows = cumempool_nccl::register_windows(&[(&comm, &memory)], true).unwrap();
+    assert_eq!(windows.len(), 1);
+    assert!(!windows[0].as_raw().is_null(), "the handle NCCL wrote at the group's end");
+    let calls = calls_since(start);
+    let deferred = calls.iter().position(|call| call[0] == "windowdeferred").expect("registered inside a group");
+    let written = calls.iter().position(|call| call[0] == "windowwritten").expect("written at its end");
+    assert!(deferred < written && calls[deferred][1] == calls[written][1], "{calls:?}");
+    // Inside a group it is refused, as the single registration is.
+    let mut inside = None;
+    group(|_| {
+        inside = Some(cumempool_nccl::register_windows(&[(&comm, &memory)], true).map(|w| w.len()));
+        Ok(())
+    })
+    .unwrap();
+    assert!(matches!(inside.unwrap(), Err(Error::InsideGroup { .. })));
+}
+
 #[test]
 fn communicators_are_not_created_inside_a_group() {
     let Some((_serial, _context)) = stand_in() else { return };

@@ -120,6 +120,18 @@ pub enum Error {
         instead: &'static str,
     },
 
+    /// NCCL answered success to a group of window registrations but gave fewer windows than
+    /// ranks (those it gave were deregistered).
+    #[error(
+        "NCCL answered success but gave {registered} windows for {ranks} ranks; the windows it gave were deregistered"
+    )]
+    NoWindow {
+        /// The windows NCCL gave.
+        registered: usize,
+        /// The ranks asked for.
+        ranks: usize,
+    },
+
     /// A communicator that was aborted (after a timeout or an asynchronous error).
     #[error("the communicator was aborted (after a failure or timeout) and cannot be used; create a new one")]
     Aborted,

@@ -51,7 +51,7 @@ pub use comm::{Communicator, UniqueId, ID_MESSAGE_LEN};
 pub use error::{Error, InvalidArgumentReason, Result};
 pub use group::{group, Group};
 pub use loader::{candidates, nccl, LoadError, Nccl, NcclVersion, DEFAULT_LIBRARY, LIBNCCL_ENV};
-pub use registration::{ArenaRegistration, Registration, Window};
+pub use registration::{register_windows, ArenaRegistration, Registration, Window};
 
 /// The loaded NCCL's version (loading it on first use).
 pub fn version() -> Result<NcclVersion> {

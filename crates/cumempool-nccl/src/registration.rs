@@ -23,7 +23,7 @@
 use crate::bindings::{ncclWindow_t, NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_REQUIRED_ALIGNMENT};
 use crate::buffers::DeviceBuffer;
 use crate::comm::Communicator;
-use crate::error::{Error, InvalidArgumentReason, Result};
+use crate::error::{check, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use crate::ordering::refuse_inside_group;
 use cumempool::sys::CUdeviceptr;
@@ -245,25 +245,91 @@ impl Communicator {
     /// stack frame, long returned); NCCL's refusal (memory that is not VMM memory among them).
     pub fn register_window<'a>(&'a self, buffer: &'a impl DeviceBuffer, symmetric: bool) -> Result<Window<'a>> {
         const WHAT: &str = "registering a window";
-        refuse_inside_group(WHAT, "register windows before the group")?;
-        let ptr = self.check_buffer(WHAT, buffer)?;
+        refuse_inside_group(WHAT, "register the windows of several ranks with register_windows, outside the group")?;
+        let ptr = self.window_memory(WHAT, buffer)?;
+        let raw = self.usable()?;
+        let register = nccl()?.ncclCommWindowRegister()?;
+        let mut window: ncclWindow_t = std::ptr::null_mut();
+        // SAFETY: this rank's device memory (checked), kept alive by the window's borrow; outside a
+        // group NCCL writes the handle before returning.
+        self.check("ncclCommWindowRegister", unsafe {
+            register(raw, ptr, buffer.byte_len(), &mut window, window_flags(symmetric))
+        })?;
+        Ok(Window { comm: self, window, memory: PhantomData })
+    }
+
+    /// The address of `buffer` for a window: this rank's device memory, aligned as NCCL
+    /// requires, not empty.
+    fn window_memory(&self, what: &'static str, buffer: &(impl DeviceBuffer + ?Sized)) -> Result<*mut c_void> {
+        let ptr = self.check_buffer(what, buffer)?;
         let alignment = u64::from(NCCL_WIN_REQUIRED_ALIGNMENT);
         if !buffer.device_ptr().is_multiple_of(alignment) {
             return Err(Error::InvalidArgument {
-                what: WHAT,
+                what,
                 reason: InvalidArgumentReason::Misaligned { address: buffer.device_ptr(), alignment },
             });
         }
         if buffer.byte_len() == 0 {
-            return Err(Error::InvalidArgument { what: WHAT, reason: InvalidArgumentReason::EmptyBuffer });
+            return Err(Error::InvalidArgument { what, reason: InvalidArgumentReason::EmptyBuffer });
         }
-        let raw = self.usable()?;
-        let register = nccl()?.ncclCommWindowRegister()?;
-        let flags = if symmetric { NCCL_WIN_COLL_SYMMETRIC as i32 } else { 0 };
-        let mut window: ncclWindow_t = std::ptr::null_mut();
-        // SAFETY: this rank's device memory (checked), kept alive by the window's borrow.
-        self.check("ncclCommWindowRegister", unsafe { register(raw, ptr, buffer.byte_len(), &mut window, flags) })?;
-        Ok(Window { comm: self, window, memory: PhantomData })
+        Ok(ptr)
+    }
+}
+
+fn window_flags(symmetric: bool) -> i32 {
+    if symmetric {
+        NCCL_WIN_COLL_SYMMETRIC as i32
+    } else {
+        0
+    }
+}
+
+/// Registers one window per rank driven from this thread (`ncclCommWindowRegister` for each,
+/// inside one NCCL group, as a collective over ranks of one process needs): `ranks[i]`'s buffer
+/// on `ranks[i]`'s communicator. NCCL writes each window's handle only at the group's end, so the
+/// handles live here until then, and the windows come back once NCCL has written them.
+///
+/// # Errors
+/// As [`Communicator::register_window`], checked for every rank before NCCL is called;
+/// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure; the first of NCCL's refusals
+/// (the windows it did register are deregistered).
+pub fn register_windows<'a>(
+    ranks: &[(&'a Communicator, &'a dyn DeviceBuffer)],
+    symmetric: bool,
+) -> Result<Vec<Window<'a>>> {
+    const WHAT: &str = "registering windows";
+    refuse_inside_group(WHAT, "register the windows before the group")?;
+    let mut checked = Vec::with_capacity(ranks.len());
+    for &(comm, buffer) in ranks {
+        checked.push((comm, comm.usable()?, comm.window_memory(WHAT, buffer)?, buffer.byte_len()));
+    }
+    let nccl = nccl()?;
+    let (start, end, register) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?, nccl.ncclCommWindowRegister()?);
+    // Written by NCCL at the group's end: sized before, never moved until then.
+    let mut handles: Vec<ncclWindow_t> = vec![std::ptr::null_mut(); checked.len()];
+    // SAFETY: no arguments; ended below on every path.
+    check("ncclGroupStart", unsafe { start() }, None)?;
+    let mut first_error = None;
+    for ((comm, raw, ptr, len), handle) in checked.iter().zip(handles.iter_mut()) {
+        // SAFETY: each rank's device memory (checked), alive for 'a; `handle` outlives the group's end.
+        let answer = unsafe { register(*raw, *ptr, *len, handle, window_flags(symmetric)) };
+        if let Err(error) = comm.check("ncclCommWindowRegister", answer) {
+            first_error.get_or_insert(error);
+        }
+    }
+    // SAFETY: ends the group started above.
+    let ended = check("ncclGroupEnd", unsafe { end() }, None);
+    let windows: Vec<Window<'a>> = checked
+        .iter()
+        .zip(handles)
+        .filter(|(_, handle)| !handle.is_null())
+        .map(|((comm, ..), window)| Window { comm, window, memory: PhantomData })
+        .collect();
+    match first_error.map_or(ended, Err) {
+        Ok(()) if windows.len() == ranks.len() => Ok(windows),
+        // Dropping the registered ones deregisters them.
+        Ok(()) => Err(Error::NoWindow { registered: windows.len(), ranks: ranks.len() }),
+        Err(error) => Err(error),
     }
 }
 
