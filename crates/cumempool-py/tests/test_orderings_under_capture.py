@@ -81,3 +81,38 @@ def test_torch_from_dlpack_under_a_graph_capture_leaves_the_capture_intact(gpu):
     graph.replay()  # the capture ended intact
     torch.cuda.synchronize()
     assert int(static.sum()) == 16
+
+
+def test_cuda_core_deallocate_on_a_capturing_stream_keeps_the_buffer_for_a_later_one(stand_in_libcuda):  # noqa: F811
+    # cuda.core's Buffer.close(stream) under a capture of `stream`: refused, and the memory
+    # (which the graph's work uses) stays, to be freed by a later deallocate, not at once.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import sys, types
+        core = types.ModuleType("cuda.core")
+        class MemoryResource: pass
+        class Buffer:
+            @staticmethod
+            def from_handle(ptr, size, mr): return (ptr, size)
+        core.MemoryResource, core.Buffer = MemoryResource, Buffer
+        sys.modules["cuda"] = types.ModuleType("cuda"); sys.modules["cuda.core"] = core
+        import cumempool.cuda_core as cmcc
+        pool = cm.MemPool(cm.Route.device(0))
+        mr = cmcc.MemoryResource(pool)
+        ptr, size = mr.allocate(4096, cm.Stream(0))
+        producer = cm.Stream(0)
+        handle = producer.handle
+        assert begin(handle, 2) == 0
+        try:
+            mr.deallocate(ptr, size, producer)
+        except cm.StreamCapturingError:
+            print("refused")
+        print(pool.used_mem_current)
+        graph = ctypes.c_void_p()
+        print(end(handle, ctypes.byref(graph)))
+        mr.deallocate(ptr, size, producer)
+        print(pool.used_mem_current)
+        """,
+    )
+    assert words == ["refused", "4096", "0", "0"], "refused, the memory kept, freed by the later deallocate"
