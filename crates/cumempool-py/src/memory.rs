@@ -274,11 +274,14 @@ impl Core {
 
     /// Makes this buffer's stream wait for the work queued on `producer` so far (a free on
     /// this stream then follows that work too).
+    /// A capturing `producer` is refused before the wait, which would join this buffer's stream
+    /// to its capture (the free then recorded into that graph, the capture ended unjoined).
     pub(crate) fn order_after(&self, producer: &Stream) -> Outcome<()> {
         let stream = self.stream();
         if producer.stream.same_as(stream) {
             return Ok(());
         }
+        producer.stream.ensure_not_capturing(CLOSE_AFTER_CAPTURING)?;
         let context = match producer.stream.context() {
             Some(context) => context.clone(),
             None => cumempool::Device::get(producer.device)?.primary_context()?,
@@ -291,7 +294,9 @@ impl Core {
     }
 
     /// Makes a DLPack consumer's stream (`consumer`, a raw handle of the memory's device;
-    /// 1 and 2 for the legacy and per-thread default streams) wait for this buffer's work.
+    /// 1 and 2 for the legacy and per-thread default streams) wait for this buffer's work. A
+    /// capturing consumer is refused before the wait, which the driver refuses for an event
+    /// recorded outside the capture, invalidating the capture.
     pub(crate) fn order_before_consumer(&self, consumer: usize, context: &cumempool::Context) -> Outcome<()> {
         let waiter = match consumer {
             1 => cumempool::Stream::legacy(context),
@@ -300,9 +305,19 @@ impl Core {
             // SAFETY: the consumer's stream, live for the duration of this call (DLPack).
             raw => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(context)) }?,
         };
+        if !waiter.same_as(self.stream()) {
+            waiter.ensure_not_capturing(EXPORT_TO_CAPTURING)?;
+        }
         self.order_before(&waiter)
     }
 }
+
+/// Why `Buffer.close(stream)` is refused while `stream` captures, and what to do instead.
+const CLOSE_AFTER_CAPTURING: &str =
+    "closing a Buffer after the work of a stream that is capturing a CUDA graph (close it after the capture ends)";
+
+/// Why a DLPack export to a capturing consumer stream is refused, and what to do instead.
+const EXPORT_TO_CAPTURING: &str = "exporting a Buffer through DLPack to a stream that is capturing a CUDA graph (export it before the capture begins, or synchronise the buffer's stream and pass stream=-1)";
 
 /// A buffer's core: the buffer's own (no allocation beyond the Python object), or shared
 /// (with DLPack capsules, or with calls that release the GIL) from the first such use on.

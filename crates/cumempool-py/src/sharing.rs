@@ -145,10 +145,18 @@ fn wait_readable(py: Python<'_>, fd: RawFd, deadline: Option<std::time::Instant>
     let poll = select.call_method0(pyo3::intern!(py, "poll"))?;
     let readable = select.getattr(pyo3::intern!(py, "POLLIN"))?;
     poll.call_method1(pyo3::intern!(py, "register"), (fd, readable))?;
-    let milliseconds = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()).as_millis() as u64);
-    let events = poll.call_method1(pyo3::intern!(py, "poll"), (milliseconds,))?;
-    if events.len()? > 0 {
-        return Ok(());
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        // `poll` takes at most `i32::MAX` milliseconds at once (about 24 days): a longer timeout
+        // is waited for in turns.
+        let milliseconds = left.map(|left| left.as_millis().min(POLL_LONGEST_MS) as u64);
+        let events = poll.call_method1(pyo3::intern!(py, "poll"), (milliseconds,))?;
+        if events.len()? > 0 {
+            return Ok(());
+        }
+        if left.is_none_or(|left| left.as_millis() <= POLL_LONGEST_MS) {
+            break;
+        }
     }
     Err(if non_blocking {
         pyo3::exceptions::PyBlockingIOError::new_err(
@@ -161,6 +169,9 @@ fn wait_readable(py: Python<'_>, fd: RawFd, deadline: Option<std::time::Instant>
     }
     .into())
 }
+
+/// The longest wait `select.poll` takes, in milliseconds (a C `int`).
+const POLL_LONGEST_MS: u128 = i32::MAX as u128;
 
 /// Maps `shared` from `pool` (an imported pool), ordered on `stream`.
 pub(crate) fn import_allocation(

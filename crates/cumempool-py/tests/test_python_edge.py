@@ -77,6 +77,16 @@ def test_receive_honours_the_sockets_timeout():
             cm.MemPool.receive(a)
 
 
+def test_receive_waits_under_a_timeout_longer_than_poll_takes():
+    # 30 days is past the 2**31 - 1 milliseconds select.poll takes at once.
+    a, b = _socketpair()
+    with a, b:
+        a.settimeout(30 * 24 * 3600)
+        threading.Timer(0.05, b.send, (b"xxxx",)).start()
+        with pytest.raises(cm.MalformedMessageError, match="without a descriptor"):
+            cm.MemPool.receive(a)
+
+
 def test_receive_on_a_non_blocking_socket():
     a, b = _socketpair()
     with a, b:

@@ -4,7 +4,7 @@
 import enum
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Final, final
+from typing import Any, Final, TypedDict, final
 
 from typing_extensions import Self, disjoint_base
 
@@ -255,7 +255,7 @@ class MemPool:
     def trim_to(self, keep_bytes: int) -> None: ...
     def set_access(self, device: Device, access: Access) -> None: ...
     def access(self, device: Device) -> Access: ...
-    def attributes(self) -> list[tuple[str, int]]: ...
+    def attributes(self) -> dict[str, int]: ...
     reuse_follow_event_dependencies: bool
     reuse_allow_opportunistic: bool
     reuse_allow_internal_dependencies: bool
@@ -324,10 +324,18 @@ class Tracking(Resource):
 class OnOutOfMemory(Resource):
     def __new__(cls, resource: Resource, callback: Callable[[int, int], bool]) -> OnOutOfMemory: ...
 
+class _CacheStats(TypedDict):
+    hits: int
+    misses: int
+    cached_bytes: int
+    cached_blocks: int
+    streams: int
+    hit_rate: float
+
 @final
 class CachingResource(Resource):
     def __new__(cls, resource: Resource, *, max_cached: int | None = None) -> CachingResource: ...
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> _CacheStats: ...
     @property
     def max_cached(self) -> int: ...
     def release(self) -> None: ...

@@ -52,17 +52,19 @@ def _make_class() -> type:
 
         def deallocate(self, ptr, size, stream=None):
             # Freed on `stream`: the memory is free only once the work queued there is done
-            # (what cuda.core's Buffer.close(stream) promises).
-            buffer = self._live.pop(int(ptr), None)
+            # (what cuda.core's Buffer.close(stream) promises). The buffer stays held until its
+            # close succeeds: one refused (StreamCapturingError, `stream` capturing a graph whose
+            # work uses the memory) must not free it at once, and a later deallocate frees it.
+            buffer = self._live.get(int(ptr))
             if buffer is None:
                 return
             try:
                 buffer.close(stream)
             except StreamNotBorrowableError:
-                # The per-thread default stream names another stream on every thread: its
-                # work is waited for here instead.
+                # A stream cumempool cannot borrow: its work is waited for here instead.
                 stream.sync()
                 buffer.close()
+            del self._live[int(ptr)]
 
         @property
         def is_device_accessible(self) -> bool:
