@@ -78,6 +78,11 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
     module.add_function(wrap_pyfunction!(init, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_serve, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_bind, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_unbind, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_stop_slots, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_usage, module)?)?;
+    module.add("TORCH_SLOTS", plugins::TORCH_SLOTS)?;
     module.add_function(wrap_pyfunction!(bench::_bench_noop, module)?)?;
     module.add_function(wrap_pyfunction!(bench::_bench_args, module)?)?;
     module.add_function(wrap_pyfunction!(bench::_bench_stream, module)?)?;
