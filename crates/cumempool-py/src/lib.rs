@@ -73,6 +73,10 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(routing::is_default, module)?)?;
     module.add_function(wrap_pyfunction!(routing::reset_current_pool, module)?)?;
     module.add_function(wrap_pyfunction!(routing::set_current_pool, module)?)?;
+    // From interpreter shutdown on, threads that would have to attach to Python (the torch
+    // plug-in's) leave out-of-memory callbacks uncalled.
+    let note_shutdown = wrap_pyfunction!(gil::note_shutdown, module)?;
+    PyModule::import(module.py(), "atexit")?.call_method1("register", (note_shutdown,))?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add_function(wrap_pyfunction!(driver_version, module)?)?;
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;

@@ -330,7 +330,10 @@ impl OnOutOfMemory {
         let (inner, object) = base_of(resource);
         let slot: CallbackSlot = Arc::new(Mutex::new(Some(callback)));
         let shared = slot.clone();
-        let call: Callback = Box::new(move |bytes, attempt| Python::attach(|py| answer(py, &shared, bytes, attempt)));
+        // Where Python cannot be attached to (shutting down), no retry: the out-of-memory stands.
+        let call: Callback = Box::new(move |bytes, attempt| {
+            crate::gil::try_attach(|py| answer(py, &shared, bytes, attempt)).unwrap_or(false)
+        });
         let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
         let base = ResourceBase::over(adaptor, resource.get(), object);
         PyClassInitializer::from(base).add_subclass(Self { callback: slot })
