@@ -12,8 +12,9 @@
 
 use cumempool::sys::CUdeviceptr;
 use cumempool_alloc::StreamOrderedResource;
-use pyo3::Python;
+use pyo3::prelude::*;
 use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 thread_local! {
     /// Whether this thread is inside a binding's call of a resource, holding the GIL.
@@ -69,6 +70,29 @@ impl Drop for Unmarked {
 pub fn detach<T: Send>(py: Python<'_>, call: impl FnOnce() -> T + Send) -> T {
     let _unmarked = Unmarked::new();
     py.detach(call)
+}
+
+/// Set by the `atexit` handler the module registers: the interpreter is shutting down.
+static SHUTTING_DOWN: AtomicBool = AtomicBool::new(false);
+
+/// Marks the interpreter as shutting down; registered with `atexit` when the module loads.
+#[pyfunction]
+pub fn note_shutdown() {
+    SHUTTING_DOWN.store(true, Ordering::Release);
+}
+
+/// Runs `call` attached to Python, or answers `None` where attaching is not safe: Python not
+/// initialised or finalizing (`Python::try_attach`), or shutting down. `try_attach` cannot see
+/// finalizing under the abi3 build before CPython 3.13 (no `Py_IsFinalizing` in the stable
+/// ABI), and a thread attaching to a finalizing interpreter is ended inside the call (CPython
+/// exits it with `pthread_exit`): so a thread that would have to take the GIL (a thread
+/// PyTorch calls the plug-in on) does not attach once the module's `atexit` handler ran, which
+/// is before finalizing begins. A thread a binding marked holds the GIL and always may.
+pub fn try_attach<T>(call: impl for<'py> FnOnce(Python<'py>) -> T) -> Option<T> {
+    if !HELD.with(Cell::get) && SHUTTING_DOWN.load(Ordering::Acquire) {
+        return None;
+    }
+    Python::try_attach(call)
 }
 
 /// Runs `call` with the GIL released when a binding marked this thread, else as it is (a

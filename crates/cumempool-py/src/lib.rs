@@ -73,11 +73,20 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(routing::is_default, module)?)?;
     module.add_function(wrap_pyfunction!(routing::reset_current_pool, module)?)?;
     module.add_function(wrap_pyfunction!(routing::set_current_pool, module)?)?;
+    // From interpreter shutdown on, threads that would have to attach to Python (the torch
+    // plug-in's) leave out-of-memory callbacks uncalled.
+    let note_shutdown = wrap_pyfunction!(gil::note_shutdown, module)?;
+    PyModule::import(module.py(), "atexit")?.call_method1("register", (note_shutdown,))?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     module.add_function(wrap_pyfunction!(driver_version, module)?)?;
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
     module.add_function(wrap_pyfunction!(init, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_serve, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_bind, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_unbind, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_stop_slots, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_usage, module)?)?;
+    module.add("TORCH_SLOTS", plugins::TORCH_SLOTS)?;
     module.add_function(wrap_pyfunction!(bench::_bench_noop, module)?)?;
     module.add_function(wrap_pyfunction!(bench::_bench_args, module)?)?;
     module.add_function(wrap_pyfunction!(bench::_bench_stream, module)?)?;

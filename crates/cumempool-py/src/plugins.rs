@@ -2,14 +2,27 @@
 //! library, serving from the resource chosen in Python (`cumempool.torch`).
 //!
 //! They touch no Python object: PyTorch calls them from any thread, with or without the GIL.
+//!
+//! PyTorch gives an allocation function no pool id, so each `torch.cuda.MemPool` needs a
+//! function of its own to keep the source it was made over: the module exports
+//! [`TORCH_SLOTS`] allocation functions (`cumempool_torch_alloc_0`, ...), each serving the
+//! source bound to its slot (`cumempool.torch.mem_pool` binds one), and one free function,
+//! which finds the source by the pointer. `cumempool_torch_alloc` serves what `serve` chose,
+//! for callers of the C functions themselves.
 
-use crate::dyn_resource::Resource;
+use crate::dyn_resource::{Erased, Resource};
+use crate::errors::{Failure, Outcome};
+use crate::pools::MemPool;
 use crate::resources::ResourceBase;
 use cumempool::sys;
+use cumempool_alloc::Statistics;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 /// What the exported functions serve: the resource and the device it allocates on.
 #[derive(Clone)]
@@ -26,13 +39,95 @@ static SERVED: RwLock<Option<Served>> = RwLock::new(None);
 /// device's own legacy stream.
 static STREAMS: Mutex<Option<HashMap<(usize, i32), cumempool::Stream>>> = Mutex::new(None);
 
-/// The resource each live allocation came from and its size, so a free goes back to it even
-/// after Python switched or stopped what is served, with the size it was allocated with (a
-/// cache files a block under its size: a wrong size PyTorch passes is never trusted).
+/// The resource each live allocation came from, its size and its slot, so a free goes back to
+/// it even after Python switched or stopped what is served (or unbound the slot), with the size
+/// it was allocated with (a cache files a block under its size: a wrong size PyTorch passes is
+/// never trusted).
 static LIVE: Mutex<Option<HashMap<usize, Live>>> = Mutex::new(None);
 
-/// A live allocation: the resource it came from and its size.
-type Live = (Arc<dyn Resource>, usize);
+/// A live allocation.
+struct Live {
+    /// The resource it came from.
+    resource: Arc<dyn Resource>,
+    /// Its size, as allocated.
+    size: usize,
+    /// The slot whose function allocated it, while that binding lasts.
+    slot: Option<SlotId>,
+}
+
+/// How many `torch.cuda.MemPool`s over distinct sources may live at once: one exported
+/// allocation function each.
+pub(crate) const TORCH_SLOTS: usize = 64;
+
+/// One binding of a slot: its index and the binding's generation (a slot unbound and bound
+/// again has a new one, so a late free or unbind of the old binding changes nothing).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct SlotId {
+    index: usize,
+    generation: u64,
+}
+
+/// A slot: the source its allocation function serves, if bound.
+struct Slot {
+    generation: u64,
+    binding: Option<Binding>,
+}
+
+/// What a bound slot serves, and what keeps it bound.
+struct Binding {
+    /// What its function serves, counted (the served resource is the statistics, over the
+    /// source); `None` once `stop()` ran: the slot's pools get PyTorch's out-of-memory.
+    serving: Option<(Served, Arc<Statistics<Erased>>)>,
+    /// The source it was bound for: `mem_pool` of the same source shares the slot while it
+    /// serves. A sound key only then (the key's comment).
+    source: SourceKey,
+    /// The `torch.cuda.MemPool`s over the slot still alive.
+    holders: usize,
+    /// Allocations it made that are not freed yet: PyTorch's pool (and its allocation
+    /// function) lives while its blocks do, even after the Python `MemPool` is gone.
+    live: usize,
+}
+
+/// Which source a slot serves: a pool by its handle, or a resource by its address. Sound as a
+/// key while the slot is bound: the binding holds the pool (or the resource) alive, so no other
+/// source can have the same handle (or address) meanwhile.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SourceKey {
+    Pool(usize),
+    Resource(usize),
+}
+
+static SLOTS: [Mutex<Slot>; TORCH_SLOTS] = [const { Mutex::new(Slot { generation: 0, binding: None }) }; TORCH_SLOTS];
+
+/// The last generation given to a binding.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Where the search for a free slot begins: the slot after the last one bound, so a slot just
+/// freed is taken again last (PyTorch can in principle still reach a pool by its id).
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+fn slot(index: usize) -> MutexGuard<'static, Slot> {
+    SLOTS[index].lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Slot {
+    /// The binding of `id`, if the slot is still bound to it.
+    fn binding_of(&mut self, id: SlotId) -> Option<&mut Binding> {
+        if self.generation != id.generation {
+            return None;
+        }
+        self.binding.as_mut()
+    }
+
+    /// Unbinds the slot when nothing keeps it bound any more; what it served, to be dropped
+    /// outside the lock (dropping a cache gives its blocks back to the driver).
+    fn take_if_unused(&mut self) -> Option<Binding> {
+        match &self.binding {
+            Some(binding) if binding.holders == 0 && binding.live == 0 => self.binding.take(),
+            _ => None,
+        }
+    }
+}
 
 fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
     let mut streams = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
@@ -64,9 +159,9 @@ pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
     crate::gil::detach(py, || drop(previous));
 }
 
-/// PyTorch's pluggable allocation function: `size` bytes on `device`, ordered on `stream`;
-/// null for zero bytes, and (PyTorch's out-of-memory) on any failure or for a device the resource
-/// does not serve.
+/// PyTorch's pluggable allocation function for what `serve` chose: `size` bytes on `device`,
+/// ordered on `stream`; null for zero bytes, and (PyTorch's out-of-memory) on any failure or
+/// for a device the resource does not serve.
 ///
 /// # Safety
 /// Called by PyTorch with a valid stream of `device`.
@@ -74,14 +169,48 @@ pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
 pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
     // PyTorch may call in holding the GIL or not: the GIL is left as it is.
     let _unmarked = crate::gil::Unmarked::new();
+    // A clone, so no lock is held while the resource runs: its out-of-memory callback may
+    // serve another resource or stop (`torch_serve` takes the write lock).
+    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner).clone();
+    // SAFETY: under the caller's promise.
+    unsafe { allocate(served, None, size, device, stream) }
+}
+
+/// The allocation function of slot `index` (exported as `cumempool_torch_alloc_<index>`): as
+/// `cumempool_torch_alloc`, from the source bound to the slot.
+///
+/// # Safety
+/// As `cumempool_torch_alloc`.
+unsafe fn alloc_in_slot(index: usize, size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
+    let _unmarked = crate::gil::Unmarked::new();
+    // A clone, as in `cumempool_torch_alloc`: the lock is not held while the resource runs.
+    let bound = {
+        let slot = slot(index);
+        let served = slot.binding.as_ref().and_then(|b| b.serving.as_ref()).map(|(served, _)| served.clone());
+        served.map(|served| (served, SlotId { index, generation: slot.generation }))
+    };
+    let (served, id) = bound.unzip();
+    // SAFETY: under the caller's promise.
+    unsafe { allocate(served, id, size, device, stream) }
+}
+
+/// Allocates from `served` (nothing served: PyTorch's out-of-memory) and records the
+/// allocation for the free, with the slot whose function made it.
+///
+/// # Safety
+/// As `cumempool_torch_alloc`.
+unsafe fn allocate(
+    served: Option<Served>,
+    mut id: Option<SlotId>,
+    size: isize,
+    device: i32,
+    stream: *mut c_void,
+) -> *mut c_void {
     // Zero bytes (an empty tensor) is the null pointer, which PyTorch never frees: nothing is
     // allocated or kept for it, or it would stay live for ever and keep its resource alive.
     let Ok(size @ 1..) = usize::try_from(size) else {
         return std::ptr::null_mut();
     };
-    // A clone, so no lock is held while the resource runs: its out-of-memory callback may
-    // serve another resource or stop (`torch_serve` takes the write lock).
-    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner).clone();
     let Some(served) = served.filter(|s| s.device == device) else {
         return std::ptr::null_mut();
     };
@@ -90,8 +219,20 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
         .and_then(|s| served.resource.allocate(size, &s));
     match answer {
         Ok(ptr) => {
-            let mut live = LIVE.lock().unwrap_or_else(PoisonError::into_inner);
-            live.get_or_insert_with(HashMap::new).insert(ptr as usize, (served.resource.clone(), size));
+            // The slot may have been unbound meanwhile (`stop()` from an out-of-memory
+            // callback): the allocation then keeps no slot bound.
+            if let Some(index) = id.map(|id| id.index) {
+                let mut slot = slot(index);
+                match id.and_then(|id| slot.binding_of(id)) {
+                    Some(binding) => binding.live += 1,
+                    None => id = None,
+                }
+            }
+            let live = Live { resource: served.resource.clone(), size, slot: id };
+            LIVE.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert_with(HashMap::new)
+                .insert(ptr as usize, live);
             ptr as usize as *mut c_void
         }
         Err(error) => {
@@ -100,6 +241,32 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
         }
     }
 }
+
+/// Exports the allocation function of each slot, `cumempool_torch_alloc_<index>`.
+macro_rules! slot_functions {
+    ($($index:literal)*) => {
+        $(
+            const _: () = {
+                /// The allocation function of one slot.
+                ///
+                /// # Safety
+                /// As `cumempool_torch_alloc`.
+                #[export_name = concat!("cumempool_torch_alloc_", $index)]
+                unsafe extern "C" fn alloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
+                    // SAFETY: under the caller's promise.
+                    unsafe { alloc_in_slot($index, size, device, stream) }
+                }
+            };
+        )*
+        // One function per slot, no more, no less.
+        const _: () = assert!([$($index),*].len() == TORCH_SLOTS);
+    };
+}
+
+slot_functions!(
+    0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+    32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63
+);
 
 /// PyTorch's pluggable free function: gives `ptr` back on `stream`.
 ///
@@ -115,7 +282,7 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
     // As in `cumempool_torch_alloc`.
     let _unmarked = crate::gil::Unmarked::new();
     let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
-    let Some((resource, allocated)) = live else {
+    let Some(Live { resource, size: allocated, slot: id }) = live else {
         tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");
         return;
     };
@@ -136,4 +303,107 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
     if let Err(error) = answer {
         tracing::warn!(%error, ?ptr, "cumempool_torch_free failed");
     }
+    if let Some(id) = id {
+        let mut slot = slot(id.index);
+        let mut unused = None;
+        if let Some(binding) = slot.binding_of(id) {
+            binding.live -= 1;
+            unused = slot.take_if_unused();
+        }
+        drop(slot);
+        // Outside the lock: dropping what the slot served may give a cache's blocks back.
+        drop(unused);
+    }
+}
+
+/// Binds a slot to `source` (a `MemPool` or a resource), serving `resource` (the source as a
+/// resource) counted, and holds it for one more `torch.cuda.MemPool`; a slot bound to the same
+/// source already is shared. Returns `(slot, generation)`. Raises `RuntimeError` when every
+/// slot is bound.
+#[pyfunction]
+pub fn torch_bind(source: &Bound<'_, PyAny>, resource: &Bound<'_, ResourceBase>) -> Outcome<(usize, u64)> {
+    let key = if let Ok(pool) = source.cast::<MemPool>() {
+        SourceKey::Pool(pool.get().pool()?.as_raw() as usize)
+    } else if let Ok(base) = source.cast::<ResourceBase>() {
+        SourceKey::Resource(Arc::as_ptr(&base.get().inner).cast::<()>() as usize)
+    } else {
+        return Err(PyTypeError::new_err("cumempool.torch serves a cumempool.MemPool or a cumempool.Resource").into());
+    };
+    for index in 0..TORCH_SLOTS {
+        let mut slot = slot(index);
+        let generation = slot.generation;
+        if let Some(binding) = slot.binding.as_mut().filter(|b| b.serving.is_some() && b.source == key) {
+            binding.holders += 1;
+            return Ok((index, generation));
+        }
+    }
+    let start = NEXT_SLOT.load(Ordering::Relaxed);
+    for index in (0..TORCH_SLOTS).map(|i| (start + i) % TORCH_SLOTS) {
+        let mut slot = slot(index);
+        if slot.binding.is_some() {
+            continue;
+        }
+        let statistics = Arc::new(Statistics::new(Erased(resource.get().inner.clone())));
+        let served = Served { resource: statistics.clone(), device: resource.get().device };
+        let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
+        slot.generation = generation;
+        slot.binding = Some(Binding { serving: Some((served, statistics)), source: key, holders: 1, live: 0 });
+        NEXT_SLOT.store((index + 1) % TORCH_SLOTS, Ordering::Relaxed);
+        return Ok((index, generation));
+    }
+    Err(Failure::Python(PyRuntimeError::new_err(format!(
+        "all {TORCH_SLOTS} cumempool.torch slots are bound: each torch.cuda.MemPool that \
+         cumempool.torch.mem_pool made over a distinct source holds one until it and its blocks \
+         are gone; delete unused MemPools (and torch.cuda.empty_cache()), share sources, or \
+         call cumempool.torch.stop()"
+    ))))
+}
+
+/// Lets go of one hold on the slot binding `(slot, generation)` (a `torch.cuda.MemPool` gone);
+/// the slot is unbound once no hold and no allocation of it is left. A binding already gone
+/// (`stop()`) is left alone.
+#[pyfunction]
+pub fn torch_unbind(py: Python<'_>, slot_index: usize, generation: u64) {
+    if slot_index >= TORCH_SLOTS {
+        return;
+    }
+    let mut slot = slot(slot_index);
+    let mut unused = None;
+    if let Some(binding) = slot.binding_of(SlotId { index: slot_index, generation }) {
+        binding.holders = binding.holders.saturating_sub(1);
+        unused = slot.take_if_unused();
+    }
+    drop(slot);
+    // Without the GIL: a cache dropped here frees on the driver.
+    crate::gil::detach(py, || drop(unused));
+}
+
+/// Stops every slot: their functions serve nothing from now on (PyTorch's out-of-memory), and
+/// what they allocated still goes back to its source when freed. A slot is free again once its
+/// pools and blocks are gone, as before: a pool still alive must never reach a source bound to
+/// its slot later.
+#[pyfunction]
+pub fn torch_stop_slots(py: Python<'_>) {
+    let mut stopped = Vec::new();
+    for index in 0..TORCH_SLOTS {
+        let mut slot = slot(index);
+        stopped.extend(slot.binding.as_mut().and_then(|b| b.serving.take()));
+        drop(slot.take_if_unused());
+    }
+    // Without the GIL: a cache dropped here frees on the driver.
+    crate::gil::detach(py, || drop(stopped));
+}
+
+/// What the slot binding `(slot, generation)` served (`Statistics.usage()`), or `None` once
+/// it is unbound.
+#[pyfunction]
+pub fn torch_usage(py: Python<'_>, slot_index: usize, generation: u64) -> PyResult<Option<Bound<'_, PyDict>>> {
+    if slot_index >= TORCH_SLOTS {
+        return Ok(None);
+    }
+    let usage = slot(slot_index)
+        .binding_of(SlotId { index: slot_index, generation })
+        .and_then(|b| b.serving.as_ref())
+        .map(|(_, statistics)| statistics.usage());
+    usage.map(|usage| crate::resources::usage_dict(py, usage)).transpose()
 }

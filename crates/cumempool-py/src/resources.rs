@@ -178,21 +178,25 @@ impl Statistics {
 
     /// A snapshot: current, peak and total bytes and counts.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let usage = self.0.usage();
-        let dict = PyDict::new(py);
-        dict.set_item("current_bytes", usage.current_bytes)?;
-        dict.set_item("peak_bytes", usage.peak_bytes)?;
-        dict.set_item("total_bytes", usage.total_bytes)?;
-        dict.set_item("current_count", usage.current_count)?;
-        dict.set_item("peak_count", usage.peak_count)?;
-        dict.set_item("total_count", usage.total_count)?;
-        Ok(dict)
+        usage_dict(py, self.0.usage())
     }
 
     /// Sets the peaks to the current values.
     fn reset_peaks(&self) {
         self.0.reset_peaks();
     }
+}
+
+/// `usage` as the dict `Statistics.usage()` answers.
+pub(crate) fn usage_dict(py: Python<'_>, usage: cumempool_alloc::Usage) -> PyResult<Bound<'_, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("current_bytes", usage.current_bytes)?;
+    dict.set_item("peak_bytes", usage.peak_bytes)?;
+    dict.set_item("total_bytes", usage.total_bytes)?;
+    dict.set_item("current_count", usage.current_count)?;
+    dict.set_item("peak_count", usage.peak_count)?;
+    dict.set_item("total_count", usage.total_count)?;
+    Ok(dict)
 }
 
 /// Refuses allocations that would take the bytes in use past `limit` (LimitExceededError, an
@@ -326,7 +330,10 @@ impl OnOutOfMemory {
         let (inner, object) = base_of(resource);
         let slot: CallbackSlot = Arc::new(Mutex::new(Some(callback)));
         let shared = slot.clone();
-        let call: Callback = Box::new(move |bytes, attempt| Python::attach(|py| answer(py, &shared, bytes, attempt)));
+        // Where Python cannot be attached to (shutting down), no retry: the out-of-memory stands.
+        let call: Callback = Box::new(move |bytes, attempt| {
+            crate::gil::try_attach(|py| answer(py, &shared, bytes, attempt)).unwrap_or(false)
+        });
         let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
         let base = ResourceBase::over(adaptor, resource.get(), object);
         PyClassInitializer::from(base).add_subclass(Self { callback: slot })

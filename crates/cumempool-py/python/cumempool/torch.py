@@ -9,9 +9,14 @@ resource (a cache, say), through the C functions this package's native library e
 ...     x = torch.empty(1 << 20, device="cuda")
 >>> cmt.statistics()   # what the plug-in served: PyTorch's own counters do not see it
 
-One resource serves new allocations at a time (the exported functions are process-wide);
-``serve`` switches it, and each allocation still goes back to the resource it came from. Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``
-PyTorch allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
+Each ``torch.cuda.MemPool`` that :func:`mem_pool` makes keeps the source it was made over:
+PyTorch gives an allocation function no pool id, so the native library exports
+``TORCH_SLOTS`` (64) allocation functions, and each pool over a distinct source takes one (pools
+over the same source share it) until the pool and every block it allocated are gone. With all of them taken, :func:`mem_pool` raises ``RuntimeError``. Each allocation
+goes back to the source it came from.
+
+Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` PyTorch
+allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
 
 Streams: PyTorch passes raw handles, which the plug-in borrows for the life of the process, and a
 cache it serves gives blocks back on the handle they were freed on, later. PyTorch's own streams
@@ -28,34 +33,45 @@ counters, and a ``Limit`` below the served resource, do not govern it.
 
 from __future__ import annotations
 
+import weakref
+
 from . import _native
 from ._native import MemPool, PoolResource, Resource, Statistics
 
 ALLOC_SYMBOL = "cumempool_torch_alloc"
 FREE_SYMBOL = "cumempool_torch_free"
+TORCH_SLOTS: int = _native.TORCH_SLOTS
 
 _served: Statistics | None = None
 _allocator = None
+# The pluggable allocator of each slot, made once per slot.
+_slot_allocators: dict[int, object] = {}
+# The slot binding `(slot, generation)` of each pool `mem_pool` made, while the pool lives.
+_bindings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# What `statistics()` without an argument reports: the last `mem_pool` binding, or `serve`'s.
+_last: tuple[int, int] | None = None
 
 
 def serve(source: MemPool | Resource) -> Statistics:
-    """Makes the exported C functions serve ``source`` (a pool or a resource), counted by a
-    :class:`cumempool.Statistics` that is returned."""
-    global _served
+    """Makes the exported C functions ``cumempool_torch_alloc``/``_free`` serve ``source`` (a
+    pool or a resource), counted by a :class:`cumempool.Statistics` that is returned. For
+    callers of the C functions themselves: :func:`mem_pool` binds a function of its own."""
+    global _served, _last
     resource = PoolResource(source) if isinstance(source, MemPool) else source
     stats = Statistics(resource)
     _native.torch_serve(stats)
     _served = stats
+    _last = None
     return stats
 
 
 def allocator():
-    """The ``CUDAPluggableAllocator`` over this package's native library (made once), for
-    ``torch.cuda.MemPool`` as :func:`mem_pool` makes it. Not for
-    ``torch.cuda.memory.change_current_allocator``: a pluggable allocator made current has no
-    ``record_stream`` function, so ``Tensor.record_stream`` (which NCCL process groups rely on)
-    would do nothing and memory could be reused while another stream still reads it. Inside a
-    ``MemPool``, PyTorch's caching allocator keeps recorded streams itself."""
+    """The ``CUDAPluggableAllocator`` over ``cumempool_torch_alloc`` (what :func:`serve` chose),
+    made once. Not for ``torch.cuda.memory.change_current_allocator``: a pluggable allocator
+    made current has no ``record_stream`` function, so ``Tensor.record_stream`` (which NCCL
+    process groups rely on) would do nothing and memory could be reused while another stream
+    still reads it. Inside a ``MemPool``, PyTorch's caching allocator keeps recorded streams
+    itself."""
     global _allocator
     if _allocator is None:
         import torch.cuda.memory
@@ -64,23 +80,61 @@ def allocator():
     return _allocator
 
 
+def _slot_allocator(slot: int):
+    """The ``CUDAPluggableAllocator`` over slot ``slot``'s allocation function."""
+    found = _slot_allocators.get(slot)
+    if found is None:
+        import torch.cuda.memory
+
+        alloc = f"{ALLOC_SYMBOL}_{slot}"
+        found = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, alloc, FREE_SYMBOL)
+        _slot_allocators[slot] = found
+    return found
+
+
 def mem_pool(source: MemPool | Resource):
-    """A ``torch.cuda.MemPool`` served from ``source``, for ``torch.cuda.use_mem_pool``."""
+    """A ``torch.cuda.MemPool`` served from ``source``, for ``torch.cuda.use_mem_pool``. It keeps
+    ``source`` whatever pools are made later; pools over the same source share one slot."""
+    global _last
     import torch
 
-    serve(source)
-    return torch.cuda.MemPool(allocator().allocator())
+    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    slot, generation = _native.torch_bind(source, resource)
+    try:
+        pool = torch.cuda.MemPool(_slot_allocator(slot).allocator())
+        # The slot is held while the pool lives; its blocks hold it after (the native side
+        # counts them), since PyTorch keeps a pool's memory until the last block is freed.
+        weakref.finalize(pool, _native.torch_unbind, slot, generation)
+    except BaseException:
+        _native.torch_unbind(slot, generation)
+        raise
+    _bindings[pool] = (slot, generation)
+    _last = (slot, generation)
+    return pool
 
 
-def statistics() -> dict:
-    """Bytes and allocations the plug-in has served (current, peak, total)."""
+def statistics(pool=None) -> dict:
+    """Bytes and allocations the plug-in has served (current, peak, total): through ``pool``, a
+    ``torch.cuda.MemPool`` :func:`mem_pool` made (with every other pool over its source), or
+    without one, through the last pool :func:`mem_pool` made or what :func:`serve` chose.
+    Empty once :func:`stop` ran."""
+    binding = _last if pool is None else _bindings.get(pool)
+    if pool is not None and binding is None:
+        raise ValueError(f"{pool!r} was not made by cumempool.torch.mem_pool")
+    if binding is not None:
+        return _native.torch_usage(*binding) or {}
     if _served is None:
         return {}
     return _served.usage()
 
 
 def stop() -> None:
-    """Stops serving: later allocations through the plug-in fail as out of memory."""
-    global _served
+    """Stops serving: later allocations through the plug-in (``cumempool_torch_alloc`` and every
+    pool :func:`mem_pool` made) fail as out of memory, and the sources are let go of. Memory
+    already allocated still goes back to its source when PyTorch frees it. A pool's slot is free
+    again once the pool and its blocks are gone, so a pool kept never reaches a later source."""
+    global _served, _last
     _native.torch_serve(None)
+    _native.torch_stop_slots()
     _served = None
+    _last = None
