@@ -300,8 +300,16 @@ impl Core {
     pub(crate) fn order_before_consumer(&self, consumer: usize, context: &cumempool::Context) -> Outcome<()> {
         let waiter = match consumer {
             1 => cumempool::Stream::legacy(context),
-            // The per-thread stream cannot be borrowed: wait for the work here instead.
-            2 => return self.in_context(|| Ok(self.stream().synchronize()?)),
+            // The per-thread stream cannot be borrowed: wait for the work here instead, unless it
+            // captures (the consumer would record work on the memory into a graph).
+            2 => {
+                return self.in_context(|| {
+                    if let Some(capture) = crate::streams::per_thread_capture()? {
+                        Err(cumempool::Error::StreamCapturing { operation: EXPORT_TO_CAPTURING, capture })?;
+                    }
+                    Ok(self.stream().synchronize()?)
+                })
+            }
             // SAFETY: the consumer's stream, live for the duration of this call (DLPack).
             raw => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(context)) }?,
         };

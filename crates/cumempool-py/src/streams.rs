@@ -385,7 +385,7 @@ const PER_THREAD_HANDLE: usize = 2;
 
 /// Whether the calling thread's per-thread default stream (of the current context) captures:
 /// `Some(id)` (the driver's capture id, where it gave one) while it does.
-fn per_thread_capture() -> Outcome<Option<Option<u64>>> {
+pub(crate) fn per_thread_capture() -> Outcome<Option<Option<u64>>> {
     let info = cumempool::sys::driver().and_then(|d| d.cuStreamGetCaptureInfo()).map_err(cumempool::Error::from)?;
     let mut status = cumempool::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut id: cumempool::sys::cuuint64_t = 0;

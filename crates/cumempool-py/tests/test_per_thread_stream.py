@@ -55,6 +55,25 @@ def test_a_capture_on_the_per_thread_stream_is_refused_and_left_intact(gpu):
     assert ended == 0, "the refusal left the capture intact"
 
 
+def test_a_dlpack_export_to_a_capturing_per_thread_stream_is_refused_and_leaves_it_intact(gpu):
+    cuda, begin, end = capture_functions()
+    buffer = cm.MemPool(cm.Route.device(0)).alloc(64, cm.Stream(0))
+    primary = cm.Stream.legacy(0)  # the primary context is current for the capture below
+    primary.synchronize()
+    assert begin(2, 2) == 0  # relaxed, on this thread's per-thread stream
+    try:
+        # The consumer would record work on the memory into its graph, which outlives the buffer.
+        with pytest.raises(cm.StreamCapturingError):
+            buffer.__dlpack__(stream=2)
+    finally:
+        graph = ctypes.c_void_p()
+        ended = end(2, ctypes.byref(graph))
+        if graph.value:
+            cuda.cuGraphDestroy(graph)
+    assert ended == 0, "the refusal left the capture intact"
+    buffer.__dlpack__(stream=2)  # no capture: exported after a wait
+
+
 def test_cupy_allocates_on_its_per_thread_stream(gpu):
     cupy = library("cupy")
     import cumempool.cupy as cmc
