@@ -17,10 +17,15 @@ pub struct Device(pub cumempool::Device);
 
 #[pymethods]
 impl Device {
-    /// Device `ordinal` (raises InvalidDeviceError for one this machine lacks).
+    /// Device `ordinal` (default: the current device, as PyTorch, CuPy and cuda.core take it);
+    /// raises InvalidDeviceError for one this machine lacks.
     #[new]
-    #[pyo3(signature = (ordinal = 0))]
-    fn new(py: Python<'_>, ordinal: i32) -> Outcome<Self> {
+    #[pyo3(signature = (ordinal = None))]
+    fn new(py: Python<'_>, ordinal: Option<i32>) -> Outcome<Self> {
+        let ordinal = match ordinal {
+            Some(ordinal) => ordinal,
+            None => crate::contexts::current_device(py)?,
+        };
         Ok(Self(crate::gil::detach(py, || cumempool::Device::get(ordinal))?))
     }
 
@@ -92,6 +97,9 @@ pub struct Stream {
     /// how it names the stream.
     owner: Option<(Py<PyAny>, Naming)>,
     pub(crate) device: i32,
+    /// Set by `close()` on a stream cumempool created: later uses through this object raise
+    /// `ClosedError`; the driver stream goes with its last holder (buffers, caches).
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Stream {
@@ -150,6 +158,14 @@ impl Stream {
         raw
     }
 
+    /// `ClosedError` once `close()` was called on this object.
+    pub(crate) fn check_open(&self) -> Outcome<()> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Failure::Closed("this Stream"));
+        }
+        Ok(())
+    }
+
     /// Whether another library lent the stream (its object is held).
     pub(crate) fn is_lent(&self) -> bool {
         self.owner.is_some()
@@ -158,7 +174,7 @@ impl Stream {
     /// The legacy default stream of `device`.
     pub(crate) fn legacy_of(py: Python<'_>, device: i32) -> Outcome<Self> {
         let context = Self::context(py, device)?;
-        Ok(Self { stream: cumempool::Stream::legacy(&context), owner: None, device })
+        Ok(Self { stream: cumempool::Stream::legacy(&context), owner: None, device, closed: Default::default() })
     }
 
     /// The legacy default stream of `device`, one object per device for the process, so a
@@ -231,7 +247,7 @@ impl Stream {
             // this Stream and its buffers live.
             None => unsafe { cumempool::Stream::borrow_raw(raw_stream, Some(&context)) },
         }?;
-        Ok(Self { stream, owner, device })
+        Ok(Self { stream, owner, device, closed: Default::default() })
     }
 
     /// What `obj` names as a stream: a `Stream`, an object with `__cuda_stream__`, a PyTorch
@@ -246,6 +262,7 @@ impl Stream {
             return Self::shared_legacy(py, default_device);
         };
         if let Ok(stream) = obj.cast::<Self>() {
+            stream.get().check_open()?;
             return Ok(stream.clone().unbind());
         }
         let recent =
@@ -521,27 +538,38 @@ fn device_of(obj: &Bound<'_, PyAny>) -> Option<i32> {
 
 #[pymethods]
 impl Stream {
-    /// A new non-blocking stream on `device`, destroyed with its last holder.
+    /// A new non-blocking stream on `device` (default: the current device, as PyTorch, CuPy and
+    /// cuda.core take it), destroyed with its last holder.
     #[new]
-    #[pyo3(signature = (device = 0))]
-    fn new(py: Python<'_>, device: i32) -> Outcome<Self> {
+    #[pyo3(signature = (device = None))]
+    fn new(py: Python<'_>, device: Option<i32>) -> Outcome<Self> {
+        let device = match device {
+            Some(device) => device,
+            None => crate::contexts::current_device(py)?,
+        };
         let context = Self::context(py, device)?;
         // `cuStreamCreate` needs the context current: the caller's is put back after.
         let stream = crate::gil::detach(py, || {
             crate::contexts::while_current(&context, || Ok(cumempool::Stream::new(&context)?))
         })?;
-        Ok(Self { stream, owner: None, device })
+        Ok(Self { stream, owner: None, device, closed: Default::default() })
     }
 
-    /// The legacy default stream (`0`) of `device`: one object per device.
+    /// The legacy default stream (`0`) of `device` (default: the current device): one object
+    /// per device.
     #[staticmethod]
-    #[pyo3(signature = (device = 0))]
-    fn legacy(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
+    #[pyo3(signature = (device = None))]
+    fn legacy(py: Python<'_>, device: Option<i32>) -> Outcome<Py<Self>> {
+        let device = match device {
+            Some(device) => device,
+            None => crate::contexts::current_device(py)?,
+        };
         Self::shared_legacy(py, device)
     }
 
     /// Borrows another library's stream: an object with `__cuda_stream__`, a torch or CuPy
-    /// stream, or an int handle (of `device`, default: the object's device or 0). The object is
+    /// stream, or an int handle (of `device`, default: the object's device, else the current
+    /// device). The object is
     /// held; a bare int must stay valid while this Stream and its buffers live, and while a
     /// cache keeps blocks freed on it (until its `release()`).
     #[staticmethod]
@@ -563,7 +591,11 @@ impl Stream {
             }
             return Ok(Py::new(py, Self::borrow_handle(py, raw, device, None)?)?);
         }
-        Self::from_object(py, Some(obj), device.unwrap_or(0))
+        let device = match device {
+            Some(device) => device,
+            None => crate::contexts::current_device(py)?,
+        };
+        Self::from_object(py, Some(obj), device)
     }
 
     /// The raw `CUstream` as an int. Whoever reads it may capture the stream into a CUDA graph
@@ -595,12 +627,14 @@ impl Stream {
 
     /// Waits for all work queued on the stream.
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
+        self.check_open()?;
         let s = &self.stream;
         Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.synchronize()))?)
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
+        self.check_open()?;
         let s = &self.stream;
         Ok(crate::gil::detach(py, || crate::contexts::restored_after(s.as_raw() as usize, || s.is_idle()))?)
     }
@@ -613,6 +647,45 @@ impl Stream {
     /// The raw handle, marking the stream as `handle` does.
     fn __int__(&self) -> usize {
         self.lent_raw()
+    }
+
+    /// Lets go of a stream cumempool created: later uses of this object raise `ClosedError`;
+    /// the stream itself is destroyed once the buffers and cached blocks ordered on it are gone.
+    /// A borrowed or legacy stream belongs to its library (and may be shared by other objects
+    /// here): closing it does nothing.
+    fn close(&self) {
+        if self.stream.is_owned() {
+            self.closed.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Whether `close()` was called on this (owned) stream.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) {
+        self.close();
+    }
+
+    /// Streams are equal when they name the same driver stream of the same device.
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<Self>()
+            .is_ok_and(|o| o.get().stream.as_raw() == self.stream.as_raw() && o.get().device == self.device)
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (self.stream.as_raw() as usize, self.device).hash(&mut hasher);
+        hasher.finish()
     }
 
     fn __repr__(&self) -> String {
