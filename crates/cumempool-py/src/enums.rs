@@ -89,3 +89,8 @@ pub(crate) static HANDLE_TYPES: PyEnum = PyEnum::new(
         ("FABRIC", cumempool::HandleTypes::FABRIC.bits()),
     ],
 );
+
+/// `bits` as a `cumempool.HandleTypes` (an `IntFlag`: bits it has no member for stay in the value).
+pub(crate) fn handle_types(py: Python<'_>, bits: u32) -> PyResult<Py<PyAny>> {
+    Ok(HANDLE_TYPES.class(py)?.call1((bits,))?.unbind())
+}

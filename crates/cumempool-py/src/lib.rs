@@ -53,9 +53,6 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<streams::Device>()?;
     module.add_class::<streams::Stream>()?;
     module.add("Access", enums::ACCESS.class(module.py())?)?;
-    // MemPool.set_access and MemPool.access take and return this class: the package converts
-    // `Access` members to it at its edge (cumempool/__init__.py).
-    module.add("_NativeAccess", module.py().get_type::<pools::Access>())?;
     module.add("HandleTypes", enums::HANDLE_TYPES.class(module.py())?)?;
     module.add_class::<pools::MemPool>()?;
     module.add_class::<buffers::Buffer>()?;

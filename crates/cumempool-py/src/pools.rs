@@ -14,52 +14,23 @@ use cumempool::DriverVersion;
 use pyo3::prelude::*;
 use std::sync::{Mutex, PoisonError};
 
-/// Access a device has to a pool's memory.
-#[pyclass(frozen, eq, eq_int, hash, module = "cumempool", from_py_object)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
-pub enum Access {
-    /// No access.
-    NONE,
-    /// Read-only access.
-    READ,
-    /// Read-write access.
-    READ_WRITE,
+/// The Rust access for a member of `cumempool.Access`.
+fn access_from_python(access: &Bound<'_, PyAny>) -> PyResult<cumempool::Access> {
+    Ok(match crate::enums::ACCESS.name_of(access)? {
+        "READ" => cumempool::Access::Read,
+        "READ_WRITE" => cumempool::Access::ReadWrite,
+        _ => cumempool::Access::None,
+    })
 }
 
-impl Access {
-    fn to_rust(self) -> cumempool::Access {
-        match self {
-            Self::NONE => cumempool::Access::None,
-            Self::READ => cumempool::Access::Read,
-            Self::READ_WRITE => cumempool::Access::ReadWrite,
-        }
-    }
-
-    fn from_rust(access: cumempool::Access) -> Self {
-        match access {
-            cumempool::Access::Read => Self::READ,
-            cumempool::Access::ReadWrite => Self::READ_WRITE,
-            _ => Self::NONE,
-        }
-    }
-}
-
-/// The export handle types a pool may be created with (bit flags, combined with `|`).
-#[pyclass(frozen, module = "cumempool")]
-pub struct HandleTypes;
-
-#[pymethods]
-impl HandleTypes {
-    /// No export.
-    #[classattr]
-    const NONE: u32 = cumempool::HandleTypes::NONE.bits();
-    /// A POSIX file descriptor (sharing over a Unix socket).
-    #[classattr]
-    const POSIX_FILE_DESCRIPTOR: u32 = cumempool::HandleTypes::POSIX_FILE_DESCRIPTOR.bits();
-    /// A fabric handle (another node of the same NVLink domain; needs IMEX).
-    #[classattr]
-    const FABRIC: u32 = cumempool::HandleTypes::FABRIC.bits();
+/// The member of `cumempool.Access` for a Rust access (one the crate does not know reads NONE).
+fn access_to_python(py: Python<'_>, access: cumempool::Access) -> PyResult<Py<PyAny>> {
+    let name = match access {
+        cumempool::Access::Read => "READ",
+        cumempool::Access::ReadWrite => "READ_WRITE",
+        _ => "NONE",
+    };
+    Ok(crate::enums::ACCESS.member(py, name)?.unbind())
 }
 
 /// A memory pool. `MemPool(route, max_size=..., handle_types=..., hw_decompress=...)` creates
@@ -213,16 +184,18 @@ impl MemPool {
         Ok(crate::gil::detach(py, || pool.trim_to(keep_bytes))?)
     }
 
-    /// Grants `device` an access to the pool's memory.
-    fn set_access(&self, py: Python<'_>, device: Device, access: Access) -> Outcome<()> {
+    /// Grants `device` an access (a member of `cumempool.Access`) to the pool's memory.
+    fn set_access(&self, py: Python<'_>, device: Device, access: &Bound<'_, PyAny>) -> Outcome<()> {
+        let access = access_from_python(access)?;
         let pool = self.pool()?;
-        Ok(crate::gil::detach(py, || pool.set_access(device.0, access.to_rust()))?)
+        Ok(crate::gil::detach(py, || pool.set_access(device.0, access))?)
     }
 
-    /// The access `device` has to the pool's memory.
-    fn access(&self, py: Python<'_>, device: Device) -> Outcome<Access> {
+    /// The access `device` has to the pool's memory, a member of `cumempool.Access`.
+    fn access(&self, py: Python<'_>, device: Device) -> Outcome<Py<PyAny>> {
         let pool = self.pool()?;
-        Ok(Access::from_rust(crate::gil::detach(py, || pool.access(device.0))?))
+        let access = crate::gil::detach(py, || pool.access(device.0))?;
+        Ok(access_to_python(py, access)?)
     }
 
     /// Every attribute the driver answers, as a dict of the attribute's C name to its value;
@@ -319,14 +292,14 @@ impl MemPool {
 
     /// The handle types the pool can export, read from the driver (CUDA 13.2).
     #[getter]
-    fn export_handle_types(&self) -> Outcome<u32> {
+    fn export_handle_types(&self, py: Python<'_>) -> Outcome<Py<PyAny>> {
         #[cfg(feature = "cuda-13020")]
-        return Ok(self.pool()?.export_handle_types()?.bits());
+        return Ok(crate::enums::handle_types(py, self.pool()?.export_handle_types()?.bits())?);
         #[cfg(not(feature = "cuda-13020"))]
-        return Err(too_old(
-            "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES (build without cuda-13020)",
-            DriverVersion::CUDA_13_2,
-        ));
+        return Err({
+            let _ = py;
+            too_old("CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES (build without cuda-13020)", DriverVersion::CUDA_13_2)
+        });
     }
 
     /// The pool's location, read from the driver (CUDA 13.2).

@@ -65,10 +65,10 @@ impl Device {
         Ok(self.0.supports_host_memory_pools()?)
     }
 
-    /// The export handle types its pools support, as a bit set (`HandleTypes`).
+    /// The export handle types its pools support, a `HandleTypes`.
     #[getter]
-    fn supported_handle_types(&self) -> Outcome<u32> {
-        Ok(self.0.supported_handle_types()?.bits())
+    fn supported_handle_types(&self, py: Python<'_>) -> Outcome<Py<PyAny>> {
+        Ok(crate::enums::handle_types(py, self.0.supported_handle_types()?.bits())?)
     }
 
     /// Whether this device can access `peer`'s memory.

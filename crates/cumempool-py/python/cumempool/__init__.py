@@ -37,7 +37,6 @@ from ._native import (
     Stream,
     Tracking,
     __version__,
-    _NativeAccess,
     bindings_version,
     current_pool,
     current_pool_handle,
@@ -51,28 +50,6 @@ from ._native import (
 from .errors import *  # noqa: F401,F403  (the exception classes, at the top level too)
 
 
-def _access_at_the_edge() -> None:
-    """MemPool.set_access and MemPool.access speak the native module's own access class; users
-    see the ``Access`` enum, converted here by member name."""
-    native_set_access = MemPool.set_access
-    native_access = MemPool.access
-
-    def set_access(self: MemPool, device: Device, access: Access) -> None:
-        if not isinstance(access, Access):
-            raise TypeError(f"expected a member of cumempool.Access, not {access!r}")
-        native_set_access(self, device, getattr(_NativeAccess, access.name))
-
-    def access(self: MemPool, device: Device) -> Access:
-        granted = native_access(self, device)
-        return next(a for a in Access if getattr(_NativeAccess, a.name) == granted)
-
-    set_access.__doc__ = native_set_access.__doc__
-    access.__doc__ = native_access.__doc__
-    MemPool.set_access = set_access  # type: ignore[method-assign]
-    MemPool.access = access  # type: ignore[method-assign]
-
-
-_access_at_the_edge()
 
 
 def native_library_path() -> str:

@@ -18,7 +18,6 @@ __all__ = [
     "Device",
     "Stream",
     "Access",
-    "_NativeAccess",
     "HandleTypes",
     "MemPool",
     "Buffer",
@@ -70,15 +69,6 @@ class HandleTypes(enum.IntFlag):
     NONE = 0
     POSIX_FILE_DESCRIPTOR = 1
     FABRIC = 8
-
-# The access class MemPool.set_access and MemPool.access speak natively; the package converts
-# `Access` members to it (its members are typed Any: at run time the class is named Access).
-@final
-class _NativeAccess:
-    NONE: Any
-    READ: Any
-    READ_WRITE: Any
-    def __int__(self) -> int: ...
 
 @final
 class Location:
@@ -153,7 +143,7 @@ class Device:
     @property
     def supports_host_memory_pools(self) -> bool: ...
     @property
-    def supported_handle_types(self) -> int: ...
+    def supported_handle_types(self) -> HandleTypes: ...
     def can_access_peer(self, peer: Device) -> bool: ...
     def __reduce__(self) -> tuple[type[Device], tuple[int]]: ...
     def __eq__(self, value: object, /) -> bool: ...
@@ -285,7 +275,7 @@ class MemPool:
     @property
     def allocation_type(self) -> AllocationType: ...
     @property
-    def export_handle_types(self) -> int: ...
+    def export_handle_types(self) -> HandleTypes: ...
     @property
     def location(self) -> Location: ...
     @property
