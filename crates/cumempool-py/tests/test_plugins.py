@@ -204,3 +204,37 @@ def test_cuda_core_deallocate_frees_on_the_stream_it_is_given(gpu):
         threading.Timer(0.3, gate.set).start()
     b.synchronize()
     assert again.to_bytes(16) == b"\x01" * 16, "b's memset landed in memory freed before it ran"
+
+
+def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu):
+    cupy = library("cupy")
+    import cumempool.cupy as cmc
+
+    pool = cm.MemPool(cm.Route.device(0))
+    allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+    n = 1 << 16
+    s = cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(allocator), s:
+        x = cupy.arange(n, dtype=cupy.float32)
+        out = cupy.zeros((), dtype=cupy.float32)
+        s.synchronize()
+        used_before = pool.used_mem_current
+        s.begin_capture()
+        cupy.sum(x * 2 + 1, out=out)  # temporaries allocated and freed inside the capture
+        graph = s.end_capture()
+        assert allocator.captured_bytes >= 2 * 4 * n, "the temporaries are kept for the graph"
+        assert pool.used_mem_current >= used_before + allocator.captured_bytes, "counted against the pool"
+        graph.launch(s)
+        s.synchronize()
+        assert float(out) == float(2 * (n * (n - 1) // 2) + n)
+        # Eager temporaries now never get the graph's blocks.
+        kept = {b.ptr for b in allocator._captured}
+        eager = [cupy.empty(4 * n, dtype=cupy.uint8) for _ in range(8)]
+        assert not kept & {e.data.ptr for e in eager}
+        x.fill(1)
+        graph.launch(s)
+        s.synchronize()
+        assert float(out) == float(3 * n), "the replay reads the new input"
+        del graph, eager
+    allocator.release_captured()
+    assert allocator.captured_bytes == 0

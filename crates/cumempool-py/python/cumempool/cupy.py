@@ -12,7 +12,7 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 from __future__ import annotations
 
 from . import errors
-from ._native import MemPool, PoolResource, Resource
+from ._native import MemPool, PoolResource, Resource, Stream
 from .errors import InvalidDeviceError
 
 _out_of_memory_class = None
@@ -64,10 +64,42 @@ class Allocator:
 
     At the resource's limit (a pool's ``max_size``, a :class:`cumempool.Limit`) it raises
     :func:`out_of_memory_error`'s class, which is CuPy's ``OutOfMemoryError`` and
-    cumempool's at once."""
+    cumempool's at once.
+
+    CUDA graphs (``stream.begin_capture()`` ... ``end_capture()``): memory asked for while
+    CuPy's current stream captures comes from the resource too (counted and capped as any
+    other), allocated outside the capture and ready before the call returns, and it is kept for
+    the graph: the graph's work uses those addresses at every launch, so they go back to the
+    resource only when you call :meth:`release_captured` (after the graphs that use them are
+    gone), never to eager code before that."""
 
     def __init__(self, source: MemPool | Resource):
         self.resource = PoolResource(source) if isinstance(source, MemPool) else source
+        self._captured: list = []
+        self._side = None
+
+    @property
+    def captured_bytes(self) -> int:
+        """The bytes kept for CUDA graphs captured through this allocator."""
+        return sum(buffer.size for buffer in self._captured)
+
+    def release_captured(self) -> None:
+        """Gives back the memory kept for graphs captured through this allocator. Call it only
+        once every graph captured with it is gone (no launch may follow)."""
+        held, self._captured = self._captured, []
+        for buffer in held:
+            buffer.close()
+
+    def _for_a_capture(self, size: int):
+        """Memory for a stream that captures: from the resource on a stream of the allocator's
+        own (so neither the allocation nor the cache's reuse lands in the graph), waited for,
+        and kept until :meth:`release_captured`."""
+        if self._side is None:
+            self._side = Stream(self.resource.device)
+        buffer = self.resource.alloc(size, self._side)
+        self._side.synchronize()  # ready before any launch of the graph, on any stream
+        self._captured.append(buffer)
+        return buffer
 
     def __call__(self, size: int):
         import cupy
@@ -78,8 +110,13 @@ class Allocator:
                 f"this allocator serves device {self.resource.device} and CuPy's current device is "
                 f"device {current}: give each device an Allocator of its own resource"
             )
+        stream = cupy.cuda.get_current_stream()
         try:
-            buffer = self.resource.alloc(size, cupy.cuda.get_current_stream())
+            is_capturing = getattr(stream, "is_capturing", None)
+            if is_capturing is not None and is_capturing():
+                buffer = self._for_a_capture(size)
+            else:
+                buffer = self.resource.alloc(size, stream)
         except errors.OutOfMemoryError as error:
             raise out_of_memory_error()(size, error) from error
         memory = cupy.cuda.UnownedMemory(buffer.ptr, size, buffer, buffer.device)
