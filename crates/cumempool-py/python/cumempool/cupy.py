@@ -76,7 +76,7 @@ class Allocator:
     def __init__(self, source: MemPool | Resource):
         self.resource = PoolResource(source) if isinstance(source, MemPool) else source
         self._captured: list = []
-        self._side = None
+        self._side: Stream | None = None
 
     @property
     def captured_bytes(self) -> int:
@@ -94,10 +94,11 @@ class Allocator:
         """Memory for a stream that captures: from the resource on a stream of the allocator's
         own (so neither the allocation nor the cache's reuse lands in the graph), waited for,
         and kept until :meth:`release_captured`."""
-        if self._side is None:
-            self._side = Stream(self.resource.device)
-        buffer = self.resource.alloc(size, self._side)
-        self._side.synchronize()  # ready before any launch of the graph, on any stream
+        side = self._side
+        if side is None:
+            side = self._side = Stream(self.resource.device)
+        buffer = self.resource.alloc(size, side)
+        side.synchronize()  # ready before any launch of the graph, on any stream
         self._captured.append(buffer)
         return buffer
 
