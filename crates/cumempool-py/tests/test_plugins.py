@@ -206,20 +206,27 @@ def test_cuda_core_deallocate_frees_on_the_stream_it_is_given(gpu):
     assert again.to_bytes(16) == b"\x01" * 16, "b's memset landed in memory freed before it ran"
 
 
-def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu):
+def _cupy_capture_setup():
+    """CuPy, a pool, the plug-in over a cache of it, and a non-blocking CuPy stream to capture."""
     cupy = library("cupy")
     import cumempool.cupy as cmc
 
     pool = cm.MemPool(cm.Route.device(0))
-    allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+    return cupy, pool, cmc.Allocator(cm.CachingResource(cm.PoolResource(pool))), cupy.cuda.Stream(non_blocking=True)
+
+
+@pytest.mark.parametrize("global_mode", [False, True], ids=["relaxed", "global"])
+def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu, global_mode):
+    # A capture in global mode prohibits unsafe calls on this thread: the plug-in's side stream
+    # (its allocation, a cache's bookkeeping, its synchronize) must not invalidate it.
+    cupy, pool, allocator, s = _cupy_capture_setup()
     n = 1 << 16
-    s = cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.using_allocator(allocator), s:
         x = cupy.arange(n, dtype=cupy.float32)
         out = cupy.zeros((), dtype=cupy.float32)
         s.synchronize()
         used_before = pool.used_mem_current
-        s.begin_capture()
+        s.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal if global_mode else None)
         cupy.sum(x * 2 + 1, out=out)  # temporaries allocated and freed inside the capture
         graph = s.end_capture()
         assert allocator.captured_bytes >= 2 * 4 * n, "the temporaries are kept for the graph"
@@ -228,7 +235,7 @@ def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu
         s.synchronize()
         assert float(out) == float(2 * (n * (n - 1) // 2) + n)
         # Eager temporaries now never get the graph's blocks.
-        kept = {b.ptr for b in allocator._captured}
+        kept = {b.ptr for b, _ in allocator._captured}
         eager = [cupy.empty(4 * n, dtype=cupy.uint8) for _ in range(8)]
         assert not kept & {e.data.ptr for e in eager}
         x.fill(1)
@@ -236,5 +243,27 @@ def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu
         s.synchronize()
         assert float(out) == float(3 * n), "the replay reads the new input"
         del graph, eager
+    allocator.release_captured()
+    assert allocator.captured_bytes == 0
+
+
+def test_cupy_release_captured_keeps_an_array_the_capture_made(gpu):
+    # `y` is made inside the capture and kept: releasing the graphs' memory must leave its
+    # memory to it, and no eager allocation may get it while it lives.
+    cupy, pool, allocator, s = _cupy_capture_setup()
+    n = 1 << 16
+    with cupy.cuda.using_allocator(allocator), s:
+        x = cupy.arange(n, dtype=cupy.float32)
+        s.begin_capture()
+        y = x * 2
+        graph = s.end_capture()
+        graph.launch(s)
+        del graph
+        allocator.release_captured()
+        assert allocator.captured_bytes == y.nbytes
+        eager = [cupy.full(n, 7, dtype=cupy.float32) for _ in range(8)]
+        assert y.data.ptr not in {e.data.ptr for e in eager}
+        assert float(y.sum()) == float(n * (n - 1))
+        del y, eager
     allocator.release_captured()
     assert allocator.captured_bytes == 0

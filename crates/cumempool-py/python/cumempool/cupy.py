@@ -11,8 +11,10 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 
 from __future__ import annotations
 
+import weakref
+
 from . import errors
-from ._native import MemPool, PoolResource, Resource, Stream
+from ._native import Buffer, MemPool, PoolResource, Resource, Stream
 from .errors import InvalidDeviceError
 
 _out_of_memory_class = None
@@ -75,32 +77,44 @@ class Allocator:
 
     def __init__(self, source: MemPool | Resource):
         self.resource = PoolResource(source) if isinstance(source, MemPool) else source
-        self._captured: list = []
+        # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
+        # object holds it by: the buffer is given back only once the lease is gone too.
+        self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []
         self._side: Stream | None = None
 
     @property
     def captured_bytes(self) -> int:
         """The bytes kept for CUDA graphs captured through this allocator."""
-        return sum(buffer.size for buffer in self._captured)
+        return sum(buffer.size for buffer, _ in self._captured)
 
     def release_captured(self) -> None:
         """Gives back the memory kept for graphs captured through this allocator. Call it only
-        once every graph captured with it is gone (no launch may follow)."""
-        held, self._captured = self._captured, []
-        for buffer in held:
-            buffer.close()
+        once every graph captured with it is gone (no launch may follow). The device is
+        synchronised first, so that launches queued before and the work on arrays the graphs
+        made are done with it; memory an array still holds (one a capture made and the caller
+        kept) stays kept until a later call finds it let go of."""
+        import cupy
 
-    def _for_a_capture(self, size: int):
+        cupy.cuda.Device(self.resource.device).synchronize()
+        held, self._captured = self._captured, []
+        for buffer, lease in held:
+            if lease() is None:
+                buffer.close()
+            else:
+                self._captured.append((buffer, lease))
+
+    def _for_a_capture(self, size: int) -> _Lease:
         """Memory for a stream that captures: from the resource on a stream of the allocator's
         own (so neither the allocation nor the cache's reuse lands in the graph), waited for,
-        and kept until :meth:`release_captured`."""
+        and kept until :meth:`release_captured`; CuPy holds it by the lease returned."""
         side = self._side
         if side is None:
             side = self._side = Stream(self.resource.device)
         buffer = self.resource.alloc(size, side)
         side.synchronize()  # ready before any launch of the graph, on any stream
-        self._captured.append(buffer)
-        return buffer
+        lease = _Lease(buffer)
+        self._captured.append((buffer, weakref.ref(lease)))
+        return lease
 
     def __call__(self, size: int):
         import cupy
@@ -114,11 +128,24 @@ class Allocator:
         stream = cupy.cuda.get_current_stream()
         try:
             is_capturing = getattr(stream, "is_capturing", None)
+            owner: Buffer | _Lease
             if is_capturing is not None and is_capturing():
-                buffer = self._for_a_capture(size)
+                owner = self._for_a_capture(size)
             else:
-                buffer = self.resource.alloc(size, stream)
+                owner = self.resource.alloc(size, stream)
         except errors.OutOfMemoryError as error:
             raise out_of_memory_error()(size, error) from error
-        memory = cupy.cuda.UnownedMemory(buffer.ptr, size, buffer, buffer.device)
+        memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)
         return cupy.cuda.MemoryPointer(memory, 0)
+
+
+class _Lease:
+    """What CuPy's memory object holds for memory served to a capture: the buffer stays with the
+    allocator (for the graph), and the lease's end tells :meth:`Allocator.release_captured` that
+    no array uses the memory any more."""
+
+    __slots__ = ("ptr", "device", "__weakref__")
+
+    def __init__(self, buffer: Buffer):
+        self.ptr = buffer.ptr
+        self.device = buffer.device

@@ -1,0 +1,56 @@
+"""The CuPy plug-in's CUDA graph support on a host without a GPU: a stand-in ``cupy`` module over
+the stand-in libcuda, whose current stream says it captures when told to."""
+
+from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+
+# A stand-in ``cupy``: `capturing[0]` says whether its current stream captures; `synced` notes
+# the devices synchronised (`cupy.cuda.Device(n).synchronize()`).
+FAKE_CUPY = """
+import sys, types
+capturing, synced = [False], []
+class FakeStream:
+    ptr = 0
+    def is_capturing(self):
+        return capturing[0]
+class FakeDevice:
+    def __init__(self, n):
+        self.n = n
+    def synchronize(self):
+        synced.append(self.n)
+cupy = types.ModuleType("cupy")
+cupy.cuda = types.SimpleNamespace(
+    memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
+    runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    get_current_stream=lambda: FakeStream(),
+    Device=FakeDevice,
+    UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
+    MemoryPointer=lambda memory, offset: memory,
+)
+sys.modules["cupy"] = cupy
+import cumempool.cupy as cmc
+"""
+
+
+def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda):  # noqa: F811
+    # An array a capture made (the graph's output, `y = x * 2` inside the capture) lives on
+    # after the graph: releasing the captured memory must not free it under the array, and the
+    # device is waited for first (a launch queued before may still run on the memory).
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        FAKE_CUPY
+        + """
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(pool)
+capturing[0] = True
+escaped = allocator(4096)  # the user keeps it
+temporary = allocator(8192)
+del temporary  # a temporary the capture let go of
+capturing[0] = False
+allocator.release_captured()
+print(pool.used_mem_current, allocator.captured_bytes, synced)
+del escaped
+allocator.release_captured()
+print(pool.used_mem_current, allocator.captured_bytes)
+""",
+    )
+    assert words == ["4096", "4096", "[0]", "0", "0"], "an array's memory was freed under it, or unsynchronised"
