@@ -54,3 +54,29 @@ print(pool.used_mem_current, allocator.captured_bytes)
 """,
     )
     assert words == ["4096", "4096", "[0]", "0", "0"], "an array's memory was freed under it, or unsynchronised"
+
+
+def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcuda):  # noqa: F811
+    # A capture begun in global mode forbids this thread's host waits (the stand-in invalidates
+    # it as the driver does): serving it, allocating on the side stream, a cache's bookkeeping
+    # and the wait for the allocation must leave it intact.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        FAKE_CUPY
+        + """
+pool = cm.MemPool(cm.Route.device(0))
+for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
+    allocator = cmc.Allocator(source)
+    captured = cm.Stream(0)
+    handle = captured.handle
+    assert begin(handle, 0) == 0  # global
+    capturing[0] = True
+    pointers = [allocator(4096) for _ in range(3)]
+    del pointers
+    capturing[0] = False
+    graph = ctypes.c_void_p()
+    print(end(handle, ctypes.byref(graph)), allocator.captured_bytes)
+    allocator.release_captured()
+""",
+    )
+    assert words == ["0", "12288", "0", "12288"], "the plug-in invalidated a global-mode capture"

@@ -89,9 +89,9 @@ class Allocator:
 
     def release_captured(self) -> None:
         """Gives back the memory kept for graphs captured through this allocator. Call it only
-        once every graph captured with it is gone (no launch may follow). The device is
-        synchronised first, so that launches queued before and the work on arrays the graphs
-        made are done with it; memory an array still holds (one a capture made and the caller
+        once every graph captured with it is gone (no launch may follow), and while no stream of
+        the device captures (the device is synchronised first, which a capture refuses, so that
+        launches queued before and the work on arrays the graphs made are done with it); memory an array still holds (one a capture made and the caller
         kept) stays kept until a later call finds it let go of."""
         import cupy
 
