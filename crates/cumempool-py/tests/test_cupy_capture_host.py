@@ -31,14 +31,18 @@ import cumempool.cupy as cmc
 """
 
 
+def _with_fake_cupy(stand_in_libcuda, code):
+    """Runs `code` on the stand-in driver after FAKE_CUPY; its stdout words."""
+    return run_on_stand_in(stand_in_libcuda, FAKE_CUPY + code)
+
+
 def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda):  # noqa: F811
     # An array a capture made (the graph's output, `y = x * 2` inside the capture) lives on
     # after the graph: releasing the captured memory must not free it under the array, and the
     # device is waited for first (a launch queued before may still run on the memory).
-    words = run_on_stand_in(
+    words = _with_fake_cupy(
         stand_in_libcuda,
-        FAKE_CUPY
-        + """
+        """
 pool = cm.MemPool(cm.Route.device(0))
 allocator = cmc.Allocator(pool)
 capturing[0] = True
@@ -60,10 +64,9 @@ def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcud
     # A capture begun in global mode forbids this thread's host waits (the stand-in invalidates
     # it as the driver does): serving it, allocating on the side stream, a cache's bookkeeping
     # and the wait for the allocation must leave it intact.
-    words = run_on_stand_in(
+    words = _with_fake_cupy(
         stand_in_libcuda,
-        FAKE_CUPY
-        + """
+        """
 pool = cm.MemPool(cm.Route.device(0))
 for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
     allocator = cmc.Allocator(source)
