@@ -35,8 +35,14 @@ CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
 CUresult cuCtxCreate_v2(CUcontext *c, unsigned flags, int d) { *c = malloc(8); current = *c; return 0; }
 CUresult cuCtxDestroy_v2(CUcontext c) { if (current == c) current = 0; free(c); return 0; }
-static CUresult stream_create(CUstream *s, unsigned flags) { if (!current) return 201; *s = malloc(16); return 0; }
-static CUresult stream_destroy(CUstream s) { free(s); return 0; }
+/* As the driver does, the last destroyed stream's handle goes to the next new stream (kept here
+   rather than left to malloc, whose reuse depends on what else the process allocates). */
+static CUstream last_destroyed;
+static CUresult stream_create(CUstream *s, unsigned flags) {
+    if (!current) return 201;
+    *s = last_destroyed ? last_destroyed : malloc(16); last_destroyed = 0; return 0;
+}
+static CUresult stream_destroy(CUstream s) { if (last_destroyed) free(last_destroyed); last_destroyed = s; return 0; }
 static CUresult stream_context(CUstream s, CUcontext *c) { *c = primary; return 0; }
 static CUresult pool_create(void **pool, const void *props) { *pool = malloc(8); return 0; }
 static int legacy(CUstream s) { return s == 0 || s == (CUstream)1; }
