@@ -64,6 +64,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<resources::Tracking>()?;
     module.add_class::<resources::OnOutOfMemory>()?;
     module.add_class::<resources::Caching>()?;
+    module.add_function(wrap_pyfunction!(contexts::_in_relaxed_capture_mode, module)?)?;
     module.add_function(wrap_pyfunction!(routing::default_pool, module)?)?;
     module.add_function(wrap_pyfunction!(routing::current_pool, module)?)?;
     module.add_function(wrap_pyfunction!(routing::current_pool_handle, module)?)?;

@@ -227,8 +227,10 @@ def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu
         s.synchronize()
         used_before = pool.used_mem_current
         s.begin_capture(cupy.cuda.runtime.streamCaptureModeGlobal if global_mode else None)
-        cupy.sum(x * 2 + 1, out=out)  # temporaries allocated and freed inside the capture
-        graph = s.end_capture()
+        try:
+            cupy.sum(x * 2 + 1, out=out)  # temporaries allocated and freed inside the capture
+        finally:
+            graph = s.end_capture()  # ended even on a failure, or every later test would fail
         assert allocator.captured_bytes >= 2 * 4 * n, "the temporaries are kept for the graph"
         assert pool.used_mem_current >= used_before + allocator.captured_bytes, "counted against the pool"
         graph.launch(s)
@@ -255,8 +257,10 @@ def test_cupy_release_captured_keeps_an_array_the_capture_made(gpu):
     with cupy.cuda.using_allocator(allocator), s:
         x = cupy.arange(n, dtype=cupy.float32)
         s.begin_capture()
-        y = x * 2
-        graph = s.end_capture()
+        try:
+            y = x * 2
+        finally:
+            graph = s.end_capture()
         graph.launch(s)
         del graph
         allocator.release_captured()

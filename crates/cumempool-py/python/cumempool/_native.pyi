@@ -4,7 +4,7 @@
 import enum
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Final, TypedDict, final
+from typing import Any, Final, TypedDict, TypeVar, final
 
 from typing_extensions import Self, disjoint_base
 
@@ -50,6 +50,7 @@ __all__ = [
     "_bench_stream",
     "_bench_detach",
     "_bench_rust_pairs",
+    "_in_relaxed_capture_mode",
 ]
 
 # Anything accepted where a stream is: a Stream, an object with `__cuda_stream__`, a PyTorch or
@@ -363,3 +364,7 @@ def _bench_args(size: int, stream: _StreamLike = None) -> None: ...
 def _bench_detach() -> None: ...
 def _bench_stream(stream: _StreamLike, device: int = 0) -> None: ...
 def _bench_rust_pairs(target: Any, size: int, stream: _StreamLike, pairs: int) -> float: ...
+
+_T = TypeVar("_T")
+
+def _in_relaxed_capture_mode(call: Callable[[], _T]) -> _T: ...

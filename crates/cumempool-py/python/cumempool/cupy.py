@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 
 from . import errors
-from ._native import Buffer, MemPool, PoolResource, Resource, Stream
+from ._native import Buffer, MemPool, PoolResource, Resource, Stream, _in_relaxed_capture_mode
 from .errors import InvalidDeviceError
 
 _out_of_memory_class = None
@@ -110,7 +110,9 @@ class Allocator:
         side = self._side
         if side is None:
             side = self._side = Stream(self.resource.device)
-        buffer = self.resource.alloc(size, side)
+        # In relaxed mode: a capture in global or thread-local mode forbids this thread an
+        # allocation on another stream, and would be invalidated by it.
+        buffer = _in_relaxed_capture_mode(lambda: self.resource.alloc(size, side))
         side.synchronize()  # ready before any launch of the graph, on any stream
         lease = _Lease(buffer)
         self._captured.append((buffer, weakref.ref(lease)))
