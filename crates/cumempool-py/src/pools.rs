@@ -363,12 +363,12 @@ impl MemPool {
     fn __repr__(&self) -> String {
         match self.pool() {
             Ok(pool) => format!(
-                "MemPool(handle={:#x}, route={}, owned={})",
+                "<cumempool.MemPool handle={:#x} route={} owned={}>",
                 pool.as_raw() as usize,
-                pool.route().map_or_else(|| "imported".to_owned(), |r| r.to_string()),
-                pool.is_owned()
+                pool.route().map_or_else(|| "None".to_owned(), crate::routes::route_repr),
+                if pool.is_owned() { "True" } else { "False" }
             ),
-            Err(_) => "MemPool(closed)".to_owned(),
+            Err(_) => "<cumempool.MemPool closed>".to_owned(),
         }
     }
 }

@@ -281,11 +281,17 @@ impl Route {
 
     /// `Route(Location.device(0), AllocationType.PINNED)`: Python that makes it again.
     fn __repr__(&self) -> String {
-        let allocation_type = AllocationType::from_rust(self.0.allocation_type).name();
-        format!("Route({}, AllocationType.{allocation_type})", location_repr(self.0.location))
+        route_repr(self.0)
     }
 
     fn __str__(&self) -> String {
         self.0.to_string()
     }
+}
+
+/// `Route(Location.device(0), AllocationType.PINNED)`: Python that makes `route` again, for the
+/// reprs of the objects that name a route.
+pub(crate) fn route_repr(route: cumempool::Route) -> String {
+    let allocation_type = AllocationType::from_rust(route.allocation_type).name();
+    format!("Route({}, AllocationType.{allocation_type})", location_repr(route.location))
 }

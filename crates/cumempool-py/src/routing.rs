@@ -104,6 +104,7 @@ impl RouteGuard {
     }
 
     fn __repr__(&self) -> String {
-        format!("RouteGuard({}, active={})", self.route, self.active())
+        let active = if self.active() { "True" } else { "False" };
+        format!("<cumempool.RouteGuard route={} active={active}>", crate::routes::route_repr(self.route))
     }
 }

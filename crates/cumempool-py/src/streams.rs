@@ -690,6 +690,7 @@ impl Stream {
 
     fn __repr__(&self) -> String {
         // The handle shown can be copied into another library as well.
-        format!("Stream(handle={:#x}, device={}, owned={})", self.lent_raw(), self.device, self.stream.is_owned())
+        let owned = if self.stream.is_owned() { "True" } else { "False" };
+        format!("<cumempool.Stream handle={:#x} device={} owned={owned}>", self.lent_raw(), self.device)
     }
 }

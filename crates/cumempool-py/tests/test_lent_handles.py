@@ -16,7 +16,7 @@ WAYS_OUT = {
     "handle": "s.handle",
     "__cuda_stream__": "s.__cuda_stream__()[1]",
     "__int__": "int(s)",
-    "repr": "int(repr(s).split('handle=')[1].split(',')[0], 16)",
+    "repr": "int(repr(s).split('handle=')[1].split()[0], 16)",
     "__cuda_array_interface__": "lent_through_array_interface(s)",
 }
 
