@@ -76,29 +76,6 @@ fn driver_answer(function: &'static str, code: sys::CUresult) -> cumempool::Resu
     Err(cumempool::Error::Driver(cumempool::DriverError::new(function, code)))
 }
 
-/// The calling thread's current device, as PyTorch, CuPy and cuda.core take it: the device of the
-/// current context, else device 0 (no context current yet).
-pub fn current_device(py: pyo3::Python<'_>) -> Outcome<i32> {
-    crate::gil::detach(py, || -> Outcome<i32> {
-        let driver = sys::driver().map_err(cumempool::Error::from)?;
-        let (get_current, get_device) = (
-            driver.cuCtxGetCurrent().map_err(cumempool::Error::from)?,
-            driver.cuCtxGetDevice().map_err(cumempool::Error::from)?,
-        );
-        let mut context: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        check("cuCtxGetCurrent", unsafe { get_current(&mut context) })?;
-        if context.is_null() {
-            return Ok(0);
-        }
-        let mut device: sys::CUdevice = 0;
-        // SAFETY: a valid out-pointer; the current context.
-        check("cuCtxGetDevice", unsafe { get_device(&mut device, context) })?;
-        // A device handle is its ordinal (cuDeviceGet(&d, i) gives d == i).
-        Ok(device)
-    })
-}
-
 /// Calls `call` with the calling thread's capture mode relaxed, and puts the thread's mode back
 /// after: a capture other code runs in global or thread-local mode forbids this thread calls the
 /// driver calls "potentially unsafe" (an allocation on another stream among them) and

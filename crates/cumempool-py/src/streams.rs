@@ -24,7 +24,7 @@ impl Device {
     fn new(py: Python<'_>, ordinal: Option<i32>) -> Outcome<Self> {
         let ordinal = match ordinal {
             Some(ordinal) => ordinal,
-            None => crate::contexts::current_device(py)?,
+            None => current_device(py)?,
         };
         Ok(Self(crate::gil::detach(py, || cumempool::Device::get(ordinal))?))
     }
@@ -545,7 +545,7 @@ impl Stream {
     fn new(py: Python<'_>, device: Option<i32>) -> Outcome<Self> {
         let device = match device {
             Some(device) => device,
-            None => crate::contexts::current_device(py)?,
+            None => current_device(py)?,
         };
         let context = Self::context(py, device)?;
         // `cuStreamCreate` needs the context current: the caller's is put back after.
@@ -562,7 +562,7 @@ impl Stream {
     fn legacy(py: Python<'_>, device: Option<i32>) -> Outcome<Py<Self>> {
         let device = match device {
             Some(device) => device,
-            None => crate::contexts::current_device(py)?,
+            None => current_device(py)?,
         };
         Self::shared_legacy(py, device)
     }
@@ -593,7 +593,7 @@ impl Stream {
         }
         let device = match device {
             Some(device) => device,
-            None => crate::contexts::current_device(py)?,
+            None => current_device(py)?,
         };
         Self::from_object(py, Some(obj), device)
     }
@@ -693,4 +693,27 @@ impl Stream {
         let owned = if self.stream.is_owned() { "True" } else { "False" };
         format!("<cumempool.Stream handle={:#x} device={} owned={owned}>", self.lent_raw(), self.device)
     }
+}
+
+/// The calling thread's current device, as PyTorch, CuPy and cuda.core take it: the device of the
+/// current context, else device 0 (no context current yet).
+pub(crate) fn current_device(py: pyo3::Python<'_>) -> Outcome<i32> {
+    crate::gil::detach(py, || -> Outcome<i32> {
+        let driver = cumempool::sys::driver().map_err(cumempool::Error::from)?;
+        let (get_current, get_device) = (
+            driver.cuCtxGetCurrent().map_err(cumempool::Error::from)?,
+            driver.cuCtxGetDevice().map_err(cumempool::Error::from)?,
+        );
+        let mut context: cumempool::sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        crate::contexts::check("cuCtxGetCurrent", unsafe { get_current(&mut context) })?;
+        if context.is_null() {
+            return Ok(0);
+        }
+        let mut device: cumempool::sys::CUdevice = 0;
+        // SAFETY: a valid out-pointer; the current context.
+        crate::contexts::check("cuCtxGetDevice", unsafe { get_device(&mut device, context) })?;
+        // A device handle is its ordinal (cuDeviceGet(&d, i) gives d == i).
+        Ok(device)
+    })
 }
