@@ -37,40 +37,33 @@ def test_the_per_thread_stream_is_served_as_the_legacy_stream(stand_in_libcuda):
     assert words == ["0", "True", "True", "True"], "handle 2 was refused or not served as the legacy stream"
 
 
-def test_a_capture_on_the_per_thread_stream_is_refused_and_left_intact(gpu):
+def refused_while_the_per_thread_stream_captures(refused) -> None:
+    """Begins a relaxed capture on this thread's per-thread stream, checks that `refused()`
+    raises StreamCapturingError, and that the capture was left intact (it ends with a graph)."""
     cuda, begin, end = capture_functions()
-    pool = cm.MemPool(cm.Route.device(0))
-    pool.alloc(64, 2).close()
-    primary = cm.Stream.legacy(0)  # the primary context is current for the capture below
-    primary.synchronize()
+    cm.Stream.legacy(0).synchronize()  # the primary context is current for the capture below
     assert begin(2, 2) == 0  # relaxed, on this thread's per-thread stream
     try:
         with pytest.raises(cm.StreamCapturingError):
-            pool.alloc(64, 2)
+            refused()
     finally:
         graph = ctypes.c_void_p()
         ended = end(2, ctypes.byref(graph))
         if graph.value:
             cuda.cuGraphDestroy(graph)
     assert ended == 0, "the refusal left the capture intact"
+
+
+def test_a_capture_on_the_per_thread_stream_is_refused_and_left_intact(gpu):
+    pool = cm.MemPool(cm.Route.device(0))
+    pool.alloc(64, 2).close()
+    refused_while_the_per_thread_stream_captures(lambda: pool.alloc(64, 2))
 
 
 def test_a_dlpack_export_to_a_capturing_per_thread_stream_is_refused_and_leaves_it_intact(gpu):
-    cuda, begin, end = capture_functions()
     buffer = cm.MemPool(cm.Route.device(0)).alloc(64, cm.Stream(0))
-    primary = cm.Stream.legacy(0)  # the primary context is current for the capture below
-    primary.synchronize()
-    assert begin(2, 2) == 0  # relaxed, on this thread's per-thread stream
-    try:
-        # The consumer would record work on the memory into its graph, which outlives the buffer.
-        with pytest.raises(cm.StreamCapturingError):
-            buffer.__dlpack__(stream=2)
-    finally:
-        graph = ctypes.c_void_p()
-        ended = end(2, ctypes.byref(graph))
-        if graph.value:
-            cuda.cuGraphDestroy(graph)
-    assert ended == 0, "the refusal left the capture intact"
+    # The consumer would record work on the memory into its graph, which outlives the buffer.
+    refused_while_the_per_thread_stream_captures(lambda: buffer.__dlpack__(stream=2))
     buffer.__dlpack__(stream=2)  # no capture: exported after a wait
 
 
