@@ -6,6 +6,7 @@ import importlib
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
@@ -75,3 +76,12 @@ def run_in_new_process(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def run_on_driver(library: str, code: str) -> list:
+    """Runs `code` (dedented) in a new Python process whose driver is `library` (a stand-in
+    libcuda); its stdout words, after asserting it exited 0."""
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=library)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()

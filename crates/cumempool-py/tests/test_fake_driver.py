@@ -6,13 +6,14 @@ often does) and answers every function it does not model with success. Each scen
 first that the path the bindings already guard behaves, so a failure is the bindings', not the
 stand-in's."""
 
-import os
 import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from conftest import run_on_driver
 
 FAKE_LIBCUDA = r"""
 #include <stdint.h>
@@ -112,11 +113,7 @@ def fake_libcuda(tmp_path_factory):
 
 def _run(fake_libcuda, scenario):
     """Runs `scenario` after PRELUDE on the stand-in driver; its stdout lines."""
-    env = dict(os.environ, CUMEMPOOL_LIBCUDA=fake_libcuda)
-    code = PRELUDE + textwrap.dedent(scenario)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()
+    return run_on_driver(fake_libcuda, PRELUDE + textwrap.dedent(scenario))
 
 
 def _run_after(fake_libcuda, setup, scenario):

@@ -3,17 +3,15 @@ on a host without one through the stand-in libcuda of the Rust tests
 (tests/src/stand_in_driver.c), which models captures."""
 
 import ctypes
-import os
 import pathlib
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import cumempool as cm
-from conftest import libcuda
+from conftest import libcuda, run_on_driver
 
 STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src" / "stand_in_driver.c"
 
@@ -78,11 +76,7 @@ end = entry("cuStreamEndCapture", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_
 
 def run_on_stand_in(stand_in_libcuda, code):
     """Runs `code` (dedented, after STAND_IN_CAPTURE) on the stand-in driver; its stdout words."""
-    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
-    code = STAND_IN_CAPTURE + textwrap.dedent(code)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()
+    return run_on_driver(stand_in_libcuda, STAND_IN_CAPTURE + textwrap.dedent(code))
 
 
 def test_a_resource_alloc_on_a_capturing_stream_is_refused_on_the_stand_in(stand_in_libcuda):
