@@ -1,9 +1,14 @@
 //! Rust errors as Python exceptions: one class per variant (defined in `cumempool/errors.py`,
 //! where multiple inheritance from `MemoryError`, `ValueError` and `OSError` is plain Python),
 //! the message from the Rust `Display` with its causes, and the driver's code and name.
+//!
+//! The classes are bound as a Rust enum ([`Class`]), so the mapping from variants names only
+//! classes that exist: each is looked up once, when the native module loads, and a class
+//! `errors.py` lacks fails that import. Unlike `pyo3::import_exception!`, whose types panic on a
+//! failed lookup, raising never looks a class up by name.
 
 use cumempool::DriverError;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyImportError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -66,7 +71,7 @@ impl Failure {
             Self::Core(error) => (core_class(error), message_of(error), driver_cause(error), reason_of(error)),
             Self::Alloc(error) => (alloc_class(error), message_of(error), None, None),
             Self::Closed(what) => (
-                "ClosedError",
+                Class::ClosedError,
                 format!("{what} is closed; make a new one (close() gave its memory or handle back)"),
                 None,
                 None,
@@ -77,9 +82,11 @@ impl Failure {
             _ => None,
         };
         let message = pythonic(&message);
-        match raise(py, class, &message, code, driver, reason) {
-            Ok(error) | Err(error) => error,
-        }
+        raise(py, class, &message, code, driver, reason).unwrap_or_else(|lookup| {
+            // Only a package whose `errors.py` was changed under it gets here (the classes were
+            // all found when the module loaded): the error still reads as itself.
+            PyRuntimeError::new_err(format!("{message} (and cumempool.errors.{} failed: {lookup})", class.name()))
+        })
     }
 
     fn into_python(self) -> PyErr {
@@ -90,18 +97,123 @@ impl Failure {
     }
 }
 
-/// The exception `class` of `cumempool.errors` with `message`, `code`, `name`, `function` and
-/// `reason` set; `Err` holds the error met while building it (the module missing, say).
+/// Declares [`Class`], one variant per exception class of `cumempool/errors.py`, named as the
+/// class is: a variant the mapping below names is checked by the compiler, and a class
+/// `errors.py` lacks fails the import of the native module ([`bind_classes`]).
+macro_rules! exception_classes {
+    ($($class:ident),* $(,)?) => {
+        /// An exception class of `cumempool.errors`.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        #[allow(clippy::enum_variant_names, reason = "each variant is named as its Python class is")]
+        pub(crate) enum Class {
+            $(
+                #[doc = concat!("`cumempool.errors.", stringify!($class), "`.")]
+                $class,
+            )*
+        }
+
+        impl Class {
+            /// Every class, in declaration order (the order of [`CLASSES`]).
+            const ALL: &'static [Class] = &[$(Class::$class),*];
+
+            /// The class's name in `cumempool.errors`.
+            pub(crate) fn name(self) -> &'static str {
+                match self {
+                    $(Class::$class => stringify!($class),)*
+                }
+            }
+        }
+    };
+}
+
+exception_classes!(
+    CumempoolError,
+    LoadError,
+    ForkedChildError,
+    DriverError,
+    OutOfMemoryError,
+    LimitExceededError,
+    DriverTooOldError,
+    InvalidDeviceError,
+    InvalidRouteError,
+    RouteRefusedError,
+    ForeignCurrentPoolError,
+    PoolRouteMismatchError,
+    PoolInUseError,
+    UnsafeToDestroyError,
+    PoolWasCurrentError,
+    PoolCreationError,
+    NotHostAccessibleError,
+    DoesNotFitError,
+    OverlappingCopyError,
+    AccessNotGrantableError,
+    StreamNotBorrowableError,
+    ImportedPoolAllocationError,
+    NotShareableError,
+    SharingRefusedError,
+    MalformedMessageError,
+    AlreadyImportedError,
+    SharedLengthMismatchError,
+    CumempoolOSError,
+    UnknownValueError,
+    InvalidArgumentError,
+    AlignmentError,
+    KindMismatchError,
+    LanesUnreachableError,
+    StreamCapturingError,
+    CaptureRefusedError,
+    MappingsHeldError,
+    ClosedError,
+);
+
+/// The classes of [`Class::ALL`], in its order, once [`bind_classes`] found them.
+static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+/// Finds every class of [`Class`] in `cumempool.errors`, each a subclass of `CumempoolError`;
+/// called when the native module loads, so a class the Python side lacks fails the import (with
+/// its name) instead of the first error that would have raised it.
+pub(crate) fn bind_classes(py: Python<'_>) -> PyResult<()> {
+    classes(py).map(|_| ())
+}
+
+fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    CLASSES.get_or_try_init(py, || {
+        let module = py.import("cumempool.errors")?;
+        let base = module.getattr("CumempoolError")?.cast_into::<PyType>()?;
+        Class::ALL
+            .iter()
+            .map(|class| {
+                let found = module.getattr(class.name()).and_then(|c| Ok(c.cast_into::<PyType>()?));
+                match found {
+                    Ok(found) if found.is_subclass(&base)? => Ok(found.unbind()),
+                    Ok(_) => Err(PyImportError::new_err(format!(
+                        "cumempool.errors.{} is not a subclass of CumempoolError; reinstall cumempool",
+                        class.name()
+                    ))),
+                    Err(error) => Err(PyImportError::new_err(format!(
+                        "cumempool.errors lacks the exception class {} ({error}); reinstall cumempool",
+                        class.name()
+                    ))),
+                }
+            })
+            .collect()
+    })
+}
+
+/// The exception `class` with `message`, `code`, `name`, `function` and `reason` set; `Err`
+/// holds the error met while building it.
 fn raise(
     py: Python<'_>,
-    class: &str,
+    class: Class,
     message: &str,
     code: Option<u32>,
     driver: Option<&DriverError>,
     reason: Option<String>,
 ) -> PyResult<PyErr> {
-    let class = errors_module(py)?.getattr(class)?.cast_into::<PyType>()?;
-    let instance = class.call1((message,))?;
+    let Some(class) = classes(py)?.get(class as usize) else {
+        return Err(PyRuntimeError::new_err(format!("no class bound for {}", class.name())));
+    };
+    let instance = class.bind(py).call1((message,))?;
     if let Some(reason) = reason {
         instance.setattr("reason", reason)?;
     }
@@ -114,11 +226,6 @@ fn raise(
         instance.setattr("function", driver.function)?;
     }
     Ok(PyErr::from_value(instance))
-}
-
-fn errors_module(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    MODULE.get_or_try_init(py, || py.import("cumempool.errors").map(Bound::unbind)).map(|m| m.bind(py))
 }
 
 /// The name of the reason a program can match in Rust (`InvalidArgumentReason`,
@@ -162,57 +269,57 @@ fn driver_cause(error: &cumempool::Error) -> Option<&DriverError> {
     None
 }
 
-fn core_class(error: &cumempool::Error) -> &'static str {
+fn core_class(error: &cumempool::Error) -> Class {
     use cumempool::Error as E;
     match error {
-        E::Load(_) => "LoadError",
-        E::ForkedChild => "ForkedChildError",
-        E::Driver(_) | E::DriverGaveNullPointer { .. } => "DriverError",
-        E::OutOfMemory { .. } => "OutOfMemoryError",
-        E::InvalidDevice { .. } | E::InvalidLocalityDomain { .. } => "InvalidDeviceError",
-        E::InvalidGranularity { .. } | E::InvalidArgument { .. } => "InvalidArgumentError",
-        E::InvalidRoute(_) | E::InvalidLocation(_) => "InvalidRouteError",
-        E::RouteRefused { .. } => "RouteRefusedError",
-        E::DriverTooOld { .. } => "DriverTooOldError",
-        E::ForeignCurrentPool { .. } => "ForeignCurrentPoolError",
-        E::PoolRouteMismatch { .. } => "PoolRouteMismatchError",
-        E::PoolInUse { .. } => "PoolInUseError",
-        E::UnsafeToDestroy => "UnsafeToDestroyError",
-        E::PoolWasCurrent => "PoolWasCurrentError",
-        E::OverlappingCopy { .. } => "OverlappingCopyError",
-        E::PoolCreation { .. } => "PoolCreationError",
-        E::NotHostAccessible { .. } | E::ManagedMemoryNotHostAccessible { .. } => "NotHostAccessibleError",
-        E::DoesNotFit { .. } => "DoesNotFitError",
-        E::AccessNotGrantable { .. } => "AccessNotGrantableError",
-        E::StreamNotBorrowable { .. } => "StreamNotBorrowableError",
-        E::ImportedPoolAllocation => "ImportedPoolAllocationError",
-        E::NotShareable { .. } => "NotShareableError",
-        E::SharingRefused { .. } => "SharingRefusedError",
-        E::MalformedMessage { .. } => "MalformedMessageError",
-        E::AlreadyImported { .. } => "AlreadyImportedError",
-        E::ImportedMemoryNotSliceable | E::ExportableMemoryNotSliceable { .. } => "NotHostAccessibleError",
-        E::SharedLengthMismatch { .. } => "SharedLengthMismatchError",
-        E::Io { .. } => "CumempoolOSError",
-        E::UnknownValue(_) => "UnknownValueError",
-        E::StreamCapturing { .. } => "StreamCapturingError",
-        E::CaptureRefused { .. } => "CaptureRefusedError",
+        E::Load(_) => Class::LoadError,
+        E::ForkedChild => Class::ForkedChildError,
+        E::Driver(_) | E::DriverGaveNullPointer { .. } => Class::DriverError,
+        E::OutOfMemory { .. } => Class::OutOfMemoryError,
+        E::InvalidDevice { .. } | E::InvalidLocalityDomain { .. } => Class::InvalidDeviceError,
+        E::InvalidGranularity { .. } | E::InvalidArgument { .. } => Class::InvalidArgumentError,
+        E::InvalidRoute(_) | E::InvalidLocation(_) => Class::InvalidRouteError,
+        E::RouteRefused { .. } => Class::RouteRefusedError,
+        E::DriverTooOld { .. } => Class::DriverTooOldError,
+        E::ForeignCurrentPool { .. } => Class::ForeignCurrentPoolError,
+        E::PoolRouteMismatch { .. } => Class::PoolRouteMismatchError,
+        E::PoolInUse { .. } => Class::PoolInUseError,
+        E::UnsafeToDestroy => Class::UnsafeToDestroyError,
+        E::PoolWasCurrent => Class::PoolWasCurrentError,
+        E::OverlappingCopy { .. } => Class::OverlappingCopyError,
+        E::PoolCreation { .. } => Class::PoolCreationError,
+        E::NotHostAccessible { .. } | E::ManagedMemoryNotHostAccessible { .. } => Class::NotHostAccessibleError,
+        E::DoesNotFit { .. } => Class::DoesNotFitError,
+        E::AccessNotGrantable { .. } => Class::AccessNotGrantableError,
+        E::StreamNotBorrowable { .. } => Class::StreamNotBorrowableError,
+        E::ImportedPoolAllocation => Class::ImportedPoolAllocationError,
+        E::NotShareable { .. } => Class::NotShareableError,
+        E::SharingRefused { .. } => Class::SharingRefusedError,
+        E::MalformedMessage { .. } => Class::MalformedMessageError,
+        E::AlreadyImported { .. } => Class::AlreadyImportedError,
+        E::ImportedMemoryNotSliceable | E::ExportableMemoryNotSliceable { .. } => Class::NotHostAccessibleError,
+        E::SharedLengthMismatch { .. } => Class::SharedLengthMismatchError,
+        E::Io { .. } => Class::CumempoolOSError,
+        E::UnknownValue(_) => Class::UnknownValueError,
+        E::StreamCapturing { .. } => Class::StreamCapturingError,
+        E::CaptureRefused { .. } => Class::CaptureRefusedError,
         // A variant newer than these bindings: still a cumempool error, never a crash.
-        _ => "CumempoolError",
+        _ => Class::CumempoolError,
     }
 }
 
-fn alloc_class(error: &cumempool_alloc::Error) -> &'static str {
+fn alloc_class(error: &cumempool_alloc::Error) -> Class {
     use cumempool_alloc::Error as E;
     match error {
         E::Pool(error) => core_class(error),
-        E::LimitExceeded { .. } => "LimitExceededError",
-        E::Alignment { .. } => "AlignmentError",
-        E::KindMismatch { .. } => "KindMismatchError",
-        E::LanesUnreachable { .. } => "LanesUnreachableError",
-        E::HostOutOfMemory { .. } | E::ArenaExhausted { .. } => "OutOfMemoryError",
-        E::NotFromArena { .. } | E::NotExportable { .. } => "InvalidArgumentError",
-        E::MappingsHeld { .. } => "MappingsHeldError",
-        _ => "CumempoolError",
+        E::LimitExceeded { .. } => Class::LimitExceededError,
+        E::Alignment { .. } => Class::AlignmentError,
+        E::KindMismatch { .. } => Class::KindMismatchError,
+        E::LanesUnreachable { .. } => Class::LanesUnreachableError,
+        E::HostOutOfMemory { .. } | E::ArenaExhausted { .. } => Class::OutOfMemoryError,
+        E::NotFromArena { .. } | E::NotExportable { .. } => Class::InvalidArgumentError,
+        E::MappingsHeld { .. } => Class::MappingsHeldError,
+        _ => Class::CumempoolError,
     }
 }
 

@@ -46,6 +46,7 @@ fn init(py: Python<'_>) -> errors::Outcome<()> {
 #[pymodule]
 #[pyo3(name = "_native")]
 fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::bind_classes(module.py())?;
     module.add_class::<routes::Location>()?;
     module.add("AllocationType", routes::ALLOCATION_TYPE.class(module.py())?)?;
     module.add_class::<routes::Route>()?;

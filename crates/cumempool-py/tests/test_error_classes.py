@@ -1,0 +1,58 @@
+"""The exception classes are bound when the native module loads: a class missing from
+``cumempool.errors`` fails the import, and a class is never looked up again when it is raised.
+No GPU needed."""
+
+from __future__ import annotations
+
+import textwrap
+
+from conftest import run_in_new_process
+
+# Loads `cumempool/errors.py` without importing the package, drops `{missing}` from it, and
+# stands the result in for `cumempool.errors` before the package is imported.
+_ERRORS_WITHOUT = """
+import importlib.util, os, sys, types
+package = importlib.util.find_spec("cumempool")
+path = os.path.join(package.submodule_search_locations[0], "errors.py")
+errors = types.ModuleType("cumempool.errors")
+errors.__file__ = path
+exec(compile(open(path).read(), path, "exec"), errors.__dict__)
+del errors.{missing}
+sys.modules["cumempool.errors"] = errors
+"""
+
+
+def test_a_class_missing_from_errors_py_fails_the_import_and_names_the_class():
+    code = _ERRORS_WITHOUT.format(missing="StreamCapturingError") + textwrap.dedent(
+        """
+        try:
+            import cumempool
+        except ImportError as error:
+            print("refused:", error)
+        else:
+            print("imported")
+        """
+    )
+    out = run_in_new_process(code)
+    assert out.startswith("refused:"), out
+    assert "StreamCapturingError" in out and "reinstall cumempool" in out, out
+
+
+def test_a_class_removed_after_the_import_still_raises_with_its_message():
+    code = textwrap.dedent(
+        """
+        import cumempool as cm
+        import cumempool.errors as errors
+        InvalidRouteError = errors.InvalidRouteError
+        del errors.InvalidRouteError
+        try:
+            cm.Route(cm.Location.unspecified(), cm.AllocationType.PINNED)
+        except InvalidRouteError as error:
+            print(type(error).__name__, "|", error)
+        except Exception as error:
+            print("replaced by", type(error).__name__, "|", error)
+        """
+    )
+    out = run_in_new_process(code)
+    assert out.startswith("InvalidRouteError |"), out
+    assert "managed memory only" in out, out
