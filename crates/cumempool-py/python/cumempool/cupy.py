@@ -14,7 +14,8 @@ from __future__ import annotations
 import weakref
 
 from . import errors
-from ._native import Buffer, MemPool, PoolResource, Resource, Stream, _in_relaxed_capture_mode
+from ._native import Buffer, MemPool, Resource, Stream, _in_relaxed_capture_mode
+from ._sources import resource_of
 from .errors import InvalidDeviceError
 
 _out_of_memory_class = None
@@ -76,7 +77,7 @@ class Allocator:
     gone), never to eager code before that."""
 
     def __init__(self, source: MemPool | Resource):
-        self.resource = PoolResource(source) if isinstance(source, MemPool) else source
+        self.resource = resource_of(source)
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
         self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []

@@ -36,7 +36,8 @@ from __future__ import annotations
 import weakref
 
 from . import _native
-from ._native import MemPool, PoolResource, Resource, Statistics
+from ._native import MemPool, Resource, Statistics
+from ._sources import resource_of
 
 ALLOC_SYMBOL = "cumempool_torch_alloc"
 FREE_SYMBOL = "cumempool_torch_free"
@@ -57,7 +58,7 @@ def serve(source: MemPool | Resource) -> Statistics:
     pool or a resource), counted by a :class:`cumempool.Statistics` that is returned. For
     callers of the C functions themselves: :func:`mem_pool` binds a function of its own."""
     global _served, _last
-    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    resource = resource_of(source)
     stats = Statistics(resource)
     _native.torch_serve(stats)
     _served = stats
@@ -98,7 +99,7 @@ def mem_pool(source: MemPool | Resource):
     global _last
     import torch
 
-    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    resource = resource_of(source)
     slot, generation = _native.torch_bind(source, resource)
     try:
         pool = torch.cuda.MemPool(_slot_allocator(slot).allocator())
