@@ -9,26 +9,21 @@ resource (a cache, say), through the C functions this package's native library e
 ...     x = torch.empty(1 << 20, device="cuda")
 >>> cmt.statistics()   # what the plug-in served: PyTorch's own counters do not see it
 
-Each ``torch.cuda.MemPool`` that :func:`mem_pool` makes keeps the source it was made over:
-PyTorch gives an allocation function no pool id, so the native library exports
-``TORCH_SLOTS`` (64) allocation functions, and each pool over a distinct source takes one (pools
-over the same source share it) until the pool and every block it allocated are gone. With all of them taken, :func:`mem_pool` raises ``RuntimeError``. Each allocation
-goes back to the source it came from.
+Each pool :func:`mem_pool` makes keeps its source. Up to ``TORCH_SLOTS`` (64) pools over
+distinct sources live at once (pools over the same source share one); past that, :func:`mem_pool`
+raises ``RuntimeError``.
 
 Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` PyTorch
 allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
 
-Streams: PyTorch passes raw handles, which the plug-in borrows for the life of the process, and a
-cache it serves gives blocks back on the handle they were freed on, later. PyTorch's own streams
-are never destroyed. A stream lent through ``torch.cuda.ExternalStream`` must live until the
-served resource's ``release()`` ran after its last tensor was freed (or to the end of the process).
+Streams: a stream lent through ``torch.cuda.ExternalStream`` must live until the served
+resource's ``release()`` ran after its last tensor was freed (or to the end of the process);
+PyTorch's own streams need nothing.
 
-Sizes: a free uses the size recorded at allocation, never the one PyTorch passes.
+CUDA graphs: what the plug-in allocates while PyTorch's stream captures (``torch.cuda.graph``) is
+the graph's memory: the pool's ``max_size`` and counters, and a ``Limit``, do not govern it.
 
-CUDA graphs: under ``torch.cuda.graph(g, pool=...)`` (any capture of the stream PyTorch
-allocates on), what the plug-in allocates while the stream captures is recorded into the graph
-as an allocation node. That memory is the graph's, not the pool's: the pool's ``max_size`` and
-counters, and a ``Limit`` below the served resource, do not govern it.
+How it works: ``docs/internals-python.md``, "The torch plug-in".
 """
 
 from __future__ import annotations
