@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._native import MemPool, PoolResource, Resource, Stream
+from ._native import MemPool, Resource, Stream
+from ._sources import resource_of
 from .errors import StreamNotBorrowableError
 
 
@@ -41,7 +42,7 @@ def _make_class() -> type:
         gives its memory back through ``deallocate``."""
 
         def __init__(self, source: MemPool | Resource):
-            self._resource = PoolResource(source) if isinstance(source, MemPool) else source
+            self._resource = resource_of(source)
             self._live: dict[int, object] = {}
 
         def allocate(self, size, stream=None):

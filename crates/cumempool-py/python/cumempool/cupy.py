@@ -14,7 +14,8 @@ from __future__ import annotations
 import weakref
 
 from . import errors
-from ._native import Buffer, MemPool, PoolResource, Resource, Stream, _in_relaxed_capture_mode
+from ._native import Buffer, MemPool, Resource, Stream, _in_relaxed_capture_mode
+from ._sources import resource_of
 from .errors import InvalidDeviceError
 
 _out_of_memory_class = None
@@ -56,27 +57,23 @@ class Allocator:
     """``allocator(size) -> cupy.cuda.MemoryPointer`` over ``source``; the memory goes back
     (on the stream it was allocated on) when CuPy lets go of it.
 
-    CuPy's current stream is passed to cumempool as it is: cumempool finds the same stream
-    again by its handle and device (one stream to a cache) and holds the CuPy stream object
-    only while memory allocated on it, or a block a cache keeps for it, is alive.
+    It allocates on CuPy's current stream, and holds the CuPy stream object only while memory
+    allocated on it, or a block a cache keeps for it, is alive.
 
     It serves the resource's device only: under ``cupy.cuda.Device(n)`` for another device it
-    raises :class:`cumempool.InvalidDeviceError` (make an allocator per device), since CuPy
-    would use the memory on that device's streams, unordered with the ones it was given on.
+    raises :class:`cumempool.InvalidDeviceError` (make an allocator per device).
 
     At the resource's limit (a pool's ``max_size``, a :class:`cumempool.Limit`) it raises
     :func:`out_of_memory_error`'s class, which is CuPy's ``OutOfMemoryError`` and
     cumempool's at once.
 
     CUDA graphs (``stream.begin_capture()`` ... ``end_capture()``): memory asked for while
-    CuPy's current stream captures comes from the resource too (counted and capped as any
-    other), allocated outside the capture and ready before the call returns, and it is kept for
-    the graph: the graph's work uses those addresses at every launch, so they go back to the
-    resource only when you call :meth:`release_captured` (after the graphs that use them are
-    gone), never to eager code before that."""
+    CuPy's current stream captures comes from the resource too, counted and capped, and is kept
+    for the graph (which uses those addresses at every launch) until you call
+    :meth:`release_captured` after the graphs that use it are gone."""
 
     def __init__(self, source: MemPool | Resource):
-        self.resource = PoolResource(source) if isinstance(source, MemPool) else source
+        self.resource = resource_of(source)
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
         self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []

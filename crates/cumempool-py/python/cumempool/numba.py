@@ -20,7 +20,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from ._native import MemPool, PoolResource, Resource
+from ._native import MemPool, Resource
+from ._sources import resource_of
 from .errors import InvalidDeviceError
 
 
@@ -38,7 +39,7 @@ def manager(source: MemPool | Resource) -> type:
     """A ``numba.cuda.HostOnlyCUDAMemoryManager`` subclass allocating from ``source`` (a MemPool
     or a Resource), for ``numba.cuda.set_memory_manager``. Each call makes a new class."""
     cuda = _numba_cuda()
-    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    resource = resource_of(source)
     from numba.cuda.cudadrv.driver import MemoryInfo
 
     base: Any = cuda.HostOnlyCUDAMemoryManager

@@ -9,26 +9,21 @@ resource (a cache, say), through the C functions this package's native library e
 ...     x = torch.empty(1 << 20, device="cuda")
 >>> cmt.statistics()   # what the plug-in served: PyTorch's own counters do not see it
 
-Each ``torch.cuda.MemPool`` that :func:`mem_pool` makes keeps the source it was made over:
-PyTorch gives an allocation function no pool id, so the native library exports
-``TORCH_SLOTS`` (64) allocation functions, and each pool over a distinct source takes one (pools
-over the same source share it) until the pool and every block it allocated are gone. With all of them taken, :func:`mem_pool` raises ``RuntimeError``. Each allocation
-goes back to the source it came from.
+Each pool :func:`mem_pool` makes keeps its source. Up to ``TORCH_SLOTS`` (64) pools over
+distinct sources live at once (pools over the same source share one); past that, :func:`mem_pool`
+raises ``RuntimeError``.
 
 Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` PyTorch
 allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
 
-Streams: PyTorch passes raw handles, which the plug-in borrows for the life of the process, and a
-cache it serves gives blocks back on the handle they were freed on, later. PyTorch's own streams
-are never destroyed. A stream lent through ``torch.cuda.ExternalStream`` must live until the
-served resource's ``release()`` ran after its last tensor was freed (or to the end of the process).
+Streams: a stream lent through ``torch.cuda.ExternalStream`` must live until the served
+resource's ``release()`` ran after its last tensor was freed (or to the end of the process);
+PyTorch's own streams need nothing.
 
-Sizes: a free uses the size recorded at allocation, never the one PyTorch passes.
+CUDA graphs: what the plug-in allocates while PyTorch's stream captures (``torch.cuda.graph``) is
+the graph's memory: the pool's ``max_size`` and counters, and a ``Limit``, do not govern it.
 
-CUDA graphs: under ``torch.cuda.graph(g, pool=...)`` (any capture of the stream PyTorch
-allocates on), what the plug-in allocates while the stream captures is recorded into the graph
-as an allocation node. That memory is the graph's, not the pool's: the pool's ``max_size`` and
-counters, and a ``Limit`` below the served resource, do not govern it.
+How it works: ``docs/internals-python.md``, "The torch plug-in".
 """
 
 from __future__ import annotations
@@ -36,7 +31,8 @@ from __future__ import annotations
 import weakref
 
 from . import _native
-from ._native import MemPool, PoolResource, Resource, Statistics
+from ._native import MemPool, Resource, Statistics
+from ._sources import resource_of
 
 ALLOC_SYMBOL = "cumempool_torch_alloc"
 FREE_SYMBOL = "cumempool_torch_free"
@@ -57,7 +53,7 @@ def serve(source: MemPool | Resource) -> Statistics:
     pool or a resource), counted by a :class:`cumempool.Statistics` that is returned. For
     callers of the C functions themselves: :func:`mem_pool` binds a function of its own."""
     global _served, _last
-    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    resource = resource_of(source)
     stats = Statistics(resource)
     _native.torch_serve(stats)
     _served = stats
@@ -98,7 +94,7 @@ def mem_pool(source: MemPool | Resource):
     global _last
     import torch
 
-    resource = PoolResource(source) if isinstance(source, MemPool) else source
+    resource = resource_of(source)
     slot, generation = _native.torch_bind(source, resource)
     try:
         pool = torch.cuda.MemPool(_slot_allocator(slot).allocator())
