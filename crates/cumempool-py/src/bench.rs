@@ -4,7 +4,7 @@
 use crate::errors::Outcome;
 use crate::pools::MemPool;
 use crate::resources::ResourceBase;
-use crate::streams::Stream;
+use crate::stream::Stream;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use std::time::Instant;

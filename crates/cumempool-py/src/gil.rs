@@ -123,7 +123,9 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
 
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        released(|| crate::contexts::restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream)))
+        released(|| {
+            crate::current_context::restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream))
+        })
     }
 
     #[inline]
@@ -136,7 +138,7 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
     ) -> cumempool_alloc::Result<()> {
         // SAFETY: forwarded under the caller's promise.
         released(|| {
-            crate::contexts::restored_after(stream.as_raw() as usize, || unsafe {
+            crate::current_context::restored_after(stream.as_raw() as usize, || unsafe {
                 self.0.deallocate(ptr, bytes, align, stream)
             })
         })

@@ -6,20 +6,28 @@
 
 mod bench;
 mod buffers;
-mod contexts;
+mod build_features;
+mod capture_mode;
+mod current_context;
+mod current_pools;
+mod default_streams;
+mod device;
 mod dlpack;
+mod driver_answers;
 mod dyn_resource;
 mod enums;
 mod errors;
 mod gil;
+mod lent_streams;
+mod locks;
 mod memory;
 mod plugins;
 mod pools;
+mod primary_contexts;
 mod resources;
-mod routes;
-mod routing;
+mod route_values;
 mod sharing;
-mod streams;
+mod stream;
 
 use pyo3::prelude::*;
 
@@ -46,12 +54,12 @@ fn init(py: Python<'_>) -> errors::Outcome<()> {
 #[pymodule]
 #[pyo3(name = "_native")]
 fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
-    module.add_class::<routes::Location>()?;
-    module.add("AllocationType", routes::ALLOCATION_TYPE.class(module.py())?)?;
-    module.add_class::<routes::Route>()?;
-    module.add_class::<routing::RouteGuard>()?;
-    module.add_class::<streams::Device>()?;
-    module.add_class::<streams::Stream>()?;
+    module.add_class::<route_values::Location>()?;
+    module.add("AllocationType", route_values::ALLOCATION_TYPE.class(module.py())?)?;
+    module.add_class::<route_values::Route>()?;
+    module.add_class::<current_pools::RouteGuard>()?;
+    module.add_class::<device::Device>()?;
+    module.add_class::<stream::Stream>()?;
     module.add("Access", enums::ACCESS.class(module.py())?)?;
     module.add("HandleTypes", enums::HANDLE_TYPES.class(module.py())?)?;
     module.add_class::<pools::MemPool>()?;
@@ -64,13 +72,13 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<resources::Tracking>()?;
     module.add_class::<resources::OnOutOfMemory>()?;
     module.add_class::<resources::Caching>()?;
-    module.add_function(wrap_pyfunction!(contexts::_in_relaxed_capture_mode, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::default_pool, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::current_pool, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::current_pool_handle, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::is_default, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::reset_current_pool, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::set_current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(capture_mode::_in_relaxed_capture_mode, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::default_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::current_pool_handle, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::is_default, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::reset_current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::set_current_pool, module)?)?;
     // From interpreter shutdown on, threads that would have to attach to Python (the torch
     // plug-in's) leave out-of-memory callbacks uncalled.
     let note_shutdown = wrap_pyfunction!(gil::note_shutdown, module)?;
