@@ -14,6 +14,7 @@ mod default_streams;
 mod device;
 mod dlpack;
 mod driver_answers;
+mod driver_link;
 mod dyn_resource;
 mod enums;
 mod errors;

@@ -86,7 +86,7 @@ impl Memory {
             // No driver call.
             Self::Pool(buffer) if buffer.is_empty() => drop(self),
             // The bottom of the stack releases the GIL and puts the caller's context back
-            // (`gil::DriverLink`).
+            // (`driver_link::DriverLink`).
             Self::Resource { .. } => {
                 let _held = Held::new(py);
                 drop(self);

@@ -4,9 +4,10 @@
 //! (`dyn_resource`).
 
 use crate::buffers::Buffer;
+use crate::driver_link::driver_link;
 use crate::dyn_resource::{Erased, Resource};
 use crate::errors::Outcome;
-use crate::gil::{DriverLink, Held};
+use crate::gil::Held;
 use crate::memory::{kind_of, Core, Kind, Memory};
 use crate::pools::MemPool;
 use crate::stream::Stream;
@@ -138,9 +139,9 @@ impl PoolResourceBinding {
             let p = borrowed.pool()?;
             let route = p.route();
             let inner: Arc<dyn Resource> = match kind_of(route) {
-                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(&p)?)),
-                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(&p)?)),
-                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(&p)?)),
+                Kind::Device => Arc::new(driver_link(PoolResource::<DeviceMemory>::new(&p)?)),
+                Kind::Host => Arc::new(driver_link(PoolResource::<HostMemory>::new(&p)?)),
+                Kind::Managed => Arc::new(driver_link(PoolResource::<ManagedMemory>::new(&p)?)),
             };
             (inner, route)
         };
