@@ -4,7 +4,8 @@
 //! Driver calls run with the GIL released. Objects Python holds own their Rust state (owned
 //! buffers, clones of streams and pools), so nothing borrows across the GIL.
 
-mod bench;
+#[cfg(feature = "bench-hooks")]
+mod bench_hooks;
 mod buffers;
 mod build_features;
 mod capture_mode;
@@ -94,10 +95,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(plugins::torch_stop_slots, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_usage, module)?)?;
     module.add("TORCH_SLOTS", plugins::TORCH_SLOTS)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_noop, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_args, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_stream, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_detach, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_rust_pairs, module)?)?;
+    #[cfg(feature = "bench-hooks")]
+    bench_hooks::register(module)?;
     Ok(())
 }
