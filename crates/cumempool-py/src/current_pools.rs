@@ -1,5 +1,8 @@
-//! The process-wide routing of pools: each route's default and current pool, and guards
-//! that change the current one.
+//! The process-wide routing of pools as Python sees it: each route's default and current pool,
+//! and the guards that change the current one. Every rule (the per-route stack of changes,
+//! guards ending in any order) is `cumempool`'s; invariant here: a `RouteGuard` undoes its
+//! change at most once, by `restore()`, its `with` block's end or its collection, and not at
+//! all after `keep()`.
 
 use crate::errors::Outcome;
 use crate::pools::MemPool;

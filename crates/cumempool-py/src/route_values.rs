@@ -1,4 +1,7 @@
-//! Locations, allocation types and routes: the keys the driver keeps pools under.
+//! Locations, allocation types and routes as Python values: the keys the driver keeps pools
+//! under. Immutable and hashable; a route that cannot exist on any machine is refused when
+//! made; pickling and reprs use the constructor that makes a value again (a location only the
+//! driver reports has none).
 
 use crate::build_features::gated;
 use crate::enums::PyEnum;

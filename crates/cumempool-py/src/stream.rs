@@ -17,9 +17,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use std::sync::{Arc, Mutex};
 
-/// A CUDA stream: one cumempool created (`Stream(device)`), the legacy default stream of a
-/// device (`Stream.legacy(device)`), or another library's stream (`Stream.borrow(obj)`), kept
-/// alive by holding its Python object.
+/// A CUDA stream of one device: a new one (`Stream(device)`), a device's legacy default
+/// stream (`Stream.legacy(device)`), or another library's stream (`Stream.borrow(obj)`), which
+/// stays alive as long as cumempool uses it. Wherever cumempool takes a stream, it takes
+/// another library's stream object as it is, too.
+///
+/// Example: `buf = pool.alloc(1 << 20, Stream.borrow(torch.cuda.current_stream()))`.
 #[pyclass(frozen, module = "cumempool")]
 pub struct Stream {
     pub(crate) stream: cumempool::Stream,
@@ -277,14 +280,20 @@ impl Stream {
         Self::shared_legacy(py, device)
     }
 
-    /// Borrows another library's stream: an object with `__cuda_stream__`, a torch or CuPy
-    /// stream, or an int handle (of `device`, default: the object's device, else the current
-    /// device). The object is
-    /// held; a bare int must stay valid while this Stream and its buffers live, and while a
-    /// cache keeps blocks freed on it (until its `release()`).
+    /// Another library's stream as a `Stream`: an object with `__cuda_stream__` (cuda.core), a
+    /// torch or CuPy stream, or an int handle, on `device` (default: the object's device, else
+    /// the current device). A library's object is kept alive while cumempool uses its stream;
+    /// a bare int must stay valid while this Stream and its buffers live, and while a cache
+    /// keeps blocks freed on it (until its `release()`). `0` and `1` name the device's legacy
+    /// stream, `2` the calling thread's per-thread stream (served as the legacy stream, and
+    /// refused while it captures); a bool is refused.
+    ///
+    /// Example: `s = Stream.borrow(torch.cuda.current_stream())`.
     #[staticmethod]
     #[pyo3(signature = (obj, device = None))]
     fn borrow(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<i32>) -> Outcome<Py<Self>> {
+        // An object or handle seen before is found in the memo (`lent_streams`), so the same
+        // stream passed again is usually the same `Stream` (one stream to a cache).
         refuse_bool(obj)?;
         if let (Some(device), Ok(raw)) = (device, obj.extract::<usize>()) {
             if names_legacy(raw) {
@@ -302,12 +311,13 @@ impl Stream {
         Self::from_object(py, Some(obj), device)
     }
 
-    /// The raw `CUstream` as an int. Whoever reads it may capture the stream into a CUDA graph
-    /// (`torch.cuda.ExternalStream(s.handle)` under `torch.cuda.graph`), so the stream is marked
-    /// as one that may capture: every capture-aware use here (a cache's alloc, a free) asks the
-    /// driver from now on.
+    /// The raw `CUstream` as an int, for another library
+    /// (`torch.cuda.ExternalStream(s.handle)`). That library may capture the stream into a CUDA
+    /// graph: cumempool's allocations and frees on it notice the capture from then on.
     #[getter]
     fn handle(&self) -> usize {
+        // Marked as one that may capture (`lent_raw`): every capture-aware use here (a cache's
+        // alloc, a free) asks the driver from now on.
         self.lent_raw()
     }
 
@@ -343,12 +353,12 @@ impl Stream {
         Ok(crate::gil::detach(py, || crate::current_context::restored_after(s.as_raw() as usize, || s.is_idle()))?)
     }
 
-    /// cuda.core's stream protocol: `(0, handle)`. Marks the stream as `handle` does.
+    /// cuda.core's stream protocol: `(0, handle)`, with `handle`'s rule.
     fn __cuda_stream__(&self) -> (u32, usize) {
         (0, self.lent_raw())
     }
 
-    /// The raw handle, marking the stream as `handle` does.
+    /// The raw handle, with `handle`'s rule.
     fn __int__(&self) -> usize {
         self.lent_raw()
     }
