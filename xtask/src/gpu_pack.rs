@@ -1,8 +1,9 @@
 //! `cargo xtask gpu-pack [DIR]`: the GPU suite, built here and laid out to run on a GPU host that
 //! has the NVIDIA driver but no Rust: every release test binary, the executables (the `cumempool`
 //! command, the IPC tests' children, the examples), the fault-injecting driver library the
-//! fault suite loads, the Python wheel (built with maturin) with the Python tests, and `run.sh`,
-//! which runs them all with the GPU tests included, then every example, then the Python tests.
+//! fault suite loads, the Python wheel (built with maturin, with the benchmark hooks) with the
+//! Python tests, and `run.sh`, which runs them all with the GPU tests included, then every
+//! example, then the Python tests.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -55,7 +56,11 @@ pub fn run(options: &Options) -> Result<(), String> {
     }
     eprintln!("building the Python wheel (maturin)...");
     let python = crate::python::environment(&root)?;
-    let wheel = crate::python::build_wheel(&root, &python, &dir.join("wheels"), &options.cargo_args)?;
+    // With the benchmark hooks, which the pack's benches time (`bench/alloc_pair.py
+    // --breakdown`, `bench/workloads.py`); the user's wheel has none.
+    let wheel_args: Vec<String> =
+        options.cargo_args.iter().cloned().chain(["--features".into(), "bench-hooks".into()]).collect();
+    let wheel = crate::python::build_wheel(&root, &python, &dir.join("wheels"), &wheel_args)?;
     eprintln!("packed {}", wheel.display());
     let size: u64 = std::fs::read_dir(&bin)
         .map_err(|e| format!("reading {}: {e}", bin.display()))?

@@ -66,9 +66,23 @@ class _Nothing:
         pass
 
 
+def bench_hooks():
+    """The native module, once it is known to have the benchmark hooks (`_native._bench_*`),
+    which only a wheel built with the cargo feature `bench-hooks` has."""
+    from cumempool import _native as native
+
+    if not hasattr(native, "_bench_noop"):
+        raise SystemExit(
+            "this cumempool wheel has no benchmark hooks (_native._bench_*): build it with the cargo "
+            "feature bench-hooks, e.g. `maturin build --release -m crates/cumempool-py/Cargo.toml "
+            "--features bench-hooks` (the GPU pack's wheel, `cargo xtask gpu-pack`, has them)"
+        )
+    return native
+
+
 def breakdown_rows(stream, pairs: int, rounds: int, libraries: dict):
     """(piece, microseconds, note) for the pieces of a cumempool pair."""
-    from cumempool import _native as native
+    native = bench_hooks()
 
     def timed(call):
         return measure(call, pairs, rounds) * 1e6
@@ -201,6 +215,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--breakdown", action="store_true", help="also time the pieces of a cumempool pair")
     args = parser.parse_args()
+    if args.breakdown:
+        bench_hooks()  # refused before any row is measured, not after
 
     stream = cm.Stream(0)
     rows = []

@@ -1,10 +1,11 @@
 //! Buffers handed to Python: stream-ordered memory with `__cuda_array_interface__`, DLPack,
 //! NumPy's `__array_interface__` (host-accessible memory) and copies to and from bytes.
 
+use crate::default_streams::{LEGACY_HANDLE, PER_THREAD_HANDLE};
 use crate::dlpack;
 use crate::errors::{Failure, Outcome};
 use crate::memory::{Core, Kind, Slot};
-use crate::streams::Stream;
+use crate::stream::Stream;
 use cumempool::sys;
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
 use pyo3::prelude::*;
@@ -164,11 +165,7 @@ impl Buffer {
     /// `"device"`, `"host"` or `"managed"`.
     #[getter]
     fn memory_kind(&self) -> Outcome<&'static str> {
-        Ok(match self.core()?.kind {
-            Kind::Device => "device",
-            Kind::Host => "host",
-            Kind::Managed => "managed",
-        })
+        Ok(self.core()?.kind.name())
     }
 
     /// The stream the buffer is ordered on.
@@ -236,8 +233,8 @@ impl Buffer {
         let consumer = match stream {
             Some(-1) => None,
             // A host consumer has no stream to order: the buffer's work is waited for.
-            None if core.kind != Kind::Device => Some(2),
-            None => Some(1),
+            None if core.kind != Kind::Device => Some(PER_THREAD_HANDLE),
+            None => Some(LEGACY_HANDLE),
             Some(raw) if raw > 0 => Some(raw as usize),
             Some(raw) => {
                 return Err(PyValueError::new_err(format!(
@@ -248,8 +245,10 @@ impl Buffer {
         };
         if let Some(consumer) = consumer {
             // The consumer's stream is on the memory's device (DLPack).
-            let context = Stream::context(py, core.device)?;
-            crate::gil::detach(py, || core.order_before_consumer(consumer, &context))?;
+            crate::gil::detach(py, || {
+                let context = crate::primary_contexts::primary_context(core.device)?;
+                core.order_before_consumer(consumer, &context)
+            })?;
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         Ok(dlpack::capsule(py, core.hand_on(), versioned, device)?.into_any().unbind())
@@ -384,7 +383,7 @@ impl Buffer {
             };
             let producer = Stream::from_object(py, Some(stream), core.device)?;
             let ordered = crate::gil::detach(py, || core.order_after(producer.get()));
-            crate::streams::let_go(py, producer);
+            crate::stream::let_go(py, producer);
             ordered?;
         }
         let slot = {

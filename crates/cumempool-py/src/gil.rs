@@ -1,8 +1,8 @@
 //! Where the GIL is released for a stack of resources: at the bottom only, around the driver.
 //!
 //! A binding that calls a resource with the GIL held marks the call ([`Held`]); the pool at the
-//! bottom of every stack ([`DriverLink`]) releases the GIL around its driver call when it finds
-//! the mark. So a cache hit, a limit check or a count runs without the cost of a release and a
+//! bottom of every stack ([`GilReleased`], inside `DriverLink`) releases the GIL around its
+//! driver call when it finds the mark. So a cache hit, a limit check or a count runs without the cost of a release and a
 //! reacquire, and every driver call (a miss, a free that may wait) runs with the GIL released.
 //!
 //! This is sound because no resource of `cumempool-alloc` calls the resource below it while it
@@ -109,21 +109,18 @@ fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
     detach(py, call)
 }
 
-/// The bottom of a stack of resources (a pool): its driver calls release the GIL when a
-/// binding marked the thread, and put back the caller's context after a call on a legacy
-/// stream (which makes the stream's context current). So every path that reaches the driver
-/// through a resource leaves the caller's context as it was: an allocation, a cache giving
-/// blocks back (on release, collection, or to make room for another stream's allocation), and
-/// the PyTorch plug-in's C functions.
-pub struct DriverLink<R>(pub R);
+/// A resource whose calls release the GIL when a binding marked the thread ([`Held`]), and
+/// run as they are otherwise (a thread PyTorch calls the plug-in on, one that released the
+/// GIL already).
+pub struct GilReleased<R>(pub R);
 
 // SAFETY: forwards every call to `R`, which keeps the promise.
-unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLink<R> {
+unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for GilReleased<R> {
     type Kind = R::Kind;
 
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        released(|| crate::contexts::restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream)))
+        released(|| self.0.allocate(bytes, align, stream))
     }
 
     #[inline]
@@ -135,10 +132,6 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
         stream: &cumempool::Stream,
     ) -> cumempool_alloc::Result<()> {
         // SAFETY: forwarded under the caller's promise.
-        released(|| {
-            crate::contexts::restored_after(stream.as_raw() as usize, || unsafe {
-                self.0.deallocate(ptr, bytes, align, stream)
-            })
-        })
+        released(|| unsafe { self.0.deallocate(ptr, bytes, align, stream) })
     }
 }

@@ -4,22 +4,32 @@
 //! Driver calls run with the GIL released. Objects Python holds own their Rust state (owned
 //! buffers, clones of streams and pools), so nothing borrows across the GIL.
 
-mod bench;
+#[cfg(feature = "bench-hooks")]
+mod bench_hooks;
 mod buffers;
-mod contexts;
+mod build_features;
+mod capture_mode;
+mod current_context;
+mod current_pools;
+mod default_streams;
+mod device;
 mod dlpack;
+mod driver_answers;
+mod driver_link;
 mod dyn_resource;
 mod enums;
 mod errors;
 mod gil;
+mod lent_streams;
+mod locks;
 mod memory;
 mod plugins;
 mod pools;
+mod primary_contexts;
 mod resources;
-mod routes;
-mod routing;
+mod route_values;
 mod sharing;
-mod streams;
+mod stream;
 
 use pyo3::prelude::*;
 
@@ -47,12 +57,12 @@ fn init(py: Python<'_>) -> errors::Outcome<()> {
 #[pyo3(name = "_native")]
 fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::bind_classes(module.py())?;
-    module.add_class::<routes::Location>()?;
-    module.add("AllocationType", routes::ALLOCATION_TYPE.class(module.py())?)?;
-    module.add_class::<routes::Route>()?;
-    module.add_class::<routing::RouteGuard>()?;
-    module.add_class::<streams::Device>()?;
-    module.add_class::<streams::Stream>()?;
+    module.add_class::<route_values::Location>()?;
+    module.add("AllocationType", route_values::ALLOCATION_TYPE.class(module.py())?)?;
+    module.add_class::<route_values::Route>()?;
+    module.add_class::<current_pools::RouteGuard>()?;
+    module.add_class::<device::Device>()?;
+    module.add_class::<stream::Stream>()?;
     module.add("Access", enums::ACCESS.class(module.py())?)?;
     module.add("HandleTypes", enums::HANDLE_TYPES.class(module.py())?)?;
     module.add_class::<pools::MemPool>()?;
@@ -65,13 +75,13 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<resources::Tracking>()?;
     module.add_class::<resources::OnOutOfMemory>()?;
     module.add_class::<resources::Caching>()?;
-    module.add_function(wrap_pyfunction!(contexts::_in_relaxed_capture_mode, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::default_pool, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::current_pool, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::current_pool_handle, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::is_default, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::reset_current_pool, module)?)?;
-    module.add_function(wrap_pyfunction!(routing::set_current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(capture_mode::_in_relaxed_capture_mode, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::default_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::current_pool_handle, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::is_default, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::reset_current_pool, module)?)?;
+    module.add_function(wrap_pyfunction!(current_pools::set_current_pool, module)?)?;
     // From interpreter shutdown on, threads that would have to attach to Python (the torch
     // plug-in's) leave out-of-memory callbacks uncalled.
     let note_shutdown = wrap_pyfunction!(gil::note_shutdown, module)?;
@@ -86,10 +96,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(plugins::torch_stop_slots, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_usage, module)?)?;
     module.add("TORCH_SLOTS", plugins::TORCH_SLOTS)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_noop, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_args, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_stream, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_detach, module)?)?;
-    module.add_function(wrap_pyfunction!(bench::_bench_rust_pairs, module)?)?;
+    #[cfg(feature = "bench-hooks")]
+    bench_hooks::register(module)?;
     Ok(())
 }

@@ -1,11 +1,12 @@
 //! A live allocation behind a Python buffer: where its memory came from (a pool, a resource, an
 //! import), how it goes back, what keeps it valid, and which processors may touch it.
 
-use crate::contexts::check;
+use crate::default_streams::{LEGACY_HANDLE, PER_THREAD_HANDLE};
+use crate::driver_answers::check;
 use crate::dyn_resource::Resource;
 use crate::errors::Outcome;
 use crate::gil::Held;
-use crate::streams::Stream;
+use crate::stream::Stream;
 use cumempool::sys;
 use pyo3::prelude::*;
 use std::sync::Arc;
@@ -19,6 +20,17 @@ pub enum Kind {
     Host,
     /// Managed memory.
     Managed,
+}
+
+impl Kind {
+    /// What Python's `memory_kind` answers: `"device"`, `"host"` or `"managed"`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Device => "device",
+            Self::Host => "host",
+            Self::Managed => "managed",
+        }
+    }
 }
 
 /// The device a pool of `route` places its memory on; for host, managed or imported memory,
@@ -74,7 +86,7 @@ impl Memory {
             // No driver call.
             Self::Pool(buffer) if buffer.is_empty() => drop(self),
             // The bottom of the stack releases the GIL and puts the caller's context back
-            // (`gil::DriverLink`).
+            // (`driver_link::DriverLink`).
             Self::Resource { .. } => {
                 let _held = Held::new(py);
                 drop(self);
@@ -92,7 +104,7 @@ impl Memory {
             Self::Pool(buffer) => buffer.stream().as_raw() as usize,
             Self::Imported { mapping, .. } => mapping.stream().as_raw() as usize,
         };
-        let freed = crate::contexts::restored_after(handle, || {
+        let freed = crate::current_context::restored_after(handle, || {
             drop(self);
             Ok::<(), cumempool::Error>(())
         });
@@ -150,14 +162,14 @@ impl Core {
         let Self { memory, stream, .. } = core;
         // The memory first: it is freed on the stream the Python object keeps alive.
         memory.give_back(py);
-        crate::streams::let_go(py, stream);
+        crate::stream::let_go(py, stream);
     }
 
     /// Lets go of `core` where the GIL may not be held (a DLPack consumer's deleter, on any
     /// thread): the last holder gives the memory back here, as [`Memory::free`] says. The
     /// stream's Python object is let go of when Python next runs bindings (PyO3's deferred
     /// references), and the memo forgets an unused lent stream at its next miss
-    /// (`streams::prune_unused`).
+    /// (`stream::prune_unused`).
     pub(crate) fn release_unattached(core: Arc<Core>) {
         // `into_inner`: see `release`.
         if let Some(Self { memory, stream, .. }) = Arc::into_inner(core) {
@@ -207,15 +219,12 @@ impl Core {
     /// The context of the buffer's stream (copies, events and the legacy stream need it
     /// current). Streams made by the bindings always know theirs.
     pub(crate) fn context(&self) -> Outcome<cumempool::Context> {
-        match self.stream().context() {
-            Some(context) => Ok(context.clone()),
-            None => Ok(cumempool::Device::get(self.stream.get().device)?.primary_context()?),
-        }
+        Ok(crate::primary_contexts::context_of(self.stream(), self.stream.get().device)?)
     }
 
     /// Runs `call` with the stream's context current, then puts back the caller's.
     pub(crate) fn in_context<R>(&self, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
-        crate::contexts::while_current(&self.context()?, call)
+        crate::current_context::while_current(&self.context()?, call)
     }
 
     /// A copy of `len` bytes on this buffer's stream between two addresses, waited for.
@@ -282,11 +291,8 @@ impl Core {
             return Ok(());
         }
         producer.stream.ensure_not_capturing(CLOSE_AFTER_CAPTURING)?;
-        let context = match producer.stream.context() {
-            Some(context) => context.clone(),
-            None => cumempool::Device::get(producer.device)?.primary_context()?,
-        };
-        crate::contexts::while_current(&context, || {
+        let context = crate::primary_contexts::context_of(&producer.stream, producer.device)?;
+        crate::current_context::while_current(&context, || {
             let ready = cumempool::Event::new(&context)?;
             ready.record(&producer.stream)?;
             Ok(stream.wait(&ready)?)
@@ -299,12 +305,12 @@ impl Core {
     /// recorded outside the capture, invalidating the capture.
     pub(crate) fn order_before_consumer(&self, consumer: usize, context: &cumempool::Context) -> Outcome<()> {
         let waiter = match consumer {
-            1 => cumempool::Stream::legacy(context),
+            LEGACY_HANDLE => cumempool::Stream::legacy(context),
             // The per-thread stream cannot be borrowed: wait for the work here instead, unless it
             // captures (the consumer would record work on the memory into a graph).
-            2 => {
+            PER_THREAD_HANDLE => {
                 return self.in_context(|| {
-                    if let Some(capture) = crate::streams::per_thread_capture()? {
+                    if let Some(capture) = crate::stream::per_thread_capture()? {
                         Err(cumempool::Error::StreamCapturing { operation: EXPORT_TO_CAPTURING, capture })?;
                     }
                     Ok(self.stream().synchronize()?)

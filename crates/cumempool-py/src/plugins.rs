@@ -22,7 +22,7 @@ use pyo3::types::PyDict;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 /// What the exported functions serve: the resource and the device it allocates on.
 #[derive(Clone)]
@@ -107,7 +107,7 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
 
 fn slot(index: usize) -> MutexGuard<'static, Slot> {
-    SLOTS[index].lock().unwrap_or_else(PoisonError::into_inner)
+    crate::locks::lock(&SLOTS[index])
 }
 
 impl Slot {
@@ -130,14 +130,14 @@ impl Slot {
 }
 
 fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
-    let mut streams = STREAMS.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut streams = crate::locks::lock(&STREAMS);
     let streams = streams.get_or_insert_with(HashMap::new);
     if let Some(stream) = streams.get(&(raw, device)) {
         return Ok(stream.clone());
     }
-    let context = cumempool::Device::get(device)?.primary_context()?;
+    let context = crate::primary_contexts::primary_context(device)?;
     let stream = match raw {
-        0 | 1 => cumempool::Stream::legacy(&context),
+        raw if crate::default_streams::names_legacy(raw) => cumempool::Stream::legacy(&context),
         // SAFETY: PyTorch never destroys its own streams (the default stream, its stream pools).
         // A stream lent to it through `torch.cuda.ExternalStream` is the lender's to keep alive,
         // as PyTorch requires; here, until the served resource gave back what was freed on it
@@ -155,7 +155,7 @@ pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
     let served = resource.map(|r| Served { resource: r.get().inner.clone(), device: r.get().device });
     // The lock is held only to swap (no allocation runs under it), and the resource served
     // until now is let go of after, without the GIL: a cache dropped there frees on the driver.
-    let previous = std::mem::replace(&mut *SERVED.write().unwrap_or_else(PoisonError::into_inner), served);
+    let previous = std::mem::replace(&mut *crate::locks::write(&SERVED), served);
     crate::gil::detach(py, || drop(previous));
 }
 
@@ -171,7 +171,7 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
     let _unmarked = crate::gil::Unmarked::new();
     // A clone, so no lock is held while the resource runs: its out-of-memory callback may
     // serve another resource or stop (`torch_serve` takes the write lock).
-    let served = SERVED.read().unwrap_or_else(PoisonError::into_inner).clone();
+    let served = crate::locks::read(&SERVED).clone();
     // SAFETY: under the caller's promise.
     unsafe { allocate(served, None, size, device, stream) }
 }
@@ -229,10 +229,7 @@ unsafe fn allocate(
                 }
             }
             let live = Live { resource: served.resource.clone(), size, slot: id };
-            LIVE.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get_or_insert_with(HashMap::new)
-                .insert(ptr as usize, live);
+            crate::locks::lock(&LIVE).get_or_insert_with(HashMap::new).insert(ptr as usize, live);
             ptr as usize as *mut c_void
         }
         Err(error) => {
@@ -281,7 +278,7 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
     }
     // As in `cumempool_torch_alloc`.
     let _unmarked = crate::gil::Unmarked::new();
-    let live = LIVE.lock().unwrap_or_else(PoisonError::into_inner).as_mut().and_then(|l| l.remove(&(ptr as usize)));
+    let live = crate::locks::lock(&LIVE).as_mut().and_then(|l| l.remove(&(ptr as usize)));
     let Some(Live { resource, size: allocated, slot: id }) = live else {
         tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");
         return;

@@ -2,17 +2,15 @@
 //! pools, with every attribute as a property.
 
 use crate::buffers::Buffer;
-#[cfg(not(feature = "cuda-13040"))]
-use crate::errors::too_old;
+use crate::build_features::gated;
+use crate::device::Device;
 use crate::errors::{Failure, Outcome};
 use crate::memory::{kind_of, memory_device, Core, Memory};
-use crate::routes::{AllocationType, Location, Route};
+use crate::route_values::{AllocationType, Location, Route};
 use crate::sharing::SharedAllocation;
-use crate::streams::{Device, Stream};
-#[cfg(not(feature = "cuda-13040"))]
-use cumempool::DriverVersion;
+use crate::stream::Stream;
 use pyo3::prelude::*;
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 
 /// The Rust access for a member of `cumempool.Access`.
 fn access_from_python(access: &Bound<'_, PyAny>) -> PyResult<cumempool::Access> {
@@ -51,7 +49,7 @@ impl MemPool {
     }
 
     pub(crate) fn pool(&self) -> Outcome<cumempool::Pool> {
-        self.pool.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Failure::Closed("this MemPool"))
+        crate::locks::lock(&self.pool).clone().ok_or(Failure::Closed("this MemPool"))
     }
 
     /// The device whose context and legacy stream serve this pool by default.
@@ -92,7 +90,7 @@ impl MemPool {
         let buffer = {
             let s = &stream.get().stream;
             // An empty buffer makes no driver call; any other may wait on the driver.
-            let alloc = || crate::contexts::restored_after(s.as_raw() as usize, || pool.alloc_owned(size, s));
+            let alloc = || crate::current_context::restored_after(s.as_raw() as usize, || pool.alloc_owned(size, s));
             match size {
                 0 => alloc()?,
                 _ => crate::gil::detach(py, alloc)?,
@@ -175,7 +173,7 @@ impl MemPool {
     /// Whether `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.pool.lock().unwrap_or_else(PoisonError::into_inner).is_none()
+        crate::locks::lock(&self.pool).is_none()
     }
 
     /// Gives memory held beyond `keep_bytes` back to the system.
@@ -284,67 +282,54 @@ impl MemPool {
     /// The pool's allocation type, read from the driver (CUDA 13.2).
     #[getter]
     fn allocation_type(&self) -> Outcome<AllocationType> {
-        #[cfg(feature = "cuda-13020")]
-        return Ok(AllocationType::from_rust(self.pool()?.allocation_type_attribute()?));
-        #[cfg(not(feature = "cuda-13020"))]
-        return Err(too_old("CU_MEMPOOL_ATTR_ALLOCATION_TYPE (build without cuda-13020)", DriverVersion::CUDA_13_2));
+        gated!(
+            "cuda-13020",
+            CUDA_13_2,
+            "CU_MEMPOOL_ATTR_ALLOCATION_TYPE",
+            AllocationType::from_rust(self.pool()?.allocation_type_attribute()?)
+        )
     }
 
     /// The handle types the pool can export, read from the driver (CUDA 13.2).
     #[getter]
     fn export_handle_types(&self, py: Python<'_>) -> Outcome<Py<PyAny>> {
-        #[cfg(feature = "cuda-13020")]
-        return Ok(crate::enums::handle_types(py, self.pool()?.export_handle_types()?.bits())?);
-        #[cfg(not(feature = "cuda-13020"))]
-        return Err({
-            let _ = py;
-            too_old("CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES (build without cuda-13020)", DriverVersion::CUDA_13_2)
-        });
+        let bits = gated!(
+            "cuda-13020",
+            CUDA_13_2,
+            "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES",
+            self.pool()?.export_handle_types()?.bits()
+        )?;
+        Ok(crate::enums::handle_types(py, bits)?)
     }
 
     /// The pool's location, read from the driver (CUDA 13.2).
     #[getter]
     fn location(&self) -> Outcome<Location> {
-        #[cfg(feature = "cuda-13020")]
-        return Ok(Location(self.pool()?.location_attribute()?));
-        #[cfg(not(feature = "cuda-13020"))]
-        return Err(too_old("CU_MEMPOOL_ATTR_LOCATION_TYPE (build without cuda-13020)", DriverVersion::CUDA_13_2));
+        gated!("cuda-13020", CUDA_13_2, "CU_MEMPOOL_ATTR_LOCATION_TYPE", Location(self.pool()?.location_attribute()?))
     }
 
     /// The most bytes the pool may hold, 0 for no limit (CUDA 13.2).
     #[getter]
     fn max_pool_size(&self) -> Outcome<u64> {
-        #[cfg(feature = "cuda-13020")]
-        return Ok(self.pool()?.max_pool_size()?);
-        #[cfg(not(feature = "cuda-13020"))]
-        return Err(too_old("CU_MEMPOOL_ATTR_MAX_POOL_SIZE (build without cuda-13020)", DriverVersion::CUDA_13_2));
+        gated!("cuda-13020", CUDA_13_2, "CU_MEMPOOL_ATTR_MAX_POOL_SIZE", self.pool()?.max_pool_size()?)
     }
 
     /// Whether the hardware decompression engine may use the memory (CUDA 13.2).
     #[getter]
     fn hw_decompress_enabled(&self) -> Outcome<bool> {
-        #[cfg(feature = "cuda-13020")]
-        return Ok(self.pool()?.hw_decompress_enabled()?);
-        #[cfg(not(feature = "cuda-13020"))]
-        return Err(too_old(
-            "CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED (build without cuda-13020)",
-            DriverVersion::CUDA_13_2,
-        ));
+        gated!("cuda-13020", CUDA_13_2, "CU_MEMPOOL_ATTR_HW_DECOMPRESS_ENABLED", self.pool()?.hw_decompress_enabled()?)
     }
 
     /// The locality domain the pool is placed in, or `None` (CUDA 13.4).
     #[getter]
     fn locality_domain_id(&self) -> Outcome<Option<u8>> {
-        #[cfg(feature = "cuda-13040")]
-        return Ok(self.pool()?.locality_domain_id()?);
-        #[cfg(not(feature = "cuda-13040"))]
-        return Err(too_old("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID (build without cuda-13040)", DriverVersion::CUDA_13_4));
+        gated!("cuda-13040", CUDA_13_4, "CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID", self.pool()?.locality_domain_id()?)
     }
 
     /// Lets go of this handle. An owned pool is destroyed once its buffers and routes are gone
     /// too. Using the handle afterwards raises ClosedError; closing twice does nothing.
     fn close(&self, py: Python<'_>) {
-        let pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let pool = crate::locks::lock(&self.pool).take();
         if let Some(pool) = pool {
             crate::gil::detach(py, || drop(pool));
         }
@@ -365,7 +350,7 @@ impl MemPool {
             Ok(pool) => format!(
                 "<cumempool.MemPool handle={:#x} route={} owned={}>",
                 pool.as_raw() as usize,
-                pool.route().map_or_else(|| "None".to_owned(), crate::routes::route_repr),
+                pool.route().map_or_else(|| "None".to_owned(), crate::route_values::route_repr),
                 if pool.is_owned() { "True" } else { "False" }
             ),
             Err(_) => "<cumempool.MemPool closed>".to_owned(),

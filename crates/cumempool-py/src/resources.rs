@@ -4,12 +4,13 @@
 //! (`dyn_resource`).
 
 use crate::buffers::Buffer;
+use crate::driver_link::driver_link;
 use crate::dyn_resource::{Erased, Resource};
 use crate::errors::Outcome;
-use crate::gil::{DriverLink, Held};
+use crate::gil::Held;
 use crate::memory::{kind_of, Core, Kind, Memory};
 use crate::pools::MemPool;
-use crate::streams::Stream;
+use crate::stream::Stream;
 use cumempool_alloc::{
     CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
     OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, Tracking as TrackingAdaptor,
@@ -20,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use pyo3::{PyClassInitializer, PyTraverseError};
 use std::cell::RefCell;
-use std::sync::{Arc, Mutex, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 
 /// Base of every resource: `alloc(size, stream)` returns a Buffer given back to the resource
 /// when closed or collected.
@@ -83,11 +84,7 @@ impl ResourceBase {
     /// `"device"`, `"host"` or `"managed"`.
     #[getter]
     fn memory_kind(&self) -> &'static str {
-        match self.kind {
-            Kind::Device => "device",
-            Kind::Host => "host",
-            Kind::Managed => "managed",
-        }
+        self.kind.name()
     }
 
     /// The device whose legacy stream serves `alloc(size)` without a stream.
@@ -106,7 +103,7 @@ impl ResourceBase {
         } else if let Ok(cache) = slf.cast::<Caching>() {
             format!(", max_cached={}", cache.get().0.max_cached())
         } else if let Ok(on_oom) = slf.cast::<OnOutOfMemory>() {
-            let slot = on_oom.get().callback.lock().unwrap_or_else(PoisonError::into_inner);
+            let slot = crate::locks::lock(&on_oom.get().callback);
             let callback = slot.as_ref().map(|c| c.clone_ref(slf.py()));
             // Released before the repr runs Python code.
             drop(slot);
@@ -142,9 +139,9 @@ impl PoolResourceBinding {
             let p = borrowed.pool()?;
             let route = p.route();
             let inner: Arc<dyn Resource> = match kind_of(route) {
-                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(&p)?)),
-                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(&p)?)),
-                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(&p)?)),
+                Kind::Device => Arc::new(driver_link(PoolResource::<DeviceMemory>::new(&p)?)),
+                Kind::Host => Arc::new(driver_link(PoolResource::<HostMemory>::new(&p)?)),
+                Kind::Managed => Arc::new(driver_link(PoolResource::<ManagedMemory>::new(&p)?)),
             };
             (inner, route)
         };
@@ -350,7 +347,7 @@ impl OnOutOfMemory {
     }
 
     fn __clear__(&self) {
-        let callback = self.callback.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let callback = crate::locks::lock(&self.callback).take();
         // Released after the lock: dropping it may run Python code.
         drop(callback);
     }
@@ -362,7 +359,7 @@ fn answer(py: Python<'_>, slot: &CallbackSlot, bytes: usize, attempt: u32) -> bo
     if Interruptions::pending() {
         return false;
     }
-    let callback = slot.lock().unwrap_or_else(PoisonError::into_inner).as_ref().map(|c| c.clone_ref(py));
+    let callback = crate::locks::lock(slot).as_ref().map(|c| c.clone_ref(py));
     let Some(callback) = callback else {
         return false;
     };
@@ -424,7 +421,7 @@ impl Caching {
     fn release(&self, py: Python<'_>) -> Outcome<()> {
         let cache = self.0.clone();
         crate::gil::detach(py, || cache.release())?;
-        crate::streams::prune_unused(py);
+        crate::stream::prune_unused(py);
         Ok(())
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::errors::{Failure, Outcome};
 use crate::memory::{kind_of, Core, Memory};
-use crate::streams::Stream;
+use crate::stream::Stream;
 use cumempool::descriptor_passing as dp;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyTuple};
@@ -183,14 +183,13 @@ pub(crate) fn import_allocation(
     // The mapping borrows its stream: an `Arc` keeps that stream at one address for as long
     // as the mapping lives (it is dropped after the mapping, see `Memory::Imported`).
     let borrowed = Arc::new(stream.get().stream.clone());
-    let context = match borrowed.context() {
-        Some(context) => context.clone(),
-        None => Stream::context(py, stream.get().device)?,
-    };
     // The import makes the stream's context current: the caller's is put back after.
     let mapping = {
-        let s: &cumempool::Stream = &borrowed;
-        crate::gil::detach(py, || crate::contexts::while_current(&context, || Ok(pool.import_pointer(&shared.0, s)?)))?
+        let (s, device): (&cumempool::Stream, i32) = (&borrowed, stream.get().device);
+        crate::gil::detach(py, || {
+            let context = crate::primary_contexts::context_of(s, device)?;
+            crate::current_context::while_current(&context, || Ok(pool.import_pointer(&shared.0, s)?))
+        })?
     };
     // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and
     // drops after it; the `Arc`'s heap value does not move when the `Arc` does.

@@ -45,11 +45,6 @@ __all__ = [
     "torch_stop_slots",
     "torch_usage",
     "TORCH_SLOTS",
-    "_bench_noop",
-    "_bench_args",
-    "_bench_stream",
-    "_bench_detach",
-    "_bench_rust_pairs",
     "_in_relaxed_capture_mode",
 ]
 
@@ -359,11 +354,9 @@ def torch_stop_slots() -> None: ...
 def torch_usage(slot_index: int, generation: int) -> dict[str, int] | None: ...
 
 TORCH_SLOTS: Final[int]
-def _bench_noop() -> None: ...
-def _bench_args(size: int, stream: _StreamLike = None) -> None: ...
-def _bench_detach() -> None: ...
-def _bench_stream(stream: _StreamLike, device: int = 0) -> None: ...
-def _bench_rust_pairs(target: Any, size: int, stream: _StreamLike, pairs: int) -> float: ...
+
+# The benchmark hooks (`_bench_*`) exist only in a wheel built with the cargo feature
+# `bench-hooks` and are declared nowhere here: no user code may rely on them.
 
 _T = TypeVar("_T")
 

@@ -1,9 +1,12 @@
-//! The process-wide routing of pools: each route's default and current pool, and guards
-//! that change the current one.
+//! The process-wide routing of pools as Python sees it: each route's default and current pool,
+//! and the guards that change the current one. Every rule (the per-route stack of changes,
+//! guards ending in any order) is `cumempool`'s; invariant here: a `RouteGuard` undoes its
+//! change at most once, by `restore()`, its `with` block's end or its collection, and not at
+//! all after `keep()`.
 
 use crate::errors::Outcome;
 use crate::pools::MemPool;
-use crate::routes::Route;
+use crate::route_values::Route;
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
@@ -60,7 +63,7 @@ pub struct RouteGuard {
 
 impl RouteGuard {
     fn take(&self) -> Option<cumempool::RouteGuard> {
-        self.guard.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+        crate::locks::lock(&self.guard).take()
     }
 }
 
@@ -75,7 +78,7 @@ impl RouteGuard {
     /// Whether the change is still this guard's to undo.
     #[getter]
     fn active(&self) -> bool {
-        self.guard.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
+        crate::locks::lock(&self.guard).is_some()
     }
 
     /// Removes this change now and reports the driver's answer (a no-op the second time).
@@ -105,6 +108,6 @@ impl RouteGuard {
 
     fn __repr__(&self) -> String {
         let active = if self.active() { "True" } else { "False" };
-        format!("<cumempool.RouteGuard route={} active={active}>", crate::routes::route_repr(self.route))
+        format!("<cumempool.RouteGuard route={} active={active}>", crate::route_values::route_repr(self.route))
     }
 }

@@ -1,5 +1,9 @@
-//! Locations, allocation types and routes: the keys the driver keeps pools under.
+//! Locations, allocation types and routes as Python values: the keys the driver keeps pools
+//! under. Immutable and hashable; a route that cannot exist on any machine is refused when
+//! made; pickling and reprs use the constructor that makes a value again (a location only the
+//! driver reports has none).
 
+use crate::build_features::gated;
 use crate::enums::PyEnum;
 use crate::errors::{Failure, Outcome};
 use pyo3::prelude::*;
@@ -115,17 +119,15 @@ fn location_repr(location: cumempool::Location) -> String {
     }
 }
 
-#[cfg(feature = "cuda-13040")]
+/// Device `device`'s locality domain `domain`, where this build knows locality domains.
 fn locality_domain_location(device: i32, domain: u8) -> Outcome<cumempool::Location> {
-    Ok(cumempool::Location::DeviceLocalityDomain { device, domain })
-}
-
-#[cfg(not(feature = "cuda-13040"))]
-fn locality_domain_location(_device: i32, _domain: u8) -> Outcome<cumempool::Location> {
-    Err(crate::errors::too_old(
-        "locality domains (this build lacks the cuda-13040 feature)",
-        cumempool::DriverVersion::CUDA_13_4,
-    ))
+    gated!(
+        "cuda-13040",
+        CUDA_13_4,
+        "locality domains",
+        cumempool::Location::DeviceLocalityDomain { device, domain },
+        inputs(device, domain)
+    )
 }
 
 /// The kind of memory a pool hands out; Python sees `cumempool.AllocationType`, an `enum.Enum`

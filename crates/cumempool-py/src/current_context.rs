@@ -1,10 +1,16 @@
 //! The calling thread's current context around a binding's driver calls: made what the calls
 //! need, then put back. Python code around the bindings (CuPy, the runtime's `cudaSetDevice`
 //! state, a context of the caller's own) reads the current context, so a binding must not leave
-//! another device's there.
+//! another device's there. Invariant: whatever runs inside these functions, the caller's
+//! context (or none) is current again when they return, and a failure of the call wins over a
+//! failure to restore.
 
+use crate::default_streams::names_legacy;
+use crate::driver_answers::driver_answer;
 use crate::errors::Outcome;
 use cumempool::sys;
+use cumempool::sys::CUdeviceptr;
+use cumempool_alloc::StreamOrderedResource;
 
 /// Runs `call` with `context` current on the calling thread, then makes current again whatever
 /// was before (no context included). `call`'s failure wins over a failure to restore.
@@ -29,7 +35,7 @@ pub fn restored_after<R, E: From<cumempool::Error>>(
     handle: usize,
     call: impl FnOnce() -> Result<R, E>,
 ) -> Result<R, E> {
-    if !matches!(handle, 0 | LEGACY_HANDLE) {
+    if !names_legacy(handle) {
         return call();
     }
     let previous = current()?;
@@ -44,11 +50,8 @@ pub fn restored_after<R, E: From<cumempool::Error>>(
     Ok(value)
 }
 
-/// `CU_STREAM_LEGACY`, which names the legacy stream like `0`.
-const LEGACY_HANDLE: usize = 1;
-
 /// The calling thread's current context (null for none).
-fn current() -> cumempool::Result<sys::CUcontext> {
+pub fn current() -> cumempool::Result<sys::CUcontext> {
     let get = sys::driver().and_then(|d| d.cuCtxGetCurrent())?;
     let mut context = std::ptr::null_mut();
     // SAFETY: a valid out-pointer.
@@ -64,38 +67,28 @@ fn set_current(context: sys::CUcontext) -> cumempool::Result<()> {
     driver_answer("cuCtxSetCurrent", unsafe { set(context) })
 }
 
-/// A driver answer as an outcome.
-pub fn check(function: &'static str, code: sys::CUresult) -> Outcome<()> {
-    Ok(driver_answer(function, code)?)
-}
+/// A resource whose calls on a legacy stream put back the caller's context after (the driver
+/// makes the legacy stream's context current for them): [`restored_after`] around each call.
+pub struct ContextRestored<R>(pub R);
 
-fn driver_answer(function: &'static str, code: sys::CUresult) -> cumempool::Result<()> {
-    if code == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
+// SAFETY: forwards every call to `R`, which keeps the promise.
+unsafe impl<R: StreamOrderedResource> StreamOrderedResource for ContextRestored<R> {
+    type Kind = R::Kind;
+
+    #[inline]
+    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
+        restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream))
     }
-    Err(cumempool::Error::Driver(cumempool::DriverError::new(function, code)))
-}
 
-/// Calls `call` with the calling thread's capture mode relaxed, and puts the thread's mode back
-/// after: a capture other code runs in global or thread-local mode forbids this thread calls the
-/// driver calls "potentially unsafe" (an allocation on another stream among them) and
-/// invalidates itself on one; in relaxed mode they leave it intact. For the plug-ins, which
-/// allocate beside another library's capture on a stream of their own.
-#[pyo3::pyfunction]
-pub fn _in_relaxed_capture_mode(
-    py: pyo3::Python<'_>,
-    call: pyo3::Bound<'_, pyo3::PyAny>,
-) -> Outcome<pyo3::Py<pyo3::PyAny>> {
-    use pyo3::prelude::*;
-    let exchange = sys::driver().and_then(|d| d.cuThreadExchangeStreamCaptureMode()).map_err(cumempool::Error::from)?;
-    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: a valid in/out pointer; the previous mode comes back in it.
-    check("cuThreadExchangeStreamCaptureMode", unsafe { exchange(&mut mode) })?;
-    let called = call.call0().map(Bound::unbind);
-    // SAFETY: as above; puts the caller's mode back.
-    let restored = check("cuThreadExchangeStreamCaptureMode", unsafe { exchange(&mut mode) });
-    let _ = py;
-    let value = called?;
-    restored?;
-    Ok(value)
+    #[inline]
+    unsafe fn deallocate(
+        &self,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        restored_after(stream.as_raw() as usize, || unsafe { self.0.deallocate(ptr, bytes, align, stream) })
+    }
 }

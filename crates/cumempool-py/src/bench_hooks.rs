@@ -1,13 +1,33 @@
-//! Hooks for `bench/alloc_pair.py --breakdown`: the pieces of a Python alloc+free pair, each
-//! callable alone, so one run shows where the time goes. Not part of the public API.
+//! Hooks for `bench/alloc_pair.py --breakdown` and `bench/workloads.py`: the pieces of a
+//! Python alloc+free pair, each callable alone, so one run shows where the time goes. Built
+//! only with the cargo feature `bench-hooks` (the GPU pack's wheel has it, the user's wheel
+//! does not): they are no part of the public API and have no type stubs.
 
 use crate::errors::Outcome;
 use crate::pools::MemPool;
 use crate::resources::ResourceBase;
-use crate::streams::Stream;
+use crate::stream::Stream;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use std::time::Instant;
+
+/// Adds the hooks to the native module, as attributes only: kept out of its `__all__`, so the
+/// type stubs, which leave the hooks out, match this wheel as they match the user's.
+pub fn register(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    for hook in [
+        wrap_pyfunction!(_bench_noop, module)?,
+        wrap_pyfunction!(_bench_args, module)?,
+        wrap_pyfunction!(_bench_stream, module)?,
+        wrap_pyfunction!(_bench_detach, module)?,
+        wrap_pyfunction!(_bench_rust_pairs, module)?,
+    ] {
+        module.setattr(
+            hook.getattr(pyo3::intern!(module.py(), "__name__"))?.cast_into::<pyo3::types::PyString>()?,
+            &hook,
+        )?;
+    }
+    Ok(())
+}
 
 /// An empty native call: the floor under every method call.
 #[pyfunction]

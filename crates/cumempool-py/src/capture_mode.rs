@@ -1,0 +1,31 @@
+//! The calling thread's stream capture mode, relaxed around a Python call: the plug-ins
+//! allocate beside another library's capture on a stream of their own, which a capture in
+//! global or thread-local mode would forbid. The thread's mode is always put back.
+
+use crate::driver_answers::check;
+use crate::errors::Outcome;
+use cumempool::sys;
+
+/// Calls `call` with the calling thread's capture mode relaxed, and puts the thread's mode back
+/// after: a capture other code runs in global or thread-local mode forbids this thread calls the
+/// driver calls "potentially unsafe" (an allocation on another stream among them) and
+/// invalidates itself on one; in relaxed mode they leave it intact. For the plug-ins, which
+/// allocate beside another library's capture on a stream of their own.
+#[pyo3::pyfunction]
+pub fn _in_relaxed_capture_mode(
+    py: pyo3::Python<'_>,
+    call: pyo3::Bound<'_, pyo3::PyAny>,
+) -> Outcome<pyo3::Py<pyo3::PyAny>> {
+    use pyo3::prelude::*;
+    let exchange = sys::driver().and_then(|d| d.cuThreadExchangeStreamCaptureMode()).map_err(cumempool::Error::from)?;
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: a valid in/out pointer; the previous mode comes back in it.
+    check("cuThreadExchangeStreamCaptureMode", unsafe { exchange(&mut mode) })?;
+    let called = call.call0().map(Bound::unbind);
+    // SAFETY: as above; puts the caller's mode back.
+    let restored = check("cuThreadExchangeStreamCaptureMode", unsafe { exchange(&mut mode) });
+    let _ = py;
+    let value = called?;
+    restored?;
+    Ok(value)
+}
