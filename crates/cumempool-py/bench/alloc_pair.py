@@ -66,17 +66,29 @@ class _Nothing:
         pass
 
 
-def bench_hooks():
-    """The native module, once it is known to have the benchmark hooks (`_native._bench_*`),
-    which only a wheel built with the cargo feature `bench-hooks` has."""
+# Why a row that needs the benchmark hooks is not measured: a wheel built as users build it
+# (`pip install ./crates/cumempool-py`) has none.
+HOOKS_MISSING = (
+    "this cumempool wheel has no benchmark hooks (_native._bench_*): build it with the cargo "
+    "feature bench-hooks, e.g. `maturin build --release -m crates/cumempool-py/Cargo.toml "
+    "--features bench-hooks` (the GPU pack's wheel, `cargo xtask gpu-pack`, has them)"
+)
+
+
+def bench_hooks_or_none():
+    """The native module where it has the benchmark hooks (`_native._bench_*`, only in a wheel
+    built with the cargo feature `bench-hooks`), else None."""
     from cumempool import _native as native
 
-    if not hasattr(native, "_bench_noop"):
-        raise SystemExit(
-            "this cumempool wheel has no benchmark hooks (_native._bench_*): build it with the cargo "
-            "feature bench-hooks, e.g. `maturin build --release -m crates/cumempool-py/Cargo.toml "
-            "--features bench-hooks` (the GPU pack's wheel, `cargo xtask gpu-pack`, has them)"
-        )
+    return native if hasattr(native, "_bench_noop") else None
+
+
+def bench_hooks():
+    """The native module, once it is known to have the benchmark hooks; stops the run (with
+    `HOOKS_MISSING`) where it has none."""
+    native = bench_hooks_or_none()
+    if native is None:
+        raise SystemExit(HOOKS_MISSING)
     return native
 
 

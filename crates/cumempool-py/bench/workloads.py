@@ -390,14 +390,20 @@ def pairs_child(counts: Counts, result: dict):
     import alloc_pair
 
     import cumempool as cm
-    native = alloc_pair.bench_hooks()
+    # The Rust loop needs the benchmark hooks; without them (a user's wheel) the other rows run.
+    native = alloc_pair.bench_hooks_or_none()
 
     result["environment"] = environment(cm)
     size, pairs = alloc_pair.SIZE, counts.pairs
     stream = cm.Stream(0)
     pool = cm.MemPool(cm.Route.device(0))
     cache = cm.CachingResource(cm.PoolResource(pool))
-    rows: dict[str, list[float]] = {"pool pair": [], "pool pair in Rust": [], "cache pair": []}
+    rows: dict[str, list[float]] = {"pool pair": []}
+    if native is not None:
+        rows["pool pair in Rust"] = []
+    else:
+        result["rust_pairs_skipped"] = alloc_pair.HOOKS_MISSING
+    rows["cache pair"] = []
     try:
         import cupy
     except ImportError as error:
@@ -415,7 +421,8 @@ def pairs_child(counts: Counts, result: dict):
     with cupy_stream if cupy is not None else contextlib.nullcontext():
         for _ in range(counts.pair_rounds):
             rows["pool pair"].append(alloc_pair.measure(lambda: pool.alloc(size, stream).close(), pairs, 1))
-            rows["pool pair in Rust"].append(native._bench_rust_pairs(pool, size, stream, pairs) / 1e9)
+            if native is not None:
+                rows["pool pair in Rust"].append(native._bench_rust_pairs(pool, size, stream, pairs) / 1e9)
             rows["cache pair"].append(alloc_pair.measure(lambda: cache.alloc(size, stream).close(), pairs, 1))
             if cupy is not None:
                 rows["CuPy default MemoryPool pair"].append(alloc_pair.measure(lambda: memory_pool.malloc(size), pairs, 1))
@@ -705,6 +712,8 @@ def pair_table(figures: dict, pairs: dict | None) -> list[str]:
             lines.append(f"  {name:<38}{figures[name] * 1e6:9.3f} us")
     lines.append(f"  Python pool pair / Rust loop {fmt(figures['pool/rust'], 1, 3, 0)}x; cache pair / CuPy MemoryPool pair "
                  f"{fmt(figures['cache/cupy'], 1, 3, 0)}x; CuPy plug-in pair / MemoryPool pair {fmt(figures['plugin/cupy'], 1, 3, 0)}x")
+    if pairs.get("rust_pairs_skipped"):
+        lines.append(f"  Rust loop row skipped: {pairs['rust_pairs_skipped']}")
     if pairs.get("cupy_skipped"):
         lines.append(f"  CuPy rows skipped: {pairs['cupy_skipped']}")
     return lines

@@ -5,13 +5,15 @@
 //! The classes are bound as a Rust enum ([`Class`]), so the mapping from variants names only
 //! classes that exist: each is looked up once, when the native module loads, and a class
 //! `errors.py` lacks fails that import. Unlike `pyo3::import_exception!`, whose types panic on a
-//! failed lookup, raising never looks a class up by name.
+//! failed lookup, a failed lookup never replaces the error: raising takes the class the module
+//! names now (a reload of `errors.py` makes new classes, which `except` and pickle then expect),
+//! else the one bound at import.
 
 use cumempool::DriverError;
-use pyo3::exceptions::{PyImportError, PyRuntimeError};
+use pyo3::exceptions::{PyBaseException, PyImportError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyType;
+use pyo3::types::{PyModule, PyType};
 
 /// What a binding can fail with: a Rust error, a use after `close()`, or a Python error
 /// (argument conversion, a callback's exception).
@@ -166,8 +168,14 @@ exception_classes!(
     ClosedError,
 );
 
-/// The classes of [`Class::ALL`], in its order, once [`bind_classes`] found them.
-static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+/// `cumempool.errors` and the classes of [`Class::ALL`] in it, in that order, as
+/// [`bind_classes`] found them.
+struct BoundClasses {
+    module: Py<PyModule>,
+    classes: Vec<Py<PyType>>,
+}
+
+static CLASSES: PyOnceLock<BoundClasses> = PyOnceLock::new();
 
 /// Finds every class of [`Class`] in `cumempool.errors`, each a subclass of `CumempoolError`;
 /// called when the native module loads, so a class the Python side lacks fails the import (with
@@ -176,11 +184,11 @@ pub(crate) fn bind_classes(py: Python<'_>) -> PyResult<()> {
     classes(py).map(|_| ())
 }
 
-fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+fn classes(py: Python<'_>) -> PyResult<&BoundClasses> {
     CLASSES.get_or_try_init(py, || {
         let module = py.import("cumempool.errors")?;
         let base = module.getattr("CumempoolError")?.cast_into::<PyType>()?;
-        Class::ALL
+        let classes = Class::ALL
             .iter()
             .map(|class| {
                 let found = module.getattr(class.name()).and_then(|c| Ok(c.cast_into::<PyType>()?));
@@ -196,8 +204,17 @@ fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
                     ))),
                 }
             })
-            .collect()
+            .collect::<PyResult<_>>()?;
+        Ok(BoundClasses { module: module.unbind(), classes })
     })
+}
+
+/// The exception class `cumempool.errors` names `class` now, where that is one: after
+/// `importlib.reload(cumempool.errors)` a new class, which `except cumempool.errors.X` and
+/// pickle (which checks that a class is the one its module names) expect of a raised error.
+fn named_now<'py>(module: &Bound<'py, PyModule>, class: Class) -> Option<Bound<'py, PyType>> {
+    let found = module.getattr(class.name()).ok()?.cast_into::<PyType>().ok()?;
+    found.is_subclass_of::<PyBaseException>().ok()?.then_some(found)
 }
 
 /// The exception `class` with `message`, `code`, `name`, `function` and `reason` set; `Err`
@@ -210,10 +227,17 @@ fn raise(
     driver: Option<&DriverError>,
     reason: Option<String>,
 ) -> PyResult<PyErr> {
-    let Some(class) = classes(py)?.get(class as usize) else {
-        return Err(PyRuntimeError::new_err(format!("no class bound for {}", class.name())));
+    let bound = classes(py)?;
+    let module = bound.module.bind(py);
+    let class = match named_now(module, class) {
+        Some(now) => now,
+        // The name no longer names an exception class: the class found when the module loaded.
+        None => match bound.classes.get(class as usize) {
+            Some(at_import) => at_import.bind(py).clone(),
+            None => return Err(PyRuntimeError::new_err(format!("no class bound for {}", class.name()))),
+        },
     };
-    let instance = class.bind(py).call1((message,))?;
+    let instance = class.call1((message,))?;
     if let Some(reason) = reason {
         instance.setattr("reason", reason)?;
     }

@@ -1,6 +1,6 @@
 """The exception classes are bound when the native module loads: a class missing from
-``cumempool.errors`` fails the import, and a class is never looked up again when it is raised.
-No GPU needed."""
+``cumempool.errors`` fails the import, and a class gone later never replaces the error raised;
+one made anew (a reload) is the one raised. No GPU needed."""
 
 from __future__ import annotations
 
@@ -56,3 +56,41 @@ def test_a_class_removed_after_the_import_still_raises_with_its_message():
     out = run_in_new_process(code)
     assert out.startswith("InvalidRouteError |"), out
     assert "managed memory only" in out, out
+
+
+def test_after_a_reload_of_errors_py_a_raised_error_is_its_new_class_and_pickles():
+    # `importlib.reload` (IPython's autoreload after a reinstall) makes new classes in the same
+    # module: `except cumempool.errors.X` and pickle (which checks that the class is the one
+    # its module names) must see the error raised as the new class, not the one bound at import.
+    code = textwrap.dedent(
+        """
+        import importlib, pickle
+        import cumempool as cm
+        import cumempool.errors as errors
+        importlib.reload(errors)
+        try:
+            cm.Route(cm.Location.unspecified(), cm.AllocationType.PINNED)
+        except errors.InvalidRouteError as error:
+            again = pickle.loads(pickle.dumps(error))
+            print("matched", type(again) is errors.InvalidRouteError, str(again) == str(error))
+        except Exception as error:
+            print("missed", type(error).__name__, type(error) is errors.InvalidRouteError)
+        """
+    )
+    assert run_in_new_process(code).split() == ["matched", "True", "True"]
+
+
+def test_a_raised_error_pickles_with_its_class_message_and_fields():
+    # A `multiprocessing` worker sends its exception to the parent pickled.
+    code = textwrap.dedent(
+        """
+        import pickle
+        import cumempool as cm
+        try:
+            cm.Route(cm.Location.unspecified(), cm.AllocationType.PINNED)
+        except cm.errors.InvalidRouteError as error:
+            again = pickle.loads(pickle.dumps(error))
+            print(type(again).__name__, str(again) == str(error), vars(again) == vars(error))
+        """
+    )
+    assert run_in_new_process(code).split() == ["InvalidRouteError", "True", "True"]

@@ -3,6 +3,7 @@ still runs in a process of its own and writes a result file, and the parent buil
 the targets, the checks and the JSON from them; a checksum that differs fails the run."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -33,3 +34,36 @@ def test_a_checksum_that_differs_fails_the_run():
     out = run("--quick", "--no-pairs", "--dry-run-skew", "torch-plugin-pool")
     assert out.returncode == 1, out.stdout
     assert "MISMATCH step: torch-plugin-pool" in out.stdout
+
+
+# A `cumempool` whose native module has no benchmark hooks, as a wheel built without the cargo
+# feature `bench-hooks` (`pip install ./crates/cumempool-py`); its objects do nothing.
+_HOOKLESS_CUMEMPOOL = '''
+class _Idle:
+    def __init__(self, *args, **kwargs): pass
+    def __getattr__(self, name): return lambda *args, **kwargs: _Idle()
+    name = "stand-in"
+Device = Stream = MemPool = CachingResource = PoolResource = _Idle
+class Route:
+    @staticmethod
+    def device(ordinal): return _Idle()
+def driver_version(): return (13, 0)
+'''
+
+
+def test_the_pairs_child_runs_without_the_benchmark_hooks_and_says_what_it_skipped(tmp_path):
+    package = tmp_path / "site" / "cumempool"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(_HOOKLESS_CUMEMPOOL)
+    (package / "_native.py").write_text("")
+    (tmp_path / "site" / "cupy.py").write_text("raise ImportError('no CuPy here')\n")
+    result = tmp_path / "pairs.json"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--child", "pairs", "--quick", "--result", str(result)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+    )
+    assert out.returncode == 0 and result.exists(), out.stderr
+    written = json.loads(result.read_text())
+    assert not written["errors"], written["errors"]
+    assert set(written["pairs"]["seconds"]) == {"pool pair", "cache pair"}, written["pairs"]
+    assert "bench-hooks" in written["rust_pairs_skipped"]
