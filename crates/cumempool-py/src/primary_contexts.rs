@@ -21,12 +21,15 @@ pub(crate) fn primary_context(device: i32) -> cumempool::Result<cumempool::Conte
     }
     // Retained without the lock: another thread's lookup of a known device need not wait.
     let context = cumempool::Device::get(device)?.primary_context()?;
+    // Another thread may have retained it meanwhile: one entry per device, and the extra
+    // retain is released after the lock (releasing is a driver call).
     let mut contexts = lock(&PRIMARY);
-    // Another thread may have retained it meanwhile: one entry per device.
-    Ok(known(&contexts).unwrap_or_else(|| {
-        contexts.push((device, context.clone()));
-        context
-    }))
+    if let Some(first) = known(&contexts) {
+        drop(contexts);
+        return Ok(first);
+    }
+    contexts.push((device, context.clone()));
+    Ok(context)
 }
 
 /// The context of `stream`, a stream of `device`: its own where it knows it (every stream the
