@@ -82,6 +82,8 @@ impl MemPool {
     /// Allocates `size` bytes ordered on `stream` (a Stream, a torch/CuPy/cuda.core stream, an
     /// int handle; `None`: the legacy default stream of the pool's device). The buffer is freed
     /// on that stream when closed or collected.
+    ///
+    /// Example: `buf = pool.alloc(1 << 20, Stream(0))`.
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let pool = self.pool()?;
@@ -204,6 +206,8 @@ impl MemPool {
         Ok(all.into_iter().filter_map(|(a, v)| v.ok().map(|v| (a.name(), v))).collect())
     }
 
+    /// Whether the pool may reuse memory freed on another stream once an event orders that free
+    /// before the allocation (the driver's default: `True`).
     #[getter]
     fn reuse_follow_event_dependencies(&self) -> Outcome<bool> {
         Ok(self.pool()?.reuse_follow_event_dependencies()?)
@@ -214,6 +218,8 @@ impl MemPool {
         Ok(self.pool()?.set_reuse_follow_event_dependencies(enabled)?)
     }
 
+    /// Whether the pool may reuse memory whose free has already finished, whichever stream
+    /// freed it (the driver's default: `True`).
     #[getter]
     fn reuse_allow_opportunistic(&self) -> Outcome<bool> {
         Ok(self.pool()?.reuse_allow_opportunistic()?)
@@ -224,6 +230,8 @@ impl MemPool {
         Ok(self.pool()?.set_reuse_allow_opportunistic(enabled)?)
     }
 
+    /// Whether the pool may make an allocation wait for another stream's pending free to reuse
+    /// its memory (the driver's default: `True`).
     #[getter]
     fn reuse_allow_internal_dependencies(&self) -> Outcome<bool> {
         Ok(self.pool()?.reuse_allow_internal_dependencies()?)
