@@ -15,14 +15,16 @@ use std::sync::Arc;
 
 /// Stream-ordered memory from a pool or a resource. Freed on its stream by `close()`, by
 /// leaving its `with` block, or when collected, unless a DLPack consumer still holds it, or an
-/// array interface was read (then the memory goes when this object does: the consumers of
-/// `__cuda_array_interface__` and `__array_interface__` hold the exporting object, not the
-/// memory).
+/// array interface was read (then the memory goes when this Buffer does, which the arrays made
+/// over it keep alive).
+///
+/// Example: `with pool.alloc(1 << 20, stream) as buf: buf.fill(0)`.
 #[pyclass(module = "cumempool")]
 pub struct Buffer {
     core: Option<Slot>,
     /// Whether an array interface handed the address out: `close()` then keeps the memory in
-    /// `kept` until this object goes.
+    /// `kept` until this object goes (the interfaces' consumers hold this object, not the
+    /// memory).
     viewed: bool,
     /// The memory of a closed buffer that array views may still use (behind an `Arc`, so the
     /// object stays small).
@@ -181,9 +183,8 @@ impl Buffer {
     }
 
     /// CUDA Array Interface version 3: a 1-D array of bytes, with the buffer's stream for the
-    /// consumer to synchronise on. The consumer holds this Buffer, not the memory: once this
-    /// was read, `close()` leaves the memory to the Buffer's end (when the last array over it
-    /// lets go of it).
+    /// consumer to synchronise on. Once this was read, `close()` leaves the memory to the
+    /// Buffer's end (when the last array over it lets go of it).
     #[getter]
     fn __cuda_array_interface__(slf: &Bound<'_, Self>) -> Outcome<Py<PyDict>> {
         Self::interface(slf, 3, true)
@@ -198,9 +199,13 @@ impl Buffer {
     }
 
     /// DLPack export: a capsule `"dltensor_versioned"` for `max_version >= (1, 0)`, else
-    /// `"dltensor"`; `stream` is the consumer's stream on the memory's device, made to wait for
-    /// this buffer's work (`None` or 1: the legacy default stream; 2: the per-thread default
-    /// stream; -1: no ordering; 0 is refused, as DLPack says for CUDA).
+    /// `"dltensor"`. `stream` is the consumer's stream on the memory's device, made to wait for
+    /// this buffer's work: 1 the legacy default stream, 2 the per-thread default stream, a
+    /// stream handle, -1 no ordering; 0 is refused, as DLPack says for CUDA. `None` is 1 for
+    /// device memory; for host or managed memory it waits for the buffer's work before
+    /// returning. A consumer stream capturing a CUDA graph raises StreamCapturingError.
+    /// `dl_device=(1, 0)` (CPU) is accepted for host or managed memory; another device, or
+    /// `copy=True`, raises BufferError.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__(
         slf: &Bound<'_, Self>,
@@ -269,7 +274,8 @@ impl Buffer {
     }
 
     /// Copies a bytes-like object (anything with the buffer protocol: bytes, bytearray,
-    /// memoryview, a NumPy array) into the start of the buffer and waits for the copy.
+    /// memoryview, a NumPy array) into the start of the buffer and waits for the copy. Data
+    /// longer than the buffer raises DoesNotFitError.
     fn copy_from(slf: &Bound<'_, Self>, data: &Bound<'_, PyAny>) -> Outcome<()> {
         let py = slf.py();
         // A private bytes object: nothing can resize it while the copy runs without the GIL.
@@ -299,6 +305,7 @@ impl Buffer {
     }
 
     /// The buffer's bytes (its first `size` bytes, all by default), after its stream's work.
+    /// A `size` beyond the buffer raises DoesNotFitError.
     #[pyo3(signature = (size = None))]
     fn to_bytes(slf: &Bound<'_, Self>, size: Option<usize>) -> Outcome<Py<PyBytes>> {
         let py = slf.py();
@@ -331,8 +338,8 @@ impl Buffer {
     }
 
     /// Copies all of `other` (a Buffer) into the start of this one, ordered after the work on
-    /// both streams, and waits for the copy. Overlapping ranges (a buffer into itself) raise
-    /// OverlappingCopyError.
+    /// both streams, and waits for the copy. A larger `other` raises DoesNotFitError,
+    /// overlapping ranges (a buffer into itself) OverlappingCopyError.
     fn copy_from_buffer(slf: &Bound<'_, Self>, other: &Bound<'_, Buffer>) -> Outcome<()> {
         let py = slf.py();
         // Both memories are held until the copy has finished, whatever closes meanwhile.
@@ -359,8 +366,8 @@ impl Buffer {
         })
     }
 
-    /// Sets every byte to `value`, ordered on the buffer's stream (pinned host memory: by the
-    /// host, after the stream's earlier work).
+    /// Sets every byte to `value`, ordered on the buffer's stream. For pinned host memory the
+    /// call first waits for the stream's earlier work, and returns with the bytes set.
     fn fill(slf: &Bound<'_, Self>, value: u8) -> Outcome<()> {
         let core = Self::in_use(slf)?;
         crate::gil::detach(slf.py(), || core.fill(value))

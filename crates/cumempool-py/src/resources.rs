@@ -46,7 +46,11 @@ impl ResourceBase {
 
 #[pymethods]
 impl ResourceBase {
-    /// Allocates `size` bytes ordered on `stream` (as `MemPool.alloc`).
+    /// Allocates `size` bytes ordered on `stream` (as `MemPool.alloc`). On a stream capturing
+    /// into a CUDA graph it raises StreamCapturingError: allocate before the capture, or through
+    /// the capturing library's allocator plug-in.
+    ///
+    /// Example: `buf = CachingResource(PoolResource(pool)).alloc(1 << 20, stream)`.
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
         let stream = Stream::from_object(py, stream, self.device)?;
@@ -126,7 +130,8 @@ impl ResourceBase {
 /// allocator plug-ins serve captures through the raw path, freed inside the capture).
 const ALLOC_DURING_CAPTURE: &str = "allocating with Resource.alloc (a Buffer cannot hold a capture's graph memory: allocate before the capture, or through the capturing library's allocator plug-in)";
 
-/// A pool as a resource (the base of a stack of adaptors).
+/// A pool as a resource, the bottom of a stack of adaptors:
+/// `Statistics(PoolResource(MemPool(Route.device(0))))`.
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool", name = "PoolResource")]
 pub struct PoolResourceBinding;
 
@@ -173,7 +178,8 @@ impl Statistics {
         PyClassInitializer::from(base).add_subclass(Self(adaptor))
     }
 
-    /// A snapshot: current, peak and total bytes and counts.
+    /// A snapshot, as a dict: `current_bytes`, `peak_bytes`, `total_bytes`, `current_count`,
+    /// `peak_count` and `total_count`.
     fn usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         usage_dict(py, self.0.usage())
     }
@@ -224,7 +230,8 @@ impl Limit {
     }
 }
 
-/// Records every allocation not yet freed (address, size, stream).
+/// Records every allocation not yet freed (address, size, stream). With `backtraces=True`,
+/// `report()` also shows where each was made (the native call stack, not Python's).
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool")]
 pub struct Tracking(Arc<TrackingAdaptor<Erased>>);
 
@@ -378,8 +385,9 @@ fn answer(py: Python<'_>, slot: &CallbackSlot, bytes: usize, attempt: u32) -> bo
     }
 }
 
-/// A cache of freed blocks per stream over the resource below: allocations it can answer
-/// never reach the driver. `release()` gives every cached block back.
+/// A cache over the resource below: blocks freed through it are kept per stream and serve
+/// later allocations on that stream. `max_cached` bounds the bytes of free blocks it keeps
+/// (default: 1 GiB); `release()` gives every cached block back.
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool", name = "CachingResource")]
 pub struct Caching(Arc<Cache<Erased>>);
 
@@ -397,7 +405,8 @@ impl Caching {
         PyClassInitializer::from(base).add_subclass(Self(cache))
     }
 
-    /// Hits, misses, cached bytes and blocks, streams, and the hit rate.
+    /// A snapshot, as a dict: `hits`, `misses`, `cached_bytes`, `cached_blocks`, `streams`
+    /// and `hit_rate`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let stats = self.0.stats();
         let dict = PyDict::new(py);
