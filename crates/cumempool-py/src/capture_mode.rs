@@ -6,11 +6,12 @@ use crate::driver_answers::check;
 use crate::errors::Outcome;
 use cumempool::sys;
 
-/// Calls `call` with the calling thread's capture mode relaxed, and puts the thread's mode back
-/// after: a capture other code runs in global or thread-local mode forbids this thread calls the
-/// driver calls "potentially unsafe" (an allocation on another stream among them) and
-/// invalidates itself on one; in relaxed mode they leave it intact. For the plug-ins, which
-/// allocate beside another library's capture on a stream of their own.
+/// Calls `call()` with the calling thread's stream capture mode relaxed, and puts the thread's
+/// mode back after. For the plug-ins, which allocate beside another library's capture on a
+/// stream of their own.
+// A capture other code runs in global or thread-local mode forbids this thread the driver calls
+// it deems "potentially unsafe" (an allocation on another stream among them) and invalidates
+// itself on one; in relaxed mode they leave it intact.
 #[pyo3::pyfunction]
 pub fn _in_relaxed_capture_mode(
     py: pyo3::Python<'_>,

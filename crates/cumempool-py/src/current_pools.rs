@@ -47,6 +47,8 @@ pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
 /// is restored: by leaving its `with` block, by `.restore()`, or when it is collected. `.keep()`
 /// makes the change last until `reset_current_pool`. Guards may end in any order, on any
 /// thread; a change made by other code in between is respected.
+///
+/// Example: `with set_current_pool(Route.device(0), pool): ...`.
 #[pyfunction]
 pub fn set_current_pool(py: Python<'_>, route: Route, pool: PyRef<'_, MemPool>) -> Outcome<RouteGuard> {
     let pool = pool.pool()?;
@@ -81,7 +83,8 @@ impl RouteGuard {
         crate::locks::lock(&self.guard).is_some()
     }
 
-    /// Removes this change now and reports the driver's answer (a no-op the second time).
+    /// Undoes this change now; a second call does nothing. Where the driver refuses, raises,
+    /// and the change stays as if kept.
     fn restore(&self, py: Python<'_>) -> Outcome<()> {
         match self.take() {
             Some(guard) => Ok(crate::gil::detach(py, || guard.restore())?),
