@@ -204,8 +204,8 @@ impl Buffer {
     /// stream handle, -1 no ordering; 0 is refused, as DLPack says for CUDA. `None` is 1 for
     /// device memory; for host or managed memory it waits for the buffer's work before
     /// returning. A consumer stream capturing a CUDA graph raises StreamCapturingError.
-    /// `dl_device=(1, 0)` (CPU) is accepted for host or managed memory; another device, or
-    /// `copy=True`, raises BufferError.
+    /// `dl_device` may name the memory's own device, or `(1, 0)` (the CPU) for host or managed
+    /// memory; another device, or `copy=True`, raises BufferError.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__(
         slf: &Bound<'_, Self>,
