@@ -9,8 +9,6 @@ use crate::default_streams::names_legacy;
 use crate::driver_answers::driver_answer;
 use crate::errors::Outcome;
 use cumempool::sys;
-use cumempool::sys::CUdeviceptr;
-use cumempool_alloc::StreamOrderedResource;
 
 /// Runs `call` with `context` current on the calling thread, then makes current again whatever
 /// was before (no context included). `call`'s failure wins over a failure to restore.
@@ -65,30 +63,4 @@ fn set_current(context: sys::CUcontext) -> cumempool::Result<()> {
     // SAFETY: the context was current on this thread a moment ago (its holder keeps it), or null,
     // which unbinds the thread's context.
     driver_answer("cuCtxSetCurrent", unsafe { set(context) })
-}
-
-/// A resource whose calls on a legacy stream put back the caller's context after (the driver
-/// makes the legacy stream's context current for them): [`restored_after`] around each call.
-pub struct ContextRestored<R>(pub R);
-
-// SAFETY: forwards every call to `R`, which keeps the promise.
-unsafe impl<R: StreamOrderedResource> StreamOrderedResource for ContextRestored<R> {
-    type Kind = R::Kind;
-
-    #[inline]
-    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream))
-    }
-
-    #[inline]
-    unsafe fn deallocate(
-        &self,
-        ptr: CUdeviceptr,
-        bytes: usize,
-        align: usize,
-        stream: &cumempool::Stream,
-    ) -> cumempool_alloc::Result<()> {
-        // SAFETY: forwarded under the caller's promise.
-        restored_after(stream.as_raw() as usize, || unsafe { self.0.deallocate(ptr, bytes, align, stream) })
-    }
 }

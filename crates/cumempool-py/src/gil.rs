@@ -1,7 +1,7 @@
 //! Where the GIL is released for a stack of resources: at the bottom only, around the driver.
 //!
 //! A binding that calls a resource with the GIL held marks the call ([`Held`]); the pool at the
-//! bottom of every stack ([`GilReleased`], inside `DriverLink`) releases the GIL around its
+//! bottom of every stack (`DriverLink`, through [`released`]) releases the GIL around its
 //! driver call when it finds the mark. So a cache hit, a limit check or a count runs without the cost of a release and a
 //! reacquire, and every driver call (a miss, a free that may wait) runs with the GIL released.
 //!
@@ -10,8 +10,6 @@
 //! thread could take the GIL back while holding that lock, as another thread holding the GIL
 //! waits for it.
 
-use cumempool::sys::CUdeviceptr;
-use cumempool_alloc::StreamOrderedResource;
 use pyo3::prelude::*;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -98,7 +96,7 @@ pub fn try_attach<T>(call: impl for<'py> FnOnce(Python<'py>) -> T) -> Option<T> 
 /// Runs `call` with the GIL released when a binding marked this thread, else as it is (a
 /// thread PyTorch calls the plug-in on, or one that released the GIL already).
 #[inline]
-fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
+pub(crate) fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
     if !HELD.with(Cell::get) {
         return call();
     }
@@ -107,31 +105,4 @@ fn released<T: Send>(call: impl FnOnce() -> T + Send) -> T {
     // (`Unmarked`) clears the mark meanwhile.
     let py = unsafe { Python::assume_attached() };
     detach(py, call)
-}
-
-/// A resource whose calls release the GIL when a binding marked the thread ([`Held`]), and
-/// run as they are otherwise (a thread PyTorch calls the plug-in on, one that released the
-/// GIL already).
-pub struct GilReleased<R>(pub R);
-
-// SAFETY: forwards every call to `R`, which keeps the promise.
-unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for GilReleased<R> {
-    type Kind = R::Kind;
-
-    #[inline]
-    fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        released(|| self.0.allocate(bytes, align, stream))
-    }
-
-    #[inline]
-    unsafe fn deallocate(
-        &self,
-        ptr: CUdeviceptr,
-        bytes: usize,
-        align: usize,
-        stream: &cumempool::Stream,
-    ) -> cumempool_alloc::Result<()> {
-        // SAFETY: forwarded under the caller's promise.
-        released(|| unsafe { self.0.deallocate(ptr, bytes, align, stream) })
-    }
 }

@@ -4,7 +4,7 @@
 //! (`dyn_resource`).
 
 use crate::buffers::Buffer;
-use crate::driver_link::driver_link;
+use crate::driver_link::DriverLink;
 use crate::dyn_resource::{Erased, Resource};
 use crate::errors::Outcome;
 use crate::gil::Held;
@@ -144,9 +144,9 @@ impl PoolResourceBinding {
             let p = borrowed.pool()?;
             let route = p.route();
             let inner: Arc<dyn Resource> = match kind_of(route) {
-                Kind::Device => Arc::new(driver_link(PoolResource::<DeviceMemory>::new(&p)?)),
-                Kind::Host => Arc::new(driver_link(PoolResource::<HostMemory>::new(&p)?)),
-                Kind::Managed => Arc::new(driver_link(PoolResource::<ManagedMemory>::new(&p)?)),
+                Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(&p)?)),
+                Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(&p)?)),
+                Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(&p)?)),
             };
             (inner, route)
         };
