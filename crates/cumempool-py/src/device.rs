@@ -16,10 +16,7 @@ impl Device {
     #[new]
     #[pyo3(signature = (ordinal = None))]
     fn new(py: Python<'_>, ordinal: Option<i32>) -> Outcome<Self> {
-        let ordinal = match ordinal {
-            Some(ordinal) => ordinal,
-            None => current_device(py)?,
-        };
+        let ordinal = given_or_current(ordinal, py)?;
         Ok(Self(crate::gil::detach(py, || cumempool::Device::get(ordinal))?))
     }
 
@@ -78,6 +75,15 @@ impl Device {
 
     fn __repr__(&self) -> String {
         format!("Device({})", self.0.ordinal())
+    }
+}
+
+/// `device` where the caller gave one, else the current device: the default of every binding
+/// that takes a device.
+pub(crate) fn given_or_current(device: Option<i32>, py: pyo3::Python<'_>) -> Outcome<i32> {
+    match device {
+        Some(device) => Ok(device),
+        None => current_device(py),
     }
 }
 

@@ -8,7 +8,7 @@
 //! `Stream::lent_raw`, which marks the stream as one that may capture.
 
 use crate::default_streams::{names_legacy, PER_THREAD_HANDLE};
-use crate::device::current_device;
+use crate::device::given_or_current;
 use crate::errors::{Failure, Outcome};
 use crate::lent_streams::{foreign_handle, protocol_handle, refuse_bool, still_lent_as, Lent, LentStream, Naming};
 use crate::locks::lock;
@@ -256,10 +256,7 @@ impl Stream {
     #[new]
     #[pyo3(signature = (device = None))]
     fn new(py: Python<'_>, device: Option<i32>) -> Outcome<Self> {
-        let device = match device {
-            Some(device) => device,
-            None => current_device(py)?,
-        };
+        let device = given_or_current(device, py)?;
         // `cuStreamCreate` needs the context current: the caller's is put back after.
         let stream = crate::gil::detach(py, || {
             let context = primary_context(device)?;
@@ -273,10 +270,7 @@ impl Stream {
     #[staticmethod]
     #[pyo3(signature = (device = None))]
     fn legacy(py: Python<'_>, device: Option<i32>) -> Outcome<Py<Self>> {
-        let device = match device {
-            Some(device) => device,
-            None => current_device(py)?,
-        };
+        let device = given_or_current(device, py)?;
         Self::shared_legacy(py, device)
     }
 
@@ -304,10 +298,7 @@ impl Stream {
             }
             return Ok(Py::new(py, Self::borrow_handle(py, raw, device, None)?)?);
         }
-        let device = match device {
-            Some(device) => device,
-            None => current_device(py)?,
-        };
+        let device = given_or_current(device, py)?;
         Self::from_object(py, Some(obj), device)
     }
 
