@@ -21,6 +21,19 @@ static __thread int thread_mode = GLOBAL;
 static int primary_storage;
 static CUcontext primary = &primary_storage;
 static __thread CUcontext current;
+/* The calling thread's per-thread default stream (handle 2), a blocking stream: while it
+   captures, legacy-stream work (handles 0 and 1) is an implicit dependency the driver refuses
+   with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, invalidating the capture (driver 580, measured). */
+static __thread Stream per_thread_stream;
+enum { IMPLICIT = 906 };
+static Stream *resolve(Stream *s) { return (uintptr_t)s == 2 ? &per_thread_stream : s; }
+static int legacy_refused(Stream *s) {
+    if ((uintptr_t)s > 1 || !per_thread_stream.capturing) return 0;
+    pthread_mutex_lock(&lock);
+    per_thread_stream.invalidated = 1;
+    pthread_mutex_unlock(&lock);
+    return 1;
+}
 static size_t live_bytes;
 static CUresult generic(void) { return 0; }
 /* A log of the calls that order work, and one-shot switches (see stand_in_driver.rs). */
@@ -58,11 +71,13 @@ static CUresult pool_attribute(void *pool, int attribute, void *value) {
     return 0;
 }
 static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
+    if (legacy_refused(s)) return IMPLICIT;
     if (null_next_alloc) { null_next_alloc = 0; *p = 0; return 0; } /* success with no memory */
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
 }
 static CUresult free_async(uint64_t p, Stream *s) {
+    if (legacy_refused(s)) return IMPLICIT;
     if (s && (uintptr_t)s > 2 && s->capturing) return 1; /* memory from before the capture */
     size_t *block = (size_t *)(uintptr_t)p - 1;
     live_bytes -= *block; free(block); return 0;
@@ -96,8 +111,15 @@ static CUresult stream_wait(Stream *s) {
     return r;
 }
 static CUresult memcpy_async(uint64_t d, uint64_t src, size_t n, Stream *s) {
+    if (legacy_refused(s)) return IMPLICIT;
     log_call("memcpy", s, 0, 0);
     if (capture_at_next_memcpy) { begin_capture(capture_at_next_memcpy, RELAXED); capture_at_next_memcpy = 0; }
+    return 0;
+}
+/* A memset is logged with whether its stream captures (then it is recorded into the graph). */
+static CUresult memset_async(uint64_t d, unsigned char v, size_t n, Stream *s) {
+    if (legacy_refused(s)) return IMPLICIT;
+    log_call("memset", s, 0, (uintptr_t)s > 2 && s->capturing);
     return 0;
 }
 /* A launch is logged with whether its stream captures (then it is recorded, not run). */
@@ -166,6 +188,7 @@ static CUresult export_shareable(void *handle, uint64_t memory, int type, uint64
     return 0;
 }
 static CUresult begin_capture(Stream *s, int mode) {
+    s = resolve(s);
     pthread_mutex_lock(&lock);
     s->capturing = 1; s->invalidated = 0; s->mode = mode; s->thread = pthread_self(); s->id = next_id++;
     for (int i = 0; i < 64; i++) if (!capturing[i]) { capturing[i] = s; break; }
@@ -173,6 +196,7 @@ static CUresult begin_capture(Stream *s, int mode) {
     return 0;
 }
 static CUresult end_capture(Stream *s, void **graph) {
+    s = resolve(s);
     pthread_mutex_lock(&lock);
     int unjoined = 0;
     for (int i = 0; i < 64; i++) {
@@ -188,6 +212,7 @@ static CUresult end_capture(Stream *s, void **graph) {
 }
 static CUresult graph_destroy(void *graph) { free(graph); return 0; }
 static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void *b, void *c, void *d) {
+    s = resolve(s);
     int on = (uintptr_t)s > 2 && s->capturing;
     *status = on ? (s->invalidated ? 2 : 1) : 0;
     if (id) *id = on ? s->id : 0;
@@ -212,7 +237,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuMemAddressFree", address_free}, {"cuMemExportToShareableHandle", export_shareable},
     {"cuGraphLaunch", graph_launch}, {"cuGraphInstantiateWithFlags", graph_instantiate},
     {"cuGraphExecDestroy", graph_exec_destroy},
-    {"cuMemcpyAsync", memcpy_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
+    {"cuMemcpyAsync", memcpy_async}, {"cuMemsetD8Async", memset_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
 };
 CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
     *fn = (void *)generic;

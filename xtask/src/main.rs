@@ -7,10 +7,13 @@
 //!   without Rust, the Python wheel and its tests included.
 //! - `cargo xtask module-cycles`: fails when modules of a crate depend on each other
 //!   (docs/decisions.md promises none).
+//! - `cargo xtask driver-boundary`: fails when the Python crate names a CUDA driver entry point
+//!   (it reaches the driver only through the core crate's checked operations).
 //! - `cargo xtask test [--python-only]`: the README's test command: `cargo test --workspace`,
 //!   then the Python wheel built with maturin and its pytest suite.
 
 mod bindgen;
+mod driver_boundary;
 mod gpu_pack;
 mod headers;
 mod libclang;
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
         Some("gpu-pack") => gpu_pack::Options::parse(&args[1..]).and_then(|o| gpu_pack::run(&o)),
         Some("test") => python::test(&args[1..]),
         Some("module-cycles") => module_cycles::run(&workspace::root()),
+        Some("driver-boundary") => driver_boundary::run(&workspace::root()),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -49,6 +53,7 @@ const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--
        cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
        cargo xtask test [--python-only]
        cargo xtask module-cycles
+       cargo xtask driver-boundary
 
 bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (needs libclang)
   --cuda V      only this CUDA version (default: every pinned version)
@@ -65,6 +70,9 @@ gpu-pack: build every test binary and executable in release mode into DIR (defau
 module-cycles: list the modules of each crate that depend on each other (a parent and a child,
   siblings, or through others) and fail unless every one is listed as pending in
   xtask/src/module_cycles.rs.
+
+driver-boundary: fail when the Python crate's code (crates/cumempool-py/src and python/) calls a
+  CUDA driver entry point or the loader: it reaches the driver only through the core crate.
 
 test: `cargo test --workspace`, then the Python wheel built into target/wheels with maturin and
   installed into target/py-venv (created, with maturin, pytest and numpy, when missing), then

@@ -1,12 +1,11 @@
 //! Buffers handed to Python: stream-ordered memory with `__cuda_array_interface__`, DLPack,
 //! NumPy's `__array_interface__` (host-accessible memory) and copies to and from bytes.
 
-use crate::default_streams::{LEGACY_HANDLE, PER_THREAD_HANDLE};
+use crate::default_streams::LEGACY_HANDLE;
 use crate::dlpack;
 use crate::errors::{Failure, Outcome};
 use crate::memory::{Core, Kind, Slot};
 use crate::stream::Stream;
-use cumempool::sys;
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -235,12 +234,12 @@ impl Buffer {
             )
             .into());
         }
+        // `None` inside: a host consumer, for whom the host waits for the buffer's work.
         let consumer = match stream {
             Some(-1) => None,
-            // A host consumer has no stream to order: the buffer's work is waited for.
-            None if core.kind != Kind::Device => Some(PER_THREAD_HANDLE),
-            None => Some(LEGACY_HANDLE),
-            Some(raw) if raw > 0 => Some(raw as usize),
+            None if core.kind != Kind::Device => Some(None),
+            None => Some(Some(LEGACY_HANDLE)),
+            Some(raw) if raw > 0 => Some(Some(raw as usize)),
             Some(raw) => {
                 return Err(PyValueError::new_err(format!(
                     "stream={raw} is not a DLPack stream for CUDA memory: pass -1 (no ordering), None or 1 (the legacy default stream), 2 (the per-thread default stream) or a stream handle"
@@ -290,18 +289,8 @@ impl Buffer {
         };
         let core = Self::in_use(slf)?;
         let src = bytes.as_bytes();
-        if src.len() > core.len() {
-            return Err(cumempool::Error::DoesNotFit {
-                what: "copying from the host",
-                requested: src.len(),
-                capacity: core.len(),
-            }
-            .into());
-        }
-        let (src_ptr, len) = (src.as_ptr() as usize, src.len());
-        // SAFETY: `bytes` is immutable and held until the copy has finished; the memory is
-        // held (`core`) and holds at least `len` bytes.
-        crate::gil::detach(py, || unsafe { core.copy(core.ptr(), src_ptr as sys::CUdeviceptr, len) })
+        // `bytes` is immutable and held until the copy, which waits, has finished.
+        crate::gil::detach(py, || core.with_block(|block| block.copy_from_host(src)))
     }
 
     /// The buffer's bytes (its first `size` bytes, all by default), after its stream's work.
@@ -321,12 +310,8 @@ impl Buffer {
         }
         let mut failure = None;
         let bytes = PyBytes::new_with(py, len, |dst| {
-            let dst_ptr = dst.as_mut_ptr() as usize;
-            // SAFETY: `dst` is `len` writable bytes, alive until the copy has finished; the
-            // memory is held (`core`).
-            if let Err(error) =
-                crate::gil::detach(py, || unsafe { core.copy(dst_ptr as sys::CUdeviceptr, core.ptr(), len) })
-            {
+            // `dst` is `len` writable bytes, alive until the copy, which waits, has finished.
+            if let Err(error) = crate::gil::detach(py, || core.with_block(|block| block.copy_to_host(dst))) {
                 failure = Some(error);
             }
             Ok(())
@@ -344,33 +329,14 @@ impl Buffer {
         let py = slf.py();
         // Both memories are held until the copy has finished, whatever closes meanwhile.
         let (dst, src) = (Self::in_use(slf)?, Self::in_use(other)?);
-        if src.len() > dst.len() {
-            return Err(cumempool::Error::DoesNotFit {
-                what: "copying between buffers",
-                requested: src.len(),
-                capacity: dst.len(),
-            }
-            .into());
-        }
-        // A buffer copied into itself, say: the driver's copies are undefined there.
-        let (to, from, len) = (dst.ptr(), src.ptr(), src.len());
-        if len > 0 && to < from.saturating_add(len as u64) && from < to.saturating_add(len as u64) {
-            return Err(
-                cumempool::Error::OverlappingCopy { what: "copying between buffers", dst: to, src: from, len }.into()
-            );
-        }
-        crate::gil::detach(py, || {
-            src.order_before(dst.stream())?;
-            // SAFETY: both allocations are held until the copy has finished.
-            unsafe { dst.copy(dst.ptr(), src.ptr(), src.len()) }
-        })
+        crate::gil::detach(py, || dst.with_block(|to| to.copy_from(&src.block())))
     }
 
     /// Sets every byte to `value`, ordered on the buffer's stream. For pinned host memory the
     /// call first waits for the stream's earlier work, and returns with the bytes set.
     fn fill(slf: &Bound<'_, Self>, value: u8) -> Outcome<()> {
         let core = Self::in_use(slf)?;
-        crate::gil::detach(slf.py(), || core.fill(value))
+        crate::gil::detach(slf.py(), || core.with_block(|block| block.fill(value)))
     }
 
     /// Gives the memory back, freed on its stream, after the work queued on `stream` so far
@@ -389,7 +355,7 @@ impl Buffer {
                 Err(other) => return Err(other),
             };
             let producer = Stream::from_object(py, Some(stream), core.device)?;
-            let ordered = crate::gil::detach(py, || core.order_after(producer.get()));
+            let ordered = crate::gil::detach(py, || core.order_release_after(producer.get()));
             crate::stream::let_go(py, producer);
             ordered?;
         }

@@ -2,9 +2,7 @@
 //! allocate beside another library's capture on a stream of their own, which a capture in
 //! global or thread-local mode would forbid. The thread's mode is always put back.
 
-use crate::driver_answers::check;
 use crate::errors::Outcome;
-use cumempool::sys;
 
 /// Calls `call()` with the calling thread's stream capture mode relaxed, and puts the thread's
 /// mode back after. For the plug-ins, which allocate beside another library's capture on a
@@ -13,20 +11,7 @@ use cumempool::sys;
 // it deems "potentially unsafe" (an allocation on another stream among them) and invalidates
 // itself on one; in relaxed mode they leave it intact.
 #[pyo3::pyfunction]
-pub fn _in_relaxed_capture_mode(
-    py: pyo3::Python<'_>,
-    call: pyo3::Bound<'_, pyo3::PyAny>,
-) -> Outcome<pyo3::Py<pyo3::PyAny>> {
+pub fn _in_relaxed_capture_mode(call: pyo3::Bound<'_, pyo3::PyAny>) -> Outcome<pyo3::Py<pyo3::PyAny>> {
     use pyo3::prelude::*;
-    let exchange = sys::driver().and_then(|d| d.cuThreadExchangeStreamCaptureMode()).map_err(cumempool::Error::from)?;
-    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: a valid in/out pointer; the previous mode comes back in it.
-    check("cuThreadExchangeStreamCaptureMode", unsafe { exchange(&mut mode) })?;
-    let called = call.call0().map(Bound::unbind);
-    // SAFETY: as above; puts the caller's mode back.
-    let restored = check("cuThreadExchangeStreamCaptureMode", unsafe { exchange(&mut mode) });
-    let _ = py;
-    let value = called?;
-    restored?;
-    Ok(value)
+    cumempool::in_relaxed_capture_mode(|| Ok(call.call0().map(Bound::unbind)?))
 }

@@ -6,23 +6,12 @@
 //! failure to restore.
 
 use crate::default_streams::names_legacy;
-use crate::driver_answers::driver_answer;
 use crate::errors::Outcome;
-use cumempool::sys;
 
 /// Runs `call` with `context` current on the calling thread, then makes current again whatever
 /// was before (no context included). `call`'s failure wins over a failure to restore.
 pub fn while_current<R>(context: &cumempool::Context, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
-    let previous = current()?;
-    if previous == context.as_raw() {
-        return call();
-    }
-    context.make_current()?;
-    let outcome = call();
-    let restored = set_current(previous);
-    let value = outcome?;
-    restored?;
-    Ok(value)
+    context.while_current(call)
 }
 
 /// Runs `call` on the stream `handle` and puts back the caller's context if `call` changed
@@ -36,31 +25,5 @@ pub fn restored_after<R, E: From<cumempool::Error>>(
     if !names_legacy(handle) {
         return call();
     }
-    let previous = current()?;
-    let outcome = call();
-    let restored = match current() {
-        Ok(now) if now == previous => Ok(()),
-        Ok(_) => set_current(previous),
-        Err(error) => Err(error),
-    };
-    let value = outcome?;
-    restored?;
-    Ok(value)
-}
-
-/// The calling thread's current context (null for none).
-pub fn current() -> cumempool::Result<sys::CUcontext> {
-    let get = sys::driver().and_then(|d| d.cuCtxGetCurrent())?;
-    let mut context = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    driver_answer("cuCtxGetCurrent", unsafe { get(&mut context) })?;
-    Ok(context)
-}
-
-/// Makes `context` (a context that was current, so live, or null) current again.
-fn set_current(context: sys::CUcontext) -> cumempool::Result<()> {
-    let set = sys::driver().and_then(|d| d.cuCtxSetCurrent())?;
-    // SAFETY: the context was current on this thread a moment ago (its holder keeps it), or null,
-    // which unbinds the thread's context.
-    driver_answer("cuCtxSetCurrent", unsafe { set(context) })
+    cumempool::keeping_current_context(call)
 }

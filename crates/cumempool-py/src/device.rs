@@ -44,6 +44,16 @@ impl Device {
         Ok(self.0.total_memory()?)
     }
 
+    /// `(free, total)`: the bytes of device memory free now, and all of it (what
+    /// `cudaMemGetInfo` reports, and what Numba's memory managers answer).
+    fn memory_info(&self, py: Python<'_>) -> Outcome<(usize, usize)> {
+        let device = self.0;
+        Ok(crate::gil::detach(py, || {
+            let context = device.primary_context()?;
+            context.while_current(|| context.memory_info())
+        })?)
+    }
+
     /// Whether the device supports stream-ordered pools.
     #[getter]
     fn supports_memory_pools(&self) -> Outcome<bool> {
@@ -90,16 +100,6 @@ pub(crate) fn given_or_current(device: Option<i32>, py: pyo3::Python<'_>) -> Out
 /// The calling thread's current device, as PyTorch, CuPy and cuda.core take it: the device of the
 /// current context, else device 0 (no context current yet).
 pub(crate) fn current_device(py: pyo3::Python<'_>) -> Outcome<i32> {
-    crate::gil::detach(py, || -> Outcome<i32> {
-        let context = crate::current_context::current()?;
-        if context.is_null() {
-            return Ok(0);
-        }
-        let get_device = cumempool::sys::driver().and_then(|d| d.cuCtxGetDevice()).map_err(cumempool::Error::from)?;
-        let mut device: cumempool::sys::CUdevice = 0;
-        // SAFETY: a valid out-pointer; the current context.
-        crate::driver_answers::check("cuCtxGetDevice", unsafe { get_device(&mut device, context) })?;
-        // A device handle is its ordinal (cuDeviceGet(&d, i) gives d == i).
-        Ok(device)
-    })
+    let device = crate::gil::detach(py, cumempool::current_device)?;
+    Ok(device.map_or(0, cumempool::Device::ordinal))
 }

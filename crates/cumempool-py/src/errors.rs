@@ -71,6 +71,9 @@ impl Failure {
         let (class, message, driver, reason) = match &self {
             Self::Python(_) => return self.into_python(),
             Self::Core(error) => (core_class(error), message_of(error), driver_cause(error), reason_of(error)),
+            Self::Alloc(cumempool_alloc::Error::Pool(error)) => {
+                (core_class(error), message_of(error), driver_cause(error), reason_of(error))
+            }
             Self::Alloc(error) => (alloc_class(error), message_of(error), None, None),
             Self::Closed(what) => (
                 Class::ClosedError,
@@ -79,12 +82,18 @@ impl Failure {
                 None,
             ),
         };
-        let code = match &self {
-            Self::Core(error) => error.cuda_code(),
+        let core = match &self {
+            Self::Core(error) | Self::Alloc(cumempool_alloc::Error::Pool(error)) => Some(error),
             _ => None,
         };
+        let code = core.and_then(cumempool::Error::cuda_code);
+        // The entry point that failed: the driver's answer's, or the one that ran out of memory.
+        let function = match core {
+            Some(cumempool::Error::OutOfMemory { function, .. }) => Some(*function),
+            _ => driver.map(|d| d.function),
+        };
         let message = pythonic(&message);
-        raise(py, class, &message, code, driver, reason).unwrap_or_else(|lookup| {
+        raise(py, class, &message, code, driver, function, reason).unwrap_or_else(|lookup| {
             // Only a package whose `errors.py` was changed under it gets here (the classes were
             // all found when the module loaded): the error still reads as itself.
             PyRuntimeError::new_err(format!("{message} (and cumempool.errors.{} failed: {lookup})", class.name()))
@@ -225,6 +234,7 @@ fn raise(
     message: &str,
     code: Option<u32>,
     driver: Option<&DriverError>,
+    function: Option<&str>,
     reason: Option<String>,
 ) -> PyResult<PyErr> {
     let bound = classes(py)?;
@@ -246,8 +256,8 @@ fn raise(
         let name = driver.map_or_else(|| cumempool::error_name(cumempool::sys::CUresult(code)), |d| d.name.clone());
         instance.setattr("name", name)?;
     }
-    if let Some(driver) = driver {
-        instance.setattr("function", driver.function)?;
+    if let Some(function) = function {
+        instance.setattr("function", function)?;
     }
     Ok(PyErr::from_value(instance))
 }

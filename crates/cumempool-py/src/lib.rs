@@ -14,7 +14,6 @@ mod current_pools;
 mod default_streams;
 mod device;
 mod dlpack;
-mod driver_answers;
 mod driver_link;
 mod dyn_resource;
 mod enums;

@@ -2,7 +2,6 @@
 //! import), how it goes back, what keeps it valid, and which processors may touch it.
 
 use crate::default_streams::{LEGACY_HANDLE, PER_THREAD_HANDLE};
-use crate::driver_answers::check;
 use crate::dyn_resource::Resource;
 use crate::errors::Outcome;
 use crate::gil::Held;
@@ -11,44 +10,17 @@ use cumempool::sys;
 use pyo3::prelude::*;
 use std::sync::Arc;
 
-/// Which processors may touch a buffer's memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    /// Pinned device memory.
-    Device,
-    /// Pinned host memory.
-    Host,
-    /// Managed memory.
-    Managed,
-}
-
-impl Kind {
-    /// What Python's `memory_kind` answers: `"device"`, `"host"` or `"managed"`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Device => "device",
-            Self::Host => "host",
-            Self::Managed => "managed",
-        }
-    }
-}
+/// Which processors may touch a buffer's memory: the core's placement, which its operations
+/// need.
+pub use cumempool::Placement as Kind;
 
 /// The device a pool of `route` places its memory on; for host, managed or imported memory,
 /// `stream_device` (the device of the stream it is ordered on). A pool's memory may be
 /// allocated on another device's stream: the memory's device is the pool's, not the stream's.
 pub(crate) fn memory_device(route: Option<cumempool::Route>, stream_device: i32) -> i32 {
     match route {
-        Some(r) if kind_of(route) == Kind::Device => r.location.device().unwrap_or(stream_device),
+        Some(r) if Kind::of(route) == Kind::Device => r.location.device().unwrap_or(stream_device),
         _ => stream_device,
-    }
-}
-
-/// The kind of memory of a pool of `route` (device memory where unknown: the narrowest claim).
-pub(crate) fn kind_of(route: Option<cumempool::Route>) -> Kind {
-    match route {
-        Some(r) if r.allocation_type == cumempool::AllocationType::Managed => Kind::Managed,
-        Some(r) if r.location.is_host() => Kind::Host,
-        _ => Kind::Device,
     }
 }
 
@@ -216,119 +188,48 @@ impl Core {
         }
     }
 
-    /// The context of the buffer's stream (copies, events and the legacy stream need it
-    /// current). Streams made by the bindings always know theirs.
-    pub(crate) fn context(&self) -> Outcome<cumempool::Context> {
-        Ok(crate::primary_contexts::context_of(self.stream(), self.stream.get().device)?)
+    /// The memory as the core crate's [`cumempool::Block`], for the operations written once
+    /// there (fill, copies, orderings), each with its capture checks.
+    pub(crate) fn block(&self) -> cumempool::Block<'_> {
+        // SAFETY: the live allocation this core holds until it is let go of (after every view,
+        // which borrows the core), ordered on its stream; the bindings hand out no Rust reference
+        // to its bytes (only addresses, to other libraries).
+        unsafe { cumempool::Block::new(self.ptr(), self.len(), self.stream(), self.kind) }
     }
 
-    /// Runs `call` with the stream's context current, then puts back the caller's.
-    pub(crate) fn in_context<R>(&self, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
-        crate::current_context::while_current(&self.context()?, call)
+    /// Runs one of the core's operations on this memory, then puts back the caller's context
+    /// (copies, events and the legacy stream make the stream's context current).
+    pub(crate) fn with_block<R>(&self, op: impl FnOnce(cumempool::Block<'_>) -> cumempool::Result<R>) -> Outcome<R> {
+        Ok(cumempool::keeping_current_context(|| op(self.block()))?)
     }
 
-    /// A copy of `len` bytes on this buffer's stream between two addresses, waited for.
-    /// Unified addressing lets the driver infer the direction.
-    ///
-    /// # Safety
-    /// Both ranges must be valid for `len` bytes until the copy has finished.
-    pub(crate) unsafe fn copy(&self, dst: sys::CUdeviceptr, src: sys::CUdeviceptr, len: usize) -> Outcome<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let stream = self.stream();
-        let copy = sys::driver().and_then(|d| d.cuMemcpyAsync()).map_err(cumempool::Error::from)?;
-        // Copies that touch host memory need the stream's context current.
-        self.in_context(|| {
-            // SAFETY: the caller vouches for both ranges; the stream is live (held by this core).
-            check("cuMemcpyAsync", unsafe { copy(dst, src, len, stream.as_raw()) })?;
-            Ok(stream.synchronize()?)
-        })
-    }
-
-    pub(crate) fn fill(&self, value: u8) -> Outcome<()> {
-        let len = self.len();
-        if len == 0 {
-            return Ok(());
-        }
-        let stream = self.stream();
-        if self.kind == Kind::Host {
-            // The driver's memset refuses pinned host memory: the host sets it once the
-            // stream's earlier work is done.
-            self.in_context(|| Ok(stream.synchronize()?))?;
-            // SAFETY: a live host-accessible allocation of `len` bytes, not used by queued work.
-            unsafe { std::ptr::write_bytes(self.ptr() as usize as *mut u8, value, len) };
-            return Ok(());
-        }
-        let memset = sys::driver().and_then(|d| d.cuMemsetD8Async()).map_err(cumempool::Error::from)?;
-        // SAFETY: a live allocation of `len` bytes, ordered on its own stream.
-        self.in_context(|| check("cuMemsetD8Async", unsafe { memset(self.ptr(), value, len, stream.as_raw()) }))
-    }
-
-    /// Makes `waiter` wait for the work queued on this buffer's stream so far. Streams are
-    /// compared as the driver sees them (handle and context): the legacy streams of two
-    /// devices are two streams.
-    pub(crate) fn order_before(&self, waiter: &cumempool::Stream) -> Outcome<()> {
-        let stream = self.stream();
-        if waiter.same_as(stream) {
-            return Ok(());
-        }
-        let context = self.context()?;
-        self.in_context(|| {
-            let ready = cumempool::Event::new(&context)?;
-            ready.record(stream)?;
-            Ok(waiter.wait(&ready)?)
-        })
-    }
-
-    /// Makes this buffer's stream wait for the work queued on `producer` so far (a free on
-    /// this stream then follows that work too).
-    /// A capturing `producer` is refused before the wait, which would join this buffer's stream
-    /// to its capture (the free then recorded into that graph, the capture ended unjoined).
-    pub(crate) fn order_after(&self, producer: &Stream) -> Outcome<()> {
-        let stream = self.stream();
-        if producer.stream.same_as(stream) {
-            return Ok(());
-        }
-        producer.stream.ensure_not_capturing(CLOSE_AFTER_CAPTURING)?;
-        let context = crate::primary_contexts::context_of(&producer.stream, producer.device)?;
-        crate::current_context::while_current(&context, || {
-            let ready = cumempool::Event::new(&context)?;
-            ready.record(&producer.stream)?;
-            Ok(stream.wait(&ready)?)
-        })
-    }
-
-    /// Makes a DLPack consumer's stream (`consumer`, a raw handle of the memory's device;
-    /// 1 and 2 for the legacy and per-thread default streams) wait for this buffer's work. A
-    /// capturing consumer is refused before the wait, which the driver refuses for an event
-    /// recorded outside the capture, invalidating the capture.
-    pub(crate) fn order_before_consumer(&self, consumer: usize, context: &cumempool::Context) -> Outcome<()> {
+    /// Makes a DLPack consumer wait for this buffer's work: `consumer` is a raw stream handle
+    /// of the memory's device (1 and 2 for the legacy and per-thread default streams, the
+    /// per-thread one served as `Stream::legacy_for_per_thread`), or `None` for a host consumer,
+    /// for which the host waits. A capturing stream, the consumer's or the buffer's, is refused
+    /// before the driver.
+    pub(crate) fn order_before_consumer(&self, consumer: Option<usize>, context: &cumempool::Context) -> Outcome<()> {
         let waiter = match consumer {
-            LEGACY_HANDLE => cumempool::Stream::legacy(context),
-            // The per-thread stream cannot be borrowed: wait for the work here instead, unless it
-            // captures (the consumer would record work on the memory into a graph).
-            PER_THREAD_HANDLE => {
-                return self.in_context(|| {
-                    if let Some(capture) = crate::stream::per_thread_capture()? {
-                        Err(cumempool::Error::StreamCapturing { operation: EXPORT_TO_CAPTURING, capture })?;
-                    }
-                    Ok(self.stream().synchronize()?)
-                })
-            }
+            None => return self.with_block(|block| block.stream().synchronize()),
+            Some(LEGACY_HANDLE) => cumempool::Stream::legacy(context),
+            Some(PER_THREAD_HANDLE) => cumempool::Stream::legacy_for_per_thread(context),
             // SAFETY: the consumer's stream, live for the duration of this call (DLPack).
-            raw => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(context)) }?,
+            Some(raw) => unsafe { cumempool::Stream::borrow_raw(raw as sys::CUstream, Some(context)) }?,
         };
-        if !waiter.same_as(self.stream()) {
-            waiter.ensure_not_capturing(EXPORT_TO_CAPTURING)?;
-        }
-        self.order_before(&waiter)
+        self.with_block(|block| block.order_before(&waiter, EXPORT_TO_CAPTURING))
+    }
+
+    /// Orders this memory's release after the work queued on `producer` so far
+    /// (`Buffer.close(stream)`): refused while either stream captures, the buffer's own
+    /// included.
+    pub(crate) fn order_release_after(&self, producer: &Stream) -> Outcome<()> {
+        self.with_block(|block| block.order_release_after(&producer.stream, CLOSE_AFTER_CAPTURING))
     }
 }
 
 /// Why `Buffer.close(stream)` is refused while `stream` captures, and what to do instead.
 const CLOSE_AFTER_CAPTURING: &str =
-    "closing a Buffer after the work of a stream that is capturing a CUDA graph (close it after the capture ends)";
+    "closing a Buffer after the work of a stream while it or the buffer's own stream captures a CUDA graph (close it after the capture ends)";
 
 /// Why a DLPack export to a capturing consumer stream is refused, and what to do instead.
 const EXPORT_TO_CAPTURING: &str = "exporting a Buffer through DLPack to a stream that is capturing a CUDA graph (export it before the capture begins, or synchronise the buffer's stream and pass stream=-1)";

@@ -16,7 +16,7 @@ use crate::pools::MemPool;
 use crate::resources::ResourceBase;
 use cumempool::sys;
 use cumempool_alloc::Statistics;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::HashMap;
@@ -138,6 +138,8 @@ fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
     let context = crate::primary_contexts::primary_context(device)?;
     let stream = match raw {
         raw if crate::default_streams::names_legacy(raw) => cumempool::Stream::legacy(&context),
+        // Another stream on each thread: the legacy stream, asking the calling thread's at each use.
+        crate::default_streams::PER_THREAD_HANDLE => cumempool::Stream::legacy_for_per_thread(&context),
         // SAFETY: PyTorch never destroys its own streams (the default stream, its stream pools).
         // A stream lent to it through `torch.cuda.ExternalStream` is the lender's to keep alive,
         // as PyTorch requires; here, until the served resource gave back what was freed on it
@@ -151,12 +153,34 @@ fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
 /// Serves the exported C functions from `resource` (or stops serving, with `None`).
 #[pyfunction]
 #[pyo3(signature = (resource))]
-pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) {
+pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) -> Outcome<()> {
+    if let Some(resource) = resource {
+        refuse_python_callbacks("cumempool.torch.serve", resource.get())?;
+    }
     let served = resource.map(|r| Served { resource: r.get().inner.clone(), device: r.get().device });
     // The lock is held only to swap (no allocation runs under it), and the resource served
     // until now is let go of after, without the GIL: a cache dropped there frees on the driver.
     let previous = std::mem::replace(&mut *crate::locks::write(&SERVED), served);
     crate::gil::detach(py, || drop(previous));
+    Ok(())
+}
+
+/// Refuses a source whose allocations may call Python: PyTorch calls the plug-in's allocation
+/// function holding its per-device allocator mutex, so a callback there would wait for the GIL
+/// while holding it, and any thread holding the GIL that asks PyTorch's allocator for something
+/// (`torch.cuda.memory_stats()`, an allocation) waits for that mutex: a deadlock. The plug-in
+/// never waits for the GIL.
+fn refuse_python_callbacks(what: &str, resource: &ResourceBase) -> Outcome<()> {
+    if !resource.calls_python {
+        return Ok(());
+    }
+    Err(Failure::Python(PyValueError::new_err(format!(
+        "{what} cannot serve a source with an OnOutOfMemory callback: PyTorch calls the plug-in \
+         holding its allocator lock, where the callback would wait for the GIL while another \
+         thread holding the GIL waits for that lock (torch.cuda.memory_stats(), say), and both \
+         would hang. Serve the source below the OnOutOfMemory (PyTorch frees its cached blocks \
+         and retries before it raises torch.OutOfMemoryError, which your code can catch)"
+    ))))
 }
 
 /// PyTorch's pluggable allocation function for what `serve` chose: `size` bytes on `device`,
@@ -319,6 +343,7 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
 /// slot is bound.
 #[pyfunction]
 pub fn torch_bind(source: &Bound<'_, PyAny>, resource: &Bound<'_, ResourceBase>) -> Outcome<(usize, u64)> {
+    refuse_python_callbacks("cumempool.torch.mem_pool", resource.get())?;
     let key = if let Ok(pool) = source.cast::<MemPool>() {
         SourceKey::Pool(pool.get().pool()?.as_raw() as usize)
     } else if let Ok(base) = source.cast::<ResourceBase>() {

@@ -5,7 +5,7 @@ use crate::buffers::Buffer;
 use crate::build_features::gated;
 use crate::device::Device;
 use crate::errors::{Failure, Outcome};
-use crate::memory::{kind_of, memory_device, Core, Memory};
+use crate::memory::{memory_device, Core, Kind, Memory};
 use crate::route_values::{AllocationType, Location, Route};
 use crate::sharing::SharedAllocation;
 use crate::stream::Stream;
@@ -99,7 +99,7 @@ impl MemPool {
             }
         };
         let device = memory_device(route, stream.get().device);
-        Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, kind_of(route), device)))
+        Ok(Buffer::new(Core::new(Memory::Pool(buffer), stream, Kind::of(route), device)))
     }
 
     /// Exports the pool as a new POSIX file descriptor, yours to send (for instance with

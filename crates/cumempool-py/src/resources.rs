@@ -8,7 +8,7 @@ use crate::driver_link::DriverLink;
 use crate::dyn_resource::{Erased, Resource};
 use crate::errors::Outcome;
 use crate::gil::Held;
-use crate::memory::{kind_of, Core, Kind, Memory};
+use crate::memory::{Core, Kind, Memory};
 use crate::pools::MemPool;
 use crate::stream::Stream;
 use cumempool_alloc::{
@@ -36,11 +36,14 @@ pub struct ResourceBase {
     /// A stream another library lent needs nothing here: every clone of its Rust stream (a
     /// buffer's, one a cache keeps with its blocks) holds the library's object.
     below: Py<PyAny>,
+    /// Whether an allocation through this stack may call Python (an `OnOutOfMemory` callback
+    /// in it), and so wait for the GIL.
+    pub(crate) calls_python: bool,
 }
 
 impl ResourceBase {
     fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
-        Self { inner, kind: below.kind, device: below.device, below: below_object }
+        Self { inner, kind: below.kind, device: below.device, below: below_object, calls_python: below.calls_python }
     }
 }
 
@@ -143,7 +146,7 @@ impl PoolResourceBinding {
             let borrowed = pool.borrow();
             let p = borrowed.pool()?;
             let route = p.route();
-            let inner: Arc<dyn Resource> = match kind_of(route) {
+            let inner: Arc<dyn Resource> = match Kind::of(route) {
                 Kind::Device => Arc::new(DriverLink(PoolResource::<DeviceMemory>::new(&p)?)),
                 Kind::Host => Arc::new(DriverLink(PoolResource::<HostMemory>::new(&p)?)),
                 Kind::Managed => Arc::new(DriverLink(PoolResource::<ManagedMemory>::new(&p)?)),
@@ -152,9 +155,10 @@ impl PoolResourceBinding {
         };
         let base = ResourceBase {
             inner,
-            kind: kind_of(route),
+            kind: Kind::of(route),
             device: MemPool::home_device(route),
             below: pool.into_any().unbind(),
+            calls_python: false,
         };
         Ok(PyClassInitializer::from(base).add_subclass(Self))
     }
@@ -339,7 +343,7 @@ impl OnOutOfMemory {
             crate::gil::try_attach(|py| answer(py, &shared, bytes, attempt)).unwrap_or(false)
         });
         let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
-        let base = ResourceBase::over(adaptor, resource.get(), object);
+        let base = ResourceBase { calls_python: true, ..ResourceBase::over(adaptor, resource.get(), object) };
         PyClassInitializer::from(base).add_subclass(Self { callback: slot })
     }
 

@@ -3,7 +3,7 @@
 //! allocation's export data (a picklable `SharedAllocation`).
 
 use crate::errors::{Failure, Outcome};
-use crate::memory::{kind_of, Core, Memory};
+use crate::memory::{Core, Kind, Memory};
 use crate::stream::Stream;
 use cumempool::descriptor_passing as dp;
 use pyo3::prelude::*;
@@ -196,7 +196,7 @@ pub(crate) fn import_allocation(
     let mapping: cumempool::Buffer<'static> = unsafe { std::mem::transmute(mapping) };
     let device = stream.get().device;
     let memory = Memory::Imported { mapping, _stream: borrowed };
-    Ok(Core::new(memory, stream, kind_of(pool.route()), device))
+    Ok(Core::new(memory, stream, Kind::of(pool.route()), device))
 }
 
 /// A buffer's export data (see `Buffer.export`).

@@ -1,8 +1,10 @@
 //! CUDA streams as Python sees them: one cumempool created (`Stream(device)`), the legacy
 //! default stream of a device, the calling thread's per-thread default stream (served as the
-//! legacy one), or another library's stream, borrowed while its Python object is held.
+//! legacy one, refused at each use while the calling thread's per-thread stream captures), or
+//! another library's stream, borrowed while its Python object is held.
 //!
-//! Invariants: one `Stream` object per device for the legacy stream, and one per lent stream
+//! Invariants: one `Stream` object per device for the legacy stream, one for the per-thread
+//! stream, and one per lent stream
 //! while the memo (`lent_streams`) keeps it, so a cache, which keys blocks by the `Stream`,
 //! sees one stream however it is passed; every raw handle handed out goes through
 //! `Stream::lent_raw`, which marks the stream as one that may capture.
@@ -43,11 +45,20 @@ impl Stream {
     /// through here. The legacy stream cannot be captured and is not marked (which would make
     /// each use of it ask the driver).
     pub(crate) fn lent_raw(&self) -> usize {
-        let raw = self.stream.as_raw() as usize;
+        let raw = self.handle_value();
         if !names_legacy(raw) {
             self.stream.note_capture_possible();
         }
         raw
+    }
+
+    /// The handle another library would use for this stream (2 for the per-thread stream
+    /// served as `legacy_for_per_thread`), without marking it: for comparisons.
+    fn handle_value(&self) -> usize {
+        if self.stream.is_for_per_thread() {
+            return PER_THREAD_HANDLE;
+        }
+        self.stream.as_raw() as usize
     }
 
     /// `ClosedError` once `close()` was called on this object.
@@ -63,58 +74,47 @@ impl Stream {
         self.owner.is_some()
     }
 
-    /// The legacy default stream of `device`.
-    pub(crate) fn legacy_of(py: Python<'_>, device: i32) -> Outcome<Self> {
-        let context = crate::gil::detach(py, || primary_context(device))?;
-        Ok(Self { stream: cumempool::Stream::legacy(&context), owner: None, device, closed: Default::default() })
-    }
-
     /// The legacy default stream of `device`, one object per device for the process, so a
     /// cache sees one stream and no context is retained per call.
     fn shared_legacy(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
         static LEGACY: Mutex<Vec<(i32, Py<Stream>)>> = Mutex::new(Vec::new());
-        if let Some((_, stream)) = lock(&LEGACY).iter().find(|(d, _)| *d == device) {
+        Self::shared(py, &LEGACY, device, cumempool::Stream::legacy)
+    }
+
+    /// What the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`, handle 2)
+    /// of `device` is served as: the core's `Stream::legacy_for_per_thread`, one object per
+    /// device. Handle 2 names another stream on each thread, and memory allocated on one
+    /// thread's may be freed from another thread, where 2 names that thread's; the legacy
+    /// stream is ordered with every thread's per-thread stream both ways (both are blocking
+    /// streams), and every use asks whether the calling thread's per-thread stream captures, so
+    /// an object kept and used later is refused while it does (`StreamCapturingError`, the
+    /// capture left intact).
+    fn per_thread(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
+        static PER_THREAD: Mutex<Vec<(i32, Py<Stream>)>> = Mutex::new(Vec::new());
+        Self::shared(py, &PER_THREAD, device, cumempool::Stream::legacy_for_per_thread)
+    }
+
+    /// The one object of `device` in `objects`, made with `make` from the device's primary
+    /// context the first time.
+    fn shared(
+        py: Python<'_>,
+        objects: &Mutex<Vec<(i32, Py<Stream>)>>,
+        device: i32,
+        make: fn(&cumempool::Context) -> cumempool::Stream,
+    ) -> Outcome<Py<Self>> {
+        if let Some((_, stream)) = lock(objects).iter().find(|(d, _)| *d == device) {
             return Ok(stream.clone_ref(py));
         }
         // Made without the lock (retaining the context releases the GIL): another thread may
         // have made one meanwhile, and the first one stays the device's.
-        let made = Py::new(py, Self::legacy_of(py, device)?)?;
-        let mut legacy = lock(&LEGACY);
-        if let Some((_, stream)) = legacy.iter().find(|(d, _)| *d == device) {
+        let context = crate::gil::detach(py, || primary_context(device))?;
+        let made = Py::new(py, Self { stream: make(&context), owner: None, device, closed: Default::default() })?;
+        let mut objects = lock(objects);
+        if let Some((_, stream)) = objects.iter().find(|(d, _)| *d == device) {
             return Ok(stream.clone_ref(py));
         }
-        legacy.push((device, made.clone_ref(py)));
+        objects.push((device, made.clone_ref(py)));
         Ok(made)
-    }
-
-    /// What the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`, handle 2)
-    /// of `device` is served as: the device's legacy stream. Handle 2 names another stream on
-    /// each thread, and memory allocated on one thread's may be freed from another thread,
-    /// where 2 names that thread's. The per-thread stream is a blocking stream, which the
-    /// legacy stream synchronises with both ways (CUDA's stream semantics): work queued on the
-    /// legacy stream from any thread runs after the work queued before it on every thread's
-    /// per-thread stream of the context, and before the work queued on them after it. So an
-    /// allocation, a free, a cached block handed out, ordered on the legacy stream, is ordered
-    /// with the calling thread's per-thread stream, from whichever thread the free comes (at
-    /// the price of ordering with the context's other blocking streams too; non-blocking
-    /// streams, such as every `Stream(device)`, are not affected).
-    ///
-    /// The per-thread stream can be captured, and the legacy stream must not be used while a
-    /// blocking stream of its context captures (the driver would invalidate the capture): the
-    /// calling thread's per-thread stream is asked first, and a capture on it raises
-    /// `StreamCapturingError`, the capture left intact.
-    fn per_thread(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
-        let capture = crate::gil::detach(py, || {
-            crate::current_context::while_current(&primary_context(device)?, per_thread_capture)
-        })?;
-        if let Some(capture) = capture {
-            return Err(cumempool::Error::StreamCapturing {
-                operation: "using the per-thread default stream (handle 2), served as the device's legacy stream, which must not be used while it captures",
-                capture,
-            }
-            .into());
-        }
-        Self::shared_legacy(py, device)
     }
 
     /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as any clone of the
@@ -210,30 +210,6 @@ pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
 pub(crate) fn prune_unused(py: Python<'_>) {
     let evicted = lock(&LENT).unused_entries(py);
     drop(evicted);
-}
-
-/// Whether the calling thread's per-thread default stream (of the current context) captures:
-/// `Some(id)` (the driver's capture id, where it gave one) while it does.
-pub(crate) fn per_thread_capture() -> Outcome<Option<Option<u64>>> {
-    let info = cumempool::sys::driver().and_then(|d| d.cuStreamGetCaptureInfo()).map_err(cumempool::Error::from)?;
-    let mut status = cumempool::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    let mut id: cumempool::sys::cuuint64_t = 0;
-    // SAFETY: the per-thread stream of the current context (made current by the caller)
-    // always exists; valid out-pointers, the optional ones null.
-    let code = unsafe {
-        info(
-            PER_THREAD_HANDLE as cumempool::sys::CUstream,
-            &mut status,
-            &mut id,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        )
-    };
-    crate::driver_answers::check("cuStreamGetCaptureInfo", code)?;
-    Ok((status != cumempool::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-        .then_some((id != 0).then_some(id)))
 }
 
 /// The streams other libraries lent, found again by object and by handle (`lent_streams`).
@@ -383,13 +359,13 @@ impl Stream {
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
         other
             .cast::<Self>()
-            .is_ok_and(|o| o.get().stream.as_raw() == self.stream.as_raw() && o.get().device == self.device)
+            .is_ok_and(|o| o.get().handle_value() == self.handle_value() && o.get().device == self.device)
     }
 
     fn __hash__(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        (self.stream.as_raw() as usize, self.device).hash(&mut hasher);
+        (self.handle_value(), self.device).hash(&mut hasher);
         hasher.finish()
     }
 

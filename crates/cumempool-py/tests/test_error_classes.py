@@ -1,6 +1,7 @@
 """The exception classes are bound when the native module loads: a class missing from
 ``cumempool.errors`` fails the import, and a class gone later never replaces the error raised;
-one made anew (a reload) is the one raised. No GPU needed."""
+a reload of ``cumempool.errors`` keeps its classes, so every name for a class is one class. No
+GPU needed."""
 
 from __future__ import annotations
 
@@ -78,6 +79,28 @@ def test_after_a_reload_of_errors_py_a_raised_error_is_its_new_class_and_pickles
         """
     )
     assert run_in_new_process(code).split() == ["matched", "True", "True"]
+
+
+def test_after_a_reload_every_name_of_a_class_is_the_class_raised():
+    # The package, the plug-ins and user code hold the classes by other names
+    # (`cumempool.CumempoolError`, `cumempool.cupy`'s out-of-memory class's bases): a reload that
+    # made new classes would leave `except cm.CumempoolError` missing what is raised.
+    code = textwrap.dedent(
+        """
+        import importlib
+        import cumempool as cm
+        import cumempool.errors as errors
+        before = cm.InvalidRouteError
+        importlib.reload(errors)
+        try:
+            cm.Route(cm.Location.unspecified(), cm.AllocationType.PINNED)
+        except cm.CumempoolError as error:
+            print("caught", type(error) is before, errors.InvalidRouteError is cm.InvalidRouteError)
+        except Exception as error:
+            print("missed", type(error).__name__)
+        """
+    )
+    assert run_in_new_process(code).split() == ["caught", "True", "True"]
 
 
 def test_a_raised_error_pickles_with_its_class_message_and_fields():

@@ -16,7 +16,7 @@ from conftest import library
 from test_resource_alloc_under_capture import capture_functions, run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
 
 
-def test_the_per_thread_stream_is_served_as_the_legacy_stream(stand_in_libcuda):  # noqa: F811
+def test_the_per_thread_stream_is_served_as_one_object_per_device(stand_in_libcuda):  # noqa: F811
     words = run_on_stand_in(
         stand_in_libcuda,
         """
@@ -24,9 +24,10 @@ def test_the_per_thread_stream_is_served_as_the_legacy_stream(stand_in_libcuda):
         pool = cm.MemPool(cm.Route.device(0))
         cache = cm.CachingResource(cm.PoolResource(pool))
         ptds = types.SimpleNamespace(ptr=2, device_id=0)  # what CuPy's Stream.ptds names
-        print(cm.Stream.borrow(2).handle, cm.Stream.borrow(2, device=0) is cm.Stream.legacy(0))
+        per_thread = cm.Stream.borrow(2, device=0)
+        print(cm.Stream.borrow(2).handle, per_thread is cm.Stream.borrow(2), per_thread != cm.Stream.legacy(0))
         buffers = [pool.alloc(64, 2), cache.alloc(64, ptds), pool.alloc(64, ptds)]
-        print(all(b.stream is cm.Stream.legacy(0) for b in buffers))
+        print(all(b.stream is per_thread for b in buffers))
         # Freed from another thread: on the legacy stream, ordered after every thread's work.
         closed = []
         freer = threading.Thread(target=lambda: closed.extend(b.close() or b for b in buffers))
@@ -34,7 +35,7 @@ def test_the_per_thread_stream_is_served_as_the_legacy_stream(stand_in_libcuda):
         print(len(closed) == 3)
         """,
     )
-    assert words == ["0", "True", "True", "True"], "handle 2 was refused or not served as the legacy stream"
+    assert words == ["2", "True", "True", "True", "True"], "handle 2 was refused or not served as one stream"
 
 
 def refused_while_the_per_thread_stream_captures(refused) -> None:

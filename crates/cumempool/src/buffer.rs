@@ -5,12 +5,12 @@
 //! in a struct beside its stream, returnable from the function that made the stream). Both
 //! share every method below.
 
+use crate::block::{Block, Placement};
 use crate::capture_registry::{self, FreeAction};
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
 use crate::export_handles::HandleTypes;
 use crate::location::{AllocationType, Location};
-use crate::marker;
 use crate::owner::Owner;
 use crate::route::Route;
 use crate::stream::{CaptureStatus, DeferredFree, Event, Stream};
@@ -131,68 +131,39 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         Ok(())
     }
 
+    /// This buffer as a [`Block`], for the operations written once there. Crate-private: a
+    /// block writes the memory through `&self`, so only methods that hold the buffer
+    /// exclusively (or only read it) may make one.
+    #[inline]
+    fn block(&self) -> Block<'_> {
+        // SAFETY: the buffer's own live allocation, on its own stream, freed only when the
+        // buffer drops (after the view); callers hold `&mut self` where the view writes.
+        unsafe { Block::new(self.ptr, self.len, self.on(), Placement::of(self.route)) }
+    }
+
     /// Copies `src` into the start of the buffer and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than the buffer; [`Error::StreamCapturing`]
-    /// while the buffer's stream captures, and inside [`Stream::capture`]'s closure;
-    /// [`Error::CaptureRefused`] when other code began capturing the stream while the copy was
-    /// queued (that capture is invalidated, so its graph never runs the copy); the driver's
-    /// answer. Nothing is released while the copy may still run: a failure before the copy is
-    /// queued queues nothing, and after it, the copy is waited for first.
+    /// As [`Block::copy_from_host`].
     pub fn copy_from_host(&mut self, src: &[u8]) -> Result<()> {
-        const WHAT: &str = "copying from the host (Buffer::copy_from_host, which waits)";
-        self.check_len(WHAT, src.len())?;
-        self.on().ensure_not_capturing(WHAT)?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: `src` is valid for its length, the buffer holds at least that many bytes, and
-        // the copy is waited for before `src` can be released.
-        unsafe { self.copy_unified(WHAT, self.ptr, src.as_ptr() as usize as sys::CUdeviceptr, src.len(), None) }
+        self.block().copy_from_host(src)
     }
 
     /// Copies the start of the buffer into `dst` and waits for the copy.
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `dst` is longer than the buffer; otherwise as
-    /// [`BufferOn::copy_from_host`].
+    /// As [`Block::copy_to_host`].
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        const WHAT: &str = "copying to the host (Buffer::copy_to_host, which waits)";
-        self.check_len(WHAT, dst.len())?;
-        self.on().ensure_not_capturing(WHAT)?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: as in `copy_from_host`, the other way round.
-        unsafe { self.copy_unified(WHAT, dst.as_mut_ptr() as usize as sys::CUdeviceptr, self.ptr, dst.len(), None) }
+        self.block().copy_to_host(dst)
     }
 
     /// Copies the start of `src` into the start of this buffer, ordered after the work queued
     /// on both streams, and waits for the copy ([`BufferOn::copy_from_async`] does not wait).
     ///
     /// # Errors
-    /// [`Error::DoesNotFit`] when `src` is longer than this buffer; otherwise as
-    /// [`BufferOn::copy_from_host`] (either stream capturing is refused). When the wait fails,
-    /// `src`'s stream is ordered after the copy before this returns.
+    /// As [`Block::copy_from`].
     pub fn copy_from<T: Borrow<Stream>>(&mut self, src: &BufferOn<T>) -> Result<()> {
-        const WHAT: &str = "copying between buffers (Buffer::copy_from, which waits)";
-        self.check_len(WHAT, src.len)?;
-        self.on().ensure_not_capturing(WHAT)?;
-        src.on().ensure_not_capturing(WHAT)?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        // Before the ordering below, which may itself wait on the host (a source stream
-        // borrowed without its context).
-        crate::stream::refuse_host_wait_on_capturing_thread(WHAT)?;
-        self.on().bind()?;
-        if !self.on().same_as(src.on()) {
-            self.on().order_after(src.on())?;
-        }
-        // SAFETY: both allocations are live for at least `src.len` bytes, and the copy is waited
-        // for (or `src`'s stream ordered after it) before either can be freed.
-        unsafe { self.copy_unified(WHAT, self.ptr, src.ptr, src.len, Some(src.on())) }
+        self.block().copy_from(&src.block())
     }
 
     /// Copies the start of `src` into the start of this buffer on this buffer's stream, without
@@ -295,199 +266,26 @@ impl<S: Borrow<Stream>> BufferOn<S> {
         unsafe { PendingCopy::start(self.on(), WHAT, src, self.ptr, from, len) }
     }
 
-    /// A copy between any two addresses, ordered after the work queued on this buffer's stream
-    /// and waited for before returning. Unified addressing lets the driver infer the direction;
-    /// the typed `HtoD`/`DtoH` copies refuse host pool memory (CUDA_ERROR_INVALID_VALUE on
-    /// driver 580). `source`: another stream whose later work (a free) must come after the copy.
-    ///
-    /// Everything that can be refused (a capture underway on the thread or the stream, the
-    /// context, the events, the change of capture mode) is settled before the copy is queued;
-    /// after that, the function does not return before the copy has finished.
-    ///
-    /// # Safety
-    /// Both ranges must be valid for `len` bytes until the copy has finished.
-    unsafe fn copy_unified(
-        &self,
-        what: &'static str,
-        dst: sys::CUdeviceptr,
-        src: sys::CUdeviceptr,
-        len: usize,
-        source: Option<&Stream>,
-    ) -> Result<()> {
-        let stream = self.on();
-        crate::stream::refuse_host_wait_on_capturing_thread(what)?;
-        stream.ensure_not_capturing(what)?;
-        // Unlike allocation and free, a copy that involves host memory needs the stream's
-        // context current (driver 580 crashes without one), whatever the stream's handle.
-        stream.bind_context()?;
-        match stream.context() {
-            // SAFETY: forwarded under the caller's promise.
-            Some(context) => unsafe { self.copy_on_private_stream(what, context, dst, src, len, source) },
-            // SAFETY: forwarded under the caller's promise.
-            None => unsafe { self.copy_on_own_stream(what, dst, src, len, source) },
-        }
-    }
-
-    /// [`copy_unified`](Self::copy_unified) on a private stream of the library's, ordered after
-    /// the buffer's stream with an event.
-    ///
-    /// Other code may begin capturing the buffer's stream at any moment (another thread, with a
-    /// stream it lent), and a copy queued there just before such a capture could then be waited
-    /// for by no legal call. The private stream is held by this call alone, so nothing else can
-    /// capture it: it captures only by joining a capture through the event, which happens only
-    /// if the event was recorded into a capture, that is before anything of the copy was queued.
-    /// That is checked before the copy is queued, and refused with the capture invalidated.
-    ///
-    /// # Safety
-    /// As [`copy_unified`](Self::copy_unified).
-    unsafe fn copy_on_private_stream(
-        &self,
-        what: &'static str,
-        context: &crate::Context,
-        dst: sys::CUdeviceptr,
-        src: sys::CUdeviceptr,
-        len: usize,
-        source: Option<&Stream>,
-    ) -> Result<()> {
-        let stream = self.on();
-        let (queued, done) = (Event::new(context)?, Event::new(context)?);
-        let private = stream.take_capture_stream(context)?;
-        let copied = crate::capture_mode::relaxed(|| {
-            marker::order_after(&private, stream, &queued, what, &Self::MARKER_HINTS)?;
-            marker::refuse_if_captured(&queued, what, &Self::MARKER_HINTS)?;
-            // SAFETY: the caller vouches for both ranges.
-            unsafe { driver_call!(cuMemcpyAsync(dst, src, len, private.as_raw())) }?;
-            // From here the copy may be running: no return before it has finished.
-            let waited = done.record(&private).and_then(|()| {
-                // SAFETY: a live event, recorded on a stream that does not capture.
-                unsafe { driver_call!(cuEventSynchronize(done.as_raw())) }
-            });
-            waited.inspect_err(|error| {
-                if let Err(wait) = private.wait_before_release() {
-                    tracing::error!(%wait, %error, "a copy could not be waited for; the memory it uses may be released under it");
-                    // At least the buffers' frees, on their streams, come after it.
-                    for after in std::iter::once(stream).chain(source.filter(|source| !source.same_as(stream))) {
-                        if let Err(ordering) = after.order_after(&private) {
-                            tracing::error!(%ordering, "ordering a stream after a copy that could not be waited for failed");
-                        }
-                    }
-                }
-            })
-        });
-        // Kept for the next copy or capture only if it does not capture (else leaked, not
-        // destroyed mid-capture).
-        stream.give_back_capture_stream(private);
-        copied
-    }
-
-    /// Why a copy whose private stream other code's capture reached through its marker is
-    /// refused (nothing of the copy is queued then).
-    const MARKER_HINTS: marker::Hints = marker::Hints {
-        joined: "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
-        captured: "other code captured the buffer's stream while the copy was being set up; nothing was copied. Copy before another library's capture of the stream begins or after it ends",
-    };
-
-    /// [`copy_unified`](Self::copy_unified) for a stream borrowed without its context (no event
-    /// can be made for it): the copy on the stream itself, then a wait for the stream.
-    ///
-    /// # Safety
-    /// As [`copy_unified`](Self::copy_unified).
-    unsafe fn copy_on_own_stream(
-        &self,
-        what: &'static str,
-        dst: sys::CUdeviceptr,
-        src: sys::CUdeviceptr,
-        len: usize,
-        source: Option<&Stream>,
-    ) -> Result<()> {
-        let stream = self.on();
-        crate::capture_mode::relaxed(|| {
-            // SAFETY: the caller vouches for both ranges.
-            unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
-            // Other code may have begun capturing a stream it lent since the check above.
-            if stream.may_be_capturing() {
-                if let Ok(CaptureStatus::Active { id } | CaptureStatus::Invalidated { id }) = stream.capture_status() {
-                    return Err(self.copy_recorded_into_capture(what, id));
-                }
-            }
-            // SAFETY: a live stream, in its context (bound above).
-            let waited = unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) };
-            waited.map_err(|error| self.copy_not_waited_for(what, error, source))
-        })
-    }
-
-    /// A copy found, after it was queued, on a stream other code began capturing after the
-    /// check (a stream lent by other code): the copy was recorded into that capture, or queued
-    /// just before it began. Recorded, it would run in every launch of the capture's graph, long
-    /// after the caller released the memory: so the capture is invalidated (a wait on the
-    /// capturing stream, which the driver refuses and which invalidates it), and its end gives
-    /// no graph. The answer is [`Error::CaptureRefused`] with the refused wait as its cause.
-    ///
-    /// A copy queued in the short window before the capture began cannot be waited for by any
-    /// legal call (a capturing stream, and events recorded into its capture, have no scheduled
-    /// work to wait for): that window is the one [`Stream::borrow_raw`]'s lender keeps closed by
-    /// not sharing a stream with other threads while it captures.
-    fn copy_recorded_into_capture(&self, what: &'static str, capture: u64) -> Error {
-        let stream = self.on();
-        let refused = marker::invalidate_capture(
-            stream,
-            what,
-            "other code began capturing the stream while the copy was being queued, so the copy may have been recorded into its graph, which would use memory released since: that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
-            Some(capture),
-        );
-        if !matches!(stream.capture_status(), Ok(CaptureStatus::Invalidated { .. })) {
-            tracing::error!(capture, "a copy recorded into a capture other code began meanwhile could not invalidate it; a launch of its graph would use memory released since");
-        }
-        refused
-    }
-
-    /// After a failed wait for a copy queued on this buffer's stream: makes sure that no memory
-    /// the copy uses is released under it, where that can be done, and answers the error.
-    ///
-    /// On a stream that now captures, as [`BufferOn::copy_recorded_into_capture`]. Otherwise
-    /// `source`'s stream is ordered after the copy (an event), and the host waits for the stream
-    /// with a wait nothing the library controls refuses; the first failure is the answer.
-    fn copy_not_waited_for(&self, what: &'static str, error: Error, source: Option<&Stream>) -> Error {
-        let stream = self.on();
-        match stream.capture_status() {
-            Ok(CaptureStatus::Active { id } | CaptureStatus::Invalidated { id }) => {
-                self.copy_recorded_into_capture(what, id)
-            }
-            _ => {
-                if let Some(source) = source.filter(|source| !source.same_as(stream)) {
-                    if let Err(ordering) = source.order_after(stream) {
-                        tracing::warn!(%ordering, "ordering a copy's source after the copy failed");
-                    }
-                }
-                if let Err(wait) = stream.wait_before_release() {
-                    tracing::error!(%wait, %error, "a copy could not be waited for; the memory it uses may be released under it");
-                }
-                error
-            }
-        }
-    }
-
     /// Sets every byte to `value`, ordered on the buffer's stream.
     ///
     /// Device and managed memory are set by the device without waiting. Pinned host memory,
-    /// which the driver's memset refuses, is set by the host after the stream has finished.
+    /// which the driver's memset refuses, is set by the host after the stream has finished when
+    /// the buffer can be borrowed as a slice, and otherwise (imported or exportable memory) by
+    /// waited copies from the host ([`Block::fill`]).
     ///
     /// # Errors
-    /// Host access refusals for pinned host memory (see [`Buffer::host_slice_mut`]);
     /// [`Error::StreamCapturing`] while the stream captures (record captured fills with
-    /// [`Capture::fill`](crate::Capture::fill)); the driver's answer.
+    /// [`Capture::fill`](crate::Capture::fill)); host access refusals; the driver's answer.
     pub fn fill(&mut self, value: u8) -> Result<()> {
         self.on().ensure_not_capturing("filling a buffer (Buffer::fill)")?;
         if self.is_empty() {
             return Ok(());
         }
-        if self.route.is_some_and(|r| r.location.is_host() && r.allocation_type == AllocationType::Pinned) {
+        if Placement::of(self.route) == Placement::Host && self.is_sliceable() {
             self.host_slice_mut()?.fill(value);
             return Ok(());
         }
-        self.on().bind()?;
-        // SAFETY: a live allocation of `len` bytes.
-        unsafe { driver_call!(cuMemsetD8Async(self.ptr, value, self.len, self.on().as_raw())) }
+        self.block().fill(value)
     }
 
     /// Moves managed memory towards `location` ahead of use (ordered on the buffer's stream).
@@ -568,6 +366,11 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             self.on().synchronize()?;
         }
         crate::location_info(self.ptr, self.len, summary_granularity, sampling_granularity)
+    }
+
+    /// Whether no other process may map this memory, so a Rust slice over it races with no one.
+    fn is_sliceable(&self) -> bool {
+        !self.pool.as_ref().is_some_and(|owner| owner.imported) && self.handle_types.is_some_and(|t| t.is_empty())
     }
 
     fn host_ptr(&self) -> Result<*mut u8> {

@@ -12,17 +12,20 @@
 //! Host waits are not hot paths: two driver calls that only swap a per-thread value.
 
 use crate::driver::driver_call;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use cumempool_sys as sys;
 
 /// Runs `wait` (a host wait or status query on work that does not capture) with the calling
-/// thread's capture mode relaxed, and restores the thread's previous mode after.
+/// thread's capture mode relaxed, and restores the thread's previous mode after. Public as
+/// `in_relaxed_capture_mode` for layers above that work beside another library's capture on a
+/// stream of their own (an allocator plug-in serving a capture), which a capture in global or
+/// thread-local mode would forbid the thread and be invalidated by.
 ///
 /// # Errors
 /// The driver's refusal to change the mode (`cuThreadExchangeStreamCaptureMode`), before `wait`
 /// runs; otherwise `wait`'s result. A failed restore leaves the thread relaxed, which refuses
 /// nothing the thread's own captures need, and is logged.
-pub(crate) fn relaxed<T>(wait: impl FnOnce() -> Result<T>) -> Result<T> {
+pub fn relaxed<T, E: From<Error>>(wait: impl FnOnce() -> std::result::Result<T, E>) -> std::result::Result<T, E> {
     let previous = exchange(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
     let result = wait();
     if let Err(error) = exchange(previous) {

@@ -3,7 +3,7 @@
 use crate::device::Device;
 use crate::driver::driver_call;
 use crate::driver_handle::DriverHandle;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use cumempool_sys as sys;
 use std::sync::Arc;
 
@@ -62,14 +62,17 @@ impl Context {
     }
 
     /// Runs `f` with this context current, then makes current again whatever was current before
-    /// (no context included): for destructors, which run wherever the value is dropped and must
-    /// not leave the calling thread on another device (the runtime's `cudaSetDevice` state lives
-    /// in the current context).
+    /// (no context included): for destructors, which run wherever the value is dropped, and for
+    /// layers above that must not leave the calling thread on another device (the runtime's
+    /// `cudaSetDevice` state lives in the current context, and Python code reads it).
     ///
     /// # Errors
-    /// The driver's refusal to read or set the current context; `f`'s result is returned only
-    /// when the previous context was restored.
-    pub(crate) fn while_current<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    /// The driver's refusal to read or set the current context; `f`'s failure wins over a failure
+    /// to restore, and `f`'s value is returned only when the previous context was restored.
+    pub fn while_current<R, E: From<Error>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
         let previous = current()?;
         if previous == self.0.raw.0 {
             return f();
@@ -78,7 +81,8 @@ impl Context {
         let result = f();
         let restored = set_current(previous);
         let value = result?;
-        restored.map(|()| value)
+        restored?;
+        Ok(value)
     }
 
     /// Waits for all work in this context.
@@ -102,6 +106,46 @@ impl Context {
         unsafe { driver_call!(cuMemGetInfo(&mut free, &mut total)) }?;
         Ok((free, total))
     }
+}
+
+/// Runs `f`, then makes current again the context that was current before it (or none), if `f`
+/// changed it: for work on a legacy stream, which makes its stream's context current. One
+/// `cuCtxGetCurrent` before and one after when nothing changed.
+///
+/// # Errors
+/// The driver's refusal to read or set the current context; `f`'s failure wins over a failure
+/// to restore.
+pub fn keeping_current_context<R, E: From<Error>>(
+    f: impl FnOnce() -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
+    let previous = current()?;
+    let outcome = f();
+    let restored = match current() {
+        Ok(now) if now == previous => Ok(()),
+        Ok(_) => set_current(previous),
+        Err(error) => Err(error),
+    };
+    let value = outcome?;
+    restored?;
+    Ok(value)
+}
+
+/// The device of the calling thread's current context, or `None` when no context is current.
+///
+/// # Errors
+/// The driver's answer.
+///
+/// See [cuCtxGetDevice](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
+pub fn current_device() -> Result<Option<Device>> {
+    let context = current()?;
+    if context.is_null() {
+        return Ok(None);
+    }
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: a valid out-pointer; the calling thread's current context.
+    unsafe { driver_call!(cuCtxGetDevice(&mut device, context)) }?;
+    // A device handle is its ordinal (cuDeviceGet(&d, i) gives d == i).
+    Device::get(device).map(Some)
 }
 
 /// The calling thread's current context (null for none).

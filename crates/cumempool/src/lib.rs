@@ -43,6 +43,7 @@
 
 mod access;
 mod attributes;
+mod block;
 mod buffer;
 mod capture_mode;
 mod capture_registry;
@@ -79,9 +80,11 @@ pub mod vmm;
 
 pub use access::Access;
 pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
+pub use block::{Block, Placement};
 pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer, PendingCopy, PendingCopyError};
+pub use capture_mode::relaxed as in_relaxed_capture_mode;
 pub use capture_registry::is_captured_allocation;
-pub use context::Context;
+pub use context::{current_device, keeping_current_context, Context};
 pub use cumempool_sys::DriverVersion;
 pub use device::{require_concurrent_managed_access, Device, GraphMemory};
 pub use driver::{bindings_version, driver_version, init, library_path};

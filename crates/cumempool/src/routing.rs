@@ -211,8 +211,10 @@ static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
 /// A pool created for another route is refused with [`Error::PoolRouteMismatch`] before the
 /// driver is called.
 ///
-/// A pool whose release threshold is 0 (the driver's default) has it raised to `u64::MAX` first,
-/// as CuPy's `MemoryAsyncPool` and cuda.core do for the pool they serve from: with 0 the driver
+/// A pool this crate made ([`MemPool`](crate::MemPool)) whose release threshold is 0 (the
+/// driver's default) has it raised to `u64::MAX` first, as CuPy's `MemoryAsyncPool` and
+/// cuda.core do for the pool they serve from; a pool it does not own (the driver's default pool,
+/// one from [`Pool::from_raw`](crate::Pool::from_raw)) is never changed. With 0 the driver
 /// gives the pool's memory back at every synchronisation and maps it again on the next
 /// allocation, and the libraries the route serves (PyTorch's `cudaMallocAsync` backend among them)
 /// only raise the threshold of pools they configure themselves. The pool's `max_size` still caps
@@ -237,7 +239,9 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
     let current = current_raw(valid)?;
     // Everything that can fail is asked before the route changes, so a refusal changes nothing.
     let base = base_of(valid, current)?;
-    let raised = pool.release_threshold()? == 0;
+    // Only a pool this crate made: the driver's default pool, and a pool another library made,
+    // are theirs to configure (the default pool serves every `cudaMallocAsync` in the process).
+    let raised = pool.is_owned() && !pool.is_imported() && pool.release_threshold()? == 0;
     if raised {
         pool.set_release_threshold(u64::MAX)?;
     }

@@ -31,6 +31,9 @@ struct StreamInner {
     /// context" always have one.
     context: Option<Context>,
     owned: bool,
+    /// A legacy stream serving for the calling thread's per-thread default stream
+    /// ([`Stream::legacy_for_per_thread`]): its capture status is that stream's.
+    for_per_thread: bool,
     id: StreamId,
     /// The id, with [`Stream::CAPTURE_MARK`] set once a capture may be underway on the stream
     /// (unset only while the library created it and nothing that begins or joins a capture has
@@ -113,6 +116,7 @@ impl Stream {
             raw: DriverHandle(raw),
             context,
             owned,
+            for_per_thread: false,
             id,
             marked_id: AtomicU64::new(marked_id),
             deferred_frees: Mutex::new(Vec::new()),
@@ -160,6 +164,38 @@ impl Stream {
     /// stream, whichever thread uses it.
     pub fn legacy(context: &Context) -> Self {
         Self::from_parts(std::ptr::null_mut(), Some(context.clone()), false)
+    }
+
+    /// The legacy default stream of `context`, serving for the calling thread's per-thread
+    /// default stream (`CU_STREAM_PER_THREAD`), which names another stream on each thread and
+    /// so cannot be a `Stream` itself. The per-thread stream is a blocking stream, so work on
+    /// the legacy stream is ordered with it both ways, from any thread.
+    ///
+    /// A per-thread stream can be captured (CuPy's `Stream.ptds.begin_capture()`), and the
+    /// driver refuses legacy-stream work while a blocking stream of its context captures,
+    /// invalidating that capture. So this stream's capture status is the calling thread's
+    /// per-thread stream's, asked at every capture-aware use ([`Stream::may_be_capturing`] is
+    /// always true): every operation of this crate on it is refused while that stream captures,
+    /// the capture left intact. Other blocking streams of the context are not asked (no driver
+    /// call lists them): use non-blocking streams beside a capture.
+    pub fn legacy_for_per_thread(context: &Context) -> Self {
+        let id = StreamId::next();
+        Self(Arc::new(StreamInner {
+            raw: DriverHandle(std::ptr::null_mut()),
+            context: Some(context.clone()),
+            owned: false,
+            for_per_thread: true,
+            id,
+            marked_id: AtomicU64::new(id.get() | Self::CAPTURE_MARK),
+            deferred_frees: Mutex::new(Vec::new()),
+            spare_capture_stream: Mutex::new(None),
+            _keep_alive: KeepAlive(None),
+        }))
+    }
+
+    /// Whether this is [`Stream::legacy_for_per_thread`]'s stream.
+    pub fn is_for_per_thread(&self) -> bool {
+        self.0.for_per_thread
     }
 
     /// Borrows a stream created elsewhere (by another library, say); it is never destroyed here.
@@ -365,6 +401,10 @@ impl Stream {
     /// See [cuStreamGetCaptureInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
         self.bind()?;
+        if self.0.for_per_thread {
+            // The calling thread's per-thread stream, of the context `bind` made current.
+            return capture_info(PER_THREAD_HANDLE as sys::CUstream);
+        }
         capture_info(self.as_raw())
     }
 
@@ -780,7 +820,7 @@ impl Drop for StreamInner {
         // Frees run before the stream is destroyed. A capture begun by `Stream::capture` is
         // over by now; one begun by other code is asked about below.
         let context = self.context.clone();
-        let destroy = || {
+        let destroy = || -> Result<()> {
             let capturing = may_capture && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
             if capturing {
                 // Code that lent the stream still captures on it (or a capture's private stream

@@ -44,8 +44,10 @@ def out_of_memory_error():
                 return self.args[0]
 
             def __reduce__(self):
-                # CuPy's class takes (size, total, limit); the message is kept as it is.
-                return (errors.OutOfMemoryError, self.args)
+                # CuPy's class takes (size, total, limit), and this class is made at run time: it
+                # pickles as cumempool's own, with the message and the driver's fields.
+                fields = {name: getattr(self, name) for name in ("code", "name", "function", "reason")}
+                return (errors.OutOfMemoryError, self.args, fields)
 
         OutOfMemoryError.__module__ = __name__
         OutOfMemoryError.__qualname__ = "OutOfMemoryError"

@@ -12,6 +12,12 @@ as ``"ZeroSize"`` or ``"DescriptorNotOpen"``); other errors carry ``None``.
 
 from __future__ import annotations
 
+# What this module held before this run of its code: a reload (`importlib.reload`, IPython's
+# autoreload) runs it again in the same namespace, and the classes made before are put back at
+# the end, so `cumempool.X`, the plug-ins' subclasses, pickles and `except` clauses keep naming
+# the classes errors are raised as. A class an edit added before the reload is new.
+_before_reload = dict(globals())
+
 
 class CumempoolError(Exception):
     """Base of every cumempool error."""
@@ -174,5 +180,15 @@ class MappingsHeldError(CumempoolError):
 class ClosedError(CumempoolError, ValueError):
     """A pool, buffer, stream or resource used after ``close()``."""
 
+
+
+def _keep_classes_made_before(before: dict) -> None:
+    for name, value in before.items():
+        if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == __name__:
+            globals()[name] = value
+
+
+_keep_classes_made_before(_before_reload)
+del _before_reload, _keep_classes_made_before
 
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, CumempoolError)]

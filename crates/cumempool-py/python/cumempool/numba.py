@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from ._native import MemPool, Resource
+from ._native import Device, MemPool, Resource
 from ._sources import resource_of
 from .errors import InvalidDeviceError
 
@@ -74,7 +74,7 @@ def manager(source: MemPool | Resource) -> type:
             )
 
         def get_memory_info(self) -> Any:
-            free, total = _device_memory(self.context)
+            free, total = Device(self.context.device.id).memory_info()
             return MemoryInfo(free=free, total=total)
 
         @property
@@ -82,14 +82,6 @@ def manager(source: MemPool | Resource) -> type:
             return 1
 
     return CumempoolNumbaManager
-
-
-def _device_memory(context: Any) -> tuple[int, int]:
-    """Free and total bytes of the context's device (what Numba's own manager reports)."""
-    from numba.cuda.cudadrv.driver import driver
-
-    free, total = driver.cuMemGetInfo()
-    return int(free), int(total)
 
 
 def use(source: MemPool | Resource) -> type:
