@@ -13,7 +13,7 @@ typedef void *CUcontext;
 enum { GLOBAL = 0, THREAD_LOCAL = 1, RELAXED = 2 };
 enum { UNSUPPORTED = 900, INVALIDATED = 901, ISOLATION = 905 };
 /* `joined`: the stream whose capture this one joined by waiting for an event recorded in it. */
-typedef struct Stream { int capturing, invalidated, mode; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
+typedef struct Stream { int capturing, invalidated, mode, blocking; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static Stream *capturing[64];
 static uint64_t next_id = 1;
@@ -21,18 +21,21 @@ static __thread int thread_mode = GLOBAL;
 static int primary_storage;
 static CUcontext primary = &primary_storage;
 static __thread CUcontext current;
-/* The calling thread's per-thread default stream (handle 2), a blocking stream: while it
-   captures, legacy-stream work (handles 0 and 1) is an implicit dependency the driver refuses
-   with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, invalidating the capture (driver 580, measured). */
-static __thread Stream per_thread_stream;
+/* The calling thread's per-thread default stream (handle 2), a blocking stream: while any
+   thread's captures, legacy-stream work (handles 0 and 1) from any thread is an implicit
+   dependency the driver refuses with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, invalidating that
+   capture (driver 580, measured). */
+static __thread Stream per_thread_stream = { .blocking = 1 };
 enum { IMPLICIT = 906 };
 static Stream *resolve(Stream *s) { return (uintptr_t)s == 2 ? &per_thread_stream : s; }
 static int legacy_refused(Stream *s) {
-    if ((uintptr_t)s > 1 || !per_thread_stream.capturing) return 0;
+    if ((uintptr_t)s > 1) return 0;
+    int refused = 0;
     pthread_mutex_lock(&lock);
-    per_thread_stream.invalidated = 1;
+    for (int i = 0; i < 64; i++)
+        if (capturing[i] && capturing[i]->blocking) { capturing[i]->invalidated = 1; refused = 1; }
     pthread_mutex_unlock(&lock);
-    return 1;
+    return refused;
 }
 static size_t live_bytes;
 static CUresult generic(void) { return 0; }

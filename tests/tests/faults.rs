@@ -254,6 +254,9 @@ fn context_calls_name_the_call_that_failed() {
     let synchronize = suite.failing("cuCtxSynchronize", 1, UNKNOWN, || context.synchronize());
     refused_by(synchronize, "cuCtxSynchronize", UNKNOWN);
     refused_by(suite.failing("cuMemGetInfo", 1, UNKNOWN, || context.memory_info()), "cuMemGetInfo", UNKNOWN);
+    context.make_current().unwrap();
+    refused_by(suite.failing("cuCtxGetDevice", 1, UNKNOWN, cumempool::current_device), "cuCtxGetDevice", UNKNOWN);
+    assert_eq!(cumempool::current_device().unwrap().map(Device::ordinal), Some(0));
     context.synchronize().unwrap();
     assert!(context.memory_info().unwrap().1 > 0, "usable afterwards");
 }

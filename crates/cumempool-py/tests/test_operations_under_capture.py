@@ -78,10 +78,18 @@ def test_the_per_thread_stream_saved_as_an_object_is_checked_at_each_use(stand_i
 pool = cm.MemPool(cm.Route.device(0))
 per_thread = cm.Stream.borrow(2, 0)
 buffer = pool.alloc(4096, per_thread)
+on_legacy = pool.alloc(4096, cm.Stream.legacy(0))
 print(per_thread.handle)
 assert begin(2, 1) == 0  # thread-local mode, as CuPy's ptds capture
 refused = []
-for use in (lambda: pool.alloc(4096, per_thread), lambda: buffer.fill(0), lambda: cm.PoolResource(pool).alloc(64, per_thread)):
+uses = (
+    lambda: pool.alloc(4096, per_thread),
+    lambda: buffer.fill(0),
+    lambda: cm.PoolResource(pool).alloc(64, per_thread),
+    lambda: on_legacy.__dlpack__(stream=2),  # a consumer on the capturing per-thread stream
+    lambda: on_legacy.close(per_thread),
+)
+for use in uses:
     try:
         use()
         refused.append("accepted")
@@ -94,7 +102,7 @@ buffer.fill(0)  # after the capture
 print("filled")
 """,
     )
-    assert words == ["2", "refused", "refused", "refused", "0", "filled"]
+    assert words == ["2", "refused", "refused", "refused", "refused", "refused", "0", "filled"]
 
 
 def test_torch_plugin_refuses_a_source_whose_allocations_call_python(stand_in_libcuda):  # noqa: F811
@@ -141,7 +149,7 @@ class TorchCapture:
             yield
         graph.replay()
         torch.cuda.synchronize()
-        assert static[0].item() == 2.0, "the capture's own work, recorded once and replayed"
+        assert static[0].item() == 1.0, "the capture's own work, recorded (not run) and replayed once"
 
 
 class CupyCapture:

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::location::AllocationType;
 use crate::marker;
 use crate::route::Route;
-use crate::stream::{CaptureStatus, Event, Stream};
+use crate::stream::{Event, Stream};
 use cumempool_sys as sys;
 
 /// Which processors may touch a block's memory, as the driver's operations need to know.
@@ -135,6 +135,11 @@ impl<'a> Block<'a> {
     /// Device and managed memory are set by the device without waiting. Pinned host memory,
     /// which the driver's memset refuses, is set by copies from a host pattern, waited for, so
     /// that no host write races with work queued on the stream.
+    ///
+    /// The capture check and the memset are two driver calls: a capture that another thread
+    /// begins on a lent stream between them would record the memset. [`Stream::borrow_raw`]'s
+    /// lender keeps that window closed by not sharing a stream with another thread while it
+    /// captures (copies, which wait, close it themselves with a private stream).
     ///
     /// # Errors
     /// [`Error::StreamCapturing`] while the stream captures (before the driver, the capture
@@ -310,14 +315,11 @@ impl<'a> Block<'a> {
         crate::stream::refuse_host_wait_on_capturing_thread(what)?;
         stream.ensure_not_capturing(what)?;
         // Unlike allocation and free, a copy that involves host memory needs the stream's
-        // context current (driver 580 crashes without one), whatever the stream's handle.
-        stream.bind_context()?;
-        match stream.context() {
-            // SAFETY: forwarded under the caller's promise.
-            Some(context) => unsafe { self.copy_on_private_stream(what, context, dst, src, len, source) },
-            // SAFETY: forwarded under the caller's promise.
-            None => unsafe { self.copy_on_own_stream(what, dst, src, len, source) },
-        }
+        // context current (driver 580 crashes without one), whatever the stream's handle; a
+        // stream borrowed without its context is refused here.
+        let context = stream.bind_context()?;
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.copy_on_private_stream(what, context, dst, src, len, source) }
     }
 
     /// [`copy_unified`](Self::copy_unified) on a private stream of the library's, ordered after
@@ -370,86 +372,6 @@ impl<'a> Block<'a> {
         // destroyed mid-capture).
         stream.give_back_capture_stream(private);
         copied
-    }
-
-    /// [`copy_unified`](Self::copy_unified) for a stream borrowed without its context (no event
-    /// can be made for it): the copy on the stream itself, then a wait for the stream.
-    ///
-    /// # Safety
-    /// As [`copy_unified`](Self::copy_unified).
-    unsafe fn copy_on_own_stream(
-        &self,
-        what: &'static str,
-        dst: sys::CUdeviceptr,
-        src: sys::CUdeviceptr,
-        len: usize,
-        source: Option<&Stream>,
-    ) -> Result<()> {
-        let stream = self.stream;
-        crate::capture_mode::relaxed(|| {
-            // SAFETY: the caller vouches for both ranges.
-            unsafe { driver_call!(cuMemcpyAsync(dst, src, len, stream.as_raw())) }?;
-            // Other code may have begun capturing a stream it lent since the check above.
-            if stream.may_be_capturing() {
-                if let Ok(CaptureStatus::Active { id } | CaptureStatus::Invalidated { id }) = stream.capture_status() {
-                    return Err(self.copy_recorded_into_capture(what, id));
-                }
-            }
-            // SAFETY: a live stream, in its context (bound above).
-            let waited = unsafe { driver_call!(cuStreamSynchronize(stream.as_raw())) };
-            waited.map_err(|error| self.copy_not_waited_for(what, error, source))
-        })
-    }
-
-    /// A copy found, after it was queued, on a stream other code began capturing after the
-    /// check (a stream lent by other code): the copy was recorded into that capture, or queued
-    /// just before it began. Recorded, it would run in every launch of the capture's graph, long
-    /// after the caller released the memory: so the capture is invalidated (a wait on the
-    /// capturing stream, which the driver refuses and which invalidates it), and its end gives
-    /// no graph. The answer is [`Error::CaptureRefused`] with the refused wait as its cause.
-    ///
-    /// A copy queued in the short window before the capture began cannot be waited for by any
-    /// legal call (a capturing stream, and events recorded into its capture, have no scheduled
-    /// work to wait for): that window is the one [`Stream::borrow_raw`]'s lender keeps closed by
-    /// not sharing a stream with other threads while it captures.
-    fn copy_recorded_into_capture(&self, what: &'static str, capture: u64) -> Error {
-        let stream = self.stream;
-        let refused = marker::invalidate_capture(
-            stream,
-            what,
-            "other code began capturing the stream while the copy was being queued, so the copy may have been recorded into its graph, which would use memory released since: that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
-            Some(capture),
-        );
-        if !matches!(stream.capture_status(), Ok(CaptureStatus::Invalidated { .. })) {
-            tracing::error!(capture, "a copy recorded into a capture other code began meanwhile could not invalidate it; a launch of its graph would use memory released since");
-        }
-        refused
-    }
-
-    /// After a failed wait for a copy queued on this block's stream: makes sure that no memory
-    /// the copy uses is released under it, where that can be done, and answers the error.
-    ///
-    /// On a stream that now captures, as [`Block::copy_recorded_into_capture`]. Otherwise
-    /// `source`'s stream is ordered after the copy (an event), and the host waits for the stream
-    /// with a wait nothing the library controls refuses; the first failure is the answer.
-    fn copy_not_waited_for(&self, what: &'static str, error: Error, source: Option<&Stream>) -> Error {
-        let stream = self.stream;
-        match stream.capture_status() {
-            Ok(CaptureStatus::Active { id } | CaptureStatus::Invalidated { id }) => {
-                self.copy_recorded_into_capture(what, id)
-            }
-            _ => {
-                if let Some(source) = source.filter(|source| !source.same_as(stream)) {
-                    if let Err(ordering) = source.order_after(stream) {
-                        tracing::warn!(%ordering, "ordering a copy's source after the copy failed");
-                    }
-                }
-                if let Err(wait) = stream.wait_before_release() {
-                    tracing::error!(%wait, %error, "a copy could not be waited for; the memory it uses may be released under it");
-                }
-                error
-            }
-        }
     }
 }
 

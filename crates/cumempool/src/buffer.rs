@@ -677,7 +677,7 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
             // capture, recorded as the graph's free node).
             unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }?;
         }
-        FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned() }),
+        FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned(), thread: None }),
     }
     Ok(action)
 }

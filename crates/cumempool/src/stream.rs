@@ -56,6 +56,9 @@ struct StreamInner {
 pub(crate) struct DeferredFree {
     pub(crate) ptr: sys::CUdeviceptr,
     pub(crate) pool: Option<Arc<Owner>>,
+    /// For [`Stream::legacy_for_per_thread`]'s stream, the thread whose per-thread stream's
+    /// capture deferred it: only that thread can see that capture end.
+    pub(crate) thread: Option<std::thread::ThreadId>,
 }
 
 /// Another library's handle, held only so that its stream outlives this one.
@@ -268,16 +271,16 @@ impl Stream {
         }
     }
 
-    /// Makes the stream's context current, whatever the handle: for the calls that need a
+    /// Makes the stream's context current, whatever the handle, and answers it: for the calls that need a
     /// current context even on an ordinary stream. `cuMemcpyAsync` involving host memory is one
     /// (driver 580 crashes with no context current, and refuses with another device's context).
     ///
     /// # Errors
     /// [`Error::StreamNotBorrowable`] for a stream borrowed without its context; the driver's
     /// refusal to make the context current.
-    pub(crate) fn bind_context(&self) -> Result<()> {
+    pub(crate) fn bind_context(&self) -> Result<&Context> {
         match &self.0.context {
-            Some(context) => context.ensure_current(),
+            Some(context) => context.ensure_current().map(|()| context),
             None => Err(Error::StreamNotBorrowable {
                 reason: "copies need the stream's context current, and this stream was borrowed without one; a stream of a device's primary context can be borrowed with it (Stream::borrow_raw(raw, Some(&context))), while a stream of any other context cannot copy host memory here",
             }),
@@ -452,7 +455,10 @@ impl Stream {
     /// this stream once it no longer captures, ordered after the stream's pre-capture work. A
     /// free node recorded now could not free memory the graph did not allocate, and would
     /// corrupt the capture.
-    pub(crate) fn defer_free(&self, free: DeferredFree) {
+    pub(crate) fn defer_free(&self, mut free: DeferredFree) {
+        if self.0.for_per_thread {
+            free.thread = Some(std::thread::current().id());
+        }
         self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner).push(free);
     }
 
@@ -465,6 +471,19 @@ impl Stream {
     /// earlier `Stream` values of the same driver stream left behind when they dropped during a
     /// capture. Failures are logged: like a buffer's drop, nobody is left to hand them to.
     pub(crate) fn run_deferred_frees(&self) {
+        if self.0.for_per_thread {
+            // The caller saw the calling thread's per-thread stream not capturing: only the frees
+            // that thread's capture deferred may run; other threads' may still capture. (Such a
+            // stream leaves no orphans: see the drop.)
+            let mine = Some(std::thread::current().id());
+            let frees = {
+                let mut deferred = self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner);
+                let (mine, others) = std::mem::take(&mut *deferred).into_iter().partition(|free| free.thread == mine);
+                *deferred = others;
+                mine
+            };
+            return run_frees(self.as_raw(), frees);
+        }
         run_frees(self.as_raw(), self.take_deferred_frees());
         for mut orphan in take_orphans(self.as_raw(), self.context().map(Context::as_raw)) {
             run_frees(self.as_raw(), std::mem::take(&mut orphan.frees));
@@ -592,7 +611,15 @@ impl Stream {
     }
 
     /// Whether two handles name the same driver stream: the same handle in the same context.
+    /// Never for [`Stream::legacy_for_per_thread`]'s stream, which names another stream on each
+    /// thread.
     pub fn same_as(&self, other: &Stream) -> bool {
+        // The per-thread stream names another stream on each thread: never provably the same,
+        // so work ordered with it always goes through the legacy stream (see
+        // `legacy_for_per_thread`).
+        if self.0.for_per_thread || other.0.for_per_thread {
+            return false;
+        }
         self.id() == other.id()
             || (self.as_raw() == other.as_raw()
                 && self.context().map(Context::as_raw) == other.context().map(Context::as_raw))
@@ -804,6 +831,9 @@ impl Drop for StreamInner {
         let mut owned = self.owned;
         let may_capture = *self.marked_id.get_mut() & Stream::CAPTURE_MARK != 0;
         let mut frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if self.for_per_thread {
+            return drop_per_thread_frees(frees, self.context.as_ref());
+        }
         let mut keep_alive = vec![std::mem::replace(&mut self._keep_alive, KeepAlive(None))];
         if may_capture {
             // Earlier values of this driver stream left frees (and what keeps it valid, and
@@ -851,6 +881,38 @@ impl Drop for StreamInner {
         if let Err(error) = result {
             tracing::warn!(%error, "destroying a stream failed");
         }
+    }
+}
+
+/// The frees left on [`Stream::legacy_for_per_thread`]'s stream when its last value drops: those
+/// the calling thread deferred run if its per-thread stream no longer captures; the others, which
+/// only their own threads could see the capture end of, are kept (leaked) with a warning. Legacy
+/// work while a thread's per-thread stream captures would invalidate that capture, and no other
+/// thread can tell when it ends.
+fn drop_per_thread_frees(frees: Vec<DeferredFree>, context: Option<&Context>) {
+    if frees.is_empty() {
+        return;
+    }
+    let me = Some(std::thread::current().id());
+    let (mine, others): (Vec<_>, Vec<_>) = frees.into_iter().partition(|free| free.thread == me);
+    if !others.is_empty() {
+        tracing::warn!(count = others.len(), "frees another thread's per-thread capture deferred are kept: the stream they wait on was dropped before that thread used it again");
+        std::mem::forget(others);
+    }
+    let Some(context) = context else {
+        return std::mem::forget(mine);
+    };
+    let ran = context.while_current(|| {
+        if capture_info(PER_THREAD_HANDLE as sys::CUstream)? == CaptureStatus::None {
+            run_frees(std::ptr::null_mut(), mine);
+        } else {
+            tracing::warn!("frees deferred by this thread's per-thread capture are kept: the stream was dropped during the capture");
+            std::mem::forget(mine);
+        }
+        Ok::<(), Error>(())
+    });
+    if let Err(error) = ran {
+        tracing::warn!(%error, "running the frees of a dropped per-thread stream failed");
     }
 }
 
@@ -1004,8 +1066,8 @@ mod tests {
     fn frees_deferred_by_a_capture_wait_in_their_stream_with_their_pool_until_taken_once() {
         let stream = Stream::from_parts(0x3000 as sys::CUstream, None, false);
         let pool = Arc::new(Owner::new(0x4000 as sys::CUmemoryPool, false));
-        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()) });
-        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None });
+        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()), thread: None });
+        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None, thread: None });
         assert_eq!(Arc::strong_count(&pool), 2, "the deferred free keeps its pool alive");
         let taken = stream.take_deferred_frees();
         assert_eq!(taken.iter().map(|f| f.ptr).collect::<Vec<_>>(), [0x10, 0x20], "clones share the list, in order");
@@ -1027,7 +1089,7 @@ mod tests {
         let lender: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
         // SAFETY: never given to a driver that exists.
         let stream = unsafe { Stream::borrow_raw_keeping(raw, None, lender.clone()) }.unwrap();
-        stream.defer_free(DeferredFree { ptr: 0x30, pool: Some(pool.clone()) });
+        stream.defer_free(DeferredFree { ptr: 0x30, pool: Some(pool.clone()), thread: None });
         drop(stream);
         assert_eq!(Arc::strong_count(&pool), 2, "the free (and its pool) outlive the stream's last value");
         assert_eq!(Arc::strong_count(&lender), 2, "so does the lender's handle, which keeps the stream valid");

@@ -437,6 +437,10 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         let Some((index, class)) = size_class(bytes) else {
             return self.allocate_below(bytes, align, stream);
         };
+        if stream.is_for_per_thread() {
+            // Never cached (see `deallocate_beyond_lane`). Always marked, so never in a lane.
+            return self.allocate_below(class, POOL_ALIGNMENT, stream);
+        }
         let key = stream.id().get();
         let found = self.table.find(key).map(|index| &self.table.slots[index]);
         match found {
@@ -503,6 +507,15 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             // SAFETY: a bypassing block came from `inner` with these arguments.
             return unsafe { self.inner.deallocate(ptr, bytes, align, stream) };
         };
+        if stream.is_for_per_thread() {
+            // The per-thread stream is another stream on each thread, ordered with the others
+            // only through work on the legacy stream: a block freed after one thread's work and
+            // handed to another thread from the cache would be ordered with nothing. Given back
+            // below, where the free itself is legacy-stream work that waits for every thread's.
+            // SAFETY: a class block came from `inner` with its class size and the pools'
+            // alignment (`allocate_beyond_lane`), freed once, here.
+            return unsafe { self.inner.deallocate(ptr, class, POOL_ALIGNMENT, stream) };
+        }
         let key = stream.id().get();
         if let Some(slot) = self.table.find(key).map(|index| &self.table.slots[index]) {
             // A lane's first free (or first since it was emptied): its lists are made here,

@@ -1,0 +1,107 @@
+//! The per-thread default stream served as `Stream::legacy_for_per_thread`, on the stand-in
+//! libcuda (which models per-thread streams as blocking streams: legacy-stream work while any
+//! thread's per-thread stream captures is refused and invalidates that capture).
+//!
+//! The per-thread stream is another stream on each thread, so a value serving it is never "the
+//! same stream" as another, a cache never hands a block freed on it to another thread, and a
+//! free one thread's capture deferred waits for that thread.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cumempool::sys::{self, CUresult, CUstreamCaptureMode};
+use cumempool::{Block, Error, MemPool, Placement, Route, Stream};
+use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, StreamOrderedResource, POOL_ALIGNMENT};
+use cumempool_tests::stand_in_driver::stand_in;
+
+/// `CU_STREAM_PER_THREAD`.
+const PER_THREAD: usize = 2;
+
+/// Begins a thread-local capture of the calling thread's per-thread stream, as CuPy's
+/// `Stream.ptds.begin_capture()` does.
+fn begin_per_thread_capture() {
+    let begin = sys::driver().unwrap().cuStreamBeginCapture().unwrap();
+    // SAFETY: the calling thread's per-thread stream, which always exists; not capturing.
+    let begun = unsafe { begin(PER_THREAD as sys::CUstream, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) };
+    assert_eq!(begun, CUresult::CUDA_SUCCESS);
+}
+
+/// Ends that capture: the driver's answer (CUDA_SUCCESS unless something invalidated it).
+fn end_per_thread_capture() -> CUresult {
+    let driver = sys::driver().unwrap();
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: the capture begun on this thread; a valid out-pointer.
+    let ended = unsafe { driver.cuStreamEndCapture().unwrap()(PER_THREAD as sys::CUstream, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: the graph just handed back, destroyed once.
+        assert_eq!(unsafe { driver.cuGraphDestroy().unwrap()(graph) }, CUresult::CUDA_SUCCESS);
+    }
+    ended
+}
+
+#[test]
+fn the_per_thread_stream_is_never_the_same_stream_as_another() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let per_thread = Stream::legacy_for_per_thread(&context);
+    let legacy = Stream::legacy(&context);
+    assert!(!per_thread.same_as(&legacy) && !legacy.same_as(&per_thread));
+    assert!(!per_thread.same_as(&per_thread.clone()), "another stream on each thread");
+    assert!(per_thread.may_be_capturing(), "every use asks the driver");
+}
+
+#[test]
+fn a_cache_never_serves_a_block_freed_on_the_per_thread_stream() {
+    // Thread A's kernels on its per-thread stream, then a free; thread B's allocation from the
+    // cache would be ordered with none of A's work.
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).unwrap());
+    let per_thread = Stream::legacy_for_per_thread(&context);
+    for _ in 0..3 {
+        let ptr = cache.allocate(4096, POOL_ALIGNMENT, &per_thread).unwrap();
+        // SAFETY: just allocated with these arguments, freed once.
+        unsafe { cache.deallocate(ptr, 4096, POOL_ALIGNMENT, &per_thread) }.unwrap();
+    }
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.cached_blocks), (0, 0), "nothing cached for the per-thread stream");
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "every block went back to the pool");
+}
+
+#[test]
+fn an_ordering_with_the_per_thread_stream_is_refused_while_it_captures() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let legacy = Stream::legacy(&context);
+    let buffer = pool.alloc(4096, &legacy).unwrap();
+    let per_thread = Stream::legacy_for_per_thread(&context);
+    // SAFETY: `buffer`'s live allocation on `legacy`, freed after the view is gone.
+    let block = unsafe { Block::new(buffer.as_raw(), buffer.len(), &legacy, Placement::Device) };
+    begin_per_thread_capture();
+    let export = block.order_before(&per_thread, "exporting to the per-thread stream");
+    let release = block.order_release_after(&per_thread, "closing after the per-thread stream");
+    let fill = unsafe { Block::new(buffer.as_raw(), buffer.len(), &per_thread, Placement::Device) }.fill(0);
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    for refused in [export, release, fill] {
+        assert!(matches!(refused, Err(Error::StreamCapturing { .. })), "{refused:?}");
+    }
+    block.order_before(&per_thread, "exporting to the per-thread stream").unwrap();
+}
+
+#[test]
+fn a_free_one_threads_capture_deferred_waits_for_that_thread() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let per_thread = Stream::legacy_for_per_thread(&context);
+    let buffer = pool.alloc_owned(4096, &per_thread).unwrap();
+    let used = pool.used_mem_current().unwrap();
+    begin_per_thread_capture();
+    drop(buffer); // deferred: this thread's per-thread stream captures
+                  // Another thread, whose per-thread stream does not capture, uses the stream: it must not run
+                  // this thread's free on the legacy stream, which would invalidate the capture.
+    let other = per_thread.clone();
+    std::thread::spawn(move || other.ensure_not_capturing("using the stream on another thread").unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), used, "still deferred");
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    per_thread.ensure_not_capturing("using the stream after the capture").unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), used - 4096, "freed once the capture ended");
+}
