@@ -8,6 +8,7 @@ Stream.begin_capture, cuda.core's graph builder and a raw cuStreamBeginCapture t
 
 import contextlib
 import ctypes
+import os
 import textwrap
 
 import pytest
@@ -297,6 +298,8 @@ def test_on_the_gpu_torch_plugin_with_a_memory_stats_thread_does_not_hang(gpu):
     # The combination that hung: a thread allocating through the plug-in at the source's limit
     # while another, holding the GIL, reads PyTorch's allocator statistics. With the callback
     # refused, the plug-in never waits for the GIL; a watchdog turns a hang into a failure.
+    if os.environ.get("CUMEMPOOL_UNDER_SANITIZER") == "1":
+        pytest.skip("the watchdog's 120 s are too short for a child under compute-sanitizer")
     library("torch")
     code = textwrap.dedent(
         """
@@ -325,3 +328,24 @@ def test_on_the_gpu_torch_plugin_with_a_memory_stats_thread_does_not_hang(gpu):
         """
     )
     assert run_in_new_process(code).split() == ["done", "True"]
+
+
+def test_on_the_gpu_the_cuda_core_plugin_refuses_a_deallocate_on_a_capturing_stream(gpu):
+    # cuda.core's Buffer.close(stream) calls the resource's deallocate with that stream: while
+    # another library captures it, the free cannot follow "the work queued so far".
+    core = library("cuda.core")
+    import cumempool.cuda_core as cmcc
+
+    device = core.Device(0)
+    device.set_current()
+    stream = device.create_stream()
+    mr = cmcc.MemoryResource(cm.MemPool(cm.Route.device(0)))
+    buffer = mr.allocate(1 << 20, stream=stream)
+    ptr, size = int(buffer.handle), buffer.size
+    capture = RawCapture()
+    capture.stream = int(stream.handle)
+    with capture.capturing():
+        with pytest.raises(cm.StreamCapturingError):
+            mr.deallocate(ptr, size, stream)
+    mr.deallocate(ptr, size, stream)  # after the capture: freed after the stream's work
+    stream.sync()

@@ -15,7 +15,6 @@ from typing import Any
 
 from ._native import MemPool, Resource, Stream
 from ._sources import resource_of
-from .errors import StreamNotBorrowableError
 
 
 def _base() -> Any:
@@ -59,12 +58,7 @@ def _make_class() -> type:
             buffer = self._live.get(int(ptr))
             if buffer is None:
                 return
-            try:
-                buffer.close(stream)
-            except StreamNotBorrowableError:
-                # A stream cumempool cannot borrow: its work is waited for here instead.
-                stream.sync()
-                buffer.close()
+            buffer.close(stream)
             del self._live[int(ptr)]
 
         @property
