@@ -47,6 +47,8 @@ from ._native import (
     reset_current_pool,
     set_current_pool,
 )
+from ._budget import Budget, budget, parse_size, usage
+from ._budget import report as budget_report
 from .errors import *  # noqa: F401,F403  (the exception classes, at the top level too)
 
 
@@ -72,6 +74,7 @@ def has_driver() -> bool:
 __all__ = [
     "Access",
     "AllocationType",
+    "Budget",
     "Buffer",
     "CachingResource",
     "Device",
@@ -90,6 +93,8 @@ __all__ = [
     "Tracking",
     "__version__",
     "bindings_version",
+    "budget",
+    "budget_report",
     "current_pool",
     "current_pool_handle",
     "default_pool",
@@ -99,7 +104,9 @@ __all__ = [
     "init",
     "is_default",
     "native_library_path",
+    "parse_size",
     "reset_current_pool",
     "set_current_pool",
+    "usage",
 ]
 __all__ += errors.__all__

@@ -34,11 +34,12 @@ def out_of_memory_error():
         class OutOfMemoryError(cupy.cuda.memory.OutOfMemoryError, errors.OutOfMemoryError):
             __doc__ = out_of_memory_error.__doc__
 
-            def __init__(self, size: int, cause: errors.OutOfMemoryError):
+            def __init__(self, size: int, cause: errors.OutOfMemoryError, report: str | None = None):
                 cupy.cuda.memory.OutOfMemoryError.__init__(self, size, 0, 0)
-                self.args = (str(cause),)
+                self.args = (str(cause) if report is None else f"{cause}\n{report}",)
                 for name in ("code", "name", "function", "reason"):
                     setattr(self, name, getattr(cause, name, None))
+                self.report = report
 
             def __str__(self):
                 return self.args[0]
@@ -46,7 +47,7 @@ def out_of_memory_error():
             def __reduce__(self):
                 # CuPy's class takes (size, total, limit), and this class is made at run time: it
                 # pickles as cumempool's own, with the message and the driver's fields.
-                fields = {name: getattr(self, name) for name in ("code", "name", "function", "reason")}
+                fields = {name: getattr(self, name) for name in ("code", "name", "function", "reason", "report")}
                 return (errors.OutOfMemoryError, self.args, fields)
 
         OutOfMemoryError.__module__ = __name__
@@ -135,9 +136,16 @@ class Allocator:
             else:
                 owner = self.resource.alloc(size, stream)
         except errors.OutOfMemoryError as error:
-            raise out_of_memory_error()(size, error) from error
+            raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)
         return cupy.cuda.MemoryPointer(memory, 0)
+
+
+def _budget_report(device: int) -> str | None:
+    """The budget's report for ``device``, where a budget is in force."""
+    from . import _budget
+
+    return _budget.report(device) if _budget.active() is not None else None
 
 
 class _Lease:

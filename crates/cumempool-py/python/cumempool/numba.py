@@ -18,11 +18,11 @@ pinning stay with Numba. Importing this module does not import Numba.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Callable
 
 from ._native import Device, MemPool, Resource
 from ._sources import resource_of
-from .errors import InvalidDeviceError
+from .errors import InvalidDeviceError, OutOfMemoryError
 
 
 def _numba_cuda() -> Any:
@@ -38,8 +38,25 @@ def _numba_cuda() -> Any:
 def manager(source: MemPool | Resource) -> type:
     """A ``numba.cuda.HostOnlyCUDAMemoryManager`` subclass allocating from ``source`` (a MemPool
     or a Resource), for ``numba.cuda.set_memory_manager``. Each call makes a new class."""
-    cuda = _numba_cuda()
     resource = resource_of(source)
+
+    def resource_for(ordinal: int) -> Resource:
+        if ordinal != resource.device:
+            raise InvalidDeviceError(
+                f"Numba asked for memory on device {ordinal}, but this memory manager's "
+                f"resource serves device {resource.device}: install a manager per device "
+                "or allocate under that device"
+            )
+        return resource
+
+    return manager_for(resource_for)
+
+
+def manager_for(resource_for: Callable[[int], Resource]) -> type:
+    """As :func:`manager`, drawing on each device from ``resource_for(ordinal)`` (a budget's
+    resource of that device). An out-of-memory error under a budget carries its report
+    (``err.report``, and in the message)."""
+    cuda = _numba_cuda()
     from numba.cuda.cudadrv.driver import MemoryInfo
 
     base: Any = cuda.HostOnlyCUDAMemoryManager
@@ -48,20 +65,16 @@ def manager(source: MemPool | Resource) -> type:
         """Numba's device allocations from a cumempool resource, on the legacy default stream
         of its device; host allocations and pinning are Numba's own."""
 
-        source = resource
-
         def initialize(self) -> None:
             pass  # the resource is ready when the class is made
 
         def memalloc(self, size: int) -> Any:
             device = self.context.device.id
-            if device != resource.device:
-                raise InvalidDeviceError(
-                    f"Numba asked for memory on device {device}, but this memory manager's "
-                    f"resource serves device {resource.device}: install a manager per device "
-                    "or allocate under that device"
-                )
-            buffer = resource.alloc(size, None)
+            try:
+                buffer = resource_for(device).alloc(size, None)
+            except OutOfMemoryError as error:
+                _with_budget_report(error, device)
+                raise
             # The finalizer holds the buffer: closing it frees the memory on the legacy stream.
             return cuda.MemoryPointer(
                 self.context, ctypes.c_void_p(buffer.ptr), size, finalizer=buffer.close
@@ -82,6 +95,17 @@ def manager(source: MemPool | Resource) -> type:
             return 1
 
     return CumempoolNumbaManager
+
+
+def _with_budget_report(error: Exception, device: int) -> None:
+    """Adds the budget's report to an out-of-memory error, where a budget is in force."""
+    from . import _budget
+
+    if _budget.active() is None:
+        return
+    report = _budget.report(device)
+    error.report = report  # type: ignore[attr-defined]
+    error.args = (f"{error.args[0] if error.args else error}\n{report}",) + tuple(error.args[1:])
 
 
 def use(source: MemPool | Resource) -> type:

@@ -1,0 +1,87 @@
+"""``python -m cumempool``: run a program on one budget.
+
+    python -m cumempool run --budget 8GiB [--device N=SIZE ...] [--report] -- script.py args...
+    python -m cumempool run --budget 8GiB -- -m package.module args...
+    torchrun --nproc-per-node 2 -m cumempool run --budget 8GiB -- train.py
+
+The program runs unmodified in this process, with every CUDA library it imports (PyTorch, CuPy,
+Numba, cuda.core) drawing from one pool per device capped at the budget
+(:func:`cumempool.budget`). Under ``torchrun`` each rank gets its own budget on its own device
+(``LOCAL_RANK``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+from . import _budget
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cumempool", description="Run a program on one CUDA memory budget.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run a Python program with every CUDA library drawing from one capped pool per device",
+        description="Run a Python program with every CUDA library it imports drawing from one capped pool per device.",
+    )
+    run.add_argument("--budget", help="the limit of each device, such as 8GiB or 512MiB")
+    run.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        metavar="N=SIZE",
+        help="the limit of device N (repeatable); with it, only the devices named have a budget",
+    )
+    run.add_argument("--report", action="store_true", help="print who held what under the budget when the program ends")
+    run.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py args..., or -- -m module args...")
+    return parser
+
+
+def _devices(pairs: list[str], total: str | None) -> dict[int, int | str] | None:
+    if not pairs:
+        return None
+    devices: dict[int, int | str] = {}
+    for pair in pairs:
+        ordinal, _, size = pair.partition("=")
+        if not ordinal.strip().isdigit() or not size:
+            raise SystemExit(f"--device takes N=SIZE, such as --device 0=8GiB; got {pair!r}")
+        devices[int(ordinal)] = size
+    return devices
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    program = list(args.program)
+    if program[:1] == ["--"]:
+        program = program[1:]
+    if not program:
+        raise SystemExit("name the program to run: python -m cumempool run --budget 8GiB -- script.py args...")
+    if args.budget is None and not args.device:
+        raise SystemExit("give the budget: --budget 8GiB, or --device N=SIZE for each device")
+    try:
+        _budget.budget(args.budget, devices=_devices(args.device, args.budget))
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"python -m cumempool run: {error}") from None
+    try:
+        if program[0] == "-m":
+            if len(program) < 2:
+                raise SystemExit("-m needs a module name: -- -m package.module args...")
+            sys.argv = program[1:]
+            runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = program
+            # As `python script.py` would: the script's folder first on the path.
+            sys.path[0] = os.path.dirname(os.path.abspath(program[0]))
+            runpy.run_path(program[0], run_name="__main__")
+    finally:
+        if args.report:
+            print(_budget.report(), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""One budget every library obeys (``python -m cumempool run --budget``, ``cumempool.budget``),
+and who holds what under it (``cumempool.usage``, the out-of-memory report). The parsing, the
+command line and the import hooks run anywhere; the libraries under the budget on the GPU."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import cumempool as cm
+from cumempool import _budget
+from conftest import library
+
+MIB = 1 << 20
+
+
+def test_sizes_are_read_as_people_write_them():
+    assert cm.parse_size("8GiB") == 8 << 30
+    assert cm.parse_size("512 MiB") == 512 << 20
+    assert cm.parse_size("1.5GB") == 1_500_000_000
+    assert cm.parse_size(4096) == 4096
+    for wrong in ("8 parsecs", "", "-1GiB", "GiB"):
+        with pytest.raises(ValueError, match="is not a size"):
+            cm.parse_size(wrong)
+    with pytest.raises(ValueError, match="more than 0"):
+        cm.parse_size(0)
+    with pytest.raises(TypeError):
+        cm.parse_size(True)
+
+
+def _run(*args, env=None, timeout=180):
+    return subprocess.run(
+        [sys.executable, "-m", "cumempool", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_the_command_says_what_is_missing():
+    out = _run("run", "--", "script.py")
+    assert out.returncode != 0 and "give the budget: --budget 8GiB" in out.stderr
+    out = _run("run", "--budget", "8 parsecs", "--", "script.py")
+    assert out.returncode != 0 and "is not a size" in out.stderr
+    out = _run("run", "--budget", "1GiB")
+    assert out.returncode != 0 and "name the program to run" in out.stderr
+    out = _run("run", "--device", "zero=1GiB", "--", "script.py")
+    assert out.returncode != 0 and "--device takes N=SIZE" in out.stderr
+
+
+def test_a_library_is_set_up_right_after_its_first_import(tmp_path):
+    # The hook CuPy's and Numba's plug-ins are installed by: run once, after the module's code.
+    (tmp_path / "lately_imported.py").write_text("ORDER = ['imported']\n")
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from cumempool import _budget
+        _budget._after_import("lately_imported", lambda module: module.ORDER.append("set up"))
+        import lately_imported
+        import lately_imported
+        print(*lately_imported.ORDER)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["imported", "set", "up"]
+
+
+def test_pytorch_is_put_on_its_cudamallocasync_backend_unless_the_script_chose_another():
+    code = "import os; from cumempool import _budget; _budget._choose_torch_backend(); print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    for before, after in (
+        (None, "backend:cudaMallocAsync"),
+        ("expandable_segments:True", "expandable_segments:True,backend:cudaMallocAsync"),
+        ("backend:native", "backend:native"),
+    ):
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if before is not None:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = before
+        out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == after
+        assert ("budget does not cover" in out.stderr) == (before == "backend:native")
+
+
+# The script of the issue: PyTorch, CuPy and Numba, knowing nothing of cumempool (until it prints
+# what usage() says at the end). Each fills the budget and gets its own error; each allocates
+# again once the others free; then each holds a known share.
+THREE_LIBRARIES = """
+import json, sys
+import torch, cupy
+from numba import cuda
+
+MIB = 1 << 20
+CHUNK = 64 * MIB
+
+def fill(alloc, own_error):
+    held = []
+    try:
+        while len(held) < 64:
+            held.append(alloc())
+    except own_error as error:
+        return held, type(error).__module__ + "." + type(error).__qualname__
+    return held, None
+
+libraries = {
+    "torch": (lambda: torch.empty(CHUNK, dtype=torch.uint8, device="cuda"), torch.OutOfMemoryError),
+    "cupy": (lambda: cupy.empty(CHUNK, dtype=cupy.uint8), cupy.cuda.memory.OutOfMemoryError),
+    "numba": (lambda: cuda.device_array(CHUNK, dtype="uint8"), MemoryError),
+}
+results = {}
+for name, (alloc, own_error) in libraries.items():
+    held, error = fill(alloc, own_error)
+    torch.cuda.synchronize()
+    results[name] = {"chunks": len(held), "error": error}
+    del held
+    cuda.current_context().deallocations.clear()  # Numba defers its frees
+    torch.cuda.synchronize()
+kept = {
+    "torch": [torch.empty(128 * MIB, dtype=torch.uint8, device="cuda")],
+    "cupy": [cupy.empty(64 * MIB, dtype=cupy.uint8)],
+    "numba": [cuda.device_array(32 * MIB, dtype="uint8")],
+}
+torch.cuda.synchronize()
+import cumempool
+usage = cumempool.usage()
+try:
+    cupy.empty(2048 * MIB, dtype=cupy.uint8)
+except cupy.cuda.memory.OutOfMemoryError as error:
+    results["report"] = getattr(error, "report", None)
+print(json.dumps({"results": results, "usage": {str(k): v for k, v in usage.items()}}))
+"""
+
+
+def test_on_the_gpu_three_libraries_share_one_budget(gpu, tmp_path):
+    for name in ("torch", "cupy", "numba"):
+        library(name)
+    script = tmp_path / "three_libraries.py"
+    script.write_text(THREE_LIBRARIES)
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    out = _run("run", "--budget", "1GiB", "--device", "0=1GiB", "--", str(script), env=env)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    results, usage = answer["results"], answer["usage"]["0"]
+    errors = {name: results[name]["error"] for name in ("torch", "cupy", "numba")}
+    assert errors["torch"] == "torch.OutOfMemoryError", errors
+    assert errors["cupy"].endswith("OutOfMemoryError") and "cupy" in errors["cupy"], errors
+    assert errors["numba"] is not None, errors
+    for name in ("torch", "cupy", "numba"):
+        # 1 GiB in 64 MiB chunks, each library after the others freed: the whole budget, or
+        # one chunk less where a library keeps a little of its own.
+        assert results[name]["chunks"] >= 14, results
+    held = {name: usage["libraries"][name]["bytes"] for name in usage["libraries"]}
+    assert held["torch"] == 128 * MIB and held["cupy"] == 64 * MIB and held["numba"] == 32 * MIB, usage
+    assert held["unattributed"] == 0, usage
+    assert usage["limit"] == 1 << 30 and usage["used"] == 224 * MIB, usage
+    assert usage["libraries"]["torch"]["share"] == pytest.approx(0.125)
+    report = results["report"]
+    assert report is not None and "torch" in report.splitlines()[1], report
+    print(report)
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+import cumempool
+rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+x = torch.full((1 << 20,), float(rank + 1), device="cuda")
+dist.all_reduce(x)
+world = dist.get_world_size()
+exact = bool((x == world * (world + 1) / 2).all().item())
+try:
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    capped = False
+except torch.OutOfMemoryError:
+    capped = True
+usage = cumempool.usage()
+print("rank", rank, "exact", exact, "capped", capped, "budgeted", sorted(usage), "backend", torch.cuda.memory.get_allocator_backend())
+dist.destroy_process_group()
+"""
+
+
+def test_on_the_gpu_torchrun_gives_each_rank_its_budget_and_all_reduce_is_exact(gpu, tmp_path):
+    library("torch")
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "cumempool", "run", "--budget", "1GiB", "--", str(script)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("rank"))
+    assert line.split() == ["rank", "0", "exact", "True", "capped", "True", "budgeted", "[0]", "backend", "cudaMallocAsync"], line
