@@ -214,7 +214,7 @@ static NEXT_GUARD: AtomicU64 = AtomicU64::new(KEPT + 1);
 /// A pool this crate made ([`MemPool`](crate::MemPool)) whose release threshold is 0 (the
 /// driver's default) has it raised to `u64::MAX` first, as CuPy's `MemoryAsyncPool` and
 /// cuda.core do for the pool they serve from; a pool it does not own (the driver's default pool,
-/// one from [`Pool::from_raw`](crate::Pool::from_raw)) is never changed. With 0 the driver
+/// one from [`PoolRef::from_raw`](crate::PoolRef::from_raw)) is never changed. With 0 the driver
 /// gives the pool's memory back at every synchronisation and maps it again on the next
 /// allocation, and the libraries the route serves (PyTorch's `cudaMallocAsync` backend among them)
 /// only raise the threshold of pools they configure themselves. The pool's `max_size` still caps
