@@ -20,7 +20,6 @@ what; :func:`report` is the text an out-of-memory error carries.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import os
 import re
 import sys
@@ -262,11 +261,18 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         then = self.waiting.pop(name, None)
         if then is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _LoaderThen(spec.loader, then)
-        return spec
+        # The finders after this one decide where the module comes from (numba-cuda, say, puts
+        # `numba.cuda` elsewhere with a finder of its own); this one only wraps the loader.
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _LoaderThen(spec.loader, then)
+                return spec
+        return None
 
 
 class _LoaderThen(importlib.abc.Loader):
