@@ -153,10 +153,12 @@ def test_on_the_gpu_three_libraries_share_one_budget(gpu, tmp_path):
         # one chunk less where a library keeps a little of its own.
         assert results[name]["chunks"] >= 14, results
     held = {name: usage["libraries"][name]["bytes"] for name in usage["libraries"]}
-    assert held["torch"] == 128 * MIB and held["cupy"] == 64 * MIB and held["numba"] == 32 * MIB, usage
-    assert held["unattributed"] == 0, usage
+    # CuPy and Numba through their plug-ins, counted; PyTorch through routing, which cumempool
+    # cannot tell from a direct cudaMallocAsync (and PyTorch's own counters read 0 under it).
+    assert held["cupy"] == 64 * MIB and held["numba"] == 32 * MIB, usage
+    assert held["unattributed"] == 128 * MIB and usage["libraries"]["unattributed"]["via"] == ["torch"], usage
     assert usage["limit"] == 1 << 30 and usage["used"] == 224 * MIB, usage
-    assert usage["libraries"]["torch"]["share"] == pytest.approx(0.125)
+    assert usage["libraries"]["cupy"]["share"] == pytest.approx(1 / 16)
     report = results["report"]
     assert report is not None and "torch" in report.splitlines()[1], report
     print(report)
@@ -194,3 +196,14 @@ def test_on_the_gpu_torchrun_gives_each_rank_its_budget_and_all_reduce_is_exact(
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("rank"))
     assert line.split() == ["rank", "0", "exact", "True", "capped", "True", "budgeted", "[0]", "backend", "cudaMallocAsync"], line
+
+
+def test_on_the_gpu_a_program_dying_of_pytorch_out_of_memory_gets_the_report(gpu, tmp_path):
+    library("torch")
+    script = tmp_path / "too_much.py"
+    script.write_text("import torch\nx = torch.empty(2 << 30, dtype=torch.uint8, device='cuda')\n")
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    out = _run("run", "--budget", "1GiB", "--", str(script), env=env)
+    assert out.returncode != 0 and "OutOfMemoryError" in out.stderr
+    assert "cumempool budget of device 0" in out.stderr and "to go on:" in out.stderr, out.stderr[-2000:]

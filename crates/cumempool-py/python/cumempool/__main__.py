@@ -53,6 +53,10 @@ def _devices(pairs: list[str], total: str | None) -> dict[int, int | str] | None
     return devices
 
 
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, MemoryError) or type(error).__name__.endswith("OutOfMemoryError")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     program = list(args.program)
@@ -77,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
             # As `python script.py` would: the script's folder first on the path.
             sys.path[0] = os.path.dirname(os.path.abspath(program[0]))
             runpy.run_path(program[0], run_name="__main__")
+    except BaseException as error:
+        # A program that dies of an out-of-memory error (PyTorch's, CuPy's, Numba's) says who
+        # held what under the budget: PyTorch's own error cannot carry the report.
+        if _is_out_of_memory(error):
+            report = _budget.report()
+            try:
+                error.report = report  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            print(report, file=sys.stderr)
+        raise
     finally:
         if args.report:
             print(_budget.report(), file=sys.stderr)

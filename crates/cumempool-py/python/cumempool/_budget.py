@@ -304,43 +304,40 @@ def _after_import(name: str, then: Callable[[Any], None]) -> None:
 
 def usage() -> dict[int, dict[str, Any]]:
     """Per device of the budget: ``limit``, the pool's ``used`` and ``reserved`` bytes, and per
-    library (``torch``, ``cupy``, ``numba``, and ``unattributed`` for bytes drawn from the pool
-    by code cumempool cannot tell apart, such as cuda.core's default resource or a direct
-    ``cudaMallocAsync``) the bytes in use, the peak, the count of live allocations and the share
-    of the limit. Empty without a budget."""
+    library the bytes in use, the peak, the count of live allocations and the share of the
+    limit. The plug-in libraries (``cupy``, ``numba``) are counted allocation by allocation.
+    What the routed libraries draw (PyTorch's ``cudaMallocAsync`` backend, cuda.core's default
+    resource) and any direct ``cudaMallocAsync`` on the device reach the pool without passing
+    through cumempool, and PyTorch's own statistics read the default pool under routing (0), so
+    they are ``unattributed``, never dropped; its ``via`` lists the routed libraries loaded.
+    Empty without a budget."""
     budget_now = _active
     if budget_now is None:
         return {}
     answer: dict[int, dict[str, Any]] = {}
+    routed = [name for name in ("torch", "cuda.core") if _loaded(name)]
     for ordinal, device in budget_now._devices.items():
         used, reserved = device.pool.used_mem_current, device.pool.reserved_mem_current
         libraries: dict[str, dict[str, Any]] = {}
         for name, counted in sorted(device.libraries.items()):
             counts = counted.usage()
             libraries[name] = {"bytes": counts["current_bytes"], "peak": counts["peak_bytes"], "count": counts["current_count"]}
-        torch_figures = _torch_usage(ordinal)
-        if torch_figures is not None:
-            libraries["torch"] = torch_figures
         attributed = sum(held["bytes"] for held in libraries.values())
-        libraries["unattributed"] = {"bytes": max(0, used - attributed), "peak": None, "count": None}
+        libraries["unattributed"] = {"bytes": max(0, used - attributed), "peak": None, "count": None, "via": routed}
         for held in libraries.values():
             held["share"] = held["bytes"] / device.limit
         answer[ordinal] = {"limit": device.limit, "used": used, "reserved": reserved, "libraries": libraries}
     return answer
 
 
-def _torch_usage(ordinal: int) -> dict[str, Any] | None:
-    """PyTorch's own count of what it allocated on ``ordinal`` through its cudaMallocAsync
-    backend, if PyTorch is imported and has used CUDA."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    stats = torch.cuda.memory_stats(ordinal)
-    return {
-        "bytes": stats.get("allocated_bytes.all.current", 0),
-        "peak": stats.get("allocated_bytes.all.peak", 0),
-        "count": stats.get("allocation.all.current", 0),
-    }
+def _loaded(name: str) -> bool:
+    """Whether the routed library ``name`` is imported (and, for PyTorch, has used CUDA)."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    if name == "torch":
+        return bool(module.cuda.is_initialized())
+    return True
 
 
 def report(device: int | None = None) -> str:
@@ -360,11 +357,17 @@ def report(device: int | None = None) -> str:
             if held["bytes"] == 0 and name == "unattributed":
                 continue
             count = f" in {held['count']} allocations" if held["count"] is not None else ""
-            lines.append(f"  {name:<13} {_size(held['bytes']):>10} ({held['share']:.0%}){count}")
+            via = f" (routed: {', '.join(held['via'])}, or direct cudaMallocAsync)" if held.get("via") else ""
+            lines.append(f"  {name:<13} {_size(held['bytes']):>10} ({held['share']:.0%}){count}{via}")
         if reserved > used:
             lines.append(f"  reserved {_size(reserved)} against {_size(used)} used: {_size(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)")
-        top = holders[0][0] if holders and holders[0][1]["bytes"] else None
-        advice = f"free what {top} holds" if top else "free memory"
+        top = holders[0] if holders and holders[0][1]["bytes"] else None
+        if top is None:
+            advice = "free memory"
+        elif top[0] == "unattributed":
+            advice = f"free what {' or '.join(top[1]['via']) or 'the routed libraries'} hold{'s' if len(top[1]['via']) == 1 else ''}"
+        else:
+            advice = f"free what {top[0]} holds"
         lines.append(f"  to go on: {advice}, make the budget larger (--budget / cumempool.budget), or use smaller batches")
     return "\n".join(lines)
 
