@@ -156,7 +156,8 @@ def test_on_the_gpu_three_libraries_share_one_budget(gpu, tmp_path):
     # CuPy and Numba through their plug-ins, counted; PyTorch through routing, which cumempool
     # cannot tell from a direct cudaMallocAsync (and PyTorch's own counters read 0 under it).
     assert held["cupy"] == 64 * MIB and held["numba"] == 32 * MIB, usage
-    assert held["unattributed"] == 128 * MIB and usage["libraries"]["unattributed"]["via"] == ["torch"], usage
+    # `via` lists the routed libraries loaded: PyTorch, and cuda.core, which numba-cuda imports.
+    assert held["unattributed"] == 128 * MIB and "torch" in usage["libraries"]["unattributed"]["via"], usage
     assert usage["limit"] == 1 << 30 and usage["used"] == 224 * MIB, usage
     assert usage["libraries"]["cupy"]["share"] == pytest.approx(1 / 16)
     report = results["report"]
