@@ -49,6 +49,7 @@ from ._native import (
 )
 from ._budget import Budget, budget, parse_size, usage
 from ._budget import report as budget_report
+from ._history import dump_snapshot, record_history, snapshot
 from .errors import *  # noqa: F401,F403  (the exception classes, at the top level too)
 
 
@@ -99,14 +100,17 @@ __all__ = [
     "current_pool_handle",
     "default_pool",
     "driver_version",
+    "dump_snapshot",
     "errors",
     "has_driver",
     "init",
     "is_default",
     "native_library_path",
     "parse_size",
+    "record_history",
     "reset_current_pool",
     "set_current_pool",
+    "snapshot",
     "usage",
 ]
 __all__ += errors.__all__

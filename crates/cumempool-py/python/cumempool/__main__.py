@@ -1,6 +1,7 @@
 """``python -m cumempool``: run a program on one budget.
 
     python -m cumempool run --budget 8GiB [--device N=SIZE ...] [--report] -- script.py args...
+    python -m cumempool plot SNAPSHOT -o usage.svg
     python -m cumempool run --budget 8GiB -- -m package.module args...
     torchrun --nproc-per-node 2 -m cumempool run --budget 8GiB -- train.py
 
@@ -38,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--report", action="store_true", help="print who held what under the budget when the program ends")
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py args..., or -- -m module args...")
+    plot = commands.add_parser(
+        "plot",
+        help="draw bytes in use per library over time from a snapshot (cumempool.dump_snapshot)",
+        description="Draw bytes in use per library over time from a snapshot, with each device's budget marked.",
+    )
+    plot.add_argument("snapshot", help="a snapshot written by cumempool.dump_snapshot")
+    plot.add_argument("-o", "--output", required=True, help="usage.svg, usage.html, or usage.png (needs matplotlib)")
     return parser
 
 
@@ -53,12 +61,25 @@ def _devices(pairs: list[str], total: str | None) -> dict[int, int | str] | None
     return devices
 
 
+def _plot_command(snapshot: str, output: str) -> int:
+    from . import _history, _plot
+
+    try:
+        _plot.write(_history.load_snapshot(snapshot), output)
+    except (OSError, ValueError, ImportError) as error:
+        raise SystemExit(f"python -m cumempool plot: {error}") from None
+    print(f"wrote {output}")
+    return 0
+
+
 def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or type(error).__name__.endswith("OutOfMemoryError")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plot":
+        return _plot_command(args.snapshot, args.output)
     program = list(args.program)
     if program[:1] == ["--"]:
         program = program[1:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-from . import errors
+from . import _history, errors
 from ._native import Buffer, MemPool, Resource, Stream, _in_relaxed_capture_mode
 from ._sources import resource_of
 from .errors import InvalidDeviceError
@@ -135,6 +135,8 @@ class Allocator:
                 owner = self._for_a_capture(size)
             else:
                 owner = self.resource.alloc(size, stream)
+                if _history.recording is not None:
+                    owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)
         except errors.OutOfMemoryError as error:
             raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Callable
 
+from . import _history
 from ._native import Device, MemPool, Resource
 from ._sources import resource_of
 from .errors import InvalidDeviceError, OutOfMemoryError
@@ -76,9 +77,10 @@ def manager_for(resource_for: Callable[[int], Resource]) -> type:
                 _with_budget_report(error, device)
                 raise
             # The finalizer holds the buffer: closing it frees the memory on the legacy stream.
-            return cuda.MemoryPointer(
-                self.context, ctypes.c_void_p(buffer.ptr), size, finalizer=buffer.close
-            )
+            finalizer: Callable[[], None] = buffer.close
+            if _history.recording is not None:
+                finalizer = _recorded(buffer, device, size)
+            return cuda.MemoryPointer(self.context, ctypes.c_void_p(buffer.ptr), size, finalizer=finalizer)
 
         def get_ipc_handle(self, memory: Any) -> Any:
             raise NotImplementedError(
@@ -95,6 +97,18 @@ def manager_for(resource_for: Callable[[int], Resource]) -> type:
             return 1
 
     return CumempoolNumbaManager
+
+
+def _recorded(buffer: Any, device: int, size: int) -> Callable[[], None]:
+    """Records the allocation (legacy stream, handle 0) and returns the finalizer that records
+    the free, then closes the buffer."""
+    _history.note_alloc("numba", device, buffer.ptr, size, 0)
+
+    def close() -> None:
+        _history.note_free("numba", device, buffer.ptr, size, 0)
+        buffer.close()
+
+    return close
 
 
 def _with_budget_report(error: Exception, device: int) -> None:

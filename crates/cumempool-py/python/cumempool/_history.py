@@ -1,0 +1,195 @@
+"""A record of what the plug-in libraries allocate and free through cumempool, and a snapshot
+of it in the format PyTorch's memory viewer reads (``torch.cuda.memory._dump_snapshot``'s
+pickle, opened with ``torch.cuda._memory_viz`` or pytorch.org/memory_viz).
+
+What is recorded: every allocation and free that CuPy and Numba make through cumempool's
+plug-ins (and so under a budget), with its library, device, stream, size, time and, with
+``stacks="python"``, the Python stack that asked for it. What PyTorch allocates through routing
+reaches the pool without passing through cumempool and is not recorded (``usage()`` counts it
+as unattributed).
+
+Off, it costs the plug-ins one read of a module global per allocation.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+_lock = threading.Lock()
+
+
+@dataclass
+class _Live:
+    library: str
+    size: int
+    stream: int
+    frames: list[dict[str, Any]]
+
+
+class _Recorder:
+    def __init__(self, stacks: bool, max_entries: int):
+        self.stacks = stacks
+        self.max_entries = max_entries
+        self.traces: dict[int, deque[dict[str, Any]]] = {}
+        self.live: dict[tuple[int, int], _Live] = {}
+
+    def trace(self, device: int) -> deque[dict[str, Any]]:
+        found = self.traces.get(device)
+        if found is None:
+            found = self.traces[device] = deque(maxlen=self.max_entries)
+        return found
+
+
+# The recorder while recording, else None: the plug-ins read this one global.
+recording: _Recorder | None = None
+
+
+def record_history(enabled: bool = True, *, stacks: str | None = "python", max_entries: int = 100_000) -> None:
+    """Starts (or, with ``enabled=False``, stops) recording the allocations and frees the
+    plug-in libraries make through cumempool, with their library, stream, size and, with
+    ``stacks="python"``, the Python stack; ``stacks=None`` records no stack (cheaper). The last
+    ``max_entries`` events of each device are kept; allocations still live are always known.
+    Starting again clears what was recorded."""
+    global recording
+    if stacks not in ("python", None):
+        raise ValueError(f"stacks={stacks!r}: record 'python' stacks or None")
+    if max_entries <= 0:
+        raise ValueError(f"max_entries must be more than 0, not {max_entries}")
+    with _lock:
+        recording = _Recorder(stacks == "python", max_entries) if enabled else None
+
+
+def _frames(library: str) -> list[dict[str, Any]]:
+    """The calling Python stack, innermost first, without cumempool's own frames, after a frame
+    that names the library (the viewer shows it as the allocation's origin)."""
+    frames = [{"filename": f"<{library}>", "line": 0, "name": f"{library} allocation (through cumempool)"}]
+    for entry in reversed(traceback.extract_stack()):
+        if "/cumempool/" in entry.filename.replace("\\", "/"):
+            continue
+        frames.append({"filename": entry.filename, "line": entry.lineno or 0, "name": entry.name})
+    return frames
+
+
+def note_alloc(library: str, device: int, address: int, size: int, stream: int) -> None:
+    """Records an allocation a plug-in made (while recording)."""
+    recorder = recording
+    if recorder is None:
+        return
+    frames = _frames(library) if recorder.stacks else [_frames(library)[0]]
+    event = {"action": "alloc", "addr": address, "size": size, "stream": stream, "time_us": _now(), "frames": frames, "library": library}
+    with _lock:
+        recorder.live[(device, address)] = _Live(library, size, stream, frames)
+        recorder.trace(device).append(event)
+
+
+def note_free(library: str, device: int, address: int, size: int, stream: int) -> None:
+    """Records the free of an allocation a plug-in made: requested now, completed in stream
+    order (the viewer shows both)."""
+    recorder = recording
+    if recorder is None:
+        return
+    with _lock:
+        live = recorder.live.pop((device, address), None)
+        frames = live.frames if live is not None else []
+        trace = recorder.trace(device)
+        for action in ("free_requested", "free_completed"):
+            trace.append({"action": action, "addr": address, "size": size, "stream": stream, "time_us": _now(), "frames": frames, "library": library})
+
+
+def traced(owner: Any, library: str, device: int, size: int, stream: int) -> Any:
+    """``owner`` (a Buffer a plug-in hands to its library) recorded: the allocation now, the
+    free when the library lets go of what is returned. Returns ``owner`` itself when not
+    recording."""
+    if recording is None:
+        return owner
+    note_alloc(library, device, owner.ptr, size, stream)
+    holder = _Traced(owner)
+    weakref.finalize(holder, note_free, library, device, owner.ptr, size, stream)
+    return holder
+
+
+class _Traced:
+    """What a library holds in place of a Buffer while recording: the buffer, and a weak
+    reference point whose end records the free."""
+
+    __slots__ = ("buffer", "ptr", "device", "__weakref__")
+
+    def __init__(self, buffer: Any):
+        self.buffer, self.ptr, self.device = buffer, buffer.ptr, buffer.device
+
+
+def _now() -> int:
+    return time.time_ns() // 1000
+
+
+def snapshot() -> dict[str, Any]:
+    """The live allocations and the recorded events, as PyTorch's memory snapshot
+    (``segments`` with their ``blocks``, ``device_traces``), each allocation a segment of one
+    block whose first frame names its library; with ``cumempool``: the budget's usage and each
+    live allocation's library."""
+    from ._budget import usage
+
+    recorder = recording
+    with _lock:
+        live = dict(recorder.live) if recorder is not None else {}
+        traces = {device: list(events) for device, events in recorder.traces.items()} if recorder is not None else {}
+    devices = max([*traces, *(device for device, _ in live), -1]) + 1
+    segments = []
+    for (device, address), allocation in sorted(live.items()):
+        block = {
+            "address": address,
+            "size": allocation.size,
+            "requested_size": allocation.size,
+            "state": "active_allocated",
+            "frames": allocation.frames,
+        }
+        segments.append(
+            {
+                "device": device,
+                "address": address,
+                "total_size": allocation.size,
+                "allocated_size": allocation.size,
+                "active_size": allocation.size,
+                "requested_size": allocation.size,
+                "stream": allocation.stream,
+                "segment_type": "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": allocation.frames,
+                "blocks": [block],
+            }
+        )
+    return {
+        "segments": segments,
+        "device_traces": [traces.get(device, []) for device in range(devices)],
+        "allocator_settings": {},
+        "cumempool": {
+            "usage": usage(),
+            "libraries": {f"{device}:{address:#x}": allocation.library for (device, address), allocation in live.items()},
+        },
+    }
+
+
+def dump_snapshot(path: str) -> None:
+    """Writes :func:`snapshot` to ``path`` as PyTorch's ``_dump_snapshot`` does (a pickle), for
+    ``torch.cuda._memory_viz``, pytorch.org/memory_viz, or ``python -m cumempool plot``."""
+    data = snapshot()
+    with open(path, "wb") as file:
+        pickle.dump(data, file)
+
+
+def load_snapshot(path: str) -> dict[str, Any]:
+    """A snapshot :func:`dump_snapshot` (or PyTorch) wrote."""
+    with open(path, "rb") as file:
+        data = pickle.load(file)
+    if not isinstance(data, dict) or "device_traces" not in data:
+        raise ValueError(f"{path} is not a memory snapshot (no device_traces): write one with cumempool.dump_snapshot")
+    return data
+

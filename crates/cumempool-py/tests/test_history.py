@@ -1,0 +1,162 @@
+"""The picture: allocations and frees recorded from the plug-ins (``record_history``), the
+snapshot in PyTorch's memory-viewer format (``snapshot``, ``dump_snapshot``) and the plot
+command. The format and the plot run anywhere; the libraries and PyTorch's viewer on the GPU."""
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import cumempool as cm
+from cumempool import _history, _plot
+from conftest import library
+
+MIB = 1 << 20
+
+
+class _Owner:
+    """Stands in for a Buffer a plug-in hands its library."""
+
+    def __init__(self, ptr, device=0):
+        self.ptr, self.device = ptr, device
+
+
+@pytest.fixture
+def recording():
+    cm.record_history(stacks="python")
+    yield
+    cm.record_history(enabled=False)
+
+
+def test_off_it_records_nothing_and_returns_the_owner_itself():
+    cm.record_history(enabled=False)
+    owner = _Owner(0x1000)
+    assert _history.traced(owner, "cupy", 0, 64, 7) is owner
+    assert cm.snapshot()["segments"] == [] and cm.snapshot()["device_traces"] == []
+
+
+def test_an_allocation_is_a_segment_until_its_holder_lets_go(recording):
+    holder = _history.traced(_Owner(0x2000), "cupy", 0, 4 * MIB, 7)
+    _history.note_alloc("numba", 0, 0x9000_0000, MIB, 0)
+    data = cm.snapshot()
+    by_address = {segment["address"]: segment for segment in data["segments"]}
+    assert set(by_address) == {0x2000, 0x9000_0000}
+    cupy_segment = by_address[0x2000]
+    assert cupy_segment["total_size"] == 4 * MIB and cupy_segment["stream"] == 7
+    assert cupy_segment["blocks"][0]["state"] == "active_allocated"
+    frames = cupy_segment["blocks"][0]["frames"]
+    assert frames[0]["filename"] == "<cupy>"
+    assert any(frame["name"].startswith("test_an_allocation") for frame in frames), "the Python stack that asked"
+    del holder
+    gc.collect()
+    data = cm.snapshot()
+    assert [segment["address"] for segment in data["segments"]] == [0x9000_0000]
+    actions = [event["action"] for event in data["device_traces"][0]]
+    assert actions == ["alloc", "alloc", "free_requested", "free_completed"]
+
+
+def test_stacks_none_records_the_library_only(recording):
+    cm.record_history(stacks=None)
+    _history.note_alloc("cupy", 0, 0x3000, 64, 0)
+    (segment,) = cm.snapshot()["segments"]
+    assert segment["blocks"][0]["frames"] == [{"filename": "<cupy>", "line": 0, "name": "cupy allocation (through cumempool)"}]
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="stacks="):
+        cm.record_history(stacks="native")
+    with pytest.raises(ValueError, match="max_entries"):
+        cm.record_history(max_entries=0)
+
+
+def test_a_snapshot_round_trips_and_plots_without_dependencies(recording, tmp_path):
+    _history.note_alloc("cupy", 0, 0x4000, 8 * MIB, 0)
+    _history.note_alloc("numba", 0, 0x8000_0000, 2 * MIB, 0)
+    _history.note_free("cupy", 0, 0x4000, 8 * MIB, 0)
+    path = tmp_path / "snapshot.pickle"
+    cm.dump_snapshot(str(path))
+    data = pickle.loads(path.read_bytes())
+    assert data["cumempool"]["libraries"] == {"0:0x80000000": "numba"}
+    lines = _plot.series(data)[0]
+    assert lines["cupy"][-1][1] == 0 and lines["numba"][-1][1] == 2 * MIB
+    for suffix in ("svg", "html"):
+        out = tmp_path / f"usage.{suffix}"
+        done = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(out)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        text = out.read_text()
+        assert "<svg" in text and ">cupy<" in text and ">numba<" in text
+    wrong = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(tmp_path / "usage.bmp")], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode != 0 and "write .svg, .html or .png" in wrong.stderr
+
+
+def test_plotting_a_file_that_is_no_snapshot_says_so(tmp_path):
+    path = tmp_path / "not.pickle"
+    path.write_bytes(pickle.dumps({"hello": 1}))
+    done = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(tmp_path / "x.svg")], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "is not a memory snapshot" in done.stderr
+
+
+# On the GPU: CuPy and Numba under a budget, recorded, beside PyTorch; the snapshot opened with
+# PyTorch's own viewer code.
+RECORDED = """
+import sys, torch, cupy
+from numba import cuda
+import cumempool
+cumempool.record_history(stacks="python")
+MIB = 1 << 20
+def cupy_work():
+    return [cupy.empty(16 * MIB, dtype=cupy.uint8) for _ in range(3)]
+def numba_work():
+    return cuda.device_array(8 * MIB, dtype="uint8")
+kept = cupy_work(), numba_work(), torch.empty(32 * MIB, dtype=torch.uint8, device="cuda")
+temporary = cupy_work()
+del temporary
+torch.cuda.synchronize()
+cumempool.dump_snapshot(sys.argv[1])
+"""
+
+
+def test_on_the_gpu_the_snapshot_opens_in_pytorchs_viewer_and_plots(gpu, tmp_path):
+    for name in ("torch", "cupy", "numba"):
+        library(name)
+    script = tmp_path / "recorded.py"
+    script.write_text(RECORDED)
+    snapshot = tmp_path / "snapshot.pickle"
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "cumempool", "run", "--budget", "1GiB", "--", str(script), str(snapshot)],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = pickle.loads(snapshot.read_bytes())
+    libraries = sorted(set(data["cumempool"]["libraries"].values()))
+    assert libraries == ["cupy", "numba"], data["cumempool"]
+    assert len(data["segments"]) == 4, "three CuPy arrays and one Numba array live"
+    viewer = textwrap.dedent(
+        """
+        import pickle, sys
+        from torch.cuda import _memory_viz as viz
+        data = pickle.load(open(sys.argv[1], "rb"))
+        print(len(viz.trace_plot(data)) > 0, len(viz.segment_plot(data)) > 0)
+        print("summary:", viz.segsum(data).splitlines()[-1 - viz.legend.count(chr(10))])
+        print("trace:", viz.trace(data).count(" = "))
+        """
+    )
+    shown = subprocess.run([sys.executable, "-c", viewer, str(snapshot)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert shown.stdout.splitlines()[0] == "True True", shown.stdout
+    png = tmp_path / "usage.png"
+    plotted = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(snapshot), "-o", str(png)], capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    assert png.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    out_dir = os.environ.get("CUMEMPOOL_KEEP_PLOT")
+    if out_dir:
+        import shutil
+
+        shutil.copy(png, os.path.join(out_dir, "usage.png"))
+        shutil.copy(snapshot, os.path.join(out_dir, "snapshot.pickle"))
