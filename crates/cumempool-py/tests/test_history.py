@@ -150,10 +150,11 @@ def test_on_the_gpu_the_snapshot_opens_in_pytorchs_viewer_and_plots(gpu, tmp_pat
     shown = subprocess.run([sys.executable, "-c", viewer, str(snapshot)], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert shown.stdout.splitlines()[0] == "True True", shown.stdout
+    print(shown.stdout)
     png = tmp_path / "usage.png"
     plotted = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(snapshot), "-o", str(png)], capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0, plotted.stderr
-    assert png.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out_dir = os.environ.get("CUMEMPOOL_KEEP_PLOT")
     if out_dir:
         import shutil
