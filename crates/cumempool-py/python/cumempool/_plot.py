@@ -120,8 +120,10 @@ def _png(data: dict[str, Any], path: str) -> None:
     budgets = _budgets(data)
     figure, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), squeeze=False)
     for axis, (device, lines) in zip(axes[:, 0], sorted(panels.items())):
+        end = max(at for points in lines.values() for at, _ in points)
         for library, points in sorted(lines.items()):
-            axis.step([at for at, _ in points], [value / 2**20 for _, value in points], where="post", label=library)
+            held = points + [(end, points[-1][1])]  # each line runs to the panel's end
+            axis.step([at for at, _ in held], [value / 2**20 for _, value in held], where="post", label=library)
         if device in budgets:
             axis.axhline(budgets[device] / 2**20, color="red", linestyle="--", label="budget")
         axis.set_title(f"device {device}: bytes in use per library")
