@@ -9,6 +9,7 @@
 //!   (docs/decisions.md promises none).
 //! - `cargo xtask driver-boundary`: fails when the Python crate names a CUDA driver entry point
 //!   (it reaches the driver only through the core crate's checked operations).
+//! - `cargo xtask internals-check`: fails when a file or item `docs/internals.md` names is gone.
 //! - `cargo xtask test [--python-only]`: the README's test command: `cargo test --workspace`,
 //!   then the Python wheel built with maturin and its pytest suite.
 
@@ -16,6 +17,7 @@ mod bindgen;
 mod driver_boundary;
 mod gpu_pack;
 mod headers;
+mod internals_check;
 mod libclang;
 mod module_cycles;
 mod nccl;
@@ -33,6 +35,7 @@ fn main() -> ExitCode {
         Some("test") => python::test(&args[1..]),
         Some("module-cycles") => module_cycles::run(&workspace::root()),
         Some("driver-boundary") => driver_boundary::run(&workspace::root()),
+        Some("internals-check") => internals_check::run(&workspace::root()),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -54,6 +57,7 @@ const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--
        cargo xtask test [--python-only]
        cargo xtask module-cycles
        cargo xtask driver-boundary
+       cargo xtask internals-check
 
 bindgen: regenerate crates/cumempool-sys/src/generated/ from the pinned cuda.h (needs libclang)
   --cuda V      only this CUDA version (default: every pinned version)
@@ -73,6 +77,8 @@ module-cycles: list the modules of each crate that depend on each other (a paren
 
 driver-boundary: fail when the Python crate's code (crates/cumempool-py/src and python/) calls a
   CUDA driver entry point or the loader: it reaches the driver only through the core crate.
+
+internals-check: fail when a file or item docs/internals.md names does not exist.
 
 test: `cargo test --workspace`, then the Python wheel built into target/wheels with maturin and
   installed into target/py-venv (created, with maturin, pytest and numpy, when missing), then
