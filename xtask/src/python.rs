@@ -10,6 +10,9 @@ use std::process::Command;
 /// The maturin the wheel is built with (pyproject.toml's build requirement).
 const MATURIN: &str = "maturin>=1.16,<1.17";
 
+/// The ruff the Python code is linted with (its rules change between minor releases).
+const RUFF: &str = "ruff>=0.17,<0.18";
+
 /// pytest's exit status when it collected no test: not a failure here.
 const PYTEST_NO_TESTS: i32 = 5;
 
@@ -22,7 +25,15 @@ pub fn environment(root: &Path) -> Result<PathBuf, String> {
         run(Command::new(&host).args(["-m", "venv"]).arg(&venv), "creating the Python environment")?;
     }
     let mut missing = Vec::new();
-    for (module, requirement) in [("maturin", MATURIN), ("pytest", "pytest"), ("numpy", "numpy"), ("mypy", "mypy")] {
+    let tools = [
+        ("maturin", MATURIN),
+        ("pytest", "pytest"),
+        ("pytest_timeout", "pytest-timeout"),
+        ("numpy", "numpy"),
+        ("mypy", "mypy"),
+        ("ruff", RUFF),
+    ];
+    for (module, requirement) in tools {
         let found = Command::new(&python).args(["-c", &format!("import {module}")]).output();
         if !found.is_ok_and(|o| o.status.success()) {
             missing.push(requirement);
@@ -85,6 +96,7 @@ pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String
         "installing the wheel",
     )?;
     check_types(root, python)?;
+    lint(root, python)?;
     let tests = root.join("crates").join("cumempool-py").join("tests");
     let status = Command::new(python)
         .args(["-m", "pytest", "-q"])
@@ -97,6 +109,14 @@ pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String
         Some(0 | PYTEST_NO_TESTS) => Ok(()),
         _ => Err(format!("the Python tests failed ({status})")),
     }
+}
+
+/// Lints the Python package, its tests, examples and benches with ruff (pyproject.toml's rules).
+fn lint(root: &Path, python: &Path) -> Result<(), String> {
+    run(
+        Command::new(python).args(["-m", "ruff", "check", "--quiet", "."]).current_dir(root.join("crates").join("cumempool-py")),
+        "ruff check (crates/cumempool-py/pyproject.toml's rules)",
+    )
 }
 
 /// Checks the installed package's stubs against the module (mypy's stubtest imports it only,

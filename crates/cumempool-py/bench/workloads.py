@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -257,7 +258,7 @@ def torch_step(torch, alloc: TorchAllocator, counts: Counts) -> dict:
         for _ in range(counts.step_warmup):
             train_step(torch, model, optimizer, x, y)
         torch.cuda.synchronize()
-        spent, loss = timed(torch, lambda: train_step(torch, model, optimizer, x, y), counts.steps)
+        spent, loss = timed(torch, functools.partial(train_step, torch, model, optimizer, x, y), counts.steps)
         checksum = loss.item()
         del model, optimizer, x, y, loss
     torch.cuda.synchronize()
@@ -693,7 +694,7 @@ def pair_figures(pairs: dict | None) -> dict:
     def ratio(a, b):
         if a not in seconds or b not in seconds:
             return None
-        per_round = [x / y for x, y in zip(seconds[a], seconds[b]) if y]
+        per_round = [x / y for x, y in zip(seconds[a], seconds[b], strict=False) if y]
         return statistics.median(per_round) if per_round else None
 
     found["pool/rust"] = ratio("pool pair", "pool pair in Rust")

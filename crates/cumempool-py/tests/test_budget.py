@@ -11,7 +11,6 @@ import textwrap
 import pytest
 
 import cumempool as cm
-from cumempool import _budget
 from conftest import library
 
 MIB = 1 << 20

@@ -82,7 +82,7 @@ def _ranks(world: int) -> list:
             for rank in range(world)
         ]
         outputs = [rank.communicate(timeout=300) for rank in ranks]
-    for rank, (out, err) in zip(ranks, outputs):
+    for rank, (_, err) in zip(ranks, outputs, strict=True):
         assert rank.returncode == 0, err[-4000:]
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     for report in reports:

@@ -8,7 +8,6 @@ stand-in's."""
 
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest

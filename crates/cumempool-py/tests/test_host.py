@@ -105,10 +105,11 @@ BINDING_ERRORS = ROOT / "crates" / "cumempool-py" / "src" / "errors.rs"
 def _variants(source: str, enum: str) -> list[str]:
     body = source.split(f"pub enum {enum} {{", 1)[1]
     depth, end = 1, 0
-    for end, char in enumerate(body):
-        depth += {"{": 1, "}": -1}.get(char, 0)
+    while end < len(body):
+        depth += {"{": 1, "}": -1}.get(body[end], 0)
         if depth == 0:
             break
+        end += 1
     body = re.sub(r"#\[error\((?:[^()]|\([^()]*\))*\)\]", "", body[:end])
     return re.findall(r"^    ([A-Z][A-Za-z]+)\b", body, flags=re.MULTILINE)
 

@@ -6,8 +6,6 @@ CUDA_ERROR_STREAM_CAPTURE_ISOLATION, invalidating the capture. Both are refused 
 StreamCapturingError before the wait, the capture left intact. On the stand-in libcuda of the
 Rust tests, which models captures and joins, and on the GPU with PyTorch's own capture."""
 
-import ctypes
-
 import pytest
 
 import cumempool as cm

@@ -3,7 +3,6 @@
 
 import enum
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any, Final, TypedDict, TypeVar, final
 
 from typing_extensions import Self, disjoint_base

@@ -59,10 +59,10 @@ def svg(data: dict[str, Any], width: int = 900, height: int = 360) -> str:
         end = max(at for points in lines.values() for at, _ in points) or 1.0
         peak = max([value for points in lines.values() for _, value in points] + [budgets.get(device, 0), 1])
 
-        def x(at: float) -> float:
+        def x(at: float, end: float = end) -> float:
             return margin_left + plot_w * at / end
 
-        def y(value: float) -> float:
+        def y(value: float, top: float = top, peak: float = peak) -> float:
             return top + margin_top + plot_h * (1 - value / peak)
 
         parts.append(f'<text x="{margin_left}" y="{top + 18}" font-size="14">device {device}: bytes in use per library</text>')
@@ -78,7 +78,7 @@ def svg(data: dict[str, Any], width: int = 900, height: int = 360) -> str:
         for row, (library, points) in enumerate(sorted(lines.items())):
             colour = colours.setdefault(library, _COLOURS[len(colours) % len(_COLOURS)])
             steps = []
-            for (at, value), (next_at, _) in zip(points, points[1:] + [(end, 0)]):
+            for (at, value), (next_at, _) in zip(points, points[1:] + [(end, 0)], strict=True):
                 steps.append(f"{x(at):.1f},{y(value):.1f} {x(next_at):.1f},{y(value):.1f}")
             parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(steps)}"/>')
             legend_y = top + margin_top + 20 + 18 * row
@@ -119,7 +119,7 @@ def _png(data: dict[str, Any], path: str) -> None:
         raise ValueError("the snapshot records no allocation: call cumempool.record_history() before the program allocates")
     budgets = _budgets(data)
     figure, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), squeeze=False)
-    for axis, (device, lines) in zip(axes[:, 0], sorted(panels.items())):
+    for axis, (device, lines) in zip(axes[:, 0], sorted(panels.items()), strict=True):
         end = max(at for points in lines.values() for at, _ in points)
         for library, points in sorted(lines.items()):
             held = points + [(end, points[-1][1])]  # each line runs to the panel's end
