@@ -28,6 +28,7 @@ fn tracking_names_the_leaked_device_allocation_and_its_stream() {
     assert!(tracker.report().contains(&format!("{leaked:#x}: {} bytes on stream {}", 3 * MIB, b.id().get())));
     b.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 3 * MIB as u64, "the pool agrees on what is out");
+    // SAFETY: `leaked` was allocated above with these arguments, freed once.
     unsafe { tracker.deallocate(leaked, 3 * MIB, 256, &b) }.unwrap();
     b.synchronize().unwrap();
     assert!(tracker.outstanding().is_empty());
@@ -48,6 +49,7 @@ fn on_out_of_memory_frees_held_device_memory_and_the_retry_succeeds() {
         attempts.lock().unwrap().push((requested, attempt));
         let Some(ptr) = held.lock().unwrap().take() else { return false };
         // Freed in stream order, and waited for, so the pool has the room when retried.
+        // SAFETY: the block taken out of `held`, allocated with these arguments; taken once, so freed once.
         unsafe { resource.deallocate(ptr, 48 * MIB, 256, &stream) }.unwrap();
         stream.synchronize().unwrap();
         true

@@ -16,12 +16,14 @@ use std::alloc::Layout;
 fn copy(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: &Stream) {
     let f = sys::driver().unwrap().cuMemcpyAsync().unwrap();
     stream.bind().unwrap();
+    // SAFETY: callers pass live memory of at least `bytes` bytes at both ends, and a live stream.
     assert_eq!(unsafe { f(dst, src, bytes, stream.as_raw()) }, sys::CUresult::CUDA_SUCCESS);
     stream.synchronize().unwrap();
 }
 
 fn fill(dst: CUdeviceptr, value: u8, bytes: usize, stream: &Stream) {
     let f = sys::driver().unwrap().cuMemsetD8Async().unwrap();
+    // SAFETY: callers pass a live allocation of at least `bytes` bytes, and a live stream.
     assert_eq!(unsafe { f(dst, value, bytes, stream.as_raw()) }, sys::CUresult::CUDA_SUCCESS);
 }
 
@@ -72,6 +74,7 @@ fn allocators_refuse_wrong_pools_and_oversized_alignments() {
     assert!(allocator.allocate(Layout::from_size_align(64, 512).unwrap()).is_err(), "512-byte alignment is refused");
     let ok = allocator.allocate(Layout::from_size_align(64, 256).unwrap()).unwrap();
     assert_eq!(ok.cast::<u8>().as_ptr() as usize % 256, 0);
+    // SAFETY: `ok` came from this allocator with this layout, deallocated once.
     unsafe { allocator.deallocate(ok.cast(), Layout::from_size_align(64, 256).unwrap()) };
     let empty = allocator.allocate(Layout::from_size_align(0, 8).unwrap()).unwrap();
     assert_eq!(empty.len(), 0);
@@ -128,8 +131,10 @@ fn the_cache_survives_sixteen_threads_of_mixed_sizes_and_cross_stream_frees() {
                         let done = Event::new(context).unwrap();
                         done.record(mine).unwrap();
                         other.wait(&done).unwrap();
+                        // SAFETY: allocated above with these arguments, freed once; `other` waits for this work.
                         unsafe { cache.deallocate(ptr, bytes, 256, other) }.unwrap();
                     } else {
+                        // SAFETY: allocated above with these arguments, freed once, on the stream that used it.
                         unsafe { cache.deallocate(ptr, bytes, 256, mine) }.unwrap();
                     }
                 }

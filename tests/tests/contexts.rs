@@ -9,12 +9,14 @@ use cumempool_tests::gpu;
 fn raw_current() -> sys::CUcontext {
     let mut current = std::ptr::null_mut();
     let get = sys::driver().unwrap().cuCtxGetCurrent().unwrap();
+    // SAFETY: a valid out-pointer.
     assert_eq!(unsafe { get(&mut current) }, sys::CUresult::CUDA_SUCCESS);
     current
 }
 
 fn raw_set_current(context: sys::CUcontext) {
     let set = sys::driver().unwrap().cuCtxSetCurrent().unwrap();
+    // SAFETY: null (no context) or a live context.
     assert_eq!(unsafe { set(context) }, sys::CUresult::CUDA_SUCCESS);
 }
 
@@ -79,6 +81,7 @@ fn stream_ordered_calls_run_in_the_streams_own_context() {
     ] {
         raw_set_current(current);
         let mut ptr = 0;
+        // SAFETY: a live pool and stream; `ptr` is the allocation made first, set then freed once in stream order.
         let codes = unsafe {
             [
                 alloc(&mut ptr, 1 << 20, pool.as_raw(), stream.as_raw()),

@@ -320,8 +320,8 @@ fn a_host_wait_whose_capture_mode_change_fails_names_it_or_says_so_once() {
     warned_once(exchange);
     let driver = cumempool::sys::driver().unwrap();
     let mut mode = cumempool::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
-    // SAFETY: a valid in/out pointer; puts back the default mode the failed restore left relaxed.
     assert_eq!(
+        // SAFETY: a valid in/out pointer; puts back the default mode the failed restore left relaxed.
         unsafe { driver.cuThreadExchangeStreamCaptureMode().unwrap()(&mut mode) },
         cumempool::sys::CUresult::CUDA_SUCCESS
     );
@@ -369,8 +369,8 @@ fn a_free_deferred_by_a_capture_that_fails_says_so_once() {
     stream.note_capture_possible();
     let driver = cumempool::sys::driver().unwrap();
     let mode = cumempool::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-    // SAFETY: a live stream that does not capture.
     assert_eq!(
+        // SAFETY: a live stream that does not capture.
         unsafe { driver.cuStreamBeginCapture().unwrap()(stream.as_raw(), mode) },
         cumempool::sys::CUresult::CUDA_SUCCESS
     );
@@ -503,16 +503,18 @@ fn a_pool_whose_destroy_fails_is_reported_and_never_destroyed_twice() {
 #[ignore = "requires a CUDA GPU"]
 fn a_retired_pool_whose_destroy_fails_stays_retired() {
     let Some((_lock, suite)) = suite() else { return };
-    // SAFETY (both calls below): the suite's lock is held and no thread of this process
-    // allocates through a route, nor uses an allocation of a retired pool.
+    // SAFETY: the suite's lock is held and no thread of this process allocates through a route,
+    // nor uses an allocation of a retired pool.
     unsafe { cumempool::destroy_retired_pools() }.unwrap(); // what earlier cases retired
     let pool = MemPool::new(Route::host()).unwrap();
     drop(set_current_pool(Route::host(), &pool).unwrap());
     pool.destroy().unwrap();
     assert_eq!(cumempool::retired_pools().unwrap().count, 1, "retired, not destroyed");
+    // SAFETY: as above.
     let failed = suite.failing("cuMemPoolDestroy", 1, UNKNOWN, || unsafe { cumempool::destroy_retired_pools() });
     refused_by(failed, "cuMemPoolDestroy", UNKNOWN);
     assert_eq!(cumempool::retired_pools().unwrap().count, 1, "still listed, for a later call");
+    // SAFETY: as above.
     assert_eq!(unsafe { cumempool::destroy_retired_pools() }.unwrap(), 1, "destroyed once, by the later call");
     assert_eq!(cumempool::retired_pools().unwrap().count, 0);
 }
@@ -1141,6 +1143,7 @@ fn vmm_drops_whose_driver_call_fails_say_so_once_and_free_nothing_twice() {
     warned_once("cuMemUnmap");
     // SAFETY: what the failed drop left: the mapping, then the reservation, each undone once.
     assert_eq!(unsafe { driver.cuMemUnmap().unwrap()(base, chunk) }, success, "the mapping was left");
+    // SAFETY: the reservation the failed drop left, its mapping undone above; freed once.
     assert_eq!(unsafe { driver.cuMemAddressFree().unwrap()(base, 2 * chunk) }, success, "the range was left");
     logged().clear();
 

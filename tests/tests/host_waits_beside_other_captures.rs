@@ -31,9 +31,12 @@ fn while_other_code_captures(stream: &Stream, mode: CUstreamCaptureMode, during:
     let mut graph = std::ptr::null_mut();
     // SAFETY: the capture begun above on this thread; a valid out-pointer.
     let ended = unsafe { driver.cuStreamEndCapture().unwrap()(stream.as_raw(), &mut graph) };
-    // SAFETY: the graph just handed back (if any), destroyed once.
-    let destroyed =
-        if graph.is_null() { CUresult::CUDA_SUCCESS } else { unsafe { driver.cuGraphDestroy().unwrap()(graph) } };
+    let destroyed = if graph.is_null() {
+        CUresult::CUDA_SUCCESS
+    } else {
+        // SAFETY: the graph just handed back, destroyed once.
+        unsafe { driver.cuGraphDestroy().unwrap()(graph) }
+    };
     assert_eq!(destroyed, CUresult::CUDA_SUCCESS);
     ended
 }

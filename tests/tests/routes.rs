@@ -27,6 +27,7 @@ fn the_device_route_default_is_the_device_default_pool() {
     let driver = cumempool::sys::driver().unwrap();
     let mut raw = std::ptr::null_mut();
     let f = driver.cuDeviceGetDefaultMemPool().unwrap();
+    // SAFETY: a valid out-pointer; device 0 exists (a GPU was found).
     assert_eq!(unsafe { f(&mut raw, 0) }, cumempool::sys::CUresult::CUDA_SUCCESS);
     assert_eq!(default_pool(Route::device(0)).unwrap().as_raw(), raw);
 }
@@ -89,8 +90,10 @@ fn cu_mem_alloc_async_follows_the_current_pool_of_the_device_route() {
     let driver = cumempool::sys::driver().unwrap();
     let (alloc, free) = (driver.cuMemAllocAsync().unwrap(), driver.cuMemFreeAsync().unwrap());
     let mut ptr = 0;
+    // SAFETY: a valid out-pointer and a live stream.
     assert_eq!(unsafe { alloc(&mut ptr, 1 << 20, stream.as_raw()) }, cumempool::sys::CUresult::CUDA_SUCCESS);
     assert!(pool.used_mem_current().unwrap() >= 1 << 20, "the allocation came from the routed pool");
+    // SAFETY: the allocation just made on this stream, freed once.
     assert_eq!(unsafe { free(ptr, stream.as_raw()) }, cumempool::sys::CUresult::CUDA_SUCCESS);
     stream.synchronize().unwrap();
 }
@@ -209,6 +212,7 @@ fn foreign_pool(route: Route) -> cumempool::sys::CUmemoryPool {
     let driver = cumempool::sys::driver().unwrap();
     let props = MemPool::builder(route).to_props().unwrap();
     let mut raw = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and the builder's properties for `route`.
     assert_eq!(unsafe { driver.cuMemPoolCreate().unwrap()(&mut raw, &props) }, cumempool::sys::CUresult::CUDA_SUCCESS);
     raw
 }
@@ -217,6 +221,7 @@ fn raw_set(route: Route, pool: cumempool::sys::CUmemoryPool) {
     let driver = cumempool::sys::driver().unwrap();
     let (mut location, kind) = (route.location.to_raw().unwrap(), route.allocation_type.to_raw());
     assert_eq!(
+        // SAFETY: a valid location and type of `route`; callers pass a live pool.
         unsafe { driver.cuMemSetMemPool().unwrap()(&mut location, kind, pool) },
         cumempool::sys::CUresult::CUDA_SUCCESS
     );
@@ -224,6 +229,7 @@ fn raw_set(route: Route, pool: cumempool::sys::CUmemoryPool) {
 
 fn raw_destroy(pool: cumempool::sys::CUmemoryPool) {
     let driver = cumempool::sys::driver().unwrap();
+    // SAFETY: a pool made by `foreign_pool`, destroyed once; nothing was allocated from it.
     assert_eq!(unsafe { driver.cuMemPoolDestroy().unwrap()(pool) }, cumempool::sys::CUresult::CUDA_SUCCESS);
 }
 

@@ -77,6 +77,7 @@ fn an_ordering_with_the_per_thread_stream_is_refused_while_it_captures() {
     begin_per_thread_capture();
     let export = block.order_before(&per_thread, "exporting to the per-thread stream");
     let release = block.order_release_after(&per_thread, "closing after the per-thread stream");
+    // SAFETY: `buffer`'s live allocation, freed after the view is gone; only refused work is queued through it.
     let fill = unsafe { Block::new(buffer.as_raw(), buffer.len(), &per_thread, Placement::Device) }.fill(0);
     assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
     for refused in [export, release, fill] {

@@ -73,6 +73,7 @@ fn routing_on_each_device_is_independent() {
     let pool0 = MemPool::new(route0).unwrap();
     assert!(matches!(set_current_pool(route1, &pool0), Err(Error::PoolRouteMismatch { .. })));
     // A pool of unknown route goes to the driver, which refuses it too.
+    // SAFETY: `pool0` is live and outlives `unknown`, and nothing is allocated from it.
     let unknown = unsafe { PoolRef::from_raw(pool0.as_raw(), None) };
     match set_current_pool(route1, &unknown) {
         Err(e @ Error::RouteRefused { .. }) => eprintln!("{e}"),
@@ -92,11 +93,13 @@ fn the_legacy_streams_of_two_contexts_never_share_cached_blocks() {
     let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).unwrap());
     let (legacy0, legacy1) = (Stream::legacy(&context0), Stream::legacy(&context1));
     let block = cache.allocate(1 << 20, 256, &legacy0).unwrap();
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(block, 1 << 20, 256, &legacy0) }.unwrap();
     // Both handles are 0; keyed by the handle (before the fix) this was a hit: device 1's legacy
     // stream got a block whose free on device 0's legacy stream nothing ordered it after.
     let other = cache.allocate(1 << 20, 256, &legacy1).unwrap();
     assert_ne!(other, block, "a block crossed from one context's legacy stream to another's");
+    // SAFETY: `other` was allocated above with these arguments, freed once.
     unsafe { cache.deallocate(other, 1 << 20, 256, &legacy1) }.unwrap();
     cache.release().unwrap();
     legacy0.synchronize().unwrap();

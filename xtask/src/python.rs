@@ -114,7 +114,9 @@ pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String
 /// Lints the Python package, its tests, examples and benches with ruff (pyproject.toml's rules).
 fn lint(root: &Path, python: &Path) -> Result<(), String> {
     run(
-        Command::new(python).args(["-m", "ruff", "check", "--quiet", "."]).current_dir(root.join("crates").join("cumempool-py")),
+        Command::new(python)
+            .args(["-m", "ruff", "check", "--quiet", "."])
+            .current_dir(root.join("crates").join("cumempool-py")),
         "ruff check (crates/cumempool-py/pyproject.toml's rules)",
     )
 }

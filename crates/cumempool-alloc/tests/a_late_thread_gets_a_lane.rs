@@ -18,6 +18,7 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
     // thread has not entered a lane yet, so it holds no lane number.
     let warm = [(); 2].map(|()| cache.allocate(small, 256, &stream).unwrap());
     for ptr in warm {
+        // SAFETY: each block was allocated above with these arguments and is freed once.
         unsafe { cache.deallocate(ptr, small, 256, &stream) }.unwrap();
     }
     let (holding, late_has_number, pool_exited, late_freed, checked) =
@@ -30,6 +31,7 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
                 let (cache, stream, holding, late_has_number) = (&cache, &stream, &holding, &late_has_number);
                 scope.spawn(move || {
                     let ptr = cache.allocate(small, 256, stream).unwrap();
+                    // SAFETY: allocated just above with these arguments, freed once.
                     unsafe { cache.deallocate(ptr, small, 256, stream) }.unwrap();
                     holding.wait();
                     late_has_number.wait();
@@ -43,12 +45,14 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
                 holding.wait();
                 // Takes number 64: no lane.
                 let ptr = cache.allocate(small, 256, stream).unwrap();
+                // SAFETY: allocated just above with these arguments, freed once.
                 unsafe { cache.deallocate(ptr, small, 256, stream) }.unwrap();
                 late_has_number.wait();
                 pool_exited.wait();
                 // Every other thread has exited and given its number back: 64 lanes are free,
                 // and this is the only thread using the cache. Its free should land in a lane.
                 let ptr = cache.allocate(large, 256, stream).unwrap();
+                // SAFETY: allocated just above with these arguments, freed once.
                 unsafe { cache.deallocate(ptr, large, 256, stream) }.unwrap();
                 late_freed.wait();
                 // Alive (holding its number) while the other thread looks: an exited thread's
@@ -66,6 +70,7 @@ fn a_thread_that_started_among_64_others_gets_a_lane_once_they_exit() {
         // thread's block is in the late thread's own lane, this misses; if it went to the shared
         // lists (the late thread had no lane), this hits.
         found = cache.allocate(large, 256, &stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(found, large, 256, &stream) }.unwrap();
         checked.wait();
         late_block = late.join().unwrap();

@@ -24,14 +24,17 @@ fn freed_block_lands_in_my_lane(cache: &CachingResource<HostHeap>, stream: &Stre
     // Slot, then lanes: both frees go to the shared lists.
     let warm = [(); 2].map(|()| cache.allocate(small, 256, stream).unwrap());
     for ptr in warm {
+        // SAFETY: each block was allocated above with these arguments and is freed once.
         unsafe { cache.deallocate(ptr, small, 256, stream) }.unwrap();
     }
     let mine = cache.allocate(probe, 256, stream).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(mine, probe, 256, stream) }.unwrap();
     let theirs = std::thread::scope(|scope| {
         scope
             .spawn(|| {
                 let ptr = cache.allocate(probe, 256, stream).unwrap();
+                // SAFETY: allocated just above with these arguments, freed once.
                 unsafe { cache.deallocate(ptr, probe, 256, stream) }.unwrap();
                 ptr
             })

@@ -17,6 +17,7 @@ fn a_block_is_not_evicted_while_a_lane_holds_unfilled_budget_for_it() {
     let cache = CachingResource::with_max_cached(&below, 4 * block);
     let (a, b, c) = (fake_stream(1), fake_stream(2), fake_stream(3));
     let alloc = |s: &Stream| cache.allocate(block, 256, s).unwrap();
+    // SAFETY: every caller passes a block `alloc` took from this cache with these arguments, freed once.
     let free = |p, s: &Stream| unsafe { cache.deallocate(p, block, 256, s) }.unwrap();
     // A: a1 takes the slot, a2 the shared lists (and makes the lanes), a3 this thread's lane.
     let (a1, a2, a3) = (alloc(&a), alloc(&a), alloc(&a));

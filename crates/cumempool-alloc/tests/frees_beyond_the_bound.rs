@@ -46,6 +46,7 @@ fn frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each() {
         let round = || {
             let blocks = [(); 8].map(|()| cache.allocate(block, 256, &stream).unwrap());
             for ptr in blocks {
+                // SAFETY: each block was allocated above with these arguments and is freed once.
                 unsafe { cache.deallocate(ptr, block, 256, &stream) }.unwrap();
             }
         };

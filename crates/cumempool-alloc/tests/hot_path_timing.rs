@@ -120,6 +120,7 @@ fn time_the_hot_path() {
         let cached = |thread: usize, stream: &Stream, step: usize| {
             let bytes = sizes[thread][step & 4095];
             let ptr = cache.allocate(bytes, 256, stream).unwrap();
+            // SAFETY: allocated just above with these arguments, freed once.
             unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
         };
         let (list_ns, list_one) = pairs(&own, 1, per_thread, &listed);
@@ -165,6 +166,7 @@ fn off_home_stream(cache: &CachingResource<HostHeap>) -> Stream {
     let home = |stream: &Stream| (stream.id().get().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) % 256;
     let first = fake_stream(1000);
     let ptr = cache.allocate(4096, 256, &first).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 4096, 256, &first) }.unwrap();
     let stream = (1001..).map(fake_stream).find(|s| home(s) == home(&first)).unwrap();
     std::mem::forget(first);
@@ -190,6 +192,7 @@ fn pairs_for_an_instruction_count() {
     for _ in 0..count {
         let bytes = std::hint::black_box(1 << 20);
         let ptr = cache.allocate(bytes, 256, &stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(ptr, bytes, 256, &stream) }.unwrap();
     }
 }

@@ -82,6 +82,7 @@ fn alignments_above_the_pool_guarantee_are_refused_not_ignored() {
     assert!(matches!(HostHeap.allocate(64, 3, &stream), Err(Error::Alignment { requested: 3, .. })));
     let ptr = cache.allocate(64, POOL_ALIGNMENT, &stream).unwrap();
     assert_eq!(ptr % POOL_ALIGNMENT as u64, 0);
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 64, POOL_ALIGNMENT, &stream) }.unwrap();
 }
 
@@ -109,14 +110,18 @@ fn a_block_freed_on_one_stream_is_never_handed_to_another() {
     let cache = CachingResource::new(&below);
     let (a, b) = (fake_stream(1), fake_stream(2));
     let on_a = cache.allocate(4096, 256, &a).unwrap();
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(on_a, 4096, 256, &a) }.unwrap();
     let on_b = cache.allocate(4096, 256, &b).unwrap();
     assert_ne!(on_a, on_b, "b must not get a's block before a's free has completed");
     // Freed on b (a cross-stream free), the block now belongs to b's cache.
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
     assert_eq!(cache.allocate(4096, 256, &b).unwrap(), on_b);
     assert_eq!(cache.allocate(4096, 256, &a).unwrap(), on_a);
+    // SAFETY: `on_a` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(on_a, 4096, 256, &a) }.unwrap();
+    // SAFETY: `on_b` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
@@ -130,15 +135,18 @@ fn streams_borrowed_from_the_same_handle_value_never_share_blocks() {
     let (a, b) = (fake_stream(7), fake_stream(7));
     assert_eq!(a.as_raw(), b.as_raw());
     let on_a = cache.allocate(4096, 256, &a).unwrap();
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(on_a, 4096, 256, &a) }.unwrap();
     let on_b = cache.allocate(4096, 256, &b).unwrap();
     assert_ne!(on_a, on_b, "nothing orders b's use after a's free");
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
     assert_eq!(cache.stats().streams, 2);
     cache.release_stream(&a).unwrap();
     let stats = cache.stats();
     assert_eq!((stats.streams, stats.cached_bytes), (1, 4096), "release_stream(a) keeps b's block");
     assert_eq!(cache.allocate(4096, 256, &b).unwrap(), on_b, "b's block stayed b's");
+    // SAFETY: `on_b` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
@@ -152,6 +160,7 @@ fn a_cached_block_serves_a_later_request_for_a_larger_alignment() {
     // Several blocks, so a small alignment cannot line up with 256 by chance.
     let small: Vec<_> = (0..16).map(|_| cache.allocate(64, 8, &stream).unwrap()).collect();
     for &ptr in &small {
+        // SAFETY: each block was allocated above with these arguments and is freed once.
         unsafe { cache.deallocate(ptr, 64, 8, &stream) }.unwrap();
     }
     let large: Vec<_> = (0..16).map(|_| cache.allocate(64, POOL_ALIGNMENT, &stream).unwrap()).collect();
@@ -162,6 +171,7 @@ fn a_cached_block_serves_a_later_request_for_a_larger_alignment() {
     // Freed with another alignment than they were asked with: the cache frees them below with
     // the layout they were allocated with (Miri checks).
     for &ptr in &large {
+        // SAFETY: each came from this cache for 64 bytes, freed once; class blocks go below with their own layout.
         unsafe { cache.deallocate(ptr, 64, 16, &stream) }.unwrap();
     }
     cache.release().unwrap();
@@ -173,10 +183,12 @@ fn a_cache_over_a_limit_gives_its_blocks_back_when_the_limit_refuses() {
     let cache = CachingResource::new(Limit::new(HostHeap, 4096));
     let (a, b) = (fake_stream(20), fake_stream(21));
     let on_a = cache.allocate(4096, 256, &a).unwrap();
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(on_a, 4096, 256, &a) }.unwrap();
     assert_eq!(cache.stats().cached_bytes, 4096);
     let on_b = cache.allocate(4096, 256, &b).expect("the cache gives a's block back below and retries");
     assert_eq!(cache.inner().in_use(), 4096);
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(on_b, 4096, 256, &b) }.unwrap();
 }
 
@@ -190,6 +202,7 @@ fn a_request_no_release_can_serve_leaves_the_cached_blocks_alone() {
     let (a, b) = (fake_stream(22), fake_stream(23));
     let blocks = [(); 2].map(|()| cache.allocate(256 * KIB, 256, &a).unwrap());
     for ptr in blocks {
+        // SAFETY: each block was allocated above with these arguments and is freed once.
         unsafe { cache.deallocate(ptr, 256 * KIB, 256, &a) }.unwrap();
     }
     assert_eq!(cache.inner().in_use(), 512 * KIB);
@@ -203,7 +216,9 @@ fn a_request_no_release_can_serve_leaves_the_cached_blocks_alone() {
     // Short by no more than the cache holds: the release serves it, as before.
     let served = cache.allocate(640 * KIB, 256, &b).expect("A's blocks given back make room");
     assert_eq!(cache.inner().in_use(), 1024 * KIB);
+    // SAFETY: `served` was allocated above with these arguments, freed once.
     unsafe { cache.deallocate(served, 640 * KIB, 256, &b) }.unwrap();
+    // SAFETY: `held` was allocated above with these arguments, freed once.
     unsafe { cache.deallocate(held, 384 * KIB, 256, &b) }.unwrap();
 }
 
@@ -226,6 +241,7 @@ unsafe impl StreamOrderedResource for CappedPool {
     }
 
     unsafe fn deallocate(&self, ptr: u64, bytes: usize, align: usize, stream: &Stream) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
         unsafe { HostHeap.deallocate(ptr, bytes, align, stream) }
     }
 
@@ -245,6 +261,7 @@ fn a_request_over_a_pools_maximum_size_leaves_the_cached_blocks_alone() {
     let cache = CachingResource::new(&below);
     let (a, b) = (fake_stream(24), fake_stream(25));
     let ptr = cache.allocate(4096, 256, &a).unwrap();
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 4096, 256, &a) }.unwrap();
     let error = cache.allocate(2 << 20, 256, &b).unwrap_err();
     assert!(error.is_out_of_memory(), "{error}");
@@ -292,11 +309,13 @@ fn a_failed_free_below_still_gives_the_bytes_back_to_limit_and_statistics() {
     let stream = fake_stream(0);
     let stack = Limit::new(Statistics::new(FailingFrees), 4096);
     let ptr = stack.allocate(4096, 256, &stream).unwrap();
+    // SAFETY: allocated above with these arguments, freed once; `FailingFrees` touches no memory.
     assert!(unsafe { stack.deallocate(ptr, 4096, 256, &stream) }.is_err(), "the error is still reported");
     assert_eq!(stack.in_use(), 0, "the caller cannot free it again, so the limit must not keep it");
     assert_eq!(stack.inner().usage().current_bytes, 0);
     assert_eq!(stack.inner().usage().current_count, 0);
     let again = stack.allocate(4096, 256, &stream).expect("the limit has room again");
+    // SAFETY: allocated just above with these arguments, freed once.
     let _ = unsafe { stack.deallocate(again, 4096, 256, &stream) };
 }
 
@@ -340,7 +359,9 @@ fn tracking_lists_what_is_still_out_with_size_stream_and_backtrace() {
         assert_eq!(backtrace.status(), std::backtrace::BacktraceStatus::Captured);
         assert!(report.lines().count() > 3, "the backtraces follow their allocations: {report}");
     }
+    // SAFETY: `kept` was allocated above with these arguments, freed once.
     unsafe { tracker.deallocate(kept, 1000, 256, &a) }.unwrap();
+    // SAFETY: `leaked` was allocated above with these arguments, freed once.
     unsafe { tracker.deallocate(leaked, 4096, 256, &b) }.unwrap();
     assert!(tracker.outstanding().is_empty() && tracker.report().is_empty());
     assert_eq!(tracker.inner().usage().current_bytes, 0);
@@ -355,6 +376,7 @@ fn tracking_forgets_an_allocation_whose_free_failed() {
     let stream = fake_stream(0);
     let tracker = Tracking::new(FailingFrees);
     let ptr = tracker.allocate(4096, 256, &stream).unwrap();
+    // SAFETY: allocated above with these arguments, freed once; `FailingFrees` touches no memory.
     assert!(unsafe { tracker.deallocate(ptr, 4096, 256, &stream) }.is_err());
     assert!(tracker.outstanding().is_empty(), "the caller cannot free it again");
 }
@@ -371,12 +393,14 @@ fn on_out_of_memory_frees_and_retries_as_often_as_the_callback_says() {
         calls.fetch_add(1, Relaxed);
         // Each attempt frees one hoarded block; after two the allocation fits.
         match hoard.lock().unwrap().pop() {
+            // SAFETY: each hoarded block came from `limited` with these arguments; popped, so freed once.
             Some(ptr) => unsafe { limited.deallocate(ptr, 2048, 256, &stream) }.is_ok() && attempt <= 2,
             None => false,
         }
     });
     let ptr = retrying.allocate(4096, 256, &stream).unwrap();
     assert_eq!(calls.load(Relaxed), 2, "called once per failed attempt");
+    // SAFETY: allocated above with these arguments, freed once.
     unsafe { retrying.deallocate(ptr, 4096, 256, &stream) }.unwrap();
     assert_eq!(limited.in_use(), 0);
 }
@@ -457,15 +481,18 @@ fn a_free_that_goes_straight_below_takes_no_slot() {
     let streams: Vec<Stream> = (0..300).map(|i| fake_stream(400 + i)).collect();
     for stream in &streams {
         let ptr = cache.allocate(8192, 256, stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(ptr, 8192, 256, stream) }.unwrap();
     }
     assert_eq!(below.usage().current_bytes, 0);
     assert_eq!(cache.stats().streams, 0);
     let late = fake_stream(999);
     let ptr = cache.allocate(1024, 256, &late).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
     assert_eq!(cache.stats().cached_bytes, 1024, "a later stream still finds a slot");
     assert_eq!(cache.allocate(1024, 256, &late).unwrap(), ptr);
+    // SAFETY: `ptr` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
 }
 
@@ -476,11 +503,13 @@ fn a_dropped_streams_slot_serves_a_new_stream_when_no_slot_is_free() {
     let mut streams: Vec<Stream> = (0..256).map(|i| fake_stream(500 + i)).collect();
     for stream in &streams {
         let ptr = cache.allocate(1024, 256, stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(ptr, 1024, 256, stream) }.unwrap();
     }
     assert_eq!(cache.stats().streams, 256, "every slot is taken");
     let overflow = fake_stream(900);
     let ptr = cache.allocate(1024, 256, &overflow).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &overflow) }.unwrap();
     assert_eq!(below.usage().current_count, 256, "a stream beyond the slots bypasses the cache");
     drop(streams.swap_remove(17));
@@ -488,10 +517,12 @@ fn a_dropped_streams_slot_serves_a_new_stream_when_no_slot_is_free() {
     std::thread::sleep(std::time::Duration::from_millis(1));
     let late = fake_stream(901);
     let ptr = cache.allocate(1024, 256, &late).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
     let stats = cache.stats();
     assert_eq!(stats.streams, 256, "{stats:?}");
     assert_eq!(cache.allocate(1024, 256, &late).unwrap(), ptr, "the dropped stream's slot took the late block");
+    // SAFETY: `ptr` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
@@ -505,17 +536,20 @@ fn a_dropped_streams_blocks_are_given_back_and_its_budget_reused() {
         let gone = fake_stream(30);
         let blocks: Vec<_> = (0..4).map(|_| cache.allocate(16 << 10, 256, &gone).unwrap()).collect();
         for ptr in blocks {
+            // SAFETY: each block was allocated above with these arguments and is freed once.
             unsafe { cache.deallocate(ptr, 16 << 10, 256, &gone) }.unwrap();
         }
         assert_eq!(cache.stats().cached_bytes, 64 << 10, "the cache is full");
     }
     let next = fake_stream(31);
     let ptr = cache.allocate(16 << 10, 256, &next).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 16 << 10, 256, &next) }.unwrap();
     let stats = cache.stats();
     assert_eq!((stats.streams, stats.cached_bytes), (1, 16 << 10), "{stats:?}");
     assert_eq!(below.usage().current_bytes, 16 << 10, "the dropped stream's blocks went back below");
     assert_eq!(cache.allocate(16 << 10, 256, &next).unwrap(), ptr, "the new stream's block was cached");
+    // SAFETY: `ptr` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(ptr, 16 << 10, 256, &next) }.unwrap();
     drop(cache);
     assert_eq!(below.usage().current_bytes, 0, "nothing leaks");
@@ -529,17 +563,21 @@ fn a_full_cache_evicts_the_least_recently_used_streams_blocks() {
     for stream in [&old, &recent] {
         let blocks: Vec<_> = (0..2).map(|_| cache.allocate(16 << 10, 256, stream).unwrap()).collect();
         for ptr in blocks {
+            // SAFETY: each block was allocated above with these arguments and is freed once.
             unsafe { cache.deallocate(ptr, 16 << 10, 256, stream) }.unwrap();
         }
     }
     let ptr = cache.allocate(16 << 10, 256, &new).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 16 << 10, 256, &new) }.unwrap();
     let stats = cache.stats();
     assert_eq!(stats.cached_bytes, 48 << 10, "{stats:?}");
     assert_eq!(below.usage().current_bytes, 48 << 10, "the old stream's blocks went back below");
     assert_eq!(cache.allocate(16 << 10, 256, &new).unwrap(), ptr, "the new block was cached");
+    // SAFETY: `ptr` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(ptr, 16 << 10, 256, &new) }.unwrap();
     let recent_block = cache.allocate(16 << 10, 256, &recent).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(recent_block, 16 << 10, 256, &recent) }.unwrap();
     assert_eq!(cache.stats().hits, 2, "the recent stream kept its blocks");
     cache.release().unwrap();
@@ -553,6 +591,7 @@ fn the_cache_stays_within_its_bound_and_releases_on_demand() {
     let stream = fake_stream(3);
     let blocks: Vec<_> = (0..8).map(|_| cache.allocate(256 << 10, 256, &stream).unwrap()).collect();
     for ptr in blocks {
+        // SAFETY: each block was allocated above with these arguments and is freed once.
         unsafe { cache.deallocate(ptr, 256 << 10, 256, &stream) }.unwrap();
     }
     let stats = cache.stats();
@@ -564,6 +603,7 @@ fn the_cache_stays_within_its_bound_and_releases_on_demand() {
     assert_eq!(cache.stats().cached_blocks, 0);
     // The budget came back: the cache can fill again.
     let again = cache.allocate(256 << 10, 256, &stream).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(again, 256 << 10, 256, &stream) }.unwrap();
     assert_eq!(cache.stats().cached_bytes, 256 << 10);
 }
@@ -575,6 +615,7 @@ fn release_stream_gives_back_only_that_streams_blocks() {
     let (a, b) = (fake_stream(10), fake_stream(11));
     for stream in [&a, &b] {
         let ptr = cache.allocate(1 << 16, 256, stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(ptr, 1 << 16, 256, stream) }.unwrap();
     }
     cache.release_stream(&a).unwrap();
@@ -612,6 +653,7 @@ fn streams_beyond_the_slots_bypass_the_cache_and_released_slots_are_reused() {
     let streams: Vec<Stream> = (1..=300).map(fake_stream).collect();
     for stream in &streams {
         let ptr = cache.allocate(1024, 256, stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(ptr, 1024, 256, stream) }.unwrap();
     }
     let stats = cache.stats();
@@ -623,8 +665,10 @@ fn streams_beyond_the_slots_bypass_the_cache_and_released_slots_are_reused() {
     assert_eq!(cache.stats().streams, 246);
     let late = fake_stream(1000);
     let ptr = cache.allocate(1024, 256, &late).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
     assert_eq!(cache.allocate(1024, 256, &late).unwrap(), ptr, "a released slot serves a new stream");
+    // SAFETY: `ptr` was handed out again above with these arguments; freed once.
     unsafe { cache.deallocate(ptr, 1024, 256, &late) }.unwrap();
     cache.release().unwrap();
     assert_eq!(below.usage().current_bytes, 0);
@@ -651,6 +695,7 @@ fn resources_and_allocators_are_send_and_sync() {
 fn cache_blocks(cache: &CachingResource<&Statistics<HostHeap>>, stream: &Stream, blocks: usize, bytes: usize) {
     let held: Vec<_> = (0..blocks).map(|_| cache.allocate(bytes, 256, stream).unwrap()).collect();
     for ptr in held {
+        // SAFETY: each block was allocated above with these arguments and is freed once.
         unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
     }
 }
@@ -701,10 +746,12 @@ fn many_threads_on_one_stream_stay_within_the_bound() {
                     out.push((cache.allocate(bytes, 256, shared).unwrap(), bytes));
                     if out.len() == 2 {
                         let (ptr, bytes) = out.remove(0);
+                        // SAFETY: a block this thread allocated with these arguments, freed once.
                         unsafe { cache.deallocate(ptr, bytes, 256, shared) }.unwrap();
                     }
                 }
                 for (ptr, bytes) in out {
+                    // SAFETY: each block left was allocated by this thread with these arguments and is freed once.
                     unsafe { cache.deallocate(ptr, bytes, 256, shared) }.unwrap();
                 }
             });
@@ -778,6 +825,7 @@ fn blocks_left_in_other_threads_lanes_serve_a_thread_when_the_bound_is_spent() {
                 let held: Vec<_> = (0..per_thread).map(|_| cache.allocate(block, 256, &stream).unwrap()).collect();
                 barrier.wait();
                 for ptr in held {
+                    // SAFETY: each block was allocated above by this thread with these arguments and is freed once.
                     unsafe { cache.deallocate(ptr, block, 256, &stream) }.unwrap();
                 }
                 barrier.wait(); // all alive until every block is back, as a pool of workers
@@ -790,6 +838,7 @@ fn blocks_left_in_other_threads_lanes_serve_a_thread_when_the_bound_is_spent() {
             for _ in 0..rounds {
                 let held: Vec<_> = (0..2 * per_thread).map(|_| cache.allocate(block, 256, &stream).unwrap()).collect();
                 for ptr in held {
+                    // SAFETY: each block was allocated just above with these arguments and is freed once.
                     unsafe { cache.deallocate(ptr, block, 256, &stream) }.unwrap();
                 }
             }
@@ -832,10 +881,12 @@ fn owners_and_slow_paths_never_share_a_lane() {
                             let (at, value) = stamp(ptr, step);
                             // SAFETY: as above; still this thread's.
                             assert_eq!(unsafe { at.read() }, value, "a block was in two hands");
+                            // SAFETY: a block this thread allocated with these arguments, freed once.
                             unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
                         }
                     }
                     for (ptr, bytes, _) in out {
+                        // SAFETY: each block left was allocated by this thread with these arguments and is freed once.
                         unsafe { cache.deallocate(ptr, bytes, 256, stream) }.unwrap();
                     }
                 })
@@ -886,7 +937,9 @@ fn a_capturing_stream_is_never_served_a_cached_block_nor_caches_a_free() {
     let earlier = cache.allocate(4096, 256, &stream).unwrap();
     assert!(cached.contains(&earlier), "without a capture the cache serves it");
     let capture = HostHeap::simulate_capture(&stream);
+    // SAFETY: `earlier` was allocated above with these arguments, freed once.
     unsafe { cache.deallocate(earlier, 4096, 256, &stream) }.unwrap();
+    // SAFETY: `during` was allocated above with these arguments, freed once.
     unsafe { cache.deallocate(during, 4096, 256, &stream) }.unwrap();
     assert_eq!(below.usage().current_count, 2, "both frees went below");
     assert_eq!(cache.stats().cached_blocks, 2, "nothing freed during the capture was cached");
@@ -894,6 +947,7 @@ fn a_capturing_stream_is_never_served_a_cached_block_nor_caches_a_free() {
     // After the capture, the cache serves and keeps blocks again.
     let after = cache.allocate(4096, 256, &stream).unwrap();
     assert!(cached.contains(&after));
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(after, 4096, 256, &stream) }.unwrap();
     assert_eq!(cache.stats().cached_blocks, 2);
     drop(cache);
@@ -917,11 +971,14 @@ fn a_block_handed_out_during_a_capture_never_enters_the_cache() {
     let blocks: Vec<u64> = (0..4).map(|_| cache.allocate(1000, 64, &stream).unwrap()).collect();
     drop(capture);
     let bytes = below.usage().current_bytes;
+    // SAFETY: allocated above with these arguments, freed once; nothing uses it after.
     unsafe { cache.deallocate(blocks[0], 1000, 64, &stream) }.unwrap();
+    // SAFETY: allocated above with these arguments, freed once on `other`; nothing uses it after.
     unsafe { cache.deallocate(blocks[1], 1000, 64, &other) }.unwrap();
     std::thread::scope(|scope| {
         scope.spawn(|| {
             for &ptr in &blocks[2..] {
+                // SAFETY: the rest were allocated above with these arguments, each freed once; nothing uses them after.
                 unsafe { cache.deallocate(ptr, 1000, 64, &other) }.unwrap();
             }
         });
@@ -930,6 +987,7 @@ fn a_block_handed_out_during_a_capture_never_enters_the_cache() {
     assert_eq!(cache.stats().cached_blocks, cached, "none was cached");
     // Not remembered any more: the next free of a class block is cached again.
     let ptr = cache.allocate(1000, 64, &stream).unwrap();
+    // SAFETY: allocated just above with these arguments, freed once.
     unsafe { cache.deallocate(ptr, 1000, 64, &stream) }.unwrap();
     assert_eq!(cache.stats().cached_blocks, cached);
 }

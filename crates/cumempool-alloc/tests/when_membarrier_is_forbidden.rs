@@ -31,6 +31,7 @@ fn release_returns_when_membarrier_is_forbidden_after_the_first_cache() {
         assert_eq!(cache.stats().streams, 1, "stats still answers");
         // The hot path goes on: the lane's block is still there for this thread.
         let ptr = cache.allocate(4096, 256, &stream).unwrap();
+        // SAFETY: allocated just above with these arguments, freed once.
         unsafe { cache.deallocate(ptr, 4096, 256, &stream) }.unwrap();
         drop(cache);
         assert_eq!(below.usage().current_bytes, 0, "drop gave every block back, the lane's too");

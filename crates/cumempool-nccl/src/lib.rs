@@ -38,7 +38,14 @@ pub mod bindings;
 mod buffers;
 mod comm;
 mod error;
-#[allow(non_camel_case_types, non_upper_case_globals, non_snake_case, missing_docs, clippy::all)]
+#[allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    missing_docs,
+    clippy::all,
+    clippy::undocumented_unsafe_blocks
+)]
 #[path = "generated/nccl_23007.rs"]
 mod generated;
 mod group;
