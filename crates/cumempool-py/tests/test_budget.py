@@ -12,6 +12,7 @@ import pytest
 
 import cumempool as cm
 from conftest import library
+from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
 
 MIB = 1 << 20
 
@@ -207,3 +208,88 @@ def test_on_the_gpu_a_program_dying_of_pytorch_out_of_memory_gets_the_report(gpu
     out = _run("run", "--budget", "1GiB", "--", str(script), env=env)
     assert out.returncode != 0 and "OutOfMemoryError" in out.stderr
     assert "cumempool budget of device 0" in out.stderr and "to go on:" in out.stderr, out.stderr[-2000:]
+
+
+# Review findings on the import hook, each run in a fresh process with a package of its own.
+HOOKED = """
+import importlib.util, sys, warnings
+sys.path.insert(0, sys.argv[1])
+from cumempool import _budget
+calls = []
+_budget._after_import("hooked", lambda module: calls.append(module.__name__))
+"""
+
+
+def _hooked(tmp_path, code, extra=""):
+    package = tmp_path / "hooked"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    (package / "data.txt").write_text("packaged\n")
+    out = subprocess.run(
+        [sys.executable, *extra.split(), "-c", HOOKED + textwrap.dedent(code), str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_a_lookup_before_the_import_does_not_use_the_hook_up(tmp_path):
+    words = _hooked(tmp_path, """
+        assert importlib.util.find_spec("hooked") is not None   # "is it installed?"
+        import hooked
+        print(calls)
+        """)
+    assert words == ["['hooked']"]
+
+
+def test_a_hooked_package_still_reads_its_own_data(tmp_path):
+    words = _hooked(tmp_path, """
+        import importlib.resources, hooked
+        print(importlib.resources.files("hooked").joinpath("data.txt").read_text().strip(), type(hooked.__loader__).__name__)
+        """)
+    assert words == ["packaged", "SourceFileLoader"]
+
+
+def test_a_failing_setup_does_not_fail_the_import(tmp_path):
+    words = _hooked(tmp_path, """
+        _budget._finder.waiting["hooked"] = lambda module: warnings.warn("setting up failed")
+        import hooked
+        print(hooked.VALUE)
+        """, extra="-W error")
+    assert words == ["1"]
+
+
+def test_a_script_runs_as_python_would_run_it(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import os, sys\nprint(os.path.isabs(__file__), sys.argv[0], sys.path[0] == os.path.dirname(os.path.realpath(__file__)))\nsys.exit(3)\n")
+    code = "import sys; from cumempool import __main__ as m; sys.exit(m.run_program(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "where.py", "a"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout.split() == ["True", "where.py", "True"]
+
+
+def test_recording_checks_its_arguments_only_when_it_starts():
+    with pytest.raises(ValueError, match="max_entries"):
+        cm.record_history(max_entries=2.5)
+    cm.record_history(enabled=False, stacks="anything")  # stopping takes no options
+
+
+def test_the_devices_of_a_budget_follow_local_rank(stand_in_libcuda):  # noqa: F811
+    # The stand-in driver shows one device.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import os
+        from cumempool import _budget
+        for rank in (None, "0", "3", "x"):
+            if rank is None:
+                os.environ.pop("LOCAL_RANK", None)
+            else:
+                os.environ["LOCAL_RANK"] = rank
+            try:
+                print(sorted(_budget._limits("1GiB", None)))
+            except ValueError as error:
+                print("refused", "torchrun sets it" in str(error))
+        """,
+    )
+    assert words == ["[0]", "[0]", "[0]", "refused", "True"], "one GPU per rank: the rank's is device 0"

@@ -56,7 +56,7 @@ def test_an_allocation_is_a_segment_until_its_holder_lets_go(recording):
     data = cm.snapshot()
     assert [segment["address"] for segment in data["segments"]] == [0x9000_0000]
     actions = [event["action"] for event in data["device_traces"][0]]
-    assert actions == ["alloc", "alloc", "free_requested", "free_completed"]
+    assert actions == ["segment_alloc", "alloc", "segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"]
 
 
 def test_stacks_none_records_the_library_only(recording):
@@ -161,3 +161,20 @@ def test_on_the_gpu_the_snapshot_opens_in_pytorchs_viewer_and_plots(gpu, tmp_pat
 
         shutil.copy(png, os.path.join(out_dir, "usage.png"))
         shutil.copy(snapshot, os.path.join(out_dir, "snapshot.pickle"))
+
+
+def test_a_free_from_an_earlier_recording_is_not_counted(recording):
+    holder = _history.traced(_Owner(0x5000), "cupy", 0, MIB, 0)
+    cm.record_history(stacks=None)  # started again: the allocation above is not in this record
+    _history.note_alloc("numba", 0, 0x6000, MIB, 0)
+    del holder
+    gc.collect()
+    data = cm.snapshot()
+    assert [event["action"] for event in data["device_traces"][0]] == ["segment_alloc", "alloc"]
+    assert all(value >= 0 for points in _plot.series(data)[0].values() for _, value in points)
+
+
+def test_without_stacks_no_stack_is_walked(recording, monkeypatch):
+    cm.record_history(stacks=None)
+    monkeypatch.setattr(_history.traceback, "walk_stack", lambda frame: pytest.fail("walked the stack"))
+    _history.note_alloc("cupy", 0, 0x7000, 64, 0)

@@ -14,11 +14,15 @@ Numba, cuda.core) drawing from one pool per device capped at the budget
 from __future__ import annotations
 
 import argparse
+import builtins
+import io
 import os
 import runpy
 import sys
+import types
 
 from . import _budget
+from .errors import CumempoolError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,9 +59,13 @@ def _devices(pairs: list[str], total: str | None) -> dict[int, int | str] | None
     devices: dict[int, int | str] = {}
     for pair in pairs:
         ordinal, _, size = pair.partition("=")
-        if not ordinal.strip().isdigit() or not size:
+        try:
+            number = int(ordinal, 10)
+        except ValueError:
+            number = -1
+        if number < 0 or not size:
             raise SystemExit(f"--device takes N=SIZE, such as --device 0=8GiB; got {pair!r}")
-        devices[int(ordinal)] = size
+        devices[number] = size
     return devices
 
 
@@ -72,8 +80,44 @@ def _plot_command(snapshot: str, output: str) -> int:
     return 0
 
 
+def run_program(program: list[str]) -> int:
+    """Runs `program` (`script.py args...` or `-m module args...`) in this process as `python`
+    would: `__main__`, an absolute `__file__`, `sys.argv`, and the script's real folder first on
+    the path (unless `-P` / PYTHONSAFEPATH asks for none). Its `SystemExit` passes through."""
+    if program[0] == "-m":
+        if len(program) < 2:
+            raise SystemExit("-m needs a module name: -- -m package.module args...")
+        sys.argv = program[1:]
+        runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+        return 0
+    path = program[0]
+    sys.argv = list(program)
+    if not getattr(sys.flags, "safe_path", False):  # -P, Python 3.11 and newer
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+    if not os.path.isfile(path):
+        runpy.run_path(path, run_name="__main__")  # a folder or a zip with __main__.py
+        return 0
+    absolute = os.path.abspath(path)
+    with io.open_code(absolute) as file:
+        code = compile(file.read(), absolute, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__file__ = absolute
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+    return 0
+
+
+def _report_safely() -> str:
+    """The budget's report, or why there is none: never an error that would hide the program's."""
+    try:
+        return _budget.report()
+    except Exception as error:
+        return f"(cumempool could not make the budget's report: {error})"
+
+
 def _is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, MemoryError) or type(error).__name__.endswith("OutOfMemoryError")
+    return type(error).__name__.endswith("OutOfMemoryError")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,24 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give the budget: --budget 8GiB, or --device N=SIZE for each device")
     try:
         _budget.budget(args.budget, devices=_devices(args.device, args.budget))
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, CumempoolError) as error:
         raise SystemExit(f"python -m cumempool run: {error}") from None
     try:
-        if program[0] == "-m":
-            if len(program) < 2:
-                raise SystemExit("-m needs a module name: -- -m package.module args...")
-            sys.argv = program[1:]
-            runpy.run_module(program[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = program
-            # As `python script.py` would: the script's folder first on the path.
-            sys.path[0] = os.path.dirname(os.path.abspath(program[0]))
-            runpy.run_path(program[0], run_name="__main__")
+        run_program(program)
     except BaseException as error:
         # A program that dies of an out-of-memory error (PyTorch's, CuPy's, Numba's) says who
         # held what under the budget: PyTorch's own error cannot carry the report.
         if _is_out_of_memory(error):
-            report = _budget.report()
+            report = _report_safely()
             try:
                 error.report = report  # type: ignore[attr-defined]
             except AttributeError:
@@ -115,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         if args.report:
-            print(_budget.report(), file=sys.stderr)
+            print(_report_safely(), file=sys.stderr)
     return 0
 
 

@@ -81,10 +81,11 @@ class _Device:
     libraries: dict[str, Statistics] = field(default_factory=dict)
 
     def resource(self, library: str) -> Statistics:
-        counted = self.libraries.get(library)
-        if counted is None:
-            counted = self.libraries[library] = Statistics(PoolResource(self.pool))
-        return counted
+        with _lock:
+            counted = self.libraries.get(library)
+            if counted is None:
+                counted = self.libraries[library] = Statistics(PoolResource(self.pool))
+            return counted
 
 
 class Budget:
@@ -93,6 +94,9 @@ class Budget:
 
     def __init__(self, devices: dict[int, _Device]):
         self._devices = devices
+        self._outside: dict[int, Any] = {}
+        # What closing puts back: CuPy's allocator before the budget's, and the budget's own.
+        self._cupy: tuple[Any, Any] | None = None
 
     @property
     def devices(self) -> dict[int, int]:
@@ -108,6 +112,19 @@ class Budget:
         counted for that library."""
         return self._device(device).resource(library)
 
+    def resource_or_outside(self, library: str, device: int) -> Any:
+        """As :meth:`resource` on a device of the budget; on another device, a resource over
+        that device's current pool, outside the budget (as CuPy's default pool is for CuPy)."""
+        if device in self._devices:
+            return self.resource(library, device)
+        with _lock:
+            outside = self._outside.get(device)
+            if outside is None:
+                from ._native import current_pool
+
+                outside = self._outside[device] = PoolResource(current_pool(Route.device(device)))
+            return outside
+
     def _device(self, device: int) -> _Device:
         found = self._devices.get(device)
         if found is None:
@@ -122,6 +139,11 @@ class Budget:
         global _active
         for device in self._devices.values():
             device.guard.restore()
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and self._cupy is not None:
+            previous, installed = self._cupy
+            if cupy.cuda.get_allocator() is installed:
+                cupy.cuda.set_allocator(previous)
         with _lock:
             if _active is self:
                 _active = None
@@ -179,12 +201,26 @@ def _limits(total: int | str | None, devices: dict[int, int | str] | None) -> di
     if total is None:
         raise ValueError("give the budget: budget('8GiB'), or per device: budget(devices={0: '8GiB'})")
     size = parse_size(total)
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None and local_rank.isdigit():
-        return {int(local_rank): size}
     from ._native import Device
+    from .errors import InvalidDeviceError
 
-    return {ordinal: size for ordinal in range(Device.count())}
+    count = Device.count()
+    if count == 0:
+        raise InvalidDeviceError("no CUDA device is visible to this process, so there is nothing to put on a budget")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return {ordinal: size for ordinal in range(count)}
+    try:
+        rank = int(local_rank, 10)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} is not a rank: torchrun sets it to 0, 1, ...") from None
+    if rank < count:
+        return {rank: size}
+    if count == 1:
+        return {0: size}  # one GPU per rank (CUDA_VISIBLE_DEVICES set per rank): the rank's is device 0
+    raise InvalidDeviceError(
+        f"LOCAL_RANK={rank} names no device: this process sees {count}; give the device with --device N=SIZE"
+    )
 
 
 # ---- PyTorch: the cudaMallocAsync backend, chosen before import -------------------------------
@@ -234,6 +270,7 @@ def _install_cupy(cupy: Any) -> None:
             return cupy.get_default_memory_pool().malloc(size)  # a device outside the budget
         return allocator(size)
 
+    budget_now._cupy = (current, allocate)
     cupy.cuda.set_allocator(allocate)
 
 
@@ -246,55 +283,94 @@ def _install_numba(numba_cuda: Any) -> None:
         return
     from .numba import manager_for
 
-    numba_cuda.set_memory_manager(manager_for(lambda ordinal: budget_now.resource("numba", ordinal)))
+    numba_cuda.set_memory_manager(manager_for(lambda ordinal: budget_now.resource_or_outside("numba", ordinal)))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a function on a module right after it is first imported (CuPy's and Numba's
     allocator settings must be made before the program's first allocation, and importing them
-    early would slow every program that never uses them)."""
+    early would slow every program that never uses them).
+
+    It only wraps the loader the finders after it choose (numba-cuda, say, puts `numba.cuda`
+    elsewhere with a finder of its own), and hands the module its real loader back before the
+    module's code runs. A function is used up only once its module has loaded: a lookup that
+    loads nothing (`importlib.util.find_spec`) or a failed import leaves it waiting. What the
+    function raises is reported as a warning, never as the import's failure."""
 
     def __init__(self) -> None:
         self.waiting: dict[str, Callable[[Any], None]] = {}
+        self._looking = threading.local()
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        then = self.waiting.pop(name, None)
-        if then is None:
+        if name not in self.waiting or getattr(self._looking, "name", None) == name:
             return None
-        # The finders after this one decide where the module comes from (numba-cuda, say, puts
-        # `numba.cuda` elsewhere with a finder of its own); this one only wraps the loader.
-        for finder in sys.meta_path:
+        self._looking.name = name
+        try:
+            spec = self._spec_from_the_others(name, path, target)
+        finally:
+            self._looking.name = None
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderThen(spec.loader, name, self)
+        return spec
+
+    def _spec_from_the_others(self, name: str, path: Any, target: Any) -> Any:
+        for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
                 continue
             spec = find(name, path, target)
             if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _LoaderThen(spec.loader, then)
                 return spec
         return None
 
+    def loaded(self, name: str, module: Any) -> None:
+        """Runs (once) what waits for `name`, now that `module` has loaded."""
+        then = self.waiting.pop(name, None)
+        if then is None:
+            return
+        try:
+            then(module)
+        except Exception as error:  # a setup that fails must not fail the program's import
+            _warn_safely(f"cumempool could not put {name} on the budget: {error}")
+
+
+def _warn_safely(message: str) -> None:
+    """A warning that reaches the user even where warnings are errors (`-W error`)."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception:
+        print(f"warning: {message}", file=sys.stderr)
+
 
 class _LoaderThen(importlib.abc.Loader):
-    def __init__(self, loader: Any, then: Callable[[Any], None]) -> None:
-        self.loader, self.then = loader, then
+    """The real loader, and then the finder's function; forwards every other request."""
+
+    def __init__(self, loader: Any, name: str, finder: _AfterImport) -> None:
+        self.loader, self.name, self.finder = loader, name, finder
 
     def create_module(self, spec: Any) -> Any:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        # The module, and whoever reads its data later, see the real loader.
+        module.__loader__ = self.loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        self.then(module)
+        self.finder.loaded(self.name, module)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self.loader, attribute)
 
 
 _finder = _AfterImport()
 
 
 def _after_import(name: str, then: Callable[[Any], None]) -> None:
-    if name in sys.modules:
-        then(sys.modules[name])
-        return
     _finder.waiting[name] = then
+    if name in sys.modules:
+        _finder.loaded(name, sys.modules[name])
+        return
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
 
@@ -346,6 +422,8 @@ def report(device: int | None = None) -> str:
     figures = usage()
     if not figures:
         return "no cumempool budget is in force"
+    if device is not None and device not in figures:
+        return f"device {device} has no cumempool budget (the budget covers devices {sorted(figures)})"
     lines = []
     for ordinal, of_device in sorted(figures.items()):
         if device is not None and ordinal != device:
@@ -365,7 +443,8 @@ def report(device: int | None = None) -> str:
         if top is None:
             advice = "free memory"
         elif top[0] == "unattributed":
-            advice = f"free what {' or '.join(top[1]['via']) or 'the routed libraries'} hold{'s' if len(top[1]['via']) == 1 else ''}"
+            holders_named = " or ".join(top[1]["via"])
+            advice = f"free what {holders_named} holds" if holders_named else "free what the routed libraries hold"
         else:
             advice = f"free what {top[0]} holds"
         lines.append(f"  to go on: {advice}, make the budget larger (--budget / cumempool.budget), or use smaller batches")

@@ -13,6 +13,7 @@ Off, it costs the plug-ins one read of a module global per allocation.
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -58,20 +59,33 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
     ``max_entries`` events of each device are kept; allocations still live are always known.
     Starting again clears what was recorded."""
     global recording
+    if not enabled:
+        with _lock:
+            recording = None
+        return
     if stacks not in ("python", None):
         raise ValueError(f"stacks={stacks!r}: record 'python' stacks or None")
-    if max_entries <= 0:
-        raise ValueError(f"max_entries must be more than 0, not {max_entries}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
+        raise ValueError(f"max_entries must be a whole number of events more than 0, not {max_entries!r}")
     with _lock:
-        recording = _Recorder(stacks == "python", max_entries) if enabled else None
+        recording = _Recorder(stacks == "python", max_entries)
+
+
+# This package's folder: its frames are left out of recorded stacks.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _origin(library: str) -> dict[str, Any]:
+    """The frame that names the library (the viewer shows it as the allocation's origin)."""
+    return {"filename": f"<{library}>", "line": 0, "name": f"{library} allocation (through cumempool)"}
 
 
 def _frames(library: str) -> list[dict[str, Any]]:
-    """The calling Python stack, innermost first, without cumempool's own frames, after a frame
-    that names the library (the viewer shows it as the allocation's origin)."""
-    frames = [{"filename": f"<{library}>", "line": 0, "name": f"{library} allocation (through cumempool)"}]
-    for entry in reversed(traceback.extract_stack()):
-        if "/cumempool/" in entry.filename.replace("\\", "/"):
+    """The calling Python stack, innermost first, without this package's frames, after the frame
+    that names the library. Source lines are not read (only file, line and function)."""
+    frames = [_origin(library)]
+    for entry in traceback.StackSummary.extract(traceback.walk_stack(None), lookup_lines=False):
+        if entry.filename.startswith(_PACKAGE):
             continue
         frames.append({"filename": entry.filename, "line": entry.lineno or 0, "name": entry.name})
     return frames
@@ -82,11 +96,18 @@ def note_alloc(library: str, device: int, address: int, size: int, stream: int) 
     recorder = recording
     if recorder is None:
         return
-    frames = _frames(library) if recorder.stacks else [_frames(library)[0]]
-    event = {"action": "alloc", "addr": address, "size": size, "stream": stream, "time_us": _now(), "frames": frames, "library": library}
+    frames = _frames(library) if recorder.stacks else [_origin(library)]
+    now = _now()
+    # Each allocation is its own segment in the snapshot, so the viewer sees it mapped first.
+    events = [
+        {"action": action, "addr": address, "size": size, "stream": stream, "time_us": now, "frames": frames, "library": library}
+        for action in ("segment_alloc", "alloc")
+    ]
     with _lock:
+        if recording is not recorder:
+            return  # recording stopped or started again meanwhile
         recorder.live[(device, address)] = _Live(library, size, stream, frames)
-        recorder.trace(device).append(event)
+        recorder.trace(device).extend(events)
 
 
 def note_free(library: str, device: int, address: int, size: int, stream: int) -> None:
@@ -97,10 +118,12 @@ def note_free(library: str, device: int, address: int, size: int, stream: int) -
         return
     with _lock:
         live = recorder.live.pop((device, address), None)
-        frames = live.frames if live is not None else []
+        if live is None:
+            return  # allocated before this recording began: its allocation is not in it either
         trace = recorder.trace(device)
-        for action in ("free_requested", "free_completed"):
-            trace.append({"action": action, "addr": address, "size": size, "stream": stream, "time_us": _now(), "frames": frames, "library": library})
+        now = _now()
+        for action in ("free_requested", "free_completed", "segment_free"):
+            trace.append({"action": action, "addr": address, "size": size, "stream": stream, "time_us": now, "frames": live.frames, "library": library})
 
 
 def traced(owner: Any, library: str, device: int, size: int, stream: int) -> Any:
@@ -182,11 +205,12 @@ def dump_snapshot(path: str) -> None:
     ``torch.cuda._memory_viz``, pytorch.org/memory_viz, or ``python -m cumempool plot``."""
     data = snapshot()
     with open(path, "wb") as file:
-        pickle.dump(data, file)
+        pickle.dump(data, file, protocol=4)  # what the viewer's unpickler reads
 
 
 def load_snapshot(path: str) -> dict[str, Any]:
-    """A snapshot :func:`dump_snapshot` (or PyTorch) wrote."""
+    """A snapshot :func:`dump_snapshot` (or PyTorch) wrote. It is a pickle: load only files you
+    trust, as with any pickle."""
     with open(path, "rb") as file:
         data = pickle.load(file)
     if not isinstance(data, dict) or "device_traces" not in data:

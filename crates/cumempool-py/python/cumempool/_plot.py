@@ -27,10 +27,15 @@ def series(data: dict[str, Any]) -> dict[int, dict[str, list[tuple[float, int]]]
     for device, events in enumerate(data["device_traces"]):
         in_use: dict[str, int] = {}
         lines: dict[str, list[tuple[float, int]]] = {}
+        seen: set[int] = set()
         for event in events:
             action = event["action"]
-            if action not in ("alloc", "free_completed"):
-                continue
+            if action == "alloc":
+                seen.add(event["addr"])
+            elif action == "free_completed" and event["addr"] in seen:
+                seen.discard(event["addr"])
+            else:
+                continue  # a free whose allocation the trace no longer holds counts for nothing
             library = _library(event)
             in_use[library] = in_use.get(library, 0) + (event["size"] if action == "alloc" else -event["size"])
             at = (event.get("time_us", start) - start) / 1e6
