@@ -10,7 +10,7 @@
 //! - `cargo xtask driver-boundary`: fails when the Python crate names a CUDA driver entry point
 //!   (it reaches the driver only through the core crate's checked operations).
 //! - `cargo xtask internals-check`: fails when a file or item `docs/internals.md` names is gone.
-//! - `cargo xtask test [--python-only]`: the README's test command: `cargo test --workspace`,
+//! - `cargo xtask test [--python-only | rust [FILTER] | python [FILTER]]`: the README's test command: `cargo test --workspace`,
 //!   then the Python wheel built with maturin and its pytest suite.
 
 mod bindgen;
@@ -54,7 +54,7 @@ fn main() -> ExitCode {
 const USAGE: &str = "usage: cargo xtask bindgen [--cuda 13.0|13.2|13.4|13.5] [--header PATH] [--check]
        cargo xtask bindgen --nccl [--check]
        cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]
-       cargo xtask test [--python-only]
+       cargo xtask test [--python-only | rust [FILTER] | python [FILTER]]
        cargo xtask module-cycles
        cargo xtask driver-boundary
        cargo xtask internals-check
@@ -82,7 +82,10 @@ internals-check: fail when a file or item docs/internals.md names does not exist
 
 test: `cargo test --workspace`, then the Python wheel built into target/wheels with maturin and
   installed into target/py-venv (created, with maturin, pytest and numpy, when missing), then
-  pytest on crates/cumempool-py/tests (GPU tests skip without a GPU). --python-only skips cargo test.";
+  pytest on crates/cumempool-py/tests (GPU tests skip without a GPU). --python-only skips cargo test.
+  `test rust [FILTER]`: cargo test --workspace with a name filter. `test python [FILTER]`: the quick
+  loop: the native module built in place (maturin develop --release), the .py files used from the
+  tree, pytest -k FILTER.";
 
 /// `--nccl` with at most `--check`: whether to check.
 fn nccl_options(args: &[String]) -> Result<bool, String> {

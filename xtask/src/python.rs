@@ -143,20 +143,55 @@ fn check_types(root: &Path, python: &Path) -> Result<(), String> {
 
 /// `cargo xtask test [--python-only]`.
 pub fn test(args: &[String]) -> Result<(), String> {
-    let python_only = match args {
-        [] => false,
-        [flag] if flag == "--python-only" => true,
-        _ => return Err(format!("unexpected arguments {args:?} (see `cargo xtask help`)")),
-    };
     let root = crate::workspace::root();
-    if !python_only {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        run(Command::new(cargo).args(["test", "--workspace"]).current_dir(&root), "cargo test --workspace")?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    match args {
+        [] | [_] if args.first().is_none_or(|flag| flag == "--python-only") => {
+            if args.is_empty() {
+                run(Command::new(&cargo).args(["test", "--workspace"]).current_dir(&root), "cargo test --workspace")?;
+            }
+            let python = environment(&root)?;
+            let wheel = build_wheel(&root, &python, &root.join("target").join("wheels"), &[])?;
+            eprintln!("built {}", wheel.display());
+            test_wheel(&root, &python, &wheel)
+        }
+        [part, filter @ ..] if part == "rust" && filter.len() <= 1 => {
+            let mut command = Command::new(&cargo);
+            command.args(["test", "--workspace"]).args(filter).current_dir(&root);
+            run(&mut command, "cargo test --workspace")
+        }
+        [part, filter @ ..] if part == "python" && filter.len() <= 1 => iterate_python(&root, filter.first()),
+        _ => Err(format!(
+            "unexpected arguments {args:?}: cargo xtask test [--python-only | rust [FILTER] | python [FILTER]]"
+        )),
     }
-    let python = environment(&root)?;
-    let wheel = build_wheel(&root, &python, &root.join("target").join("wheels"), &[])?;
-    eprintln!("built {}", wheel.display());
-    test_wheel(&root, &python, &wheel)
+}
+
+/// `cargo xtask test python [FILTER]`: the quick loop on the Python package. The native module
+/// is built into the source folder with `maturin develop --release` (cargo rebuilds only what
+/// changed), so the package is imported from `crates/cumempool-py/python` and an edit of a
+/// `.py` file needs no build at all; then pytest, with `-k FILTER`. The checks of the installed
+/// wheel (stubtest, mypy, ruff) stay with `--python-only`.
+fn iterate_python(root: &Path, filter: Option<&String>) -> Result<(), String> {
+    let python = environment(root)?;
+    let package = root.join("crates").join("cumempool-py");
+    run(
+        Command::new(&python)
+            .args(["-m", "maturin", "develop", "--release", "--quiet", "--manifest-path"])
+            .arg(package.join("Cargo.toml"))
+            .env("VIRTUAL_ENV", python.parent().and_then(Path::parent).unwrap_or(root)),
+        "maturin develop",
+    )?;
+    let mut pytest = Command::new(&python);
+    pytest.args(["-m", "pytest", "-q"]).arg(package.join("tests")).current_dir(&package);
+    if let Some(filter) = filter {
+        pytest.args(["-k", filter]);
+    }
+    let status = pytest.status().map_err(|e| format!("running pytest: {e}"))?;
+    match status.code() {
+        Some(0 | PYTEST_NO_TESTS) => Ok(()),
+        _ => Err(format!("the Python tests failed ({status})")),
+    }
 }
 
 fn run(command: &mut Command, what: &str) -> Result<(), String> {
