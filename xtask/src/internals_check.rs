@@ -1,5 +1,6 @@
 //! `cargo xtask internals-check`: every file and item `docs/internals.md` names exists, so the
-//! map a maintainer starts from cannot go stale.
+//! map a maintainer starts from cannot go stale; and every row of the pool-attribute table has
+//! the places that follow from it (`attribute_places`).
 //!
 //! Read in each table row's last cell: a backticked path (ending in a source or doc extension,
 //! or `/`) must exist, written from the workspace root or relative to a folder of the path named
@@ -23,13 +24,23 @@ pub fn run(root: &Path) -> Result<(), String> {
     let text = std::fs::read_to_string(root.join("docs/internals.md"))
         .map_err(|e| format!("reading docs/internals.md: {e}"))?;
     let stale = check(root, &text);
-    if stale.is_empty() {
-        println!("internals-check: every file and item docs/internals.md names exists");
+    let lacks = crate::attribute_places::missing(root);
+    if stale.is_empty() && lacks.is_empty() {
+        println!("internals-check: every file and item docs/internals.md names exists, and every pool attribute has its places");
         return Ok(());
     }
-    let mut message = String::from("docs/internals.md names what the tree lacks; correct the map:\n");
-    for entry in &stale {
-        message.push_str(&format!("  line {}: `{}`: {}\n", entry.line, entry.name, entry.why));
+    let mut message = String::new();
+    if !stale.is_empty() {
+        message.push_str("docs/internals.md names what the tree lacks; correct the map:\n");
+        for entry in &stale {
+            message.push_str(&format!("  line {}: `{}`: {}\n", entry.line, entry.name, entry.why));
+        }
+    }
+    if !lacks.is_empty() {
+        message.push_str("rows of the pool-attribute table (crates/cumempool/src/attributes.rs) lack:\n");
+        for lack in &lacks {
+            message.push_str(&format!("  {lack}\n"));
+        }
     }
     Err(message)
 }

@@ -13,6 +13,7 @@
 //! - `cargo xtask test [--python-only | rust [FILTER] | python [FILTER]]`: the README's test command: `cargo test --workspace`,
 //!   then the Python wheel built with maturin and its pytest suite.
 
+mod attribute_places;
 mod bindgen;
 mod driver_boundary;
 mod gpu_pack;
