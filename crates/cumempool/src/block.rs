@@ -297,6 +297,15 @@ impl<'a> Block<'a> {
     /// the typed `HtoD`/`DtoH` copies refuse host pool memory (CUDA_ERROR_INVALID_VALUE on
     /// driver 580). `source`: another stream whose later work (a free) must come after the copy.
     ///
+    /// The copy runs on a private stream of the library's, ordered after the block's stream with
+    /// an event. Other code may begin capturing the block's stream at any moment (another
+    /// thread, with a stream it lent), and a copy queued there just before such a capture could
+    /// then be waited for by no legal call. The private stream is held by this call alone, so
+    /// nothing else can capture it: it captures only by joining a capture through the event,
+    /// which happens only if the event was recorded into a capture, that is before anything of
+    /// the copy was queued. That is checked before the copy is queued, and refused with the
+    /// capture invalidated.
+    ///
     /// Everything that can be refused (a capture underway on the thread or the stream, the
     /// context, the events, the change of capture mode) is settled before the copy is queued;
     /// after that, the function does not return before the copy has finished.
@@ -318,32 +327,6 @@ impl<'a> Block<'a> {
         // context current (driver 580 crashes without one), whatever the stream's handle; a
         // stream borrowed without its context is refused here.
         let context = stream.bind_context()?;
-        // SAFETY: forwarded under the caller's promise.
-        unsafe { self.copy_on_private_stream(what, context, dst, src, len, source) }
-    }
-
-    /// [`copy_unified`](Self::copy_unified) on a private stream of the library's, ordered after
-    /// the block's stream with an event.
-    ///
-    /// Other code may begin capturing the block's stream at any moment (another thread, with a
-    /// stream it lent), and a copy queued there just before such a capture could then be waited
-    /// for by no legal call. The private stream is held by this call alone, so nothing else can
-    /// capture it: it captures only by joining a capture through the event, which happens only
-    /// if the event was recorded into a capture, that is before anything of the copy was queued.
-    /// That is checked before the copy is queued, and refused with the capture invalidated.
-    ///
-    /// # Safety
-    /// As [`copy_unified`](Self::copy_unified).
-    unsafe fn copy_on_private_stream(
-        &self,
-        what: &'static str,
-        context: &crate::Context,
-        dst: sys::CUdeviceptr,
-        src: sys::CUdeviceptr,
-        len: usize,
-        source: Option<&Stream>,
-    ) -> Result<()> {
-        let stream = self.stream;
         let (queued, done) = (Event::new(context)?, Event::new(context)?);
         let private = stream.take_capture_stream(context)?;
         let copied = crate::capture_mode::relaxed(|| {
