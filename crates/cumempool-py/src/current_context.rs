@@ -6,13 +6,6 @@
 //! failure to restore.
 
 use crate::default_streams::names_legacy;
-use crate::errors::Outcome;
-
-/// Runs `call` with `context` current on the calling thread, then makes current again whatever
-/// was before (no context included). `call`'s failure wins over a failure to restore.
-pub fn while_current<R>(context: &cumempool::Context, call: impl FnOnce() -> Outcome<R>) -> Outcome<R> {
-    context.while_current(call)
-}
 
 /// Runs `call` on the stream `handle` and puts back the caller's context if `call` changed
 /// it: work queued on a legacy stream makes the stream's context current first. Ordinary

@@ -188,7 +188,7 @@ pub(crate) fn import_allocation(
         let (s, device): (&cumempool::Stream, i32) = (&borrowed, stream.get().device);
         crate::gil::detach(py, || {
             let context = crate::primary_contexts::context_of(s, device)?;
-            crate::current_context::while_current(&context, || Ok(pool.import_pointer(&shared.0, s)?))
+            context.while_current(|| Ok::<_, Failure>(pool.import_pointer(&shared.0, s)?))
         })?
     };
     // SAFETY: the mapping borrows `*borrowed`, which the same `Memory::Imported` holds and

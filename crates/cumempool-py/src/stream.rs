@@ -236,7 +236,7 @@ impl Stream {
         // `cuStreamCreate` needs the context current: the caller's is put back after.
         let stream = crate::gil::detach(py, || {
             let context = primary_context(device)?;
-            crate::current_context::while_current(&context, || Ok(cumempool::Stream::new(&context)?))
+            context.while_current(|| cumempool::Stream::new(&context))
         })?;
         Ok(Self { stream, owner: None, device, closed: Default::default() })
     }

@@ -429,16 +429,16 @@ def report(device: int | None = None) -> str:
         if device is not None and ordinal != device:
             continue
         limit, used, reserved = of_device["limit"], of_device["used"], of_device["reserved"]
-        lines.append(f"cumempool budget of device {ordinal}: {_size(used)} of {_size(limit)} in use ({used / limit:.0%})")
+        lines.append(f"cumempool budget of device {ordinal}: {size_text(used)} of {size_text(limit)} in use ({used / limit:.0%})")
         holders = sorted(of_device["libraries"].items(), key=lambda item: -item[1]["bytes"])
         for name, held in holders:
             if held["bytes"] == 0 and name == "unattributed":
                 continue
             count = f" in {held['count']} allocations" if held["count"] is not None else ""
             via = f" (routed: {', '.join(held['via'])}, or direct cudaMallocAsync)" if held.get("via") else ""
-            lines.append(f"  {name:<13} {_size(held['bytes']):>10} ({held['share']:.0%}){count}{via}")
+            lines.append(f"  {name:<13} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{via}")
         if reserved > used:
-            lines.append(f"  reserved {_size(reserved)} against {_size(used)} used: {_size(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)")
+            lines.append(f"  reserved {size_text(reserved)} against {size_text(used)} used: {size_text(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)")
         top = holders[0] if holders and holders[0][1]["bytes"] else None
         if top is None:
             advice = "free memory"
@@ -451,8 +451,9 @@ def report(device: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
+def size_text(n: float) -> str:
+    """Bytes as people read them: ``"1.5 GiB"``, ``"64.0 MiB"``, ``"12 B"``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return f"{int(n)} B"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from ._budget import size_text as _size
+
 # One colour per library, in the order first seen.
 _COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
@@ -138,10 +140,3 @@ def _png(data: dict[str, Any], path: str) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
