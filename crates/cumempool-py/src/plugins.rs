@@ -240,7 +240,7 @@ unsafe fn allocate(
     };
     let answer = stream_for(stream as usize, device)
         .map_err(cumempool_alloc::Error::from)
-        .and_then(|s| served.resource.allocate(size, &s));
+        .and_then(|s| allocate_outside_graphs(&served, size, &s));
     match answer {
         Ok(ptr) => {
             // The slot may have been unbound meanwhile (`stop()` from an out-of-memory
@@ -261,6 +261,51 @@ unsafe fn allocate(
             std::ptr::null_mut()
         }
     }
+}
+
+/// `size` bytes from `served`, ordered on `stream`, and never graph memory: PyTorch's caching
+/// allocator keeps the segment the plug-in gives and may hand any part of it to a later
+/// allocation of the same pool outside the capture, where graph memory (an allocation node,
+/// backed only while a launch holds it) would be read and written unbacked. So while `stream`
+/// captures into a graph, the memory is allocated on the device's side stream and waited for
+/// (in relaxed capture mode, as PyTorch's own `cudaMalloc` there): ordinary memory, idle and
+/// usable from any stream, counted by the pool's cap like any other. PyTorch's free later comes
+/// on `stream`; a free while `stream` still captures is deferred by the core until it ends.
+fn allocate_outside_graphs(
+    served: &Served,
+    size: usize,
+    stream: &cumempool::Stream,
+) -> cumempool_alloc::Result<sys::CUdeviceptr> {
+    if !stream.may_be_capturing() || !stream.is_capturing()? {
+        return served.resource.allocate(size, stream);
+    }
+    let side = side_stream(served.device)?;
+    cumempool::in_relaxed_capture_mode(|| {
+        let ptr = served.resource.allocate(size, &side)?;
+        if let Err(error) = side.synchronize() {
+            // SAFETY: just allocated on `side` and given to no one; freed once, on `side`.
+            if let Err(free_error) = unsafe { served.resource.deallocate(ptr, size, &side) } {
+                tracing::warn!(%free_error, "freeing a side-stream allocation that could not be waited for");
+            }
+            return Err(error.into());
+        }
+        Ok(ptr)
+    })
+}
+
+/// One non-blocking stream per device for allocations made while PyTorch's stream captures
+/// (`allocate_outside_graphs`), made on first use and kept for the process.
+static SIDE_STREAMS: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
+
+fn side_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
+    let mut streams = crate::locks::lock(&SIDE_STREAMS);
+    if let Some((_, stream)) = streams.iter().find(|(d, _)| *d == device) {
+        return Ok(stream.clone());
+    }
+    let context = crate::primary_contexts::primary_context(device)?;
+    let stream = context.while_current(|| cumempool::Stream::new(&context))?;
+    streams.push((device, stream.clone()));
+    Ok(stream)
 }
 
 /// Exports the allocation function of each slot, `cumempool_torch_alloc_<index>`.

@@ -30,6 +30,36 @@ def test_torch_mem_pool_serves_tensors_and_reports_statistics(gpu):
         cmt.stop()
 
 
+def test_torch_segments_made_in_a_capture_are_ordinary_memory_eager_tensors_can_use(gpu):
+    # PyTorch keeps a segment the plug-in gives and may hand a block of it to an eager tensor
+    # of the same pool after the capture, before any replay: graph memory (unbacked until a
+    # launch) would fault there. Run in its own process: a fault poisons the context.
+    library("torch")
+    code = """
+import torch, cumempool as cm, cumempool.torch as cmt
+pool = cm.MemPool(cm.Route.device(0), max_size=1 << 30)
+mp = cmt.mem_pool(pool)
+x = torch.ones(1 << 10, device="cuda")
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph, pool=mp.id):
+    t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # a new segment, in the capture
+    t.fill_(3)
+    y = x * 2
+    del t
+counted = pool.used_mem_current >= 64 << 20  # ordinary memory: under the pool's cap
+with torch.cuda.use_mem_pool(mp):
+    z = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the block the capture freed
+z.fill_(7)
+torch.cuda.synchronize()
+eager_ok = int(z[-1]) == 7 and int(z.sum(dtype=torch.int64)) == 7 * (64 << 20)
+del z
+graph.replay()
+torch.cuda.synchronize()
+print(counted, eager_ok, bool((y == 2).all()))
+"""
+    assert run_in_new_process(code).split() == ["True", "True", "True"]
+
+
 def test_torch_and_cupy_read_buffers_through_dlpack_and_the_array_interface(gpu, stream):
     torch = library("torch")
     buffer = cm.MemPool(cm.Route.device(0)).alloc(16, stream)

@@ -20,8 +20,9 @@ Streams: a stream lent through ``torch.cuda.ExternalStream`` must live until the
 resource's ``release()`` ran after its last tensor was freed (or to the end of the process);
 PyTorch's own streams need nothing.
 
-CUDA graphs: what the plug-in allocates while PyTorch's stream captures (``torch.cuda.graph``) is
-the graph's memory: the pool's ``max_size`` and counters, and a ``Limit``, do not govern it.
+CUDA graphs: a segment the plug-in gives while PyTorch's stream captures (``torch.cuda.graph``) is
+ordinary memory of its source, allocated beside the capture and waited for, since PyTorch may
+later hand it to an eager tensor of the same pool: the pool's ``max_size`` and counters govern it.
 
 How it works: ``docs/internals-python.md``, "The torch plug-in".
 """
