@@ -107,10 +107,13 @@ CONFIGS = [
     Config("torch-plugin-pool", "plug-in over the pool", "torch"),
     Config("torch-plugin-cache", "plug-in over the cache", "torch"),
     Config("torch-plugin-cache-all", "plug-in over the cache, all threads", "torch", optional=True),
+    Config("torch-budget", "cumempool.budget (routing)", "torch", ASYNC_BACKEND),
     Config("cupy-default", "CuPy default MemoryPool", "cupy"),
     Config("cupy-async", "CuPy MemoryAsyncPool", "cupy"),
     Config("cupy-plugin-cache", "plug-in over the cache", "cupy"),
     Config("cupy-plugin-pool", "plug-in over the pool", "cupy"),
+    Config("cupy-budget", "cumempool.budget (plug-in)", "cupy"),
+    Config("cupy-budget-recording", "cumempool.budget, recording stacks", "cupy"),
 ]
 PAIRS = Config("pairs", "alloc+free pairs", "cumempool")
 BY_KEY = {c.key: c for c in [*CONFIGS, PAIRS]}
@@ -139,9 +142,13 @@ class TorchAllocator:
 
     def __init__(self, key: str, torch, cm):
         self.key, self.torch, self.cm = key, torch, cm
-        self.pool = self.guard = self.mem_pool = None
+        self.pool = self.guard = self.mem_pool = self.budget = None
         route = cm.Route.device(0)
-        if key.startswith("torch-recipe"):
+        if key == "torch-budget":
+            # What `python -m cumempool run --budget` makes, before PyTorch's first allocation.
+            self.budget = cm.budget(devices={0: CAP})
+            self.pool = self.budget.pool(0)
+        elif key.startswith("torch-recipe"):
             # Before PyTorch's first allocation, as the recipe says.
             self.pool = cm.MemPool(route, max_size=CAP)
             self.documented_threshold = self.pool.release_threshold
@@ -194,6 +201,7 @@ class TorchAllocator:
             found["pool_release_threshold"] = self.pool.release_threshold
         if self.guard is not None:
             found["documented_release_threshold"] = self.documented_threshold
+        if self.guard is not None or self.budget is not None:
             peak = found["pool_reserved_high"]  # PyTorch's statistics read the pool it set up
         elif self.backend == "cudaMallocAsync":
             found["default_pool_reserved_high"] = cm.default_pool(cm.Route.device(0)).reserved_mem_high
@@ -219,6 +227,9 @@ class TorchAllocator:
         if self.guard is not None:
             torch.cuda.empty_cache()
             self.guard.restore()
+        if self.budget is not None:
+            torch.cuda.empty_cache()
+            self.budget.close()
 
 
 def torch_model(torch):
@@ -338,8 +349,16 @@ def cupy_child(key: str, counts: Counts, result: dict):
     import cumempool.cupy as cmc
 
     result["environment"] = environment(cm, cupy=cupy.__version__)
-    pool = memory_pool = None
-    if key == "cupy-default":
+    pool = memory_pool = budget = None
+    if key.startswith("cupy-budget"):
+        # What `python -m cumempool run --budget` installs for CuPy (CuPy is imported already:
+        # the budget installs its allocator at once).
+        budget = cm.budget(devices={0: CAP})
+        pool = budget.pool(0)
+        if key == "cupy-budget-recording":
+            cm.record_history(True, stacks="python")
+        allocator = cupy.cuda.get_allocator()
+    elif key == "cupy-default":
         memory_pool = cupy.cuda.MemoryPool()
         allocator = memory_pool.malloc
     elif key == "cupy-async":
@@ -379,8 +398,13 @@ def cupy_child(key: str, counts: Counts, result: dict):
             memory["pool_release_threshold"] = pool.release_threshold
         return {"median_s": median_of(spent), "iterations": len(spent) * counts.loop_block, "checksum": checksum, "memory": memory}
 
-    run_workloads(result, {"loop": loop}, None, None, counts)
-    cupy.cuda.get_current_stream().synchronize()
+    try:
+        run_workloads(result, {"loop": loop}, None, None, counts)
+        cupy.cuda.get_current_stream().synchronize()
+    finally:
+        if budget is not None:
+            cm.record_history(False)
+            budget.close()
 
 
 def pairs_child(counts: Counts, result: dict):
@@ -736,6 +760,8 @@ def targets(summary: dict, figures: dict) -> list[dict]:
         ("plug-in over the pool peak reserved <= 1.05x native", get("torch-plugin-pool", "step.peak_reserved"), 1.05),
         ("plug-in over the cache peak reserved <= 1.05x native", get("torch-plugin-cache", "step.peak_reserved"), 1.05),
         ("CuPy plug-in over the cache loop <= 0.90x default MemoryPool", get("cupy-plugin-cache", "loop.median_s"), 0.90),
+        ("budget: PyTorch step <= 1.03x torch native", get("torch-budget", "step.median_s"), 1.03),
+        ("budget: CuPy loop <= 1.0x default MemoryPool", get("cupy-budget", "loop.median_s"), 1.00),
         ("Python pool pair <= 1.15x the Rust loop", figures.get("pool/rust"), 1.15),
         ("cache pair <= 0.30x CuPy default MemoryPool pair", figures.get("cache/cupy"), 0.30),
     ]

@@ -236,7 +236,10 @@ def _choose_torch_backend() -> None:
             stacklevel=3,
         )
         return
-    if "torch" in sys.modules:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if _allocator_backend(torch) == "cudaMallocAsync":
+            return  # imported before, on the backend the budget needs: routing reaches it
         warnings.warn(
             "PyTorch was imported before the budget: it keeps the allocator it chose then; make the budget "
             "before importing torch (python -m cumempool run does)",
@@ -382,38 +385,51 @@ def usage() -> dict[int, dict[str, Any]]:
     """Per device of the budget: ``limit``, the pool's ``used`` and ``reserved`` bytes, and per
     library the bytes in use, the peak, the count of live allocations and the share of the
     limit. The plug-in libraries (``cupy``, ``numba``) are counted allocation by allocation.
-    What the routed libraries draw (PyTorch's ``cudaMallocAsync`` backend, cuda.core's default
-    resource) and any direct ``cudaMallocAsync`` on the device reach the pool without passing
-    through cumempool, and PyTorch's own statistics read the default pool under routing (0), so
-    they are ``unattributed``, never dropped; its ``via`` lists the routed libraries loaded.
-    Empty without a budget."""
+
+    PyTorch draws through routing (its ``cudaMallocAsync`` backend), which passes no code of
+    cumempool's, and its own counters read the pool it configured, not the budget's: so while
+    PyTorch uses the route, ``torch`` is the pool's use less what the plug-ins counted, marked
+    ``"counted": "routed"``, with no peak or count; its ``includes`` names what else could draw
+    from the route directly and so is counted with it (cuda.core's default resource when
+    cuda.core is loaded, and any direct ``cudaMallocAsync``). Without PyTorch on the route, that
+    remainder is ``unattributed``, never dropped. Empty without a budget."""
     budget_now = _active
     if budget_now is None:
         return {}
     answer: dict[int, dict[str, Any]] = {}
-    routed = [name for name in ("torch", "cuda.core") if _loaded(name)]
+    torch_routed = _torch_on_the_route()
+    direct = (["cuda.core default resource"] if "cuda.core" in sys.modules else []) + ["direct cudaMallocAsync"]
     for ordinal, device in budget_now._devices.items():
         used, reserved = device.pool.used_mem_current, device.pool.reserved_mem_current
         libraries: dict[str, dict[str, Any]] = {}
         for name, counted in sorted(device.libraries.items()):
             counts = counted.usage()
             libraries[name] = {"bytes": counts["current_bytes"], "peak": counts["peak_bytes"], "count": counts["current_count"]}
-        attributed = sum(held["bytes"] for held in libraries.values())
-        libraries["unattributed"] = {"bytes": max(0, used - attributed), "peak": None, "count": None, "via": routed}
+        remainder = max(0, used - sum(held["bytes"] for held in libraries.values()))
+        if torch_routed:
+            libraries["torch"] = {"bytes": remainder, "peak": None, "count": None, "counted": "routed", "includes": direct}
+            remainder = 0
+        libraries["unattributed"] = {"bytes": remainder, "peak": None, "count": None, "includes": direct}
         for held in libraries.values():
             held["share"] = held["bytes"] / device.limit
         answer[ordinal] = {"limit": device.limit, "used": used, "reserved": reserved, "libraries": libraries}
     return answer
 
 
-def _loaded(name: str) -> bool:
-    """Whether the routed library ``name`` is imported (and, for PyTorch, has used CUDA)."""
-    module = sys.modules.get(name)
-    if module is None:
-        return False
-    if name == "torch":
-        return bool(module.cuda.is_initialized())
-    return True
+def _torch_on_the_route() -> bool:
+    """Whether PyTorch has used CUDA with its ``cudaMallocAsync`` backend, which draws from the
+    device's current pool: the budget's."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized() and _allocator_backend(torch) == "cudaMallocAsync"
+
+
+def _allocator_backend(torch: Any) -> str | None:
+    """The allocator backend PyTorch runs (``"native"``, ``"cudaMallocAsync"``), or None where
+    it cannot say."""
+    try:
+        return str(torch.cuda.memory.get_allocator_backend())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def report(device: int | None = None) -> str:
@@ -435,16 +451,19 @@ def report(device: int | None = None) -> str:
             if held["bytes"] == 0 and name == "unattributed":
                 continue
             count = f" in {held['count']} allocations" if held["count"] is not None else ""
-            via = f" (routed: {', '.join(held['via'])}, or direct cudaMallocAsync)" if held.get("via") else ""
-            lines.append(f"  {name:<13} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{via}")
+            how = ""
+            if held.get("counted") == "routed":
+                how = f" (through routing: the pool's use less what cumempool counted, {' and '.join(held['includes'])} included)"
+            elif name == "unattributed":
+                how = f" (drawn from the pool directly: {' or '.join(held['includes'])})"
+            lines.append(f"  {name:<13} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{how}")
         if reserved > used:
             lines.append(f"  reserved {size_text(reserved)} against {size_text(used)} used: {size_text(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)")
         top = holders[0] if holders and holders[0][1]["bytes"] else None
         if top is None:
             advice = "free memory"
         elif top[0] == "unattributed":
-            holders_named = " or ".join(top[1]["via"])
-            advice = f"free what {holders_named} holds" if holders_named else "free what the routed libraries hold"
+            advice = f"free what is drawn from the pool directly ({' or '.join(top[1]['includes'])})"
         else:
             advice = f"free what {top[0]} holds"
         lines.append(f"  to go on: {advice}, make the budget larger (--budget / cumempool.budget), or use smaller batches")

@@ -6,7 +6,7 @@ What is recorded: every allocation and free that CuPy and Numba make through cum
 plug-ins (and so under a budget), with its library, device, stream, size, time and, with
 ``stacks="python"``, the Python stack that asked for it. What PyTorch allocates through routing
 reaches the pool without passing through cumempool and is not recorded (``usage()`` counts it
-as unattributed).
+as the pool's use less what the plug-ins counted).
 
 Off, it costs the plug-ins one read of a module global per allocation.
 """
