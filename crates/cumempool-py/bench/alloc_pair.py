@@ -138,6 +138,33 @@ def breakdown_rows(stream, pairs: int, rounds: int, libraries: dict):
     rust = native._bench_rust_pairs(cache, SIZE, stream, pairs) / 1e3
     yield "cache pair in Rust", rust, "GIL released once for all pairs"
     stream.synchronize()
+    yield from cupy_plugin_pieces(cache, timed)
+
+
+def cupy_plugin_pieces(cache, timed):
+    """(piece, microseconds, note) for the steps of the CuPy plug-in's call, on a non-blocking
+    CuPy stream made current, beside CuPy's own MemoryPool pair: where CuPy is installed."""
+    try:
+        import cupy
+    except ImportError:
+        return
+    import cumempool.cupy as cmc
+
+    memory_pool = cupy.cuda.MemoryPool()
+    plugin = cmc.Allocator(cache)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        owner = cache.alloc(SIZE, s)
+        yield "CuPy: MemoryPool pair", timed(lambda: memory_pool.malloc(SIZE)), "CuPy's own, the target"
+        yield "CuPy: plug-in pair over the cache", timed(lambda: plugin(SIZE)), "as in the table"
+        yield "CuPy: runtime.getDevice()", timed(cupy.cuda.runtime.getDevice), "the device check"
+        yield "CuPy: get_current_stream()", timed(cupy.cuda.get_current_stream), ""
+        yield "CuPy: stream.is_capturing()", timed(s.is_capturing), "a driver query"
+        yield "CuPy: cache pair on the CuPy stream", timed(lambda: cache.alloc(SIZE, s).close()), "stream memo included"
+        yield "CuPy: owner.ptr + owner.device", timed(lambda: (owner.ptr, owner.device)), ""
+        unowned, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
+        yield "CuPy: MemoryPointer(UnownedMemory(...))", timed(lambda: pointer(unowned(owner.ptr, SIZE, owner, 0), 0)), "CuPy's objects"
+        owner.close()
+        s.synchronize()
 
 
 def library_streams() -> dict:

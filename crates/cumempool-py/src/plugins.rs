@@ -265,8 +265,8 @@ unsafe fn allocate(
 
 /// `size` bytes from `served`, ordered on `stream`, and never graph memory: PyTorch's caching
 /// allocator keeps the segment the plug-in gives and may hand any part of it to a later
-/// allocation of the same pool outside the capture, where graph memory (an allocation node,
-/// backed only while a launch holds it) would be read and written unbacked. So while `stream`
+/// allocation of the same pool outside the capture, but graph memory (an allocation node)
+/// belongs to the graph's launches, and no pool caps or counts it. So while `stream`
 /// captures into a graph, the memory is allocated on the device's side stream and waited for
 /// (in relaxed capture mode, as PyTorch's own `cudaMalloc` there): ordinary memory, idle and
 /// usable from any stream, counted by the pool's cap like any other. PyTorch's free later comes

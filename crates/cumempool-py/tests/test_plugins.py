@@ -32,8 +32,10 @@ def test_torch_mem_pool_serves_tensors_and_reports_statistics(gpu):
 
 def test_torch_segments_made_in_a_capture_are_ordinary_memory_eager_tensors_can_use(gpu):
     # PyTorch keeps a segment the plug-in gives and may hand a block of it to an eager tensor
-    # of the same pool after the capture, before any replay: graph memory (unbacked until a
-    # launch) would fault there. Run in its own process: a fault poisons the context.
+    # of the same pool after the capture: it must be the pool's ordinary memory, under its cap,
+    # not graph memory, which belongs to the graph's launches and which no pool counts (before
+    # the fix the segment was graph memory and the pool's counters missed it). Run in its own
+    # process: a fault would poison the context.
     library("torch")
     code = """
 import torch, cumempool as cm, cumempool.torch as cmt
