@@ -135,8 +135,11 @@ def test_on_the_gpu_the_snapshot_opens_in_pytorchs_viewer_and_plots(gpu, tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     data = pickle.loads(snapshot.read_bytes())
     libraries = sorted(set(data["cumempool"]["libraries"].values()))
-    assert libraries == ["cupy", "numba"], data["cumempool"]
-    assert len(data["segments"]) == 4, "three CuPy arrays and one Numba array live"
+    assert libraries == ["cupy", "numba", "torch"], data["cumempool"]
+    # Three CuPy arrays and one Numba array, recorded; PyTorch's bytes through routing as one.
+    assert len(data["segments"]) == 5, data["segments"]
+    torch_segment = next(segment for segment in data["segments"] if segment["address"] == 0)
+    assert torch_segment["total_size"] == 32 * MIB and torch_segment["frames"][0]["filename"] == "<torch>", torch_segment
     viewer = textwrap.dedent(
         """
         import pickle, sys
@@ -178,3 +181,20 @@ def test_without_stacks_no_stack_is_walked(recording, monkeypatch):
     cm.record_history(stacks=None)
     monkeypatch.setattr(_history.traceback, "walk_stack", lambda frame: pytest.fail("walked the stack"))
     _history.note_alloc("cupy", 0, 0x7000, 64, 0)
+
+
+def test_pytorchs_routed_bytes_are_one_segment_of_the_snapshot(recording, monkeypatch):
+    from cumempool import _budget
+
+    routed = {"bytes": 48 * MIB, "peak": None, "count": None, "counted": "routed", "includes": []}
+    figures = {0: {"limit": 1 << 30, "used": 64 * MIB, "reserved": 64 * MIB, "libraries": {"torch": routed}}}
+    monkeypatch.setattr(_budget, "usage", lambda: figures)
+    _history.note_alloc("cupy", 0, 0x7000, 16 * MIB, 0)
+    data = cm.snapshot()
+    by_address = {segment["address"]: segment for segment in data["segments"]}
+    assert sorted(by_address) == [0, 0x7000]
+    assert by_address[0]["total_size"] == 48 * MIB and by_address[0]["frames"][0]["filename"] == "<torch>"
+    assert data["cumempool"]["libraries"]["0:0x0"] == "torch"
+    # The traces keep only what was recorded one by one.
+    assert {event["addr"] for event in data["device_traces"][0]} == {0x7000}
+    assert (0, 0) not in _history.recording.live, "the recorder's own record is left as it was"

@@ -152,18 +152,39 @@ def _now() -> int:
     return time.time_ns() // 1000
 
 
+# The frame of the block that stands for PyTorch's bytes under a budget.
+_ROUTED_TORCH = {
+    "filename": "<torch>",
+    "line": 0,
+    "name": "torch allocations through routing (the budget pool's use less what cumempool counted; not recorded one by one)",
+}
+
+
 def snapshot() -> dict[str, Any]:
     """The live allocations and the recorded events, as PyTorch's memory snapshot
     (``segments`` with their ``blocks``, ``device_traces``), each allocation a segment of one
     block whose first frame names its library; with ``cumempool``: the budget's usage and each
-    live allocation's library."""
+    live allocation's library. Under a budget, what PyTorch holds through routing is one more
+    segment, at address 0, of ``usage()``'s ``torch`` bytes: in the segments, not in the
+    traces (its allocations are not seen one by one)."""
     from ._budget import usage
 
     recorder = recording
     with _lock:
         live = dict(recorder.live) if recorder is not None else {}
         traces = {device: list(events) for device, events in recorder.traces.items()} if recorder is not None else {}
-    devices = max([*traces, *(device for device, _ in live), -1]) + 1
+    held = usage()
+    routed = {
+        device: of_device["libraries"]["torch"]["bytes"]
+        for device, of_device in held.items()
+        if of_device["libraries"].get("torch", {}).get("counted") == "routed" and of_device["libraries"]["torch"]["bytes"]
+    }
+    devices = max([*traces, *(device for device, _ in live), *routed, -1]) + 1
+    # PyTorch's share under a budget, which reaches the pool through routing and is not
+    # recorded allocation by allocation: one block at address 0 (no allocation has it), so the
+    # viewer shows PyTorch's bytes beside the others'.
+    for device, size in routed.items():
+        live[(device, 0)] = _Live("torch", size, 0, [_ROUTED_TORCH])
     segments = []
     for (device, address), allocation in sorted(live.items()):
         block = {
@@ -194,7 +215,7 @@ def snapshot() -> dict[str, Any]:
         "device_traces": [traces.get(device, []) for device in range(devices)],
         "allocator_settings": {},
         "cumempool": {
-            "usage": usage(),
+            "usage": held,
             "libraries": {f"{device}:{address:#x}": allocation.library for (device, address), allocation in live.items()},
         },
     }
