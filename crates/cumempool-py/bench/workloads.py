@@ -114,6 +114,7 @@ CONFIGS = [
     Config("cupy-plugin-pool", "plug-in over the pool", "cupy"),
     Config("cupy-budget", "cumempool.budget (plug-in)", "cupy"),
     Config("cupy-budget-recording", "cumempool.budget, recording stacks", "cupy"),
+    Config("cupy-budget-recording-nostacks", "cumempool.budget, recording, no stacks", "cupy"),
 ]
 PAIRS = Config("pairs", "alloc+free pairs", "cumempool")
 BY_KEY = {c.key: c for c in [*CONFIGS, PAIRS]}
@@ -355,8 +356,8 @@ def cupy_child(key: str, counts: Counts, result: dict):
         # the budget installs its allocator at once).
         budget = cm.budget(devices={0: CAP})
         pool = budget.pool(0)
-        if key == "cupy-budget-recording":
-            cm.record_history(True, stacks="python")
+        if key.startswith("cupy-budget-recording"):
+            cm.record_history(True, stacks=None if key.endswith("nostacks") else "python")
         allocator = cupy.cuda.get_allocator()
     elif key == "cupy-default":
         memory_pool = cupy.cuda.MemoryPool()

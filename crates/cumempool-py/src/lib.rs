@@ -9,6 +9,7 @@ mod bench_hooks;
 mod buffers;
 mod build_features;
 mod capture_mode;
+mod cupy_serve;
 mod current_context;
 mod current_pools;
 mod default_streams;
@@ -74,6 +75,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<resources::Tracking>()?;
     module.add_class::<resources::OnOutOfMemory>()?;
     module.add_class::<resources::Caching>()?;
+    module.add_class::<cupy_serve::CupyServe>()?;
     module.add_function(wrap_pyfunction!(capture_mode::_in_relaxed_capture_mode, module)?)?;
     module.add_function(wrap_pyfunction!(current_pools::default_pool, module)?)?;
     module.add_function(wrap_pyfunction!(current_pools::current_pool, module)?)?;

@@ -42,25 +42,9 @@ pub struct ResourceBase {
 }
 
 impl ResourceBase {
-    fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
-        Self { inner, kind: below.kind, device: below.device, below: below_object, calls_python: below.calls_python }
-    }
-}
-
-#[pymethods]
-impl ResourceBase {
-    /// Allocates `size` bytes ordered on `stream` (as `MemPool.alloc`). On a stream capturing
-    /// into a CUDA graph it raises StreamCapturingError: allocate before the capture, or through
-    /// the capturing library's allocator plug-in.
-    ///
-    /// Example: `buf = CachingResource(PoolResource(pool)).alloc(1 << 20, stream)`.
-    #[pyo3(signature = (size, stream = None))]
-    fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
-        let stream = Stream::from_object(py, stream, self.device)?;
-        // What it allocates on a capturing stream is graph memory (an allocation node), and the
-        // Buffer, freed outside the graph, would either have its free refused before a launch
-        // (each launch then allocates memory nothing frees) or run unordered after one.
-        stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
+    /// `size` bytes on `stream` as a Buffer, on a stream the caller found not capturing (the
+    /// plug-ins check it their own way): `alloc` without its capture check.
+    pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
         let interruptions = Interruptions::collect();
         // The GIL is released, and the caller's context put back, only around driver calls, at
         // the bottom of the stack (a cache hit makes none).
@@ -86,6 +70,28 @@ impl ResourceBase {
         // The memory's device is the pool's, whichever device's stream it is ordered on.
         let device = if self.kind == Kind::Device { self.device } else { stream.get().device };
         Ok(Buffer::new(Core::new(memory, stream, self.kind, device)))
+    }
+
+    fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
+        Self { inner, kind: below.kind, device: below.device, below: below_object, calls_python: below.calls_python }
+    }
+}
+
+#[pymethods]
+impl ResourceBase {
+    /// Allocates `size` bytes ordered on `stream` (as `MemPool.alloc`). On a stream capturing
+    /// into a CUDA graph it raises StreamCapturingError: allocate before the capture, or through
+    /// the capturing library's allocator plug-in.
+    ///
+    /// Example: `buf = CachingResource(PoolResource(pool)).alloc(1 << 20, stream)`.
+    #[pyo3(signature = (size, stream = None))]
+    fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
+        let stream = Stream::from_object(py, stream, self.device)?;
+        // What it allocates on a capturing stream is graph memory (an allocation node), and the
+        // Buffer, freed outside the graph, would either have its free refused before a launch
+        // (each launch then allocates memory nothing frees) or run unordered after one.
+        stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
+        self.alloc_outside_captures(py, size, stream)
     }
 
     /// `"device"`, `"host"` or `"managed"`.

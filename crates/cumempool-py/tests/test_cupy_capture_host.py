@@ -3,15 +3,31 @@ the stand-in libcuda, whose current stream says it captures when told to."""
 
 from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
 
-# A stand-in ``cupy``: `capturing[0]` says whether its current stream captures; `synced` notes
-# the devices synchronised (`cupy.cuda.Device(n).synchronize()`).
+# A stand-in ``cupy``: its current stream is `current[0]` (a handle of the stand-in driver, 0
+# the legacy stream), which `capture()` begins capturing (in `mode`) and `end_capture()` ends, as
+# CuPy's `begin_capture` and `end_capture` do; `synced` notes the devices synchronised
+# (`cupy.cuda.Device(n).synchronize()`).
 FAKE_CUPY = """
 import sys, types
-capturing, synced = [False], []
+current, synced = [0], []
 class FakeStream:
-    ptr = 0
+    @property
+    def ptr(self):
+        return current[0]
     def is_capturing(self):
-        return capturing[0]
+        status = ctypes.c_int()
+        assert capture_info(ctypes.c_void_p(current[0]), ctypes.byref(status), *[None] * 5) == 0
+        return status.value != 0
+capture_info = entry("cuStreamGetCaptureInfo", ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), *[ctypes.c_void_p] * 5)
+def capture(mode=0):
+    stream = cm.Stream(0)
+    assert begin(stream.handle, mode) == 0
+    current[0] = stream.handle
+    return stream
+def end_capture(stream):
+    graph = ctypes.c_void_p()
+    current[0] = 0
+    return end(stream.handle, ctypes.byref(graph))
 class FakeDevice:
     def __init__(self, n):
         self.n = n
@@ -45,11 +61,11 @@ def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda):  
         """
 pool = cm.MemPool(cm.Route.device(0))
 allocator = cmc.Allocator(pool)
-capturing[0] = True
+captured = capture()
 escaped = allocator(4096)  # the user keeps it
 temporary = allocator(8192)
 del temporary  # a temporary the capture let go of
-capturing[0] = False
+assert end_capture(captured) == 0
 allocator.release_captured()
 print(pool.used_mem_current, allocator.captured_bytes, synced)
 del escaped
@@ -70,15 +86,10 @@ def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcud
 pool = cm.MemPool(cm.Route.device(0))
 for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
     allocator = cmc.Allocator(source)
-    captured = cm.Stream(0)
-    handle = captured.handle
-    assert begin(handle, 0) == 0  # global
-    capturing[0] = True
+    captured = capture(0)  # global
     pointers = [allocator(4096) for _ in range(3)]
     del pointers
-    capturing[0] = False
-    graph = ctypes.c_void_p()
-    print(end(handle, ctypes.byref(graph)), allocator.captured_bytes)
+    print(end_capture(captured), allocator.captured_bytes)
     allocator.release_captured()
 """,
     )

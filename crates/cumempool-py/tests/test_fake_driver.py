@@ -285,6 +285,46 @@ def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(fake_libcuda):
     assert lines[1:] == ["refused", "True"], "memory of device 0 was handed to CuPy running on device 1"
 
 
+def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys_object(fake_libcuda):
+    # CuPy's device current, a stream that does not capture, no recording: one native call
+    # serves it (the Python steps, which would ask CuPy's stream, are not taken), and the
+    # memory goes back when CuPy's memory object does.
+    lines = _run(
+        fake_libcuda,
+        """
+        import sys, types
+        import cumempool.cupy as cmc
+        class Stream:
+            ptr = 0
+            def is_capturing(self):
+                raise AssertionError("the Python steps ran")
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            get_current_stream=Stream,
+            UnownedMemory=lambda ptr, size, owner, device: [ptr, size, owner, device],
+            MemoryPointer=lambda memory, offset: memory,
+        )
+        sys.modules["cupy"] = cupy
+        stats = cm.Statistics(cm.PoolResource(pool))
+        allocator = cmc.Allocator(stats)
+        memory = allocator(256)
+        print(memory[1], memory[3], memory[0] == memory[2].ptr, stats.usage()["current_bytes"])
+        del memory
+        gc.collect()
+        print(stats.usage()["current_bytes"])
+        cm.record_history(stacks=None)
+        try:
+            allocator(256)
+        except AssertionError as error:
+            print("recording takes the Python steps:", error)
+        """,
+    )
+    assert lines[:4] == ["256", "0", "True", "256"]
+    assert lines[4] == "0", "the memory outlived CuPy's object"
+    assert " ".join(lines[5:]) == "recording takes the Python steps: the Python steps ran"
+
+
 def test_wrong_exports_and_streams_are_refused_in_plain_words(fake_libcuda):
     lines = _run(
         fake_libcuda,

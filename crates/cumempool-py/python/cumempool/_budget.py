@@ -266,15 +266,21 @@ def _install_cupy(cupy: Any) -> None:
 
     allocators = {ordinal: Allocator(budget_now.resource("cupy", ordinal)) for ordinal in budget_now.devices}
 
-    def allocate(size: int) -> Any:
-        device = cupy.cuda.runtime.getDevice()
-        allocator = allocators.get(device)
-        if allocator is None:
-            return cupy.get_default_memory_pool().malloc(size)  # a device outside the budget
-        return allocator(size)
+    def outside(size: int) -> Any:
+        return cupy.get_default_memory_pool().malloc(size)  # a device outside the budget
 
-    budget_now._cupy = (current, allocate)
-    cupy.cuda.set_allocator(allocate)
+    def allocate(size: int) -> Any:
+        allocator = allocators.get(cupy.cuda.runtime.getDevice())
+        return outside(size) if allocator is None else allocator(size)
+
+    installed: Callable[[int], Any] = allocate
+    if len(allocators) == 1:
+        # One device (one rank's): its allocator itself, one call less per allocation.
+        (only,) = allocators.values()
+        only._elsewhere = outside
+        installed = only
+    budget_now._cupy = (current, installed)
+    cupy.cuda.set_allocator(installed)
 
 
 def _install_numba(numba_cuda: Any) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "torch_usage",
     "TORCH_SLOTS",
     "_in_relaxed_capture_mode",
+    "_CupyServe",
 ]
 
 # Anything accepted where a stream is: a Stream, an object with `__cuda_stream__`, a PyTorch or
@@ -361,3 +362,12 @@ TORCH_SLOTS: Final[int]
 _T = TypeVar("_T")
 
 def _in_relaxed_capture_mode(call: Callable[[], _T]) -> _T: ...
+
+@final
+class _CupyServe:
+    """The CuPy plug-in's allocation in one native call (``cumempool.cupy.Allocator``)."""
+
+    def __new__(
+        cls, resource: Resource, current_device: Callable[[], int], current_stream: Callable[[], Any], unowned_memory: Any, memory_pointer: Any
+    ) -> _CupyServe: ...
+    def __call__(self, size: int) -> Any | None: ...

@@ -12,9 +12,10 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
 from . import _history, errors
-from ._native import Buffer, MemPool, Resource, Stream, _in_relaxed_capture_mode
+from ._native import Buffer, MemPool, Resource, Stream, _CupyServe, _in_relaxed_capture_mode
 from ._sources import resource_of
 from .errors import InvalidDeviceError
 
@@ -76,11 +77,20 @@ class Allocator:
     :meth:`release_captured` after the graphs that use it are gone."""
 
     def __init__(self, source: MemPool | Resource):
+        import cupy
+
         self.resource = resource_of(source)
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
         self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []
         self._side: Stream | None = None
+        # What serves CuPy on another device (the budget's fallback), else refused.
+        self._elsewhere: Callable[[int], Any] | None = None
+        # The common case in one native call: the resource's device current, a stream that
+        # does not capture, no recording.
+        self._serve = _CupyServe(
+            self.resource, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream, cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
+        )
 
     @property
     def captured_bytes(self) -> int:
@@ -119,10 +129,24 @@ class Allocator:
         return lease
 
     def __call__(self, size: int):
+        if _history.recording is None:
+            try:
+                pointer = self._serve(size)
+            except errors.OutOfMemoryError as error:
+                raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
+            if pointer is not None:
+                return pointer
+        return self._serve_in_python(size)
+
+    def _serve_in_python(self, size: int):
+        """The call step by step: another device current (refused), a capturing stream, or
+        recording on."""
         import cupy
 
         current = cupy.cuda.runtime.getDevice()
         if current != self.resource.device:
+            if self._elsewhere is not None:
+                return self._elsewhere(size)
             raise InvalidDeviceError(
                 f"this allocator serves device {self.resource.device} and CuPy's current device is "
                 f"device {current}: give each device an Allocator of its own resource"
