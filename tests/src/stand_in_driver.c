@@ -82,6 +82,7 @@ static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
 static CUresult free_async(uint64_t p, Stream *s) {
     if (legacy_refused(s)) return IMPLICIT;
     if (s && (uintptr_t)s > 2 && s->capturing) return 1; /* memory from before the capture */
+    log_call("free", (void *)(uintptr_t)p, s, 0);
     size_t *block = (size_t *)(uintptr_t)p - 1;
     live_bytes -= *block; free(block); return 0;
 }
@@ -107,6 +108,18 @@ static int forbidden(Stream *on) {
     return refused;
 }
 static CUresult begin_capture(Stream *s, int mode);
+/* A wait for every stream of the context: the work of a capturing stream never runs, so while
+   any stream captures it is refused (modelled conservatively: the driver's answer for another
+   thread's relaxed capture is not modelled). */
+static CUresult ctx_synchronize(CUcontext c) {
+    int refused = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < 64; i++) if (capturing[i]) refused = 1;
+    pthread_mutex_unlock(&lock);
+    CUresult r = refused ? UNSUPPORTED : 0;
+    log_call("ctxsync", c, 0, r);
+    return r;
+}
 static CUresult stream_wait(Stream *s) {
     CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0;
     if (!r && fail_next_waits & 2) { fail_next_waits &= ~2; r = 999; }
@@ -231,7 +244,7 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuMemPoolCreate", pool_create}, {"cuMemPoolGetAttribute", pool_attribute},
     {"cuMemAllocFromPoolAsync", alloc_from_pool}, {"cuMemFreeAsync", free_async},
     {"cuEventCreate", event_create}, {"cuEventDestroy", event_destroy},
-    {"cuStreamSynchronize", stream_wait}, {"cuStreamQuery", stream_wait},
+    {"cuStreamSynchronize", stream_wait}, {"cuCtxSynchronize", ctx_synchronize}, {"cuStreamQuery", stream_wait},
     {"cuEventSynchronize", event_wait}, {"cuEventQuery", event_query},
     {"cuStreamBeginCapture", begin_capture}, {"cuStreamEndCapture", end_capture},
     {"cuGraphDestroy", graph_destroy}, {"cuStreamGetCaptureInfo", capture_info},

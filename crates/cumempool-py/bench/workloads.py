@@ -146,7 +146,8 @@ class TorchAllocator:
         self.pool = self.guard = self.mem_pool = self.budget = None
         route = cm.Route.device(0)
         if key == "torch-budget":
-            # What `python -m cumempool run --budget` makes, before PyTorch's first allocation.
+            # What `python -m cumempool run --budget` makes, before PyTorch's first allocation
+            # (PyTorch is imported already, on the backend the child's environment chose).
             self.budget = cm.budget(devices={0: CAP})
             self.pool = self.budget.pool(0)
         elif key.startswith("torch-recipe"):
@@ -169,6 +170,7 @@ class TorchAllocator:
         self.backend = torch.cuda.memory.get_allocator_backend()
         wanted = "cudaMallocAsync" if BY_KEY[key].backend == ASYNC_BACKEND else "native"
         if self.backend != wanted:
+            self.close()
             raise RuntimeError(f"PyTorch runs the {self.backend} backend where {key} needs {wanted}")
 
     @property
@@ -218,19 +220,21 @@ class TorchAllocator:
 
     def close(self):
         torch = self.torch
-        torch.cuda.synchronize()
-        if self.mem_pool is not None:
-            import cumempool.torch as cmt
+        try:
+            torch.cuda.synchronize()
+            if self.mem_pool is not None:
+                import cumempool.torch as cmt
 
-            self.mem_pool = None
-            torch.cuda.empty_cache()
-            cmt.stop()
-        if self.guard is not None:
-            torch.cuda.empty_cache()
-            self.guard.restore()
-        if self.budget is not None:
-            torch.cuda.empty_cache()
-            self.budget.close()
+                self.mem_pool = None
+                torch.cuda.empty_cache()
+                cmt.stop()
+            if self.guard is not None or self.budget is not None:
+                torch.cuda.empty_cache()
+        finally:
+            if self.guard is not None:
+                self.guard.restore()
+            if self.budget is not None:
+                self.budget.close()
 
 
 def torch_model(torch):

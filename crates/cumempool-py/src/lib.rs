@@ -96,6 +96,8 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(plugins::torch_unbind, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_stop_slots, module)?)?;
     module.add_function(wrap_pyfunction!(plugins::torch_usage, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_release_captured, module)?)?;
+    module.add_function(wrap_pyfunction!(plugins::torch_captured_bytes, module)?)?;
     module.add("TORCH_SLOTS", plugins::TORCH_SLOTS)?;
     #[cfg(feature = "bench-hooks")]
     bench_hooks::register(module)?;

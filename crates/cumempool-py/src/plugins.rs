@@ -39,6 +39,19 @@ static SERVED: RwLock<Option<Served>> = RwLock::new(None);
 /// device's own legacy stream.
 static STREAMS: Mutex<Option<HashMap<(usize, i32), cumempool::Stream>>> = Mutex::new(None);
 
+/// Memory PyTorch freed while a capture was underway (or while the device could not be waited
+/// for): kept, with its slot, until `torch_release_captured` gives it back.
+static PARKED: Mutex<Vec<Parked>> = Mutex::new(Vec::new());
+
+/// A free kept for later.
+struct Parked {
+    ptr: usize,
+    resource: Arc<dyn Resource>,
+    size: usize,
+    device: i32,
+    slot: Option<SlotId>,
+}
+
 /// The resource each live allocation came from, its size and its slot, so a free goes back to
 /// it even after Python switched or stopped what is served (or unbound the slot), with the size
 /// it was allocated with (a cache files a block under its size: a wrong size PyTorch passes is
@@ -279,8 +292,10 @@ fn allocate_outside_graphs(
     if !stream.may_be_capturing() || !stream.is_capturing()? {
         return served.resource.allocate(size, stream);
     }
-    let side = side_stream(served.device)?;
     cumempool::in_relaxed_capture_mode(|| {
+        // Made on first use, in relaxed mode too: a capture in global mode refuses this thread
+        // calls that are unsafe while it runs.
+        let side = side_stream(served.device)?;
         let ptr = served.resource.allocate(size, &side)?;
         if let Err(error) = side.synchronize() {
             // SAFETY: just allocated on `side` and given to no one; freed once, on `side`.
@@ -361,14 +376,50 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
         );
     }
     let size = allocated;
-    let answer = stream_for(stream as usize, device).map_err(cumempool_alloc::Error::from).and_then(|s| {
+    let given_back = stream_for(stream as usize, device).map_err(cumempool_alloc::Error::from).and_then(|s| {
+        if !device_is_idle_for_a_free(&s, device) {
+            // A capture is underway: the graph may use this memory at every launch, so it is
+            // kept (with its slot) until `release_captured()`, after the graphs are gone.
+            crate::locks::lock(&PARKED).push(Parked { ptr: ptr as usize, resource: resource.clone(), size, device, slot: id });
+            return Ok(false);
+        }
         // SAFETY: PyTorch frees what cumempool_torch_alloc gave (it was live), with the size
-        // recorded then, on its stream, to the resource it came from.
-        unsafe { resource.deallocate(ptr as usize as sys::CUdeviceptr, size, &s) }
+        // recorded then, to the resource it came from; the device has finished every launch
+        // queued before, so no replay of a graph still uses it, on whatever stream it ran.
+        unsafe { resource.deallocate(ptr as usize as sys::CUdeviceptr, size, &s) }.map(|()| true)
     });
-    if let Err(error) = answer {
-        tracing::warn!(%error, ?ptr, "cumempool_torch_free failed");
+    match given_back {
+        Ok(true) => release_slot_hold(id),
+        Ok(false) => {}
+        Err(error) => {
+            tracing::warn!(%error, ?ptr, "cumempool_torch_free failed");
+            release_slot_hold(id);
+        }
     }
+}
+
+/// Whether a free may give memory back now, on `stream` of `device`: no capture underway on
+/// it, and the device done with every launch queued before (as PyTorch's own release, whose
+/// `cudaFree` synchronises the device, assumes). PyTorch frees a segment only once no tensor
+/// uses it, but a CUDA graph replayed on another stream may still read it, unordered with
+/// `stream`. The wait runs in relaxed capture mode; a capture on the device refuses it, and the
+/// free is then kept too. Called holding PyTorch's allocator mutex and perhaps the GIL, as
+/// `cudaFree` is: a host function that needs the GIL, queued before, would wait for it.
+fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
+    if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
+        return false;
+    }
+    let waited = crate::primary_contexts::primary_context(device).and_then(|context| {
+        cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
+    });
+    if let Err(error) = &waited {
+        tracing::debug!(%error, device, "the wait before a plug-in free was refused: the free is kept");
+    }
+    waited.is_ok()
+}
+
+/// Lets go of the hold an allocation of slot `id` kept on its slot (its free ran).
+fn release_slot_hold(id: Option<SlotId>) {
     if let Some(id) = id {
         let mut slot = slot(id.index);
         let mut unused = None;
@@ -380,6 +431,57 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
         // Outside the lock: dropping what the slot served may give a cache's blocks back.
         drop(unused);
     }
+}
+
+/// Gives back the memory PyTorch freed during captures (`cumempool.torch.release_captured()`),
+/// after waiting for each device it is on; returns the bytes given back. A device whose wait is
+/// refused (a capture underway on it) keeps its memory, and the refusal is raised.
+#[pyfunction]
+pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
+    let parked = std::mem::take(&mut *crate::locks::lock(&PARKED));
+    let (released, kept, refusal) = crate::gil::detach(py, || {
+        let mut devices: Vec<i32> = parked.iter().map(|p| p.device).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        let mut idle = Vec::new();
+        let mut refusal = None;
+        for device in devices {
+            let waited = crate::primary_contexts::primary_context(device).and_then(|context| {
+                cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
+                    .map(|()| context)
+            });
+            match waited {
+                Ok(context) => idle.push((device, cumempool::Stream::legacy(&context))),
+                Err(error) => refusal = refusal.or(Some(error)),
+            }
+        }
+        let (mut released, mut kept) = (0, Vec::new());
+        for free in parked {
+            let Some((_, stream)) = idle.iter().find(|(d, _)| *d == free.device) else {
+                kept.push(free);
+                continue;
+            };
+            // SAFETY: allocated by `resource` with `size` bytes, freed by PyTorch and kept since,
+            // given back once; the device has finished every launch queued before.
+            match unsafe { free.resource.deallocate(free.ptr as sys::CUdeviceptr, free.size, stream) } {
+                Ok(()) => released += free.size,
+                Err(error) => tracing::warn!(%error, ptr = free.ptr, "giving back memory a capture kept failed"),
+            }
+            release_slot_hold(free.slot);
+        }
+        (released, kept, refusal)
+    });
+    crate::locks::lock(&PARKED).extend(kept);
+    match refusal {
+        Some(error) => Err(error.into()),
+        None => Ok(released),
+    }
+}
+
+/// The bytes PyTorch freed during captures that the plug-in keeps until `release_captured()`.
+#[pyfunction]
+pub fn torch_captured_bytes() -> usize {
+    crate::locks::lock(&PARKED).iter().map(|p| p.size).sum()
 }
 
 /// Binds a slot to `source` (a `MemPool` or a resource), serving `resource` (the source as a

@@ -293,3 +293,28 @@ def test_the_devices_of_a_budget_follow_local_rank(stand_in_libcuda):  # noqa: F
         """,
     )
     assert words == ["[0]", "[0]", "[0]", "refused", "True"], "one GPU per rank: the rank's is device 0"
+
+
+def test_a_resource_drawn_for_torch_keeps_its_counted_bytes_beside_the_routed_ones(stand_in_libcuda):  # noqa: F811
+    # A program may draw from the budget as "torch" itself (`Budget.resource("torch", 0)`, for
+    # `cumempool.torch.mem_pool`): while PyTorch also uses the route, neither figure replaces
+    # the other. A stand-in `torch` on the cudaMallocAsync backend.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import sys, types
+        torch = types.ModuleType("torch")
+        torch.cuda = types.SimpleNamespace(
+            is_initialized=lambda: True,
+            memory=types.SimpleNamespace(get_allocator_backend=lambda: "cudaMallocAsync"),
+        )
+        sys.modules["torch"] = torch
+        budget = cm.budget(devices={0: "1MiB"})
+        held = budget.resource("torch", 0).alloc(4096)
+        direct = cm.PoolResource(budget.pool(0)).alloc(8192)  # drawn past cumempool's counting
+        libraries = cm.usage()[0]["libraries"]
+        print(libraries["torch"]["bytes"], libraries["torch (routed)"]["bytes"], libraries["unattributed"]["bytes"])
+        held.close(); direct.close(); budget.close()
+        """,
+    )
+    assert words == ["4096", "8192", "0"], "the bytes counted for torch were replaced by the routed remainder"

@@ -62,6 +62,38 @@ print(counted, eager_ok, bool((y == 2).all()))
     assert run_in_new_process(code).split() == ["True", "True", "True"]
 
 
+def test_torch_a_segment_a_graph_used_goes_back_only_after_its_replays(gpu):
+    # PyTorch frees a graph's segment on the stream it was allocated on, while a replay on
+    # another stream may still write it: the plug-in waits for the device first, so memory the
+    # pool hands out next is not written by the replay. Its own process: a replay may fault.
+    library("torch")
+    code = """
+import torch, cumempool as cm, cumempool.torch as cmt
+pool = cm.MemPool(cm.Route.device(0), max_size=1 << 30)
+mp = cmt.mem_pool(pool)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph, pool=mp.id):
+    t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(300_000_000)  # long enough that the replay is still running below
+    t.fill_(3)
+address = t.data_ptr()
+graph.replay()  # on the current stream, not the capture's
+del t, graph, mp
+torch.cuda.empty_cache()  # the segment goes back through the plug-in
+stream = cm.Stream(0)
+buffer = pool.alloc(64 << 20, stream)
+buffer.fill(7)
+stream.synchronize()
+torch.cuda.synchronize()
+data = buffer.to_bytes()
+print(buffer.ptr == address, data.count(7) == len(data))
+"""
+    reused, intact = run_in_new_process(code).split()
+    if reused != "True":
+        pytest.skip("the pool handed out other memory: nothing to check")
+    assert intact == "True", "a replay wrote memory the pool had handed out again"
+
+
 def test_torch_and_cupy_read_buffers_through_dlpack_and_the_array_interface(gpu, stream):
     torch = library("torch")
     buffer = cm.MemPool(cm.Route.device(0)).alloc(16, stream)

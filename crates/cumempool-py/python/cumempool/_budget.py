@@ -413,7 +413,10 @@ def usage() -> dict[int, dict[str, Any]]:
             libraries[name] = {"bytes": counts["current_bytes"], "peak": counts["peak_bytes"], "count": counts["current_count"]}
         remainder = max(0, used - sum(held["bytes"] for held in libraries.values()))
         if torch_routed:
-            libraries["torch"] = {"bytes": remainder, "peak": None, "count": None, "counted": "routed", "includes": direct}
+            # A resource the program drew for "torch" itself (`Budget.resource`) keeps its own
+            # counted entry beside the routed one.
+            routed_name = "torch" if "torch" not in libraries else "torch (routed)"
+            libraries[routed_name] = {"bytes": remainder, "peak": None, "count": None, "counted": "routed", "includes": direct}
             remainder = 0
         libraries["unattributed"] = {"bytes": remainder, "peak": None, "count": None, "includes": direct}
         for held in libraries.values():
@@ -424,7 +427,8 @@ def usage() -> dict[int, dict[str, Any]]:
 
 def _torch_on_the_route() -> bool:
     """Whether PyTorch has used CUDA with its ``cudaMallocAsync`` backend, which draws from the
-    device's current pool: the budget's."""
+    device's current pool: the budget's. Process-wide: on a device of the budget PyTorch never
+    used, the routed bytes are another direct user's, which the figure's ``includes`` names."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.cuda.is_initialized() and _allocator_backend(torch) == "cudaMallocAsync"
 
@@ -470,6 +474,8 @@ def report(device: int | None = None) -> str:
             advice = "free memory"
         elif top[0] == "unattributed":
             advice = f"free what is drawn from the pool directly ({' or '.join(top[1]['includes'])})"
+        elif top[1].get("counted") == "routed":
+            advice = f"free what {top[0]} holds (or what else draws from the pool directly: {' or '.join(top[1]['includes'])})"
         else:
             advice = f"free what {top[0]} holds"
         lines.append(f"  to go on: {advice}, make the budget larger (--budget / cumempool.budget), or use smaller batches")

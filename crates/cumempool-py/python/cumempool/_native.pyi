@@ -43,6 +43,8 @@ __all__ = [
     "torch_unbind",
     "torch_stop_slots",
     "torch_usage",
+    "torch_release_captured",
+    "torch_captured_bytes",
     "TORCH_SLOTS",
     "_in_relaxed_capture_mode",
     "_CupyServe",
@@ -353,6 +355,8 @@ def torch_bind(source: MemPool | Resource, resource: Resource) -> tuple[int, int
 def torch_unbind(slot_index: int, generation: int) -> None: ...
 def torch_stop_slots() -> None: ...
 def torch_usage(slot_index: int, generation: int) -> dict[str, int] | None: ...
+def torch_release_captured() -> int: ...
+def torch_captured_bytes() -> int: ...
 
 TORCH_SLOTS: Final[int]
 

@@ -20,9 +20,17 @@ Streams: a stream lent through ``torch.cuda.ExternalStream`` must live until the
 resource's ``release()`` ran after its last tensor was freed (or to the end of the process);
 PyTorch's own streams need nothing.
 
+Frees: PyTorch gives a segment back only once no tensor uses it, but a CUDA graph replayed on
+any stream may still read it, so the plug-in waits for the device before it gives memory back,
+as PyTorch's own ``cudaFree`` does. Segments are given back rarely (``torch.cuda.empty_cache()``,
+a pool's end, an out-of-memory retry).
+
 CUDA graphs: a segment the plug-in gives while PyTorch's stream captures (``torch.cuda.graph``) is
 ordinary memory of its source, allocated beside the capture and waited for, since PyTorch may
 later hand it to an eager tensor of the same pool: the pool's ``max_size`` and counters govern it.
+Memory PyTorch frees while a capture is underway (its out-of-memory retry can) may still be used
+by that graph at every launch: it is kept until :func:`release_captured`, which you call once
+the graphs are gone.
 
 How it works: ``docs/internals-python.md``, "The torch plug-in".
 """
@@ -123,6 +131,21 @@ def statistics(pool=None) -> dict:
     if _served is None:
         return {}
     return _served.usage()
+
+
+def release_captured() -> int:
+    """Gives back the memory PyTorch freed while a CUDA graph capture was underway, which the
+    plug-in keeps because the graph may use it at every launch; returns the bytes given back.
+    Call it once the graphs captured meanwhile are gone (deleted or reset, no replay to come).
+    Each device is waited for first; while a capture is underway on one, its memory stays kept
+    and the driver's refusal is raised (``StreamCapturingError``)."""
+    return _native.torch_release_captured()
+
+
+def captured_bytes() -> int:
+    """The bytes PyTorch freed during captures that the plug-in keeps until
+    :func:`release_captured`."""
+    return _native.torch_captured_bytes()
 
 
 def stop() -> None:

@@ -1,0 +1,97 @@
+"""When the PyTorch plug-in gives memory back, on the stand-in libcuda (no GPU, no torch): its
+exported functions called as PyTorch's caching allocator calls them, around captures the
+stand-in models."""
+
+from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+
+# The plug-in's C functions (`lib`), serving a pool (`pool`, `cmt`), and the stand-in's log of
+# the calls that order work (`logged()`: the first word of each line since `mark()`).
+SETUP = """
+import cumempool.torch as cmt
+lib = ctypes.CDLL(cm.native_library_path())
+lib.cumempool_torch_alloc.restype = ctypes.c_void_p
+lib.cumempool_torch_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+pool = cm.MemPool(cm.Route.device(0))
+cmt.serve(pool)
+stream = cm.Stream(0)
+h = stream.handle
+MIB = 1 << 20
+log = ctypes.c_char * (1 << 16)
+def text():
+    length = ctypes.c_int.in_dll(lib_cuda, "call_log_len").value
+    return log.in_dll(lib_cuda, "call_log").raw[:length].decode()
+lib_cuda = ctypes.CDLL(os.environ["CUMEMPOOL_LIBCUDA"])
+start = [0]
+def mark():
+    start[0] = len(text())
+def logged():
+    return [line.split()[0] for line in text()[start[0]:].splitlines()]
+def end_capture(handle):
+    graph = ctypes.c_void_p()
+    return end(handle, ctypes.byref(graph))
+"""
+
+
+def test_a_free_waits_for_the_device_first(stand_in_libcuda):  # noqa: F811
+    # A graph replayed on another stream may still read a segment PyTorch frees: the plug-in
+    # waits for the whole device before the memory goes back, as PyTorch's cudaFree does.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        SETUP
+        + """
+p = lib.cumempool_torch_alloc(MIB, 0, h)
+mark()
+lib.cumempool_torch_free(p, MIB, 0, h)
+print(" ".join(word for word in logged() if word in ("ctxsync", "free")), pool.used_mem_current)
+""",
+    )
+    assert words == ["ctxsync", "free", "0"], "the memory went back before the device was waited for"
+
+
+def test_a_free_during_a_capture_is_kept_until_release_captured(stand_in_libcuda):  # noqa: F811
+    # PyTorch's out-of-memory retry can free a segment while its stream captures; the graph may
+    # use it at every launch, so it must not go back when the capture ends.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        SETUP
+        + """
+p = lib.cumempool_torch_alloc(MIB, 0, h)
+assert begin(h, 2) == 0  # relaxed, as PyTorch's allocator runs inside its capture
+lib.cumempool_torch_free(p, MIB, 0, h)
+print(end_capture(h))
+q = lib.cumempool_torch_alloc(64, 0, h)  # the stream is used again after the capture
+lib.cumempool_torch_free(q, 64, 0, h)
+print(pool.used_mem_current, cmt.captured_bytes())
+print(cmt.release_captured(), pool.used_mem_current, cmt.captured_bytes())
+""",
+    )
+    assert words[0] == "0", "the capture was invalidated"
+    assert words[1:3] == [str(1 << 20), str(1 << 20)], "the memory a capture freed went back with the graph still to run"
+    assert words[3:] == [str(1 << 20), "0", "0"], "release_captured did not give it back"
+
+
+def test_a_free_while_another_stream_captures_is_kept_and_released_after(stand_in_libcuda):  # noqa: F811
+    # The device cannot be waited for while any stream captures: the free is kept, and goes
+    # back at release_captured once the capture ended; while it is underway release_captured
+    # says so and keeps it.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        SETUP
+        + """
+other = cm.Stream(0)
+p = lib.cumempool_torch_alloc(MIB, 0, h)
+assert begin(other.handle, 2) == 0
+lib.cumempool_torch_free(p, MIB, 0, h)
+print(pool.used_mem_current)
+try:
+    cmt.release_captured()
+except cm.CumempoolError as error:
+    print("refused", type(error).__name__)
+print(cmt.captured_bytes(), end_capture(other.handle))
+print(cmt.release_captured(), pool.used_mem_current)
+""",
+    )
+    assert words[0] == str(1 << 20), "the memory went back without waiting for the device"
+    assert words[1] == "refused", words
+    assert words[3:] == [str(1 << 20), "0", str(1 << 20), "0"], words
