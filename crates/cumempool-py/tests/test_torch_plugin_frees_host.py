@@ -33,13 +33,17 @@ def end_capture(handle):
 """
 
 
+def _run(stand_in_libcuda, code):
+    """Runs `code` after SETUP on the stand-in driver; its stdout words."""
+    return run_on_stand_in(stand_in_libcuda, SETUP + code)
+
+
 def test_a_free_waits_for_the_device_first(stand_in_libcuda):  # noqa: F811
     # A graph replayed on another stream may still read a segment PyTorch frees: the plug-in
     # waits for the whole device before the memory goes back, as PyTorch's cudaFree does.
-    words = run_on_stand_in(
+    words = _run(
         stand_in_libcuda,
-        SETUP
-        + """
+        """
 p = lib.cumempool_torch_alloc(MIB, 0, h)
 mark()
 lib.cumempool_torch_free(p, MIB, 0, h)
@@ -52,10 +56,9 @@ print(" ".join(word for word in logged() if word in ("ctxsync", "free")), pool.u
 def test_a_free_during_a_capture_is_kept_until_release_captured(stand_in_libcuda):  # noqa: F811
     # PyTorch's out-of-memory retry can free a segment while its stream captures; the graph may
     # use it at every launch, so it must not go back when the capture ends.
-    words = run_on_stand_in(
+    words = _run(
         stand_in_libcuda,
-        SETUP
-        + """
+        """
 p = lib.cumempool_torch_alloc(MIB, 0, h)
 assert begin(h, 2) == 0  # relaxed, as PyTorch's allocator runs inside its capture
 lib.cumempool_torch_free(p, MIB, 0, h)
@@ -75,10 +78,9 @@ def test_a_free_while_another_stream_captures_is_kept_and_released_after(stand_i
     # The device cannot be waited for while any stream captures: the free is kept, and goes
     # back at release_captured once the capture ended; while it is underway release_captured
     # says so and keeps it.
-    words = run_on_stand_in(
+    words = _run(
         stand_in_libcuda,
-        SETUP
-        + """
+        """
 other = cm.Stream(0)
 p = lib.cumempool_torch_alloc(MIB, 0, h)
 assert begin(other.handle, 2) == 0
