@@ -195,65 +195,38 @@ fn open(library: libloading::Library, path: String) -> Result<Nccl, LoadError> {
         return Err(LoadError::VersionQueryFailed { code: result.0 });
     }
     let version = NcclVersion(code);
-    let entry_points = EntryPoints::resolve(version, lookup);
+    let entry_points = EntryPoints::resolve(version.0, lookup);
     tracing::debug!(library = path, %version, "NCCL loaded");
     Ok(Nccl { _library: library, path, version, entry_points })
 }
 
-/// The error for a function that did not resolve.
+/// The error for a function that did not resolve; `found` is the loaded NCCL's version.
 #[cold]
-pub(crate) fn missing(function: &'static str, since: i32, found: NcclVersion) -> LoadError {
-    if found.0 < since {
-        LoadError::NcclTooOld { function, needs: NcclVersion(since), found }
+pub(crate) fn missing(function: &'static str, since: i32, found: i32) -> LoadError {
+    let (needs, found) = (NcclVersion(since), NcclVersion(found));
+    if found < needs {
+        LoadError::NcclTooOld { function, needs, found }
     } else {
         LoadError::SymbolMissing { function, version: found }
     }
 }
 
-/// Expands the bindings' list of functions (`for_each_entry_point!`) into [`EntryPoints`]: each
-/// function resolved once by name, when the loaded NCCL is at least the release that added it.
+/// Puts the bindings' list of functions (`for_each_entry_point!`) into libnccl's table,
+/// [`EntryPoints`] and [`ENTRY_POINTS`]: each function resolved once by name, when the loaded
+/// NCCL is at least the release that added it.
 macro_rules! entry_points {
-    ($($name:ident: $pfn:ty = $since:literal,)*) => {
-        /// Every NCCL function the bindings declare, each resolved once by symbol name.
-        // The C names, as in nccl.h.
-        #[allow(non_snake_case)]
-        #[derive(Clone, Copy)]
-        pub struct EntryPoints {
-            version: NcclVersion,
-            $($name: Option<$pfn>,)*
-        }
-
-        #[allow(non_snake_case)]
-        impl EntryPoints {
-            pub(crate) fn resolve(
-                version: NcclVersion,
-                lookup: impl Fn(&::core::ffi::CStr) -> Option<::core::ptr::NonNull<::core::ffi::c_void>>,
-            ) -> Self {
-                Self {
-                    version,
-                    $($name: if version.0 < $since {
-                        None
-                    } else {
-                        ::core::ffi::CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes())
-                            .ok()
-                            .and_then(&lookup)
-                            // SAFETY: NCCL exports `$name` with the ABI nccl.h declares as `$pfn`.
-                            .map(|p| unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, $pfn>(p.as_ptr()) })
-                    },)*
-                }
+    ($($rows:tt)*) => {
+        cumempool::sys::entry_point_table! {
+            /// Every NCCL function the bindings declare, each resolved once by symbol name.
+            pub struct EntryPoints {
+                missing: missing,
+                error: LoadError,
+                provider: "the loaded NCCL",
             }
-
-            $(
-                #[doc = concat!("`", stringify!($name), "`, or why the loaded NCCL cannot provide it.")]
-                #[inline]
-                pub fn $name(&self) -> Result<$pfn, LoadError> {
-                    self.$name.ok_or_else(|| missing(stringify!($name), $since, self.version))
-                }
-            )*
+            /// Every function of the bindings with the NCCL release that added it.
+            pub const ENTRY_POINTS: &[(&str, i32)] = |name, since| (name, since);
+            $($rows)*
         }
-
-        /// Every function of the bindings with the NCCL release that added it.
-        pub const ENTRY_POINTS: &[(&str, i32)] = &[$((stringify!($name), $since),)*];
     };
 }
 crate::bindings::for_each_entry_point!(entry_points);
@@ -285,8 +258,8 @@ mod tests {
 
     #[test]
     fn a_function_newer_than_the_library_names_both_versions() {
-        let error = missing("ncclCommWindowRegister", 22700, NcclVersion(22605));
+        let error = missing("ncclCommWindowRegister", 22700, 22605);
         assert_eq!(error.to_string(), "ncclCommWindowRegister needs NCCL 2.27.0 or newer; the loaded NCCL is 2.26.5");
-        assert!(matches!(missing("ncclSend", 2700, NcclVersion(22809)), LoadError::SymbolMissing { .. }));
+        assert!(matches!(missing("ncclSend", 2700, 22809), LoadError::SymbolMissing { .. }));
     }
 }

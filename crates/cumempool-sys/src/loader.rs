@@ -389,55 +389,98 @@ pub fn missing(function: &'static str, needs: i32, driver: i32) -> LoadError {
     }
 }
 
-/// Expands the bindings' list of entry points (`for_each_entry_point!`) into [`EntryPoints`]
-/// and [`ENTRY_POINTS`].
-macro_rules! entry_points {
-    ($($name:ident: $pfn:ty = $since:literal,)*) => {
-        /// Every entry point the bindings declare, each resolved once through `cuGetProcAddress`.
-        ///
-        /// Each method returns the function pointer, or why this driver cannot provide it.
-        // The C names, as in cuda.h.
+/// Declares a table of entry points resolved at run time, for a loader of this workspace: each
+/// row of a bindings list (`name: PFN_name = since,`, as `for_each_entry_point!` writes it) becomes
+/// a field, a getter and a row of a `const` list. libcuda's table is below; libnccl's is in
+/// cumempool-nccl. Not part of the public API.
+///
+/// The loading crate supplies what differs between libraries: how a name is looked up (the
+/// `lookup` given to `resolve`), its error type, and `missing(name, since, version)`, which says
+/// why a function did not resolve. A version is the library's own number (`13020` for CUDA 13.2,
+/// `22809` for NCCL 2.28.9), in the same numbering as each row's `since`. A row newer than the
+/// library is never looked up: the library may have the name with an older ABI than the row's
+/// (`cuGetProcAddress` hands out the `_v1` of a `_v2` function to an older version).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! entry_point_table {
+    (
+        $(#[$table_attr:meta])*
+        pub struct $Table:ident {
+            missing: $missing:path,
+            error: $Error:ty,
+            provider: $provider:literal,
+        }
+        $(#[$list_attr:meta])*
+        pub const $LIST:ident: $List:ty = |$row_name:ident, $row_since:ident| $row:expr;
+        $($name:ident: $pfn:ty = $since:literal,)*
+    ) => {
+        $(#[$table_attr])*
+        // The C names, as in the library's header.
         #[allow(non_snake_case)]
         #[derive(Clone, Copy)]
-        pub struct EntryPoints {
-            driver_version: i32,
+        pub struct $Table {
+            version: i32,
             $($name: Option<$pfn>,)*
         }
 
         #[allow(non_snake_case)]
-        impl EntryPoints {
+        impl $Table {
+            /// Looks up every row no newer than `version` with `lookup`, which must hand back
+            /// each name with the ABI the bindings declare for it.
             pub(crate) fn resolve(
-                driver_version: i32,
+                version: i32,
                 lookup: impl Fn(&::core::ffi::CStr) -> Option<::core::ptr::NonNull<::core::ffi::c_void>>,
             ) -> Self {
                 Self {
-                    driver_version,
-                    $($name: if driver_version < $since {
+                    version,
+                    $($name: if version < $since {
                         None
                     } else {
                         ::core::ffi::CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes())
                             .ok()
                             .and_then(&lookup)
-                            // SAFETY: the driver handed out `$name` at a version whose ABI is `$pfn`.
+                            // SAFETY: `resolve`'s caller passes a `lookup` that hands back `$name`
+                            // with the ABI the bindings declare as `$pfn`.
                             .map(|p| unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, $pfn>(p.as_ptr()) })
                     },)*
                 }
             }
 
             $(
-                #[doc = concat!("`", stringify!($name), "`, or why this driver cannot provide it.")]
+                #[doc = concat!("`", stringify!($name), "`, or why ", $provider, " cannot provide it.")]
                 #[inline]
-                pub fn $name(&self) -> Result<$pfn, LoadError> {
-                    match self.$name {
-                        Some(function) => Ok(function),
-                        None => Err(missing(stringify!($name), $since, self.driver_version)),
-                    }
+                pub fn $name(&self) -> Result<$pfn, $Error> {
+                    self.$name.ok_or_else(|| $missing(stringify!($name), $since, self.version))
                 }
             )*
         }
 
-        /// Every entry point of the bindings with the driver version its declared ABI needs.
-        pub const ENTRY_POINTS: &[EntryPoint] = &[$(EntryPoint { name: stringify!($name), since: $since },)*];
+        $(#[$list_attr])*
+        pub const $LIST: $List = &[$({
+            let $row_name: &'static str = stringify!($name);
+            let $row_since: i32 = $since;
+            $row
+        },)*];
+    };
+}
+
+/// Puts the bindings' list of entry points (`for_each_entry_point!`) into libcuda's table,
+/// [`EntryPoints`] and [`ENTRY_POINTS`].
+macro_rules! entry_points {
+    ($($rows:tt)*) => {
+        $crate::entry_point_table! {
+            /// Every entry point the bindings declare, each resolved once through `cuGetProcAddress`.
+            ///
+            /// Each method returns the function pointer, or why this driver cannot provide it.
+            pub struct EntryPoints {
+                missing: missing,
+                error: LoadError,
+                provider: "this driver",
+            }
+            /// Every entry point of the bindings with the driver version its declared ABI needs.
+            pub const ENTRY_POINTS: &[EntryPoint] = |name, since| EntryPoint { name, since };
+            $($rows)*
+        }
     };
 }
 crate::for_each_entry_point!(entry_points);
