@@ -427,6 +427,86 @@ pub(crate) enum After<'g> {
     GroupEnd(&'g RefCell<Vec<Ordered>>),
 }
 
+/// The collectives, one row each: the [`Communicator`] method's name and documentation, its
+/// buffers, its arguments between `count` and `stream`, the [`Collective`] they make, and the
+/// (send, receive) buffers it is queued with. Hands the rows to `$methods`, which writes one set
+/// of methods: [`Communicator`]'s here, [`Group`](crate::Group)'s (launched at the group's end,
+/// borrowing for `'env`) in group.rs.
+macro_rules! collectives {
+    ($methods:ident) => {
+        $methods! {
+            /// Reduces `count` elements of every rank's `send` into every rank's `recv` (they may be
+            /// the same buffer), queued on `stream`, ordered with the buffers' streams (see
+            /// [`DeviceBuffer`]). Inside [`group`](crate::group()) use [`Group::all_reduce`](crate::Group::all_reduce).
+            ///
+            /// # Errors
+            /// [`Error::DoesNotFit`], [`Error::WrongDevice`], [`Error::Aborted`];
+            /// [`cumempool::Error::StreamCapturing`] while `stream` or a buffer's stream captures
+            /// (collectives are not recorded into graphs); [`Error::InsideGroup`]; NCCL's refusal.
+            fn all_reduce(send, recv; op: ReduceOp) => Collective::AllReduce(op), (send, recv);
+
+            /// Gathers `count` elements from every rank's `send` into every rank's `recv`, rank by rank
+            /// (`recv` holds `count * size` elements). Inside [`group`](crate::group()) use [`Group::all_gather`](crate::Group::all_gather).
+            ///
+            /// # Errors
+            /// As [`Communicator::all_reduce`].
+            fn all_gather(send, recv;) => Collective::AllGather, (send, recv);
+
+            /// Reduces every rank's `send` (`count * size` elements) and leaves block `rank` of the
+            /// result (`count` elements) in each rank's `recv`. Inside [`group`](crate::group()) use
+            /// [`Group::reduce_scatter`](crate::Group::reduce_scatter).
+            ///
+            /// # Errors
+            /// As [`Communicator::all_reduce`].
+            fn reduce_scatter(send, recv; op: ReduceOp) => Collective::ReduceScatter(op), (send, recv);
+
+            /// Copies `count` elements of `root`'s `send` into every rank's `recv` (`send` is read on
+            /// the root only; it may be `recv`). Inside [`group`](crate::group()) use [`Group::broadcast`](crate::Group::broadcast).
+            ///
+            /// # Errors
+            /// [`Error::NoSuchRank`] for a root outside the communicator; as [`Communicator::all_reduce`].
+            fn broadcast(send, recv; root: i32) => Collective::Broadcast { root }, (send, recv);
+
+            /// Sends `count` elements of `buffer` to `peer`, which must post a matching receive. Ranks
+            /// that both send and receive pair them inside [`group`](crate::group()), with [`Group::send`](crate::Group::send) and
+            /// [`Group::recv`](crate::Group::recv).
+            ///
+            /// # Errors
+            /// [`Error::NoSuchRank`]; as [`Communicator::all_reduce`].
+            fn send(buffer; peer: i32) => Collective::Send { peer }, (buffer, buffer);
+
+            /// Receives `count` elements from `peer` into `buffer`.
+            ///
+            /// # Errors
+            /// As [`Communicator::send`].
+            fn recv(buffer; peer: i32) => Collective::Recv { peer }, (buffer, buffer);
+        }
+    };
+}
+pub(crate) use collectives;
+
+/// [`Communicator`]'s collectives, from [`collectives!`]'s rows: launched when called.
+macro_rules! communicator_methods {
+    ($($(#[$doc:meta])* fn $name:ident($($buffer:ident),+; $($arg:ident: $ty:ty),*) => $collective:expr, ($send:ident, $recv:ident);)*) => {
+        impl Communicator {
+            $(
+                $(#[$doc])*
+                pub fn $name<T: Element>(
+                    &self,
+                    $($buffer: &impl DeviceBuffer,)+
+                    count: usize,
+                    $($arg: $ty,)*
+                    stream: &Stream,
+                ) -> Result<()> {
+                    self.queue_now::<T>($collective, $send, $recv, count, stream)
+                }
+            )*
+        }
+    };
+}
+
+collectives!(communicator_methods);
+
 impl Communicator {
     fn ranks(&self) -> usize {
         usize::try_from(self.size).unwrap_or(0)
@@ -438,91 +518,6 @@ impl Communicator {
         } else {
             Err(Error::NoSuchRank { what, rank: peer, size: self.size })
         }
-    }
-
-    /// Reduces `count` elements of every rank's `send` into every rank's `recv` (they may be
-    /// the same buffer), queued on `stream`, ordered with the buffers' streams (see
-    /// [`DeviceBuffer`]). Inside [`group`](crate::group()) use [`Group::all_reduce`](crate::Group::all_reduce).
-    ///
-    /// # Errors
-    /// [`Error::DoesNotFit`], [`Error::WrongDevice`], [`Error::Aborted`];
-    /// [`cumempool::Error::StreamCapturing`] while `stream` or a buffer's stream captures
-    /// (collectives are not recorded into graphs); [`Error::InsideGroup`]; NCCL's refusal.
-    pub fn all_reduce<T: Element>(
-        &self,
-        send: &impl DeviceBuffer,
-        recv: &impl DeviceBuffer,
-        count: usize,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue_now::<T>(Collective::AllReduce(op), send, recv, count, stream)
-    }
-
-    /// Gathers `count` elements from every rank's `send` into every rank's `recv`, rank by rank
-    /// (`recv` holds `count * size` elements). Inside [`group`](crate::group()) use [`Group::all_gather`](crate::Group::all_gather).
-    ///
-    /// # Errors
-    /// As [`Communicator::all_reduce`].
-    pub fn all_gather<T: Element>(
-        &self,
-        send: &impl DeviceBuffer,
-        recv: &impl DeviceBuffer,
-        count: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue_now::<T>(Collective::AllGather, send, recv, count, stream)
-    }
-
-    /// Reduces every rank's `send` (`count * size` elements) and leaves block `rank` of the
-    /// result (`count` elements) in each rank's `recv`. Inside [`group`](crate::group()) use
-    /// [`Group::reduce_scatter`](crate::Group::reduce_scatter).
-    ///
-    /// # Errors
-    /// As [`Communicator::all_reduce`].
-    pub fn reduce_scatter<T: Element>(
-        &self,
-        send: &impl DeviceBuffer,
-        recv: &impl DeviceBuffer,
-        count: usize,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue_now::<T>(Collective::ReduceScatter(op), send, recv, count, stream)
-    }
-
-    /// Copies `count` elements of `root`'s `send` into every rank's `recv` (`send` is read on
-    /// the root only; it may be `recv`). Inside [`group`](crate::group()) use [`Group::broadcast`](crate::Group::broadcast).
-    ///
-    /// # Errors
-    /// [`Error::NoSuchRank`] for a root outside the communicator; as [`Communicator::all_reduce`].
-    pub fn broadcast<T: Element>(
-        &self,
-        send: &impl DeviceBuffer,
-        recv: &impl DeviceBuffer,
-        count: usize,
-        root: i32,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue_now::<T>(Collective::Broadcast { root }, send, recv, count, stream)
-    }
-
-    /// Sends `count` elements of `buffer` to `peer`, which must post a matching receive. Ranks
-    /// that both send and receive pair them inside [`group`](crate::group()), with [`Group::send`](crate::Group::send) and
-    /// [`Group::recv`](crate::Group::recv).
-    ///
-    /// # Errors
-    /// [`Error::NoSuchRank`]; as [`Communicator::all_reduce`].
-    pub fn send<T: Element>(&self, buffer: &impl DeviceBuffer, count: usize, peer: i32, stream: &Stream) -> Result<()> {
-        self.queue_now::<T>(Collective::Send { peer }, buffer, buffer, count, stream)
-    }
-
-    /// Receives `count` elements from `peer` into `buffer`.
-    ///
-    /// # Errors
-    /// As [`Communicator::send`].
-    pub fn recv<T: Element>(&self, buffer: &impl DeviceBuffer, count: usize, peer: i32, stream: &Stream) -> Result<()> {
-        self.queue_now::<T>(Collective::Recv { peer }, buffer, buffer, count, stream)
     }
 
     /// A collective outside any group: NCCL launches it when called, so its buffers' streams

@@ -18,7 +18,7 @@
 //! ```
 
 use crate::buffers::{DeviceBuffer, Element, ReduceOp};
-use crate::comm::{After, Collective, Communicator};
+use crate::comm::{collectives, After, Collective, Communicator};
 use crate::error::{check, Result};
 use crate::loader::nccl;
 use crate::ordering::{refuse_inside_group, InsideGroup, Ordered};
@@ -125,97 +125,31 @@ impl<'env> Group<'env> {
     ) -> Result<()> {
         comm.queue::<T>(collective, send, recv, count, stream, After::GroupEnd(&self.pending))
     }
-
-    /// [`Communicator::all_reduce`], launched at the group's end.
-    ///
-    /// # Errors
-    /// As [`Communicator::all_reduce`].
-    pub fn all_reduce<T: Element>(
-        &self,
-        comm: &'env Communicator,
-        send: &'env impl DeviceBuffer,
-        recv: &'env impl DeviceBuffer,
-        count: usize,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue::<T>(comm, Collective::AllReduce(op), (send, recv), count, stream)
-    }
-
-    /// [`Communicator::all_gather`], launched at the group's end.
-    ///
-    /// # Errors
-    /// As [`Communicator::all_gather`].
-    pub fn all_gather<T: Element>(
-        &self,
-        comm: &'env Communicator,
-        send: &'env impl DeviceBuffer,
-        recv: &'env impl DeviceBuffer,
-        count: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue::<T>(comm, Collective::AllGather, (send, recv), count, stream)
-    }
-
-    /// [`Communicator::reduce_scatter`], launched at the group's end.
-    ///
-    /// # Errors
-    /// As [`Communicator::reduce_scatter`].
-    pub fn reduce_scatter<T: Element>(
-        &self,
-        comm: &'env Communicator,
-        send: &'env impl DeviceBuffer,
-        recv: &'env impl DeviceBuffer,
-        count: usize,
-        op: ReduceOp,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue::<T>(comm, Collective::ReduceScatter(op), (send, recv), count, stream)
-    }
-
-    /// [`Communicator::broadcast`], launched at the group's end.
-    ///
-    /// # Errors
-    /// As [`Communicator::broadcast`].
-    pub fn broadcast<T: Element>(
-        &self,
-        comm: &'env Communicator,
-        send: &'env impl DeviceBuffer,
-        recv: &'env impl DeviceBuffer,
-        count: usize,
-        root: i32,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue::<T>(comm, Collective::Broadcast { root }, (send, recv), count, stream)
-    }
-
-    /// [`Communicator::send`], launched at the group's end.
-    ///
-    /// # Errors
-    /// As [`Communicator::send`].
-    pub fn send<T: Element>(
-        &self,
-        comm: &'env Communicator,
-        buffer: &'env impl DeviceBuffer,
-        count: usize,
-        peer: i32,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue::<T>(comm, Collective::Send { peer }, (buffer, buffer), count, stream)
-    }
-
-    /// [`Communicator::recv`], launched at the group's end.
-    ///
-    /// # Errors
-    /// As [`Communicator::recv`].
-    pub fn recv<T: Element>(
-        &self,
-        comm: &'env Communicator,
-        buffer: &'env impl DeviceBuffer,
-        count: usize,
-        peer: i32,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.queue::<T>(comm, Collective::Recv { peer }, (buffer, buffer), count, stream)
-    }
 }
+
+/// [`Group`]'s collectives, from [`collectives!`]'s rows: launched at the group's end, with the
+/// communicator and buffers borrowed for `'env`.
+macro_rules! group_methods {
+    ($($(#[$doc:meta])* fn $name:ident($($buffer:ident),+; $($arg:ident: $ty:ty),*) => $collective:expr, ($send:ident, $recv:ident);)*) => {
+        impl<'env> Group<'env> {
+            $(
+                #[doc = concat!("[`Communicator::", stringify!($name), "`], launched at the group's end.")]
+                ///
+                /// # Errors
+                #[doc = concat!("As [`Communicator::", stringify!($name), "`].")]
+                pub fn $name<T: Element>(
+                    &self,
+                    comm: &'env Communicator,
+                    $($buffer: &'env impl DeviceBuffer,)+
+                    count: usize,
+                    $($arg: $ty,)*
+                    stream: &Stream,
+                ) -> Result<()> {
+                    self.queue::<T>(comm, $collective, ($send, $recv), count, stream)
+                }
+            )*
+        }
+    };
+}
+
+collectives!(group_methods);
