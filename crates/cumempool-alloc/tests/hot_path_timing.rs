@@ -88,8 +88,8 @@ fn time_the_locks(rounds: u32) {
 }
 
 thread_local! {
-    /// The reference of `cumempool bench`'s cache targets: a plain free list per power of two,
-    /// each thread its own.
+    /// The free list `cumempool bench` holds the cache to (its cache ratios): a plain free list per
+    /// power of two, each thread its own.
     static FREE_LISTS: std::cell::RefCell<Vec<Vec<u64>>> =
         std::cell::RefCell::new((0..64).map(|_| Vec::with_capacity(64)).collect());
 }

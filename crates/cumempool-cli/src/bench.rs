@@ -6,7 +6,6 @@
 //! child module built from [`harness`], and none of them uses this one.
 
 mod cache_ratios;
-mod cache_targets;
 mod copies;
 #[cfg(feature = "cudarc")]
 mod cudarc_pairs;
@@ -36,7 +35,6 @@ pub struct Report {
     pub thread_size: usize,
     pub threads: Vec<thread_scaling::Row>,
     pub stream_handover: stream_handover::Report,
-    pub cache_targets: cache_targets::Report,
     /// The cache against the thread-local free list, as ratios from interleaved rounds, and what
     /// its capture checks cost.
     pub cache_ratios: cache_ratios::Report,
@@ -61,7 +59,7 @@ pub fn run(options: &Options) -> Result<Report> {
         Route::managed(Location::Unspecified),
     ];
     let mut progress =
-        Progress::new(routes.len() * sizes.len() + options.threads.len() + 5 + usize::from(cfg!(feature = "cudarc")));
+        Progress::new(routes.len() * sizes.len() + options.threads.len() + 4 + usize::from(cfg!(feature = "cudarc")));
     let mut rows = Vec::new();
     for route in routes {
         rows.extend(match route {
@@ -80,8 +78,6 @@ pub fn run(options: &Options) -> Result<Report> {
     progress.tick("stream handover: a stream per thread, then one shared stream");
     // 20,000 pairs per thread at the default --pairs 2000; --quick shrinks it.
     let stream_handover = stream_handover::measure(&context, options.pairs * 10)?;
-    progress.tick("cache targets: one thread, 16 threads on their own streams, then on one stream");
-    let cache_targets = cache_targets::measure(&context, options)?;
     progress.tick("the cache against the free list, with and without capture checks, interleaved");
     let cache_ratios = cache_ratios::measure(&context, options)?;
     progress.tick("device-to-device copies: copy_from_async against raw cuMemcpyAsync");
@@ -104,7 +100,6 @@ pub fn run(options: &Options) -> Result<Report> {
         thread_size: thread_scaling::SIZE,
         threads,
         stream_handover,
-        cache_targets,
         cache_ratios,
         copies,
         #[cfg(feature = "cudarc")]
@@ -125,8 +120,6 @@ pub fn render(report: &Report) -> String {
     out.push_str(&thread_scaling::render(report.thread_size, &report.threads));
     out.push('\n');
     out.push_str(&stream_handover::render(&report.stream_handover));
-    out.push('\n');
-    out.push_str(&cache_targets::render(&report.cache_targets));
     out.push('\n');
     out.push_str(&cache_ratios::render(&report.cache_ratios));
     out.push('\n');
@@ -162,15 +155,6 @@ mod tests {
                 max_size: 4 << 20,
                 phases: Vec::new(),
             },
-            cache_targets: cache_targets::Report {
-                threads: 16,
-                min_size: 256,
-                max_size: 4 << 20,
-                cache_pairs_per_thread: 20_000,
-                raw_pairs_per_thread: 4000,
-                rows: Vec::new(),
-                reference: Vec::new(),
-            },
             cache_ratios: cache_ratios::Report { rounds: 7, pairs_per_thread_per_round: 100_000, rows: Vec::new() },
             copies: copies::Report { copies_per_measurement: 200, rows: Vec::new() },
             #[cfg(feature = "cudarc")]
@@ -187,7 +171,6 @@ mod tests {
             assert!(!output.to_lowercase().contains("issue"), "{output}");
         }
         assert!(text.contains("stream handover: 16 threads x 2000 pairs"), "{text}");
-        assert!(text.contains("cache targets: one device pool; 20000 cache pairs"), "{text}");
         assert!(text.contains("free list, on the same threads in interleaved rounds: 7 rounds"), "{text}");
     }
 }

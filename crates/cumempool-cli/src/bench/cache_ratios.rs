@@ -12,9 +12,9 @@
 //! the cache and the free list on different threads or at different moments measured the
 //! machine as much as the code.
 
-use super::cache_targets::{sequence, SEQUENCE};
 use super::free_list::free_list_pair;
 use super::harness::{cached_pair, median, Options};
+use super::stream_handover;
 use crate::error::{Error, Result};
 use crate::table::Table;
 use cumempool::sys::CUdeviceptr;
@@ -26,6 +26,10 @@ use std::time::{Duration, Instant};
 
 /// Threads of the many-thread rows, each on its own stream.
 const THREADS: usize = 16;
+/// Sizes each thread cycles through, drawn before timing so that drawing them costs nothing; a
+/// power of two, so the loop picks the next one with a mask, not a division.
+const SEQUENCE: usize = 4096;
+const _: () = assert!(SEQUENCE.is_power_of_two());
 
 #[derive(Serialize)]
 pub struct Report {
@@ -90,6 +94,11 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for NeverCaptured<R>
     fn marked_stream_id(&self, stream: &Stream) -> std::num::NonZeroU64 {
         stream.id().get_nonzero()
     }
+}
+
+/// The sizes thread `thread` cycles through: all 1 MiB, or the stream handover's even spread.
+fn sequence(thread: usize, mixed: bool) -> Vec<usize> {
+    (0..SEQUENCE).map(|step| if mixed { stream_handover::size(thread, step) } else { 1 << 20 }).collect()
 }
 
 /// The three loops a round times.
