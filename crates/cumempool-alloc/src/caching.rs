@@ -50,23 +50,31 @@
 //!   and while such blocks are out, the free compares the thread's remembered cache with a gate
 //!   that matches none. The driver is asked, and the blocks' set locked, only when those say so.
 
-// Modules in the order they build on each other: each uses only modules listed above it.
+// Modules in the order they build on each other: each uses only modules listed above it. A
+// blank line starts the next layer; rustfmt sorts the modules inside one.
 mod bound;
-#[cfg(test)]
-mod bound_stays_exact;
-mod cache;
-mod captured;
-mod eviction;
 mod fence;
-mod lane_number;
-mod lanes;
 mod lock;
 mod padded;
 mod size_class;
-mod slot;
 mod stats;
-mod table;
 mod timers;
+
+mod lane_number;
+
+mod lanes;
+
+mod captured;
+mod slot;
+
+mod table;
+
+mod eviction;
+
+mod cache;
+
+#[cfg(test)]
+mod bound_stays_exact;
 
 pub use cache::CachingResource;
 pub use stats::CacheStats;

@@ -13,29 +13,20 @@ mod support;
 use cumempool_alloc::{CachingResource, Error, HostHeap, Statistics};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
-use support::{fake_stream, fill_this_threads_lane, filter_membarrier, is_child, run_in_child, MEMBARRIER_TRAP};
+use support::{fake_stream, fill_this_threads_lane, is_child, run_in_child, trap_membarrier};
 
 const CHILD: &str = "CUMEMPOOL_TRANSIENT_MEMBARRIER_CHILD";
 /// How many more trapped `membarrier` calls fail with ENOMEM.
 static FAILURES_LEFT: AtomicUsize = AtomicUsize::new(0);
 
-extern "C" fn on_sigsys(_: libc::c_int, _: *mut libc::siginfo_t, context: *mut libc::c_void) {
+/// A trapped `membarrier`'s answer: ENOMEM while failures are left, then success.
+fn fail_while_failures_left() -> i64 {
     let fail = FAILURES_LEFT.fetch_update(Relaxed, Relaxed, |left| left.checked_sub(1)).is_ok();
-    let answer = if fail { -i64::from(libc::ENOMEM) } else { 0 };
-    // SAFETY: the kernel passes the interrupted thread's context; rax is the syscall's answer.
-    unsafe { (*context.cast::<libc::ucontext_t>()).uc_mcontext.gregs[libc::REG_RAX as usize] = answer };
-}
-
-/// Every `membarrier` of this process traps into `on_sigsys` from now on.
-fn trap_membarriers() {
-    // SAFETY: a plain signal handler.
-    unsafe {
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = on_sigsys as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
-        action.sa_flags = libc::SA_SIGINFO;
-        assert_eq!(libc::sigaction(libc::SIGSYS, &action, std::ptr::null_mut()), 0);
+    if fail {
+        -i64::from(libc::ENOMEM)
+    } else {
+        0
     }
-    filter_membarrier(MEMBARRIER_TRAP);
 }
 
 #[test]
@@ -44,7 +35,7 @@ fn a_transient_membarrier_failure_fails_at_most_that_claim() {
         let below = Statistics::new(HostHeap);
         let cache = CachingResource::new(&below);
         let stream = fake_stream(0);
-        trap_membarriers();
+        trap_membarrier(fail_while_failures_left);
         // Enough failures in a row that the first claim gives up, whatever its retries.
         FAILURES_LEFT.store(64, Relaxed);
         fill_this_threads_lane(&cache, &stream, 4096);

@@ -14,27 +14,15 @@ mod support;
 use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
-use support::{fake_stream, filter_membarrier, is_child, run_in_child, MEMBARRIER_TRAP};
+use support::{fake_stream, is_child, run_in_child, trap_membarrier};
 
 const CHILD: &str = "CUMEMPOOL_REVIEW2_BEYOND_BOUND_CHILD";
 static MEMBARRIERS: AtomicUsize = AtomicUsize::new(0);
 
-extern "C" fn on_sigsys(_: libc::c_int, _: *mut libc::siginfo_t, context: *mut libc::c_void) {
+/// A trapped `membarrier`'s answer: counted, then success.
+fn count_membarrier() -> i64 {
     MEMBARRIERS.fetch_add(1, Relaxed);
-    // SAFETY: the kernel passes the interrupted thread's context; rax is the syscall's answer.
-    unsafe { (*context.cast::<libc::ucontext_t>()).uc_mcontext.gregs[libc::REG_RAX as usize] = 0 };
-}
-
-/// Every `membarrier` of this process traps into `on_sigsys` instead (answering success).
-fn count_membarriers() {
-    // SAFETY: a plain signal handler.
-    unsafe {
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = on_sigsys as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
-        action.sa_flags = libc::SA_SIGINFO;
-        assert_eq!(libc::sigaction(libc::SIGSYS, &action, std::ptr::null_mut()), 0);
-    }
-    filter_membarrier(MEMBARRIER_TRAP);
+    0
 }
 
 #[test]
@@ -51,7 +39,7 @@ fn frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each() {
             }
         };
         round(); // slot, lanes, this thread's lane; the bound is spent
-        count_membarriers();
+        trap_membarrier(count_membarrier);
         let rounds = 500;
         let start = Instant::now();
         for _ in 0..rounds {

@@ -60,7 +60,7 @@ pub fn run_in_child(name: &str, env: &str, limit: std::time::Duration) {
 pub const MEMBARRIER_EPERM: u32 = 0x0005_0000 | libc::EPERM as u32;
 /// The seccomp answer that traps `membarrier` into a SIGSYS handler instead.
 #[cfg(target_os = "linux")]
-pub const MEMBARRIER_TRAP: u32 = 0x0003_0000;
+const MEMBARRIER_TRAP: u32 = 0x0003_0000;
 
 /// Installs a seccomp filter on this thread (and the threads it starts) that answers
 /// `membarrier` with `action` and allows every other system call. Cannot be undone: use it in a
@@ -79,6 +79,29 @@ pub fn filter_membarrier(action: u32) {
         assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
         assert_eq!(libc::prctl(libc::PR_SET_SECCOMP, 2 /* SECCOMP_MODE_FILTER */, &program), 0);
     }
+}
+
+/// Makes every `membarrier` of this process from now on trap into a SIGSYS handler that calls
+/// `answer` and hands the caller what it answers (0 for success, a negated errno for a
+/// failure) in the call's place. Cannot be undone, and only once a process: use it in a child of
+/// [`run_in_child`]. `answer` runs in a signal handler, so it may only touch atomics.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+pub fn trap_membarrier(answer: fn() -> i64) {
+    static ANSWER: std::sync::OnceLock<fn() -> i64> = std::sync::OnceLock::new();
+    extern "C" fn on_sigsys(_: libc::c_int, _: *mut libc::siginfo_t, context: *mut libc::c_void) {
+        let answer = ANSWER.get().map_or(0, |answer| answer());
+        // SAFETY: the kernel passes the interrupted thread's context; rax is the syscall's answer.
+        unsafe { (*context.cast::<libc::ucontext_t>()).uc_mcontext.gregs[libc::REG_RAX as usize] = answer };
+    }
+    assert!(ANSWER.set(answer).is_ok(), "membarrier is trapped once a process");
+    // SAFETY: a plain signal handler.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_sigsys as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
+        action.sa_flags = libc::SA_SIGINFO;
+        assert_eq!(libc::sigaction(libc::SIGSYS, &action, std::ptr::null_mut()), 0);
+    }
+    filter_membarrier(MEMBARRIER_TRAP);
 }
 
 /// Runs `child` in a forked child process, which exits with its answer, and answers that exit
