@@ -48,12 +48,9 @@ impl CupyServe {
         }
         let stream_object = self.current_stream.call0(py)?;
         let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
-        {
-            let s = &stream.get().stream;
-            if s.may_be_capturing() && s.is_capturing()? {
-                crate::stream::let_go(py, stream);
-                return Ok(None);
-            }
+        if capture_possible(&stream.get().stream) {
+            crate::stream::let_go(py, stream);
+            return Ok(None);
         }
         let buffer = resource.alloc_outside_captures(py, size, stream)?;
         let (ptr, device) = buffer.address_and_device()?;
@@ -61,4 +58,20 @@ impl CupyServe {
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
     }
+}
+
+/// Whether a capture may stand in the way of allocating on `stream`, asked without harm to one:
+/// a stream that may capture is asked; the legacy stream (CuPy's null stream) cannot capture,
+/// but the driver refuses work on it while a blocking stream of its context captures, and says
+/// so when asked (CuPy's own query raises then, which the Python steps pass on). An answer that
+/// cannot be had leaves the call to the Python steps.
+fn capture_possible(stream: &cumempool::Stream) -> bool {
+    if stream.may_be_capturing() {
+        return stream.is_capturing().unwrap_or(true);
+    }
+    if !stream.as_raw().is_null() {
+        return false;
+    }
+    cumempool::keeping_current_context(|| stream.capture_status())
+        .map_or(true, |status| status != cumempool::CaptureStatus::None)
 }

@@ -292,6 +292,7 @@ fn allocate_outside_graphs(
     if !stream.may_be_capturing() || !stream.is_capturing()? {
         return served.resource.allocate(size, stream);
     }
+    note_capturing(served.device, stream);
     cumempool::in_relaxed_capture_mode(|| {
         // Made on first use, in relaxed mode too: a capture in global mode refuses this thread
         // calls that are unsafe while it runs.
@@ -402,11 +403,17 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
 /// it, and the device done with every launch queued before (as PyTorch's own release, whose
 /// `cudaFree` synchronises the device, assumes). PyTorch frees a segment only once no tensor
 /// uses it, but a CUDA graph replayed on another stream may still read it, unordered with
-/// `stream`. The wait runs in relaxed capture mode; a capture on the device refuses it, and the
-/// free is then kept too. Called holding PyTorch's allocator mutex and perhaps the GIL, as
-/// `cudaFree` is: a host function that needs the GIL, queued before, would wait for it.
+/// `stream`. The wait (`cuCtxSynchronize`) invalidates any capture underway on the device, in
+/// every mode (driver 580, measured), so it is not made while one is known
+/// (`capture_known_underway`), and the free is kept instead. Called holding PyTorch's allocator
+/// mutex and perhaps the GIL, as `cudaFree` is: a host function that needs the GIL, queued
+/// before, would wait for it.
 fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
     if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
+        note_capturing(device, stream);
+        return false;
+    }
+    if capture_known_underway(device) {
         return false;
     }
     let waited = crate::primary_contexts::primary_context(device).and_then(|context| {
@@ -416,6 +423,36 @@ fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
         tracing::debug!(%error, device, "the wait before a plug-in free was refused: the free is kept");
     }
     waited.is_ok()
+}
+
+/// Streams the plug-in saw capturing, with their device, kept for the process: a capture that
+/// asked the plug-in for memory once may run again on the same stream (PyTorch captures on one
+/// stream by default) without asking.
+static SEEN_CAPTURING: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
+
+fn note_capturing(device: i32, stream: &cumempool::Stream) {
+    let mut seen = crate::locks::lock(&SEEN_CAPTURING);
+    if !seen.iter().any(|(d, s)| *d == device && s.same_as(stream)) {
+        seen.push((device, stream.clone()));
+    }
+}
+
+/// Whether a capture is known to be underway on `device`, asked in ways that leave a capture
+/// intact: each stream the plug-in saw capturing, and the legacy stream, which answers with an
+/// error while a blocking stream of the context captures (CuPy's streams are blocking). A
+/// capture on a non-blocking stream that never asked the plug-in for memory is not seen: the
+/// docs tell users not to free through PyTorch then. An answer that cannot be had counts as a
+/// capture.
+fn capture_known_underway(device: i32) -> bool {
+    let seen: Vec<cumempool::Stream> =
+        crate::locks::lock(&SEEN_CAPTURING).iter().filter(|(d, _)| *d == device).map(|(_, s)| s.clone()).collect();
+    let capturing = |stream: &cumempool::Stream| {
+        cumempool::keeping_current_context(|| stream.capture_status()).map_or(true, |status| status != cumempool::CaptureStatus::None)
+    };
+    if seen.iter().any(capturing) {
+        return true;
+    }
+    crate::primary_contexts::primary_context(device).map_or(true, |context| capturing(&cumempool::Stream::legacy(&context)))
 }
 
 /// Lets go of the hold an allocation of slot `id` kept on its slot (its free ran).
@@ -446,12 +483,23 @@ pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
         let mut idle = Vec::new();
         let mut refusal = None;
         for device in devices {
+            if capture_known_underway(device) {
+                // The wait would invalidate it.
+                let refused = cumempool::Error::StreamCapturing {
+                    operation: "giving back memory kept for CUDA graphs (release_captured waits for the device)",
+                    capture: None,
+                };
+                refusal = refusal.or(Some(refused));
+                continue;
+            }
+            // Given back on the side stream: a cache files the blocks under a stream the
+            // plug-in uses again.
             let waited = crate::primary_contexts::primary_context(device).and_then(|context| {
-                cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
-                    .map(|()| context)
+                cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))?;
+                side_stream(device)
             });
             match waited {
-                Ok(context) => idle.push((device, cumempool::Stream::legacy(&context))),
+                Ok(stream) => idle.push((device, stream)),
                 Err(error) => refusal = refusal.or(Some(error)),
             }
         }

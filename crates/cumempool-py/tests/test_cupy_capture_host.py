@@ -94,3 +94,39 @@ for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
 """,
     )
     assert words == ["0", "12288", "0", "12288"], "the plug-in invalidated a global-mode capture"
+
+
+def test_on_the_null_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda):  # noqa: F811
+    # Another thread captures its per-thread stream (blocking, global mode) while CuPy
+    # allocates on its null stream: the driver would refuse that allocation and invalidate the
+    # capture. The plug-in asks first, harmlessly, and leaves the call to CuPy's own query,
+    # which raises.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import threading
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+started, done, ended = threading.Event(), threading.Event(), []
+def capturing_thread():
+    assert begin(2, 0) == 0
+    started.set()
+    done.wait()
+    ended.append(end_capture_of(2))
+def end_capture_of(handle):
+    graph = ctypes.c_void_p()
+    return end(handle, ctypes.byref(graph))
+thread = threading.Thread(target=capturing_thread)
+thread.start()
+started.wait()
+try:
+    allocator(4096)
+    print("allocated")
+except Exception as error:
+    print("refused")
+done.set()
+thread.join()
+print(ended[0], pool.used_mem_current)
+""",
+    )
+    assert words == ["refused", "0", "0"], "the allocation went to the driver and invalidated the other thread's capture"

@@ -466,7 +466,7 @@ def report(device: int | None = None) -> str:
                 how = f" (through routing: the pool's use less what cumempool counted, {' and '.join(held['includes'])} included)"
             elif name == "unattributed":
                 how = f" (drawn from the pool directly: {' or '.join(held['includes'])})"
-            lines.append(f"  {name:<13} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{how}")
+            lines.append(f"  {name:<14} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{how}")
         if reserved > used:
             lines.append(f"  reserved {size_text(reserved)} against {size_text(used)} used: {size_text(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)")
         top = holders[0] if holders and holders[0][1]["bytes"] else None

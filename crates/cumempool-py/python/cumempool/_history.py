@@ -175,9 +175,9 @@ def snapshot() -> dict[str, Any]:
         traces = {device: list(events) for device, events in recorder.traces.items()} if recorder is not None else {}
     held = usage()
     routed = {
-        device: of_device["libraries"]["torch"]["bytes"]
+        device: held_bytes
         for device, of_device in held.items()
-        if of_device["libraries"].get("torch", {}).get("counted") == "routed" and of_device["libraries"]["torch"]["bytes"]
+        if (held_bytes := sum(entry["bytes"] for entry in of_device["libraries"].values() if entry.get("counted") == "routed"))
     }
     devices = max([*traces, *(device for device, _ in live), *routed, -1]) + 1
     # PyTorch's share under a budget, which reaches the pool through routing and is not

@@ -23,7 +23,9 @@ PyTorch's own streams need nothing.
 Frees: PyTorch gives a segment back only once no tensor uses it, but a CUDA graph replayed on
 any stream may still read it, so the plug-in waits for the device before it gives memory back,
 as PyTorch's own ``cudaFree`` does. Segments are given back rarely (``torch.cuda.empty_cache()``,
-a pool's end, an out-of-memory retry).
+a pool's end, an out-of-memory retry). The wait would invalidate a capture underway on the
+device; while the plug-in sees one it keeps the memory instead (docs/python.md says which
+captures it cannot see).
 
 CUDA graphs: a segment the plug-in gives while PyTorch's stream captures (``torch.cuda.graph``) is
 ordinary memory of its source, allocated beside the capture and waited for, since PyTorch may
@@ -151,8 +153,9 @@ def captured_bytes() -> int:
 def stop() -> None:
     """Stops serving: later allocations through the plug-in (``cumempool_torch_alloc`` and every
     pool :func:`mem_pool` made) fail as out of memory, and the sources are let go of. Memory
-    already allocated still goes back to its source when PyTorch frees it. A pool's slot is free
-    again once the pool and its blocks are gone, so a pool kept never reaches a later source."""
+    already allocated still goes back to its source when PyTorch frees it (or, for memory freed
+    during a capture, at :func:`release_captured`). A pool's slot is free again once the pool
+    and its blocks are gone, kept ones included, so a pool kept never reaches a later source."""
     global _served, _last
     _native.torch_serve(None)
     _native.torch_stop_slots()
