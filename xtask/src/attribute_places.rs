@@ -1,6 +1,6 @@
-//! The pool-attribute table (`crates/cumempool/src/attributes.rs`, one row per attribute) is the
-//! one source: this check fails when a row lacks any of the places that follow from it, so adding
-//! an attribute is one row plus what the check names.
+//! The pool-attribute table (`crates/cumempool/src/bare_pools/attributes.rs`, one row per
+//! attribute) is the one source: this check fails when a row lacks any of the places that follow
+//! from it, so adding an attribute is one row plus what the check names.
 //!
 //! The places, for a row `MaxPoolSize = CU_MEMPOOL_ATTR_MAX_POOL_SIZE, ..., ReadOnly`:
 //! - the typed accessor of `Pool` (`crates/cumempool/src/pool.rs`: `pub fn max_pool_size(&self)`);
@@ -71,7 +71,7 @@ fn documented(python_md: &str) -> String {
 /// What the tree at `root` lacks, one line each.
 pub fn missing(root: &Path) -> Vec<String> {
     let read = |path: &str| std::fs::read_to_string(root.join(path)).unwrap_or_default();
-    let table = read("crates/cumempool/src/attributes.rs");
+    let table = read("crates/cumempool/src/bare_pools/attributes.rs");
     let pool = read("crates/cumempool/src/pool.rs");
     let python = read("crates/cumempool-py/src/pools.rs");
     let stub = read("crates/cumempool-py/python/cumempool/_native.pyi");
@@ -124,7 +124,8 @@ mod tests {
     #[test]
     fn a_row_without_its_places_is_found() {
         let root = crate::workspace::root();
-        let table = std::fs::read_to_string(root.join("crates/cumempool/src/attributes.rs")).unwrap_or_default();
+        let table =
+            std::fs::read_to_string(root.join("crates/cumempool/src/bare_pools/attributes.rs")).unwrap_or_default();
         let added = "    BrandNewThing = CU_MEMPOOL_ATTR_BRAND_NEW_THING, since CUDA_13_5, Bytes, ReadWrite,";
         assert_eq!(
             rows(&format!("{table}\n{added}\n")).last().map(|r| (r.variant.as_str(), r.access.as_str())),
@@ -141,7 +142,8 @@ mod tests {
             std::fs::create_dir_all(target.parent().unwrap_or(&dir)).ok();
             std::fs::copy(root.join(path), &target).ok();
         }
-        let table_copy = dir.join("crates/cumempool/src/attributes.rs");
+        let table_copy = dir.join("crates/cumempool/src/bare_pools/attributes.rs");
+        std::fs::create_dir_all(table_copy.parent().unwrap_or(&dir)).ok();
         std::fs::write(&table_copy, format!("{table}\n{added}\n")).ok();
         let lacks = missing(&dir);
         std::fs::remove_dir_all(&dir).ok();

@@ -37,7 +37,7 @@ pub fn run(root: &Path) -> Result<(), String> {
         }
     }
     if !lacks.is_empty() {
-        message.push_str("rows of the pool-attribute table (crates/cumempool/src/attributes.rs) lack:\n");
+        message.push_str("rows of the pool-attribute table (crates/cumempool/src/bare_pools/attributes.rs) lack:\n");
         for lack in &lacks {
             message.push_str(&format!("  {lack}\n"));
         }
@@ -155,7 +155,7 @@ mod tests {
         let root = crate::workspace::root();
         let map = "| concept | file |\n|---|---|\n\
                    | a | `crates/cumempool/src/nowhere.rs` |\n\
-                   | b | `crates/cumempool/src/stream.rs` (`Stream::no_such_method`, `Stream::legacy_for_per_thread`) |\n\
+                   | b | `crates/cumempool/src/streams/stream.rs` (`Stream::no_such_method`, `Stream::legacy_for_per_thread`) |\n\
                    | c | `crates/cumempool-alloc/src/caching/lanes.rs`, `caching/table.rs`, `crates/cumempool-sys/src/generated/cuda_<version>.rs` |\n";
         let stale = check(&root, map);
         let names: Vec<&str> = stale.iter().map(|s| s.name.as_str()).collect();

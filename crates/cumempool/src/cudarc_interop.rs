@@ -18,10 +18,10 @@
 //!   with `CudaContext::wrap_borrowed_stream`, which holds nothing of ours, and its `Arc` may be
 //!   kept anywhere (every `CudaSlice` holds one), so nothing can tie the `Stream`'s life to it.
 
-use crate::context::Context;
-use crate::device::Device;
+use crate::devices::context::Context;
+use crate::devices::device::Device;
 use crate::error::{DriverError, Error, InvalidArgumentReason, Result};
-use crate::stream::Stream;
+use crate::streams::stream::Stream;
 use cudarc::driver::{CudaContext, CudaStream};
 use cumempool_sys as sys;
 use std::sync::Arc;

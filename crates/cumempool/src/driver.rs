@@ -1,5 +1,7 @@
 //! The process's driver: loaded and initialised once, and its version.
 
+pub(crate) mod handle;
+
 use crate::error::{DriverError, Error, Result};
 use cumempool_sys as sys;
 use cumempool_sys::DriverVersion;

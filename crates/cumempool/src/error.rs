@@ -1,10 +1,10 @@
 //! The crate's one error type, and the driver's answer it carries when the driver refused.
 
-use crate::access::Access;
-use crate::export_handles::HandleTypes;
-use crate::location::InvalidLocation;
-use crate::route::{InvalidRoute, Route};
-use crate::unknown_value::UnknownValue;
+use crate::values::access::Access;
+use crate::values::export_handles::HandleTypes;
+use crate::values::location::InvalidLocation;
+use crate::values::route::{InvalidRoute, Route};
+use crate::values::unknown_value::UnknownValue;
 use cumempool_sys as sys;
 use cumempool_sys::DriverVersion;
 use std::ffi::CStr;

@@ -1,15 +1,18 @@
 //! Stream capture into CUDA graphs, with the memory a graph uses kept alive by the borrow checker.
 
-use crate::buffer::BufferOn;
-use crate::context::Context;
+use crate::devices::context::Context;
+use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, driver_call, Answer};
-use crate::driver_handle::DriverHandle;
 use crate::error::{Error, InvalidArgumentReason, Result};
-use crate::location::AllocationType;
-use crate::marker;
+use crate::memory::buffer::BufferOn;
 use crate::pool::Pool;
-use crate::route::Route;
-use crate::stream::{CaptureStatus, Event, Stream, ThreadCapture};
+use crate::streams::capture_mode;
+use crate::streams::capture_state::{CaptureStatus, ThreadCapture};
+use crate::streams::event::Event;
+use crate::streams::ordering;
+use crate::streams::stream::Stream;
+use crate::values::location::AllocationType;
+use crate::values::route::Route;
 use cumempool_sys as sys;
 use std::borrow::Borrow;
 use std::cell::{Cell, RefCell};
@@ -631,7 +634,7 @@ impl GraphExec<'_> {
     ///
     /// The launch itself runs on a private stream of the executable's, ordered after those
     /// streams with events, never on `stream`: other code may begin capturing a stream it lent
-    /// (one from [`Stream::from_cudarc`], say) at any moment, and a launch queued there could be
+    /// (one from `Stream::from_cudarc`, say) at any moment, and a launch queued there could be
     /// recorded into that capture, whose graph would replay it after this executable and the
     /// memory it borrowed are gone, while the event that `Drop` waits for would be recorded into
     /// the capture too and could not be waited for. Nothing else holds the private stream, so it
@@ -656,7 +659,7 @@ impl GraphExec<'_> {
         // Setting up the order queries events, and may wait on the host (a stream borrowed
         // without its context, a stream that begins capturing meanwhile): refused inside a
         // capture closure on this thread, as every such query and wait is.
-        crate::stream::refuse_host_wait_on_capturing_thread(LAUNCH)?;
+        crate::streams::capture_state::refuse_host_wait_on_capturing_thread(LAUNCH)?;
         stream.ensure_not_capturing(LAUNCH)?;
         let outside = std::mem::take(&mut self.outside);
         let others: Vec<&Stream> = outside.iter().filter(|other| !other.same_as(stream)).collect();
@@ -682,12 +685,12 @@ impl GraphExec<'_> {
         };
         let mut spare = std::mem::take(&mut self.markers);
         let mut markers = Vec::with_capacity(1 + others.len());
-        let launched = crate::capture_mode::relaxed(|| {
+        let launched = capture_mode::relaxed(|| {
             for before in std::iter::once(stream).chain(others.iter().copied()) {
                 match before.context() {
                     Some(context) => {
                         let marker = spare_marker(&mut spare, context).map_or_else(|| Event::new(context), Ok)?;
-                        marker::order_after(&private, before, &marker, LAUNCH, &MARKER_HINTS)?;
+                        ordering::order_after(&private, before, &marker, LAUNCH, &MARKER_HINTS)?;
                         markers.push(marker);
                     }
                     // No event can be made for a stream borrowed without its context: its queued
@@ -696,7 +699,7 @@ impl GraphExec<'_> {
                 }
             }
             for marker in &markers {
-                marker::refuse_if_captured(marker, LAUNCH, &MARKER_HINTS)?;
+                ordering::refuse_if_captured(marker, LAUNCH, &MARKER_HINTS)?;
             }
             private.bind()?;
             // SAFETY: a live executable, on a live stream that does not capture; the memory the
@@ -783,7 +786,7 @@ fn spare_marker(spare: &mut Vec<Event>, context: &Context) -> Option<Event> {
 
 /// Why a launch is refused whose private stream a capture of other code reached through a marker
 /// (nothing was launched).
-const MARKER_HINTS: marker::Hints = marker::Hints {
+const MARKER_HINTS: ordering::Hints = ordering::Hints {
     joined: "other code began capturing the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched, and that capture was invalidated (its end gives no graph). Launch before another library's capture of the stream begins or after it ends",
     captured: "other code captured the launch's stream (or an outside buffer's stream) while the launch was being set up; nothing was launched. Launch before another library's capture of the stream begins or after it ends",
 };
@@ -801,7 +804,7 @@ impl Drop for GraphExec<'_> {
         // In relaxed mode, as the wait above: other code's capture on this thread (or a global
         // one) must not be invalidated by the destroy.
         let result = self.context.while_current(|| {
-            crate::capture_mode::relaxed(|| {
+            capture_mode::relaxed(|| {
                 // SAFETY: an executable this crate owns, destroyed once, after its last launch.
                 unsafe { driver_call!(cuGraphExecDestroy(raw)) }
             })

@@ -2,8 +2,27 @@
 //! pool attributes, handle types) that the safe layer neither maps nor lists as unmapped.
 
 use crate::{AllocationType, HandleTypes, Location, PoolAttribute};
-use crate::{UNMAPPED_ALLOCATION_TYPES, UNMAPPED_HANDLE_TYPES, UNMAPPED_LOCATION_TYPES, UNMAPPED_POOL_ATTRIBUTES};
 use cumempool_sys as sys;
+
+// What the safe layer deliberately leaves unmapped, each with the reason: a header member in
+// none of these lists and not mapped fails the tests below.
+
+/// Raw `CUmemLocationType` values left without a [`Location`].
+const UNMAPPED_LOCATION_TYPES: &[(u32, &str)] =
+    &[(0x7FFF_FFFF, "CU_MEM_LOCATION_TYPE_MAX only forces the C enum to 32 bits; no location has it")];
+
+/// Raw `CUmemAllocationType` values left without an [`AllocationType`].
+const UNMAPPED_ALLOCATION_TYPES: &[(u32, &str)] = &[
+    (0, "CU_MEM_ALLOCATION_TYPE_INVALID is the unset value; no pool has it"),
+    (0x7FFF_FFFF, "CU_MEM_ALLOCATION_TYPE_MAX only forces the C enum to 32 bits"),
+];
+
+/// Raw `CUmemPool_attribute` values left unmapped.
+const UNMAPPED_POOL_ATTRIBUTES: &[(u32, &str)] = &[];
+
+/// Raw `CUmemAllocationHandleType` bits left unnamed by [`HandleTypes`].
+const UNMAPPED_HANDLE_TYPES: &[(u32, &str)] =
+    &[(0x7FFF_FFFF, "CU_MEM_HANDLE_TYPE_MAX only forces the C enum to 32 bits; it is no handle type")];
 
 fn assert_covered(members: &[(&str, u32)], mapped: impl Fn(u32) -> bool, unmapped: &[(u32, &str)], list: &str) {
     for (name, value) in members {

@@ -41,72 +41,56 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-mod access;
-mod attributes;
-mod block;
-mod buffer;
-mod capture_mode;
-mod capture_registry;
-mod context;
+mod bare_pools;
 #[cfg(feature = "cudarc")]
 mod cudarc_interop;
-#[cfg(unix)]
-pub mod descriptor_passing;
-mod device;
+mod devices;
 mod driver;
-mod driver_handle;
 mod error;
-mod export_handles;
 mod graph;
 #[cfg(test)]
 mod header_coverage;
-mod location;
-#[cfg(feature = "cuda-13040")]
-mod location_info;
-mod marker;
-mod owner;
+mod memory;
 mod pool;
-mod raw_pool;
-mod recipe;
-mod retirement;
-mod route;
-mod route_table;
 mod routing;
 mod sharing;
-mod stream;
-mod unknown_value;
-mod valid_route;
-pub mod vmm;
+mod streams;
+mod values;
 
-pub use access::Access;
-pub use attributes::{AttributeAccess, AttributeValue, PoolAttribute, UNMAPPED_POOL_ATTRIBUTES};
-pub use block::{Block, Placement};
-pub use buffer::{free_async, Buffer, BufferOn, OwnedBuffer, PendingCopy, PendingCopyError};
-pub use capture_mode::relaxed as in_relaxed_capture_mode;
-pub use capture_registry::is_captured_allocation;
-pub use context::{current_device, keeping_current_context, Context};
+pub use bare_pools::attributes::{AttributeAccess, AttributeValue, PoolAttribute};
+pub use bare_pools::retirement::{destroy_retired_pools, retired_pools, RetiredPools};
 pub use cumempool_sys::DriverVersion;
-pub use device::{require_concurrent_managed_access, Device, GraphMemory};
+pub use devices::context::{current_device, keeping_current_context, Context};
+pub use devices::device::{require_concurrent_managed_access, Device, GraphMemory};
 pub use driver::{bindings_version, driver_version, init, library_path};
 pub use error::{error_name, DriverError, Error, InvalidArgumentReason, NotShareableReason, Result};
-pub use export_handles::{HandleTypes, UNMAPPED_HANDLE_TYPES};
 pub use graph::{Capture, CapturedBuffer, Graph, GraphExec};
-pub use location::{
-    raw_location, AllocationType, InvalidLocation, Location, UNMAPPED_ALLOCATION_TYPES, UNMAPPED_LOCATION_TYPES,
-};
+pub use memory::block::{Block, Placement};
+pub use memory::buffer::{free_async, Buffer, BufferOn, OwnedBuffer, PendingCopy, PendingCopyError};
+pub use memory::capture_registry::is_captured_allocation;
 #[cfg(feature = "cuda-13040")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
-pub use location_info::location_info;
+pub use memory::location_info::location_info;
 pub use pool::{MemPool, Pool, PoolBuilder, PoolRef};
-pub use retirement::{destroy_retired_pools, retired_pools, RetiredPools};
-pub use route::{InvalidRoute, Route};
-pub use route_table::{all_routes, route_table, RouteEntry, RouteTable};
+pub use routing::table::{all_routes, route_table, RouteEntry, RouteTable};
 pub use routing::{
     current_pool, current_pool_handle, default_pool, is_default, reset_current_pool, set_current_pool, RouteGuard,
 };
+#[cfg(unix)]
+pub use sharing::descriptor_passing;
+pub use sharing::vmm;
 pub use sharing::SharedAllocation;
-pub use stream::{CaptureStatus, Event, Stream, StreamId};
-pub use unknown_value::UnknownValue;
+pub use streams::capture_mode::relaxed as in_relaxed_capture_mode;
+pub use streams::capture_state::CaptureStatus;
+pub use streams::event::Event;
+pub use streams::stream::{Stream, StreamId};
+pub use values::access::Access;
+pub use values::export_handles::HandleTypes;
+pub use values::location::{
+    raw_location, AllocationType, InvalidLocation, Location,
+};
+pub use values::route::{InvalidRoute, Route};
+pub use values::unknown_value::UnknownValue;
 
 /// The cudarc this crate's interop is built against (feature `cudarc`).
 #[cfg(feature = "cudarc")]

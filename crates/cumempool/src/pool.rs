@@ -9,20 +9,20 @@
 //! - [`Pool`]: what both dereference to, the operations every pool has. A `Pool` value (from
 //!   [`current_pool`](crate::current_pool), or a clone) owns when it came from a `MemPool`.
 
-use crate::access::Access;
-use crate::attributes::{self, PoolAttribute};
-use crate::buffer::{Buffer, OwnedBuffer};
-use crate::device::Device;
+use crate::bare_pools;
+use crate::bare_pools::attributes::{self, PoolAttribute};
+use crate::bare_pools::pool_owner::Owner;
+use crate::bare_pools::pool_recipe::Recipe;
+use crate::devices::device::Device;
+use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, driver_call};
-use crate::driver_handle::DriverHandle;
 use crate::error::{DriverError, Error, InvalidArgumentReason, Result};
-use crate::export_handles::HandleTypes;
-use crate::location::{AllocationType, Location};
-use crate::owner::Owner;
-use crate::raw_pool;
-use crate::recipe::Recipe;
-use crate::route::Route;
-use crate::stream::Stream;
+use crate::memory::buffer::{Buffer, OwnedBuffer};
+use crate::streams::stream::Stream;
+use crate::values::access::Access;
+use crate::values::export_handles::HandleTypes;
+use crate::values::location::{AllocationType, Location};
+use crate::values::route::Route;
 use cumempool_sys as sys;
 #[cfg(not(feature = "cuda-13020"))]
 use cumempool_sys::DriverVersion;
@@ -164,7 +164,7 @@ impl Pool {
     /// See [cuMemPoolTrimTo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         // SAFETY: a live pool.
-        unsafe { raw_pool::trim_to(self.raw.0, keep_bytes) }
+        unsafe { bare_pools::trim_to(self.raw.0, keep_bytes) }
     }
 
     /// Sets the access of `device` to this pool's memory.
@@ -201,7 +201,7 @@ impl Pool {
         let descriptors: Vec<sys::CUmemAccessDesc> = grants
             .iter()
             .map(|(device, access)| sys::CUmemAccessDesc {
-                location: crate::location::raw_location(
+                location: crate::values::location::raw_location(
                     sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
                     device.ordinal(),
                 ),
@@ -312,7 +312,7 @@ impl Pool {
         }
         let ptr = self.alloc_on(bytes, stream)?;
         if let Some(capture) = status.id() {
-            crate::capture_registry::record(ptr, capture);
+            crate::memory::capture_registry::record(ptr, capture);
         }
         Ok(ptr)
     }
@@ -477,7 +477,7 @@ impl Pool {
     #[cfg_attr(docsrs, doc(cfg(feature = "cuda-13040")))]
     pub fn locality_domain_id(&self) -> Result<Option<u8>> {
         let raw = self.attribute(PoolAttribute::LocalityDomainId)? as u32 as i32;
-        crate::device::domain_from_driver("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID", raw)
+        crate::devices::device::domain_from_driver("CU_MEMPOOL_ATTR_LOCALITY_DOMAIN_ID", raw)
     }
 
     /// The pool's maximum size in bytes, as the driver reports it (driver 13.2).
@@ -495,7 +495,7 @@ impl Pool {
     }
 
     #[cfg(not(feature = "cuda-13020"))]
-    pub(crate) fn location_attribute(&self) -> Result<crate::location::Location> {
+    pub(crate) fn location_attribute(&self) -> Result<crate::values::location::Location> {
         Err(Error::DriverTooOld {
             feature: "reading an imported pool's location (needs the cuda-13020 feature)",
             needs: DriverVersion::CUDA_13_2,
@@ -504,7 +504,7 @@ impl Pool {
     }
 
     #[cfg(not(feature = "cuda-13020"))]
-    pub(crate) fn allocation_type_attribute(&self) -> Result<crate::location::AllocationType> {
+    pub(crate) fn allocation_type_attribute(&self) -> Result<crate::values::location::AllocationType> {
         Err(Error::DriverTooOld {
             feature: "reading an imported pool's allocation type (needs the cuda-13020 feature)",
             needs: DriverVersion::CUDA_13_2,
@@ -793,7 +793,7 @@ impl PoolBuilder {
     pub fn build(self) -> Result<MemPool> {
         let props = self.to_props()?;
         let recipe = self.recipe();
-        if let Some(raw) = crate::retirement::reuse(&recipe) {
+        if let Some(raw) = crate::bare_pools::retirement::reuse(&recipe) {
             tracing::info!(route = %self.route, pool = ?raw, "retired memory pool made anew");
             let pool = self.own(raw, recipe);
             // On an error the pool drops here and is retired again.
@@ -903,7 +903,7 @@ fn reset_for_reuse(pool: &Pool) -> Result<()> {
 
 /// Why the driver may have no room for another pool.
 fn out_of_pools() -> String {
-    let retired = crate::retirement::retired_count();
+    let retired = crate::bare_pools::retirement::retired_count();
     let mut reason = "the driver has no room for another pool (each pool reserves address space)".to_owned();
     if retired > 0 {
         reason.push_str(&format!(
@@ -935,7 +935,7 @@ fn reserve(pool: &Pool, route: Route, bytes: u64, keep: bool) -> Result<()> {
     pool.set_release_threshold(u64::MAX)?;
     let ptr = pool.alloc_raw(size, &stream)?;
     // SAFETY: allocated just above on this stream, freed once, never used.
-    let freed = unsafe { crate::buffer::free_async(ptr, &stream) };
+    let freed = unsafe { crate::memory::buffer::free_async(ptr, &stream) };
     freed.and(stream.synchronize())?;
     let threshold = if keep { pool.reserved_mem_current()?.max(bytes) } else { threshold };
     pool.set_release_threshold(threshold)

@@ -10,12 +10,14 @@
 //! thread's allocation may still be reading it. It is retired until
 //! [`destroy_retired_pools`](crate::destroy_retired_pools).
 
+pub(crate) mod table;
+
+use crate::devices::checked_route::CheckedRoute;
+use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, Answer};
-use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolRef};
-use crate::route::Route;
-use crate::valid_route::ValidRoute;
+use crate::values::route::Route;
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -107,11 +109,11 @@ impl RouteStack {
 ///
 /// See [cuMemGetDefaultMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn default_pool(route: Route) -> Result<PoolRef> {
-    let raw = default_raw(route.validated()?)?;
+    let raw = default_raw(route.checked()?)?;
     Ok(PoolRef::new(Pool::default_of(raw, route)))
 }
 
-fn default_raw(route: ValidRoute) -> Result<sys::CUmemoryPool> {
+fn default_raw(route: CheckedRoute) -> Result<sys::CUmemoryPool> {
     let (mut location, allocation_type) = route.to_raw();
     let mut raw = std::ptr::null_mut();
     // SAFETY: valid out-pointer and location.
@@ -120,18 +122,18 @@ fn default_raw(route: ValidRoute) -> Result<sys::CUmemoryPool> {
     Ok(raw)
 }
 
-fn current_raw(route: ValidRoute) -> Result<sys::CUmemoryPool> {
+fn current_raw(route: CheckedRoute) -> Result<sys::CUmemoryPool> {
     let (mut location, allocation_type) = route.to_raw();
     let mut raw = std::ptr::null_mut();
     // SAFETY: valid out-pointer and location.
     let answer = unsafe { driver_answer!(cuMemGetMemPool(&mut raw, &mut location, allocation_type)) }?;
     route_answer(route.route(), answer)?;
     // Seen current: other threads may allocate from it, so it must never be destroyed by this crate.
-    crate::retirement::note_current(raw);
+    crate::bare_pools::retirement::note_current(raw);
     Ok(raw)
 }
 
-fn set_raw(route: ValidRoute, pool: sys::CUmemoryPool) -> Result<()> {
+fn set_raw(route: CheckedRoute, pool: sys::CUmemoryPool) -> Result<()> {
     let (mut location, allocation_type) = route.to_raw();
     // SAFETY: valid location and a live pool.
     route_answer(route.route(), unsafe { driver_answer!(cuMemSetMemPool(&mut location, allocation_type, pool)) }?)
@@ -151,7 +153,7 @@ fn set_raw(route: ValidRoute, pool: sys::CUmemoryPool) -> Result<()> {
 ///
 /// See [cuMemGetMemPool](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn current_pool(route: Route) -> Result<Pool> {
-    let valid = route.validated()?;
+    let valid = route.checked()?;
     let map = routed();
     let raw = current_raw(valid)?;
     if let Some(pool) = map.get(&route).and_then(|stack| stack.holding(raw)) {
@@ -171,7 +173,7 @@ pub fn current_pool(route: Route) -> Result<Pool> {
 /// # Errors
 /// As [`current_pool`], except that a foreign pool is answered.
 pub fn current_pool_handle(route: Route) -> Result<sys::CUmemoryPool> {
-    current_raw(route.validated()?)
+    current_raw(route.checked()?)
 }
 
 /// Whether `route`'s current pool is its default pool.
@@ -179,7 +181,7 @@ pub fn current_pool_handle(route: Route) -> Result<sys::CUmemoryPool> {
 /// # Errors
 /// As [`current_pool`].
 pub fn is_default(route: Route) -> Result<bool> {
-    let valid = route.validated()?;
+    let valid = route.checked()?;
     Ok(current_raw(valid)? == default_raw(valid)?)
 }
 
@@ -234,7 +236,7 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
             return Err(Error::PoolRouteMismatch { pool: served, route });
         }
     }
-    let valid = route.validated()?;
+    let valid = route.checked()?;
     let mut map = routed();
     let current = current_raw(valid)?;
     // Everything that can fail is asked before the route changes, so a refusal changes nothing.
@@ -246,7 +248,7 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
         pool.set_release_threshold(u64::MAX)?;
     }
     // Before the route shows it: from then on a thread may read it, so it is never destroyed.
-    crate::retirement::note_current(pool.as_raw());
+    crate::bare_pools::retirement::note_current(pool.as_raw());
     if let Err(error) = set_raw(valid, pool.as_raw()) {
         // A refused change leaves the pool as it found it too.
         if raised {
@@ -275,7 +277,7 @@ pub fn set_current_pool(route: Route, pool: &Pool) -> Result<RouteGuard> {
 /// # Errors
 /// An invalid route, or the driver's refusal; the route is unchanged then.
 pub fn reset_current_pool(route: Route) -> Result<()> {
-    let valid = route.validated()?;
+    let valid = route.checked()?;
     let default = default_raw(valid)?;
     let mut map = routed();
     set_raw(valid, default)?;
@@ -288,7 +290,7 @@ pub fn reset_current_pool(route: Route) -> Result<()> {
 }
 
 /// What `current`, the pool a route shows, is as the base of this crate's changes.
-fn base_of(route: ValidRoute, current: sys::CUmemoryPool) -> Result<Base> {
+fn base_of(route: CheckedRoute, current: sys::CUmemoryPool) -> Result<Base> {
     Ok(if current == default_raw(route)? {
         Base::Default(DriverHandle(current))
     } else {
@@ -301,7 +303,7 @@ fn base_of(route: ValidRoute, current: sys::CUmemoryPool) -> Result<Base> {
 #[must_use = "dropping the guard at once puts the previous pool back; call .keep() to make the change last"]
 pub struct RouteGuard {
     /// Checked when the change was made: undoing it checks nothing again.
-    route: ValidRoute,
+    route: CheckedRoute,
     /// Its entry's id; [`KEPT`] once it has let go.
     id: u64,
 }

@@ -11,12 +11,16 @@
 //!
 //! The driver forbids allocating from an imported pool; this crate refuses it with that reason.
 
-use crate::buffer::{Buffer, BufferOn};
+#[cfg(unix)]
+pub mod descriptor_passing;
+pub mod vmm;
+
 use crate::driver::{driver_answer, driver_call, Answer};
 use crate::error::{Error, InvalidArgumentReason, NotShareableReason, Result};
-use crate::export_handles::HandleTypes;
+use crate::memory::buffer::{Buffer, BufferOn};
 use crate::pool::{MemPool, Pool};
-use crate::stream::Stream;
+use crate::streams::stream::Stream;
+use crate::values::export_handles::HandleTypes;
 use cumempool_sys as sys;
 use std::borrow::Borrow;
 use std::ffi::c_void;
@@ -263,7 +267,7 @@ impl Pool {
         let key = (self.as_raw() as usize, shared.data.reserved);
         // Held until the mapping is recorded (or undone): a buffer of this allocation being
         // dropped meanwhile forgets it only after its unmapping has run.
-        let mut imports = crate::owner::mapped_imports();
+        let mut imports = crate::bare_pools::pool_owner::mapped_imports();
         // The driver maps an allocation imported twice at the same address, and the first
         // unmapping would pull the memory from under the second buffer: one buffer per mapping.
         let ptr = imports.import(key, || {
@@ -285,7 +289,8 @@ impl Pool {
         if let Err(error) = checked {
             // SAFETY: the fresh mapping is not handed out (it was claimed above, so no other
             // buffer maps it); freeing it unmaps it.
-            let unmapped = unsafe { crate::buffer::free_async(ptr, stream) }.and_then(|()| stream.synchronize());
+            let unmapped =
+                unsafe { crate::memory::buffer::free_async(ptr, stream) }.and_then(|()| stream.synchronize());
             match unmapped {
                 Ok(()) => imports.forget(ptr),
                 Err(unmap) => tracing::warn!(%unmap, ptr, "unmapping a refused import failed"),

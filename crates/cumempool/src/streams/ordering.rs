@@ -9,7 +9,9 @@
 
 use crate::driver::{driver_answer, driver_call};
 use crate::error::{Error, Result};
-use crate::stream::{CaptureStatus, Event, Stream};
+use crate::streams::capture_state::CaptureStatus;
+use crate::streams::event::Event;
+use crate::streams::stream::Stream;
 use cumempool_sys as sys;
 
 /// What a refusal says, for each way other code's capture can take a marker.

@@ -4,9 +4,9 @@ use crate::driver::driver_call;
 #[cfg(feature = "cuda-13040")]
 use crate::driver::require;
 use crate::error::{Error, Result};
-use crate::export_handles::HandleTypes;
+use crate::values::export_handles::HandleTypes;
 #[cfg(feature = "cuda-13040")]
-use crate::location::Location;
+use crate::values::location::Location;
 use cumempool_sys as sys;
 #[cfg(feature = "cuda-13040")]
 use cumempool_sys::DriverVersion;

@@ -7,7 +7,7 @@
 //! which looks them up here to decide between a free node, a deferred free and a free outside
 //! the graph.
 
-use crate::stream::CaptureStatus;
+use crate::streams::capture_state::CaptureStatus;
 use cumempool_sys as sys;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};

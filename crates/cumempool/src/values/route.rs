@@ -1,9 +1,9 @@
 //! What a route is: a (location, allocation type) pair, the key under which CUDA 13 keeps a
 //! default pool and a current pool, and which pairs can exist on any machine. A value: nothing
 //! here calls the driver, so the crate's error can name a route. The checks against this
-//! machine are `valid_route`'s.
+//! machine are `devices::checked_route`'s.
 
-use crate::location::{AllocationType, Location};
+use crate::values::location::{AllocationType, Location};
 use std::fmt;
 
 /// A (location, allocation type) pair that cannot name a pool, with the reason.

@@ -15,10 +15,12 @@
 
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
-use crate::location::AllocationType;
-use crate::marker;
-use crate::route::Route;
-use crate::stream::{Event, Stream};
+use crate::streams::capture_mode;
+use crate::streams::event::Event;
+use crate::streams::ordering;
+use crate::streams::stream::Stream;
+use crate::values::location::AllocationType;
+use crate::values::route::Route;
 use cumempool_sys as sys;
 
 /// Which processors may touch a block's memory, as the driver's operations need to know.
@@ -236,7 +238,7 @@ impl<'a> Block<'a> {
         }
         // Before the ordering below, which may itself wait on the host (a source stream
         // borrowed without its context).
-        crate::stream::refuse_host_wait_on_capturing_thread(WHAT)?;
+        crate::streams::capture_state::refuse_host_wait_on_capturing_thread(WHAT)?;
         self.stream.bind()?;
         if !self.stream.same_as(src.stream) {
             self.stream.order_after(src.stream)?;
@@ -321,7 +323,7 @@ impl<'a> Block<'a> {
         source: Option<&Stream>,
     ) -> Result<()> {
         let stream = self.stream;
-        crate::stream::refuse_host_wait_on_capturing_thread(what)?;
+        crate::streams::capture_state::refuse_host_wait_on_capturing_thread(what)?;
         stream.ensure_not_capturing(what)?;
         // Unlike allocation and free, a copy that involves host memory needs the stream's
         // context current (driver 580 crashes without one), whatever the stream's handle; a
@@ -329,9 +331,9 @@ impl<'a> Block<'a> {
         let context = stream.bind_context()?;
         let (queued, done) = (Event::new(context)?, Event::new(context)?);
         let private = stream.take_capture_stream(context)?;
-        let copied = crate::capture_mode::relaxed(|| {
-            marker::order_after(&private, stream, &queued, what, &MARKER_HINTS)?;
-            marker::refuse_if_captured(&queued, what, &MARKER_HINTS)?;
+        let copied = capture_mode::relaxed(|| {
+            ordering::order_after(&private, stream, &queued, what, &MARKER_HINTS)?;
+            ordering::refuse_if_captured(&queued, what, &MARKER_HINTS)?;
             // SAFETY: the caller vouches for both ranges.
             unsafe { driver_call!(cuMemcpyAsync(dst, src, len, private.as_raw())) }?;
             // From here the copy may be running: no return before it has finished.
@@ -360,7 +362,7 @@ impl<'a> Block<'a> {
 
 /// Why a copy whose private stream other code's capture reached through its marker is refused
 /// (nothing of the copy is queued then).
-const MARKER_HINTS: marker::Hints = marker::Hints {
+const MARKER_HINTS: ordering::Hints = ordering::Hints {
     joined: "other code began capturing the buffer's stream while the copy was being set up; nothing was copied, and that capture was invalidated (its end gives no graph). Copy before another library's capture of the stream begins or after it ends",
     captured: "other code captured the buffer's stream while the copy was being set up; nothing was copied. Copy before another library's capture of the stream begins or after it ends",
 };

@@ -5,15 +5,18 @@
 //! in a struct beside its stream, returnable from the function that made the stream). Both
 //! share every method below.
 
-use crate::block::{Block, Placement};
-use crate::capture_registry::{self, FreeAction};
+use crate::bare_pools::pool_owner::Owner;
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
-use crate::export_handles::HandleTypes;
-use crate::location::{AllocationType, Location};
-use crate::owner::Owner;
-use crate::route::Route;
-use crate::stream::{CaptureStatus, DeferredFree, Event, Stream};
+use crate::memory::block::{Block, Placement};
+use crate::memory::capture_registry::{self, FreeAction};
+use crate::streams::capture_state::CaptureStatus;
+use crate::streams::deferred_frees::DeferredFree;
+use crate::streams::event::Event;
+use crate::streams::stream::Stream;
+use crate::values::export_handles::HandleTypes;
+use crate::values::location::{AllocationType, Location};
+use crate::values::route::Route;
 use cumempool_sys as sys;
 use std::borrow::Borrow;
 use std::sync::Arc;
@@ -197,7 +200,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             // The two streams are ordered with a host wait (an event needs its stream's
             // context), before the copy and after it. Refused after the copy was queued, that
             // wait would leave the source's free unordered after the copy: decided now.
-            crate::stream::refuse_host_wait_on_capturing_thread(WITHOUT_CONTEXT_IN_CAPTURE)?;
+            crate::streams::capture_state::refuse_host_wait_on_capturing_thread(WITHOUT_CONTEXT_IN_CAPTURE)?;
         }
         // Copies involving host memory need the context current (see `copy_unified`): made so
         // whenever it is known (one `cuCtxGetCurrent` when it already is), and refused for host
@@ -297,7 +300,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
     pub fn prefetch_to(&self, location: Location) -> Result<()> {
         #[cfg(feature = "cuda-13040")]
         if let Location::DeviceLocalityDomain { .. } = location {
-            return Err(crate::location::InvalidLocation {
+            return Err(crate::values::location::InvalidLocation {
                 location,
                 reason: "cuda.h does not support prefetching to a locality domain; prefetch to its device",
             }
@@ -337,7 +340,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
                 self.ptr
             ))
         }?;
-        crate::device::domain_from_driver(NAME, ordinal)
+        crate::devices::device::domain_from_driver(NAME, ordinal)
     }
 
     /// Where the pages of this managed buffer reside (driver 13.4): one [`Location`] per region
@@ -360,7 +363,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
                 reason: crate::error::InvalidArgumentReason::NotManagedMemory { route },
             });
         }
-        crate::location_info::region_count(self.len, summary_granularity, sampling_granularity)?;
+        crate::memory::location_info::region_count(self.len, summary_granularity, sampling_granularity)?;
         self.on().ensure_not_capturing("asking where a buffer's pages reside (Buffer::location_info, which waits)")?;
         if !self.is_empty() {
             self.on().synchronize()?;
@@ -388,7 +391,7 @@ impl<S: Borrow<Stream>> BufferOn<S> {
             return Err(Error::ExportableMemoryNotSliceable { handle_types: self.handle_types });
         }
         if self.route.is_some_and(|r| r.allocation_type == AllocationType::Managed) {
-            crate::device::require_concurrent_managed_access()?;
+            crate::devices::device::require_concurrent_managed_access()?;
         }
         self.on().ensure_not_capturing("borrowing a buffer's bytes on the host (host_slice, which waits)")?;
         self.on().synchronize()?;
@@ -462,7 +465,7 @@ impl<S: Borrow<Stream>> Drop for BufferOn<S> {
             // The unmapping is stream-ordered: only once it has run may the same allocation be
             // imported again (the driver would hand back the same address).
             match self.on().synchronize() {
-                Ok(()) => crate::owner::forget_mapping(self.ptr),
+                Ok(()) => crate::bare_pools::pool_owner::forget_mapping(self.ptr),
                 Err(error) => {
                     tracing::warn!(%error, ptr = self.ptr, "waiting for an unmapping failed; the allocation stays unimportable")
                 }
@@ -540,7 +543,7 @@ impl PendingCopy {
     /// back: its vector is released once the stream has been waited for, or kept (leaked) if
     /// even that fails, since the device may still use it.
     pub fn wait(mut self) -> std::result::Result<Vec<u8>, PendingCopyError> {
-        if let Err(error) = crate::stream::refuse_host_wait_on_capturing_thread(WAIT) {
+        if let Err(error) = crate::streams::capture_state::refuse_host_wait_on_capturing_thread(WAIT) {
             return Err(PendingCopyError { error, pending: Some(Box::new(self)) });
         }
         match self.finish() {

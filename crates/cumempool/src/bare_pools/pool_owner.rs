@@ -2,10 +2,10 @@
 //! the pool alive, and the last to let go releases it, through one path: destroyed, or retired
 //! if it was ever a route's current pool (the `retirement` module says why).
 
-use crate::driver_handle::DriverHandle;
+use crate::bare_pools;
+use crate::bare_pools::pool_recipe::Recipe;
+use crate::driver::handle::DriverHandle;
 use crate::error::{Error, Result};
-use crate::raw_pool;
-use crate::recipe::Recipe;
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -129,18 +129,18 @@ impl Owner {
     /// both come here. A pool that was ever a route's current pool is retired (Ok), not destroyed.
     pub(crate) fn release(&self) -> Result<()> {
         let raw = self.raw.0;
-        match Fate::of(self.unsafe_to_destroy.load(Relaxed), crate::retirement::was_ever_current(raw)) {
+        match Fate::of(self.unsafe_to_destroy.load(Relaxed), crate::bare_pools::retirement::was_ever_current(raw)) {
             // Driver 580: cuMemPoolDestroy crashes inside libcuda on a pool whose fabric export
             // was refused. Leaking the pool is the lesser harm.
             Fate::Leak => Err(Error::UnsafeToDestroy),
             Fate::Retire => {
-                crate::retirement::retire(raw, self.reusable_recipe());
+                crate::bare_pools::retirement::retire(raw, self.reusable_recipe());
                 Ok(())
             }
             Fate::Destroy => {
                 // SAFETY: called once, by the pool's only owner (Drop, or `destroy` after taking
                 // sole ownership and forgetting the owner); never a route's current pool.
-                unsafe { raw_pool::destroy(raw) }?;
+                unsafe { bare_pools::destroy(raw) }?;
                 tracing::debug!(pool = ?raw, imported = self.imported, "memory pool destroyed");
                 Ok(())
             }
@@ -190,7 +190,8 @@ impl Owner {
     /// pool that would be destroyed here. A pool that was ever a route's current pool (a retired
     /// pool made anew included, whose handle stays marked) must be retired instead.
     pub(crate) fn check_give_away(&self) -> Result<()> {
-        Fate::of(self.is_unsafe_to_destroy(), crate::retirement::was_ever_current(self.raw.0)).check_give_away()
+        Fate::of(self.is_unsafe_to_destroy(), crate::bare_pools::retirement::was_ever_current(self.raw.0))
+            .check_give_away()
     }
 
     pub(crate) fn raw(&self) -> sys::CUmemoryPool {
@@ -226,7 +227,7 @@ mod tests {
         assert!(matches!(Fate::of(true, false).check_give_away(), Err(Error::UnsafeToDestroy)));
         // A pool made anew from a retired one keeps its handle's mark.
         let raw = 0xfeed_0000 as sys::CUmemoryPool;
-        crate::retirement::note_current(raw);
+        crate::bare_pools::retirement::note_current(raw);
         let owner = Owner::new(raw, false);
         assert!(matches!(owner.check_give_away(), Err(Error::PoolWasCurrent)));
         std::mem::forget(owner); // not a real pool: no release

@@ -4,10 +4,6 @@ use cumempool_sys as sys;
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign};
 
-/// Raw `CUmemAllocationHandleType` bits deliberately left unnamed by [`HandleTypes`], with the reason.
-pub const UNMAPPED_HANDLE_TYPES: &[(u32, &str)] =
-    &[(0x7FFF_FFFF, "CU_MEM_HANDLE_TYPE_MAX only forces the C enum to 32 bits; it is no handle type")];
-
 /// A set of export handle types. Bits this crate does not name are kept, not dropped.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct HandleTypes(u32);

@@ -19,10 +19,10 @@
 //! ```
 
 use crate::error::{Error, InvalidArgumentReason, Result};
-use crate::location::{AllocationType, Location};
 use crate::pool::{MemPool, Pool};
-use crate::route::Route;
 use crate::sharing::SharedAllocation;
+use crate::values::location::{AllocationType, Location};
+use crate::values::route::Route;
 use cumempool_sys as sys;
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,

@@ -23,12 +23,12 @@
 //! # Ok(()) }
 //! ```
 
-use crate::access::Access;
 use crate::driver::driver_call;
 use crate::error::{Error, InvalidArgumentReason, NotShareableReason, Result};
-use crate::export_handles::HandleTypes;
-use crate::location::Location;
 use crate::sharing::{refused_unless_success, require_imex_channel};
+use crate::values::access::Access;
+use crate::values::export_handles::HandleTypes;
+use crate::values::location::Location;
 use cumempool_sys as sys;
 use std::collections::BTreeMap;
 use std::ffi::c_void;

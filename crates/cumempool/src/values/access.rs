@@ -1,6 +1,6 @@
 //! The access a device has to a pool's memory.
 
-use crate::unknown_value::UnknownValue;
+use crate::values::unknown_value::UnknownValue;
 use cumempool_sys as sys;
 
 /// Access a device has to a pool's memory.

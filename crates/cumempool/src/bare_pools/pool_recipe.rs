@@ -2,8 +2,8 @@
 //! Its own module because the builder that writes it, the owner that keeps it and the retired
 //! list that matches it sit on both sides of the pool handles.
 
-use crate::export_handles::HandleTypes;
-use crate::route::Route;
+use crate::values::export_handles::HandleTypes;
+use crate::values::route::Route;
 
 /// The properties a pool was created with. A retired pool (see `retirement`) made with the same
 /// recipe, never exported and whose access was never changed, serves a new pool made the same

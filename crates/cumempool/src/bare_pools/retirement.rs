@@ -8,11 +8,11 @@
 //! the program names a point where no thread allocates through a route:
 //! [`destroy_retired_pools`]. At process exit the driver reclaims them; nothing needs doing.
 
-use crate::attributes::{self, PoolAttribute};
-use crate::driver_handle::DriverHandle;
+use crate::bare_pools;
+use crate::bare_pools::attributes::{self, PoolAttribute};
+use crate::bare_pools::pool_recipe::Recipe;
+use crate::driver::handle::DriverHandle;
 use crate::error::Result;
-use crate::raw_pool;
-use crate::recipe::Recipe;
 use cumempool_sys as sys;
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -25,7 +25,7 @@ static EVER_CURRENT: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
 
 /// Pools retired and not destroyed yet. Held while they are destroyed or measured, so no one
 /// measures a destroyed pool.
-static RETIRED: Mutex<Retired> = Mutex::new(Retired(Vec::new()));
+static RETIRED: Mutex<RetiredList> = Mutex::new(RetiredList(Vec::new()));
 
 /// Lock order: [`RETIRED`] before [`EVER_CURRENT`]; neither is held while taking the other in
 /// the opposite order.
@@ -34,7 +34,7 @@ fn ever_current() -> MutexGuard<'static, BTreeSet<usize>> {
     EVER_CURRENT.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn retired() -> MutexGuard<'static, Retired> {
+fn retired_list() -> MutexGuard<'static, RetiredList> {
     // As above: one push, or a swap of the whole list.
     RETIRED.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -56,10 +56,10 @@ pub(crate) fn retire(raw: sys::CUmemoryPool, recipe: Option<Recipe>) {
     // Trimming frees only memory no allocation holds: allocations another library made from it
     // (through the route) stay valid.
     // SAFETY: its last owner let go of a live pool; it stays live until destroy_retired_pools.
-    if let Err(error) = unsafe { raw_pool::trim_to(raw, 0) } {
+    if let Err(error) = unsafe { bare_pools::trim_to(raw, 0) } {
         tracing::warn!(%error, pool = ?raw, "trimming a retired pool failed; its memory stays reserved until destroy_retired_pools");
     }
-    retired().0.push(RetiredPool { handle: DriverHandle(raw), recipe });
+    retired_list().0.push(RetiredPool { handle: DriverHandle(raw), recipe });
     tracing::debug!(pool = ?raw, "memory pool retired (it was a route's current pool)");
 }
 
@@ -70,12 +70,12 @@ pub(crate) fn retire(raw: sys::CUmemoryPool, recipe: Option<Recipe>) {
 pub(crate) fn reuse(recipe: &Recipe) -> Option<sys::CUmemoryPool> {
     // SAFETY: `take` asks only about pools it lists, which are live while listed (locked here).
     let is_empty = |raw| unsafe { attributes::get(raw, PoolAttribute::UsedMemCurrent) }.is_ok_and(|used| used == 0);
-    retired().take(recipe, is_empty)
+    retired_list().take(recipe, is_empty)
 }
 
 /// How many pools are retired now.
 pub(crate) fn retired_count() -> usize {
-    retired().0.len()
+    retired_list().0.len()
 }
 
 /// A retired pool, and the recipe it can serve again (`None`: never reused).
@@ -87,9 +87,9 @@ struct RetiredPool {
 
 /// The pools retired and not destroyed yet, oldest first.
 #[derive(Debug)]
-struct Retired(Vec<RetiredPool>);
+struct RetiredList(Vec<RetiredPool>);
 
-impl Retired {
+impl RetiredList {
     /// Removes the oldest pool made with `recipe` that `is_empty` says holds no allocation.
     fn take(
         &mut self,
@@ -143,10 +143,10 @@ impl Retired {
 ///
 /// See [cuMemPoolDestroy](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub unsafe fn destroy_retired_pools() -> Result<usize> {
-    let mut list = retired();
+    let mut list = retired_list();
     // SAFETY: each retired pool is destroyed once (it leaves the list), and the caller promised
     // that no thread allocates through a route that showed it, nor uses its allocations.
-    let destroyed = list.destroy_all(|raw| unsafe { raw_pool::destroy(raw) })?;
+    let destroyed = list.destroy_all(|raw| unsafe { bare_pools::destroy(raw) })?;
     // The driver may hand these handles to new pools: those start never current.
     let mut seen = ever_current();
     for raw in &destroyed {
@@ -180,7 +180,7 @@ pub struct RetiredPools {
 ///
 /// See [cuMemPoolGetAttribute](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MALLOC__ASYNC.html).
 pub fn retired_pools() -> Result<RetiredPools> {
-    let list = retired();
+    let list = retired_list();
     let mut total = RetiredPools { count: list.0.len(), ..RetiredPools::default() };
     for retired in &list.0 {
         let raw = retired.handle.0;
@@ -206,7 +206,7 @@ mod tests {
     #[test]
     fn destroying_the_retired_pools_stops_at_the_first_refusal_and_keeps_the_rest() {
         let mut list =
-            Retired((1..=4).map(|n| RetiredPool { handle: DriverHandle(handle(n)), recipe: None }).collect());
+            RetiredList((1..=4).map(|n| RetiredPool { handle: DriverHandle(handle(n)), recipe: None }).collect());
         let mut asked = Vec::new();
         let outcome = list.destroy_all(|raw| {
             asked.push(raw as usize);
@@ -231,7 +231,7 @@ mod tests {
         let recipe = Recipe::for_tests;
         let pool = |n, max: Option<u64>| RetiredPool { handle: DriverHandle(handle(n)), recipe: max.map(recipe) };
         let mut list =
-            Retired(vec![pool(1, None), pool(2, Some(1)), pool(3, Some(2)), pool(4, Some(2)), pool(5, Some(2))]);
+            RetiredList(vec![pool(1, None), pool(2, Some(1)), pool(3, Some(2)), pool(4, Some(2)), pool(5, Some(2))]);
         assert_eq!(list.take(&recipe(7), |_| true), None, "no pool of that recipe");
         let taken = list.take(&recipe(2), |raw| raw as usize != 3);
         assert_eq!(taken.map(|raw| raw as usize), Some(4), "3 still holds an allocation; 4 is the oldest empty one");

@@ -2,13 +2,13 @@
 //! driver's form of a checked route. The route itself is a value of `route`, below the error
 //! type; the check asks the driver, so it lives above both.
 //!
-//! A route is checked once per public call ([`Route::validated`]); what is passed down from
-//! there is the [`ValidRoute`], so no driver call below re-checks it.
+//! A route is checked once per public call ([`Route::checked`]); what is passed down from
+//! there is the [`CheckedRoute`], so no driver call below re-checks it.
 
-use crate::device::Device;
+use crate::devices::device::Device;
 use crate::error::Result;
-use crate::location::Location;
-use crate::route::Route;
+use crate::values::location::Location;
+use crate::values::route::Route;
 use cumempool_sys as sys;
 use std::fmt;
 
@@ -23,11 +23,11 @@ impl Route {
     /// saying what would work; `Error::DriverTooOld` for a locality domain on a driver older
     /// than 13.4.
     pub fn validate(&self) -> Result<()> {
-        self.validated().map(drop)
+        self.checked().map(drop)
     }
 
     /// [`Route::validate`], keeping the driver's form of the route for the calls that follow.
-    pub(crate) fn validated(self) -> Result<ValidRoute> {
+    pub(crate) fn checked(self) -> Result<CheckedRoute> {
         self.check_shape()?;
         match self.location {
             Location::Device(ordinal) => Device::check_ordinal(ordinal)?,
@@ -37,7 +37,7 @@ impl Route {
             }
             _ => {}
         }
-        Ok(ValidRoute {
+        Ok(CheckedRoute {
             route: self,
             location: self.location.to_raw()?,
             allocation_type: self.allocation_type.to_raw(),
@@ -46,20 +46,20 @@ impl Route {
 
     /// The driver's form of the location and the allocation type, after [`Route::validate`].
     pub(crate) fn to_raw(self) -> Result<(sys::CUmemLocation, sys::CUmemAllocationType)> {
-        Ok(self.validated()?.to_raw())
+        Ok(self.checked()?.to_raw())
     }
 }
 
-/// A route [`Route::validated`] accepted, with its driver form: what the driver calls of one
+/// A route [`Route::checked`] accepted, with its driver form: what the driver calls of one
 /// public call take, so the route is checked once, not once per call.
 #[derive(Clone, Copy)]
-pub(crate) struct ValidRoute {
+pub(crate) struct CheckedRoute {
     route: Route,
     location: sys::CUmemLocation,
     allocation_type: sys::CUmemAllocationType,
 }
 
-impl ValidRoute {
+impl CheckedRoute {
     /// The route as asked for.
     pub(crate) fn route(&self) -> Route {
         self.route
@@ -71,9 +71,9 @@ impl ValidRoute {
     }
 }
 
-impl fmt::Debug for ValidRoute {
+impl fmt::Debug for CheckedRoute {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("ValidRoute").field(&self.route).finish()
+        f.debug_tuple("CheckedRoute").field(&self.route).finish()
     }
 }
 
@@ -83,7 +83,7 @@ mod tests {
 
     #[test]
     fn a_valid_route_carries_the_driver_form_of_its_route() {
-        let valid = Route::managed(Location::Unspecified).validated().expect("no device to check");
+        let valid = Route::managed(Location::Unspecified).checked().expect("no device to check");
         assert_eq!(valid.route(), Route::managed(Location::Unspecified));
         let (location, allocation_type) = valid.to_raw();
         assert_eq!(location.type_, sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_NONE);

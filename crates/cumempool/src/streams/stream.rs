@@ -1,13 +1,18 @@
-//! Streams and events: the order in which pool memory is handed out and given back.
+//! Streams: the order in which pool memory is handed out and given back, each `Stream` value's
+//! identity, and the frees a capture defers on it. Waits on events and orderings between
+//! streams are in `event`; whether a stream captures, in `capture_state`.
 
-use crate::context::Context;
+use crate::devices::context::Context;
+use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, driver_call};
-use crate::driver_handle::DriverHandle;
 use crate::error::{Error, Result};
-use crate::owner::Owner;
+use crate::streams::capture_mode;
+use crate::streams::capture_state::{capture_info, refuse_host_wait_on_capturing_thread, CaptureStatus};
+use crate::streams::deferred_frees::{run_frees, DeferredFree};
+use crate::streams::orphans::{adopt, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan};
 use cumempool_sys as sys;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A CUDA stream. Clones share it; an owned stream is destroyed when the last clone drops.
@@ -49,25 +54,6 @@ struct StreamInner {
     /// What keeps a borrowed stream alive: the other library's own handle (a cudarc
     /// `Arc<CudaStream>`), dropped after the last clone of this `Stream`.
     _keep_alive: KeepAlive,
-}
-
-/// A free waiting for its stream's capture to end, with the pool it keeps alive until then.
-#[derive(Debug)]
-pub(crate) struct DeferredFree {
-    pub(crate) ptr: sys::CUdeviceptr,
-    pub(crate) pool: Option<Arc<Owner>>,
-    /// For [`Stream::legacy_for_per_thread`]'s stream, the thread whose per-thread stream's
-    /// capture deferred it: only that thread can see that capture end.
-    pub(crate) thread: Option<std::thread::ThreadId>,
-}
-
-/// Another library's handle, held only so that its stream outlives this one.
-struct KeepAlive(Option<Arc<dyn std::any::Any + Send + Sync>>);
-
-impl std::fmt::Debug for KeepAlive {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() { "Some(..)" } else { "None" })
-    }
 }
 
 /// A stream's identity in this process: unique per [`Stream`] (shared by its clones), never
@@ -319,7 +305,7 @@ impl Stream {
         self.ensure_not_capturing(WHAT)?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
-        crate::capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) })
+        capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) })
     }
 
     /// Whether all queued work has finished, without waiting.
@@ -338,25 +324,12 @@ impl Stream {
         self.ensure_not_capturing(WHAT)?;
         self.bind()?;
         // SAFETY: a live stream, in its context.
-        let answer = crate::capture_mode::relaxed(|| unsafe { driver_answer!(cuStreamQuery(self.as_raw())) })?;
+        let answer = capture_mode::relaxed(|| unsafe { driver_answer!(cuStreamQuery(self.as_raw())) })?;
         match answer.code {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             _ => Err(answer.error()),
         }
-    }
-
-    /// Makes later work on this stream wait for `event`.
-    ///
-    /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
-    pub fn wait(&self, event: &Event) -> Result<()> {
-        self.bind()?;
-        // Waiting on an event recorded during a capture joins that capture.
-        if event.may_be_captured.load(Relaxed) {
-            self.note_capture_possible();
-        }
-        // SAFETY: live stream and event.
-        unsafe { driver_call!(cuStreamWaitEvent(self.as_raw(), event.as_raw(), 0)) }
     }
 
     /// Whether a capture may be underway on this stream, without asking the driver: one relaxed
@@ -531,25 +504,6 @@ impl Stream {
         waiting
     }
 
-    /// Makes later work on this stream wait for the work queued on `other` so far: an event
-    /// recorded on `other` (in its context), or, for a stream borrowed without its context, a
-    /// host wait for `other`. Layers above use it to order work on one stream with memory whose
-    /// free is queued on another (as [`BufferOn::copy_from_async`](crate::BufferOn::copy_from_async)
-    /// does, an event each way).
-    ///
-    /// # Errors
-    /// The driver's refusals; the host wait's (refused inside [`Stream::capture`]'s closure).
-    pub fn order_after(&self, other: &Stream) -> Result<()> {
-        match other.context() {
-            Some(context) => {
-                let ready = Event::new(context)?;
-                ready.record(other)?;
-                self.wait(&ready)
-            }
-            None => other.synchronize(),
-        }
-    }
-
     /// Waits on the host for the work queued so far, where memory is about to be released (or
     /// left unordered) that the work may still use: the fallback when an ordering could not be
     /// set up after the work was queued.
@@ -574,7 +528,7 @@ impl Stream {
         }
         self.bind()?;
         // SAFETY: a live stream, in its context.
-        crate::capture_mode::relaxed_if_possible(|| unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) })
+        capture_mode::relaxed_if_possible(|| unsafe { driver_call!(cuStreamSynchronize(self.as_raw())) })
     }
 
     /// The private stream for a capture of this stream ([`Stream::capture`]): the spare one an
@@ -626,81 +580,6 @@ impl Stream {
     }
 }
 
-thread_local! {
-    /// The innermost [`Stream::capture`] underway on this thread, if any (its id).
-    static THREAD_CAPTURE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
-}
-
-/// Marks a [`Stream::capture`] as underway on this thread until dropped (the previous mark is
-/// restored, for captures begun inside another's closure).
-#[derive(Debug)]
-pub(crate) struct ThreadCapture {
-    previous: Option<u64>,
-}
-
-impl ThreadCapture {
-    pub(crate) fn enter(id: u64) -> Self {
-        Self { previous: THREAD_CAPTURE.with(|c| c.replace(Some(id))) }
-    }
-}
-
-impl Drop for ThreadCapture {
-    fn drop(&mut self) {
-        THREAD_CAPTURE.with(|c| c.set(self.previous));
-    }
-}
-
-/// Refuses a host wait or query on a thread where a [`Stream::capture`] is underway, whatever
-/// the stream: in thread-local mode the driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED for
-/// `cuStreamSynchronize`, `cuStreamQuery` and `cuEventSynchronize` even on a stream that does
-/// not capture, and invalidates the capture (docs/driver-behaviour.md). Host waits are not hot
-/// paths: one thread-local read.
-pub(crate) fn refuse_host_wait_on_capturing_thread(operation: &'static str) -> Result<()> {
-    match THREAD_CAPTURE.with(std::cell::Cell::get) {
-        Some(id) => Err(Error::StreamCapturing { operation, capture: Some(id) }),
-        None => Ok(()),
-    }
-}
-
-/// Whether work queued on a stream runs, or is recorded into a graph.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum CaptureStatus {
-    /// No capture: queued work runs.
-    None,
-    /// Queued work is recorded into the capture with this id (unique in the process).
-    Active {
-        /// The capture's id (`cuStreamGetCaptureInfo`).
-        id: u64,
-    },
-    /// A capture is underway but was invalidated by an operation it could not record; it only
-    /// waits to be ended.
-    Invalidated {
-        /// The capture's id.
-        id: u64,
-    },
-}
-
-impl CaptureStatus {
-    fn from_raw(status: sys::CUstreamCaptureStatus, id: u64) -> Result<Self> {
-        use sys::CUstreamCaptureStatus as S;
-        match status {
-            S::CU_STREAM_CAPTURE_STATUS_NONE => Ok(Self::None),
-            S::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(Self::Active { id }),
-            S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => Ok(Self::Invalidated { id }),
-            other => Err(crate::UnknownValue { type_name: "CUstreamCaptureStatus", value: i64::from(other.0) }.into()),
-        }
-    }
-
-    /// The id of the capture underway, if any.
-    pub fn id(self) -> Option<u64> {
-        match self {
-            Self::None => None,
-            Self::Active { id } | Self::Invalidated { id } => Some(id),
-        }
-    }
-}
-
 /// Refuses the handles that mean "a stream of the current context" where they would be
 /// ambiguous (see [`Stream::borrow_raw`]).
 fn check_borrowable(raw: sys::CUstream, context: Option<&Context>) -> Result<()> {
@@ -712,116 +591,6 @@ fn check_borrowable(raw: sys::CUstream, context: Option<&Context>) -> Result<()>
             reason: "the legacy stream handle names the legacy stream of whichever context is current; give its context (or use Stream::legacy(&context))",
         }),
         _ => Ok(()),
-    }
-}
-
-/// Whether `stream` (a live stream, bound) captures: `cuStreamGetCaptureInfo`.
-fn capture_info(stream: sys::CUstream) -> Result<CaptureStatus> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    let mut id: sys::cuuint64_t = 0;
-    // SAFETY: a live stream; valid out-pointers, the optional ones null.
-    unsafe {
-        driver_call!(cuStreamGetCaptureInfo(
-            stream,
-            &mut status,
-            &mut id,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut()
-        ))
-    }?;
-    CaptureStatus::from_raw(status, id)
-}
-
-/// Frees deferred by a capture whose `Stream` values all dropped before it ended, with what
-/// keeps their stream valid until they run (the lender's handle; an owned stream is leaked).
-///
-/// Invariant: every entry's stream is valid (by [`Stream::borrow_raw`]'s contract, the keep-alive,
-/// or the leak) and names the same driver stream until its frees have run, so they run on it, in
-/// its order after the capture, by the first capture-aware operation on a `Stream` with the same
-/// handle that finds it not capturing, by that `Stream`'s drop, or by [`Stream::run_orphaned_frees`].
-/// Every keep-alive of the values that left frees for the stream stays with them (any one of
-/// them may be what keeps the stream valid), and an owned stream leaked for a capture is
-/// destroyed once the capture is over and its frees have run.
-#[derive(Debug)]
-struct Orphan {
-    raw: DriverHandle<sys::CUstream>,
-    context: Option<Context>,
-    frees: Vec<DeferredFree>,
-    /// The stream was the library's own (made by `Stream::new`): destroy it after the frees.
-    owned: bool,
-    _keep_alive: Vec<KeepAlive>,
-}
-
-static ORPHANS: Mutex<Vec<Orphan>> = Mutex::new(Vec::new());
-
-/// How many entries [`ORPHANS`] holds: read (one relaxed load) before taking the lock.
-static ORPHAN_COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-fn adopt(orphan: Orphan) {
-    let mut orphans = ORPHANS.lock().unwrap_or_else(PoisonError::into_inner);
-    orphans.push(orphan);
-    ORPHAN_COUNT.store(orphans.len(), Relaxed);
-}
-
-fn take_orphans_where(mut matches: impl FnMut(&Orphan) -> bool) -> Vec<Orphan> {
-    if ORPHAN_COUNT.load(Relaxed) == 0 {
-        return Vec::new();
-    }
-    let mut orphans = ORPHANS.lock().unwrap_or_else(PoisonError::into_inner);
-    let (taken, kept) = std::mem::take(&mut *orphans).into_iter().partition(|o| matches(o));
-    *orphans = kept;
-    ORPHAN_COUNT.store(orphans.len(), Relaxed);
-    taken
-}
-
-/// The orphans of the driver stream `raw` (in `context`, where both sides know it: an ordinary
-/// stream's handle names one stream whatever the context, and the legacy handles never capture).
-fn take_orphans(raw: sys::CUstream, context: Option<sys::CUcontext>) -> Vec<Orphan> {
-    take_orphans_where(|o| {
-        o.raw.0 == raw && (context.is_none() || o.context.as_ref().is_none_or(|c| Some(c.as_raw()) == context))
-    })
-}
-
-/// Destroys an owned stream that was leaked because other code captured it when its last value
-/// dropped, now that the capture is over and its frees have run.
-fn destroy_leaked(raw: sys::CUstream, context: Option<&Context>) {
-    // SAFETY: an owned stream, leaked (never destroyed) for its capture; its orphan is gone,
-    // so this is its one destroy.
-    let destroy = || unsafe { driver_call!(cuStreamDestroy(raw)) };
-    let destroyed = match context {
-        Some(context) => context.while_current(destroy),
-        None => destroy(),
-    };
-    if let Err(error) = destroyed {
-        tracing::warn!(%error, "destroying a stream leaked for a capture failed");
-    }
-}
-
-/// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
-/// mapped once their unmapping has run.
-fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
-    if frees.is_empty() {
-        return;
-    }
-    let mut imported = Vec::new();
-    for free in frees {
-        // SAFETY: a live stream-ordered allocation its buffer gave up when dropped, freed once.
-        match unsafe { driver_call!(cuMemFreeAsync(free.ptr, stream)) } {
-            Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free.ptr),
-            Ok(()) => {}
-            Err(error) => tracing::warn!(%error, ptr = free.ptr, "a free deferred by a capture failed"),
-        }
-    }
-    if !imported.is_empty() {
-        let waited = refuse_host_wait_on_capturing_thread("waiting for deferred unmappings")
-            // SAFETY: a live stream that no longer captures.
-            .and_then(|()| crate::capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(stream)) }));
-        match waited {
-            Ok(()) => imported.into_iter().for_each(crate::owner::forget_mapping),
-            Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
-        }
     }
 }
 
@@ -916,120 +685,11 @@ fn drop_per_thread_frees(frees: Vec<DeferredFree>, context: Option<&Context>) {
     }
 }
 
-/// A CUDA event without timing: a point in a stream that other streams and the host can wait on.
-#[derive(Debug)]
-pub struct Event {
-    raw: DriverHandle<sys::CUevent>,
-    context: Context,
-    /// Set once the event was recorded on a stream that may be capturing: a stream that waits
-    /// on it may join that capture.
-    may_be_captured: AtomicBool,
-}
-
-impl Event {
-    /// A new event in `context`.
-    ///
-    /// See [cuEventCreate](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
-    pub fn new(context: &Context) -> Result<Self> {
-        context.ensure_current()?;
-        let mut raw = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
-        // SAFETY: valid out-pointer; the context is current.
-        unsafe { driver_call!(cuEventCreate(&mut raw, flags)) }?;
-        Ok(Self { raw: DriverHandle(raw), context: context.clone(), may_be_captured: AtomicBool::new(false) })
-    }
-
-    /// The driver's handle.
-    #[inline]
-    pub fn as_raw(&self) -> sys::CUevent {
-        self.raw.0
-    }
-
-    /// The context the event belongs to.
-    pub(crate) fn context(&self) -> &Context {
-        &self.context
-    }
-
-    /// Records the event at the current end of `stream`.
-    #[inline]
-    pub fn record(&self, stream: &Stream) -> Result<()> {
-        stream.bind()?;
-        if stream.may_be_capturing() {
-            self.may_be_captured.store(true, Relaxed);
-        }
-        // SAFETY: live event and stream.
-        unsafe { driver_call!(cuEventRecord(self.raw.0, stream.as_raw())) }
-    }
-
-    /// Whether the work before the last record has finished, without waiting.
-    ///
-    /// A status query, like a host wait, is refused inside [`Stream::capture`]'s closure (the
-    /// driver would invalidate the capture), and runs in relaxed capture mode otherwise, so
-    /// captures other code runs are left intact.
-    ///
-    /// # Errors
-    /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure; the driver's answer
-    /// (`cuEventQuery`).
-    pub fn is_complete(&self) -> Result<bool> {
-        refuse_host_wait_on_capturing_thread("asking whether an event is complete (Event::is_complete)")?;
-        // SAFETY: a live event.
-        let answer = crate::capture_mode::relaxed(|| unsafe { driver_answer!(cuEventQuery(self.raw.0)) })?;
-        match answer.code {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            _ => Err(answer.error()),
-        }
-    }
-
-    /// Waits on the host until the work before the last record has finished.
-    ///
-    /// Runs in relaxed capture mode, so captures other code runs (on this thread, or in global
-    /// mode on any thread) are left intact.
-    ///
-    /// # Errors
-    /// [`Error::StreamCapturing`] inside [`Stream::capture`]'s closure (the driver's wait would
-    /// invalidate the capture); the driver's answer.
-    ///
-    /// See [cuEventSynchronize](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
-    pub fn synchronize(&self) -> Result<()> {
-        refuse_host_wait_on_capturing_thread("waiting for an event (Event::synchronize)")?;
-        // SAFETY: a live event.
-        crate::capture_mode::relaxed(|| unsafe { driver_call!(cuEventSynchronize(self.raw.0)) })
-    }
-}
-
-impl Event {
-    /// Waits on the host for the work before the last record, where memory that work may still
-    /// use is about to be released (an allocator's teardown, say). Unlike
-    /// [`Event::synchronize`], nothing the library controls refuses it: not a
-    /// [`Stream::capture`] closure on this thread (invalidating that capture is better than a
-    /// use-after-free), nor a failed change of the thread's capture mode. The event must have
-    /// been recorded on a stream that did not capture (a captured record is not scheduled to
-    /// run, and the driver refuses the wait).
-    ///
-    /// # Errors
-    /// The driver's answer; the caller must then keep the memory rather than release it.
-    pub fn wait_before_release(&self) -> Result<()> {
-        // SAFETY: a live event.
-        crate::capture_mode::relaxed_if_possible(|| unsafe { driver_call!(cuEventSynchronize(self.raw.0)) })
-    }
-}
-
-impl Drop for Event {
-    fn drop(&mut self) {
-        let result = self.context.while_current(|| {
-            // SAFETY: an owned event, destroyed once.
-            unsafe { driver_call!(cuEventDestroy(self.raw.0)) }
-        });
-        if let Err(error) = result {
-            tracing::warn!(%error, "destroying an event failed");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bare_pools::pool_owner::Owner;
+    use crate::streams::capture_state::ThreadCapture;
 
     #[test]
     fn handles_that_name_a_different_stream_per_thread_or_context_are_refused() {

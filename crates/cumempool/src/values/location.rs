@@ -1,6 +1,6 @@
 //! Where pool memory lives and what kind it is: the two halves of a [`Route`](crate::Route).
 
-use crate::unknown_value::UnknownValue;
+use crate::values::unknown_value::UnknownValue;
 use cumempool_sys as sys;
 use std::fmt;
 
@@ -177,16 +177,6 @@ impl fmt::Display for Location {
         }
     }
 }
-
-/// Raw `CUmemLocationType` values deliberately left without a [`Location`], with the reason.
-pub const UNMAPPED_LOCATION_TYPES: &[(u32, &str)] =
-    &[(0x7FFF_FFFF, "CU_MEM_LOCATION_TYPE_MAX only forces the C enum to 32 bits; no location has it")];
-
-/// Raw `CUmemAllocationType` values deliberately left without an [`AllocationType`], with the reason.
-pub const UNMAPPED_ALLOCATION_TYPES: &[(u32, &str)] = &[
-    (0, "CU_MEM_ALLOCATION_TYPE_INVALID is the unset value; no pool has it"),
-    (0x7FFF_FFFF, "CU_MEM_ALLOCATION_TYPE_MAX only forces the C enum to 32 bits"),
-];
 
 /// The driver's `CUmemLocation` from its parts, whatever they are: for handing the driver inputs
 /// [`Location`] refuses (probes of what the driver itself answers). CUDA 13.2's header moved

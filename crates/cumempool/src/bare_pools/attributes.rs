@@ -138,10 +138,6 @@ impl PoolAttribute {
     }
 }
 
-/// Raw `CUmemPool_attribute` values the safe layer deliberately leaves unmapped, with the reason.
-/// A test fails when a header adds one that is neither mapped nor listed here.
-pub const UNMAPPED_POOL_ATTRIBUTES: &[(u32, &str)] = &[];
-
 /// Reads `attribute` of the pool `pool` as a 64-bit value (`int` attributes are widened):
 /// the one `cuMemPoolGetAttribute` of the crate, for [`Pool::attribute`](crate::Pool::attribute)
 /// and for layers that hold only the handle.

@@ -3,13 +3,13 @@
 //! so a program can log what it routed. (The command, a process of its own, only ever sees
 //! routes on their defaults: routing is per process.)
 
-use crate::attributes::PoolAttribute;
-use crate::device::Device;
+use crate::bare_pools::attributes::PoolAttribute;
+use crate::devices::device::Device;
 use crate::error::Result;
-use crate::location::{AllocationType, Location};
 use crate::pool::Pool;
-use crate::route::Route;
 use crate::routing::{current_pool, default_pool};
+use crate::values::location::{AllocationType, Location};
+use crate::values::route::Route;
 use std::collections::BTreeMap;
 use std::fmt;
 

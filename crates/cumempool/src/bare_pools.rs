@@ -1,6 +1,14 @@
-//! The driver calls on a bare pool handle that the layers under [`Pool`](crate::Pool) need:
-//! destroying and trimming. The owner and the retired list hold only the handle; `Pool`'s own
-//! methods call the same functions, so each driver function has one call site.
+//! A pool as a bare driver handle: what the pool handles ([`Pool`](crate::Pool) and its kin) sit
+//! on, naming no `Pool`. Here, the driver calls on a bare pool handle that the layers under
+//! `Pool` need: destroying and trimming. The owner and the retired list hold only the handle;
+//! `Pool`'s own methods call the same functions, so each driver function has one call site.
+//! Below: the one owner of a pool's lifetime, how a pool was made, retired pools, and the
+//! attribute table.
+
+pub(crate) mod attributes;
+pub(crate) mod pool_owner;
+pub(crate) mod pool_recipe;
+pub(crate) mod retirement;
 
 use crate::driver::driver_call;
 use crate::error::Result;

@@ -1,8 +1,8 @@
 //! The primary context of a device: retained, made current, released.
 
-use crate::device::Device;
+use crate::devices::device::Device;
 use crate::driver::driver_call;
-use crate::driver_handle::DriverHandle;
+use crate::driver::handle::DriverHandle;
 use crate::error::{Error, Result};
 use cumempool_sys as sys;
 use std::sync::Arc;

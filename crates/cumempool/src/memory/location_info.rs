@@ -3,7 +3,7 @@
 
 use crate::driver::driver_call;
 use crate::error::{Error, Result};
-use crate::location::{raw_location, Location};
+use crate::values::location::{raw_location, Location};
 use cumempool_sys as sys;
 
 /// How many regions `cuMemGetLocationInfo` reports for `size` bytes, after cuda.h's rules:

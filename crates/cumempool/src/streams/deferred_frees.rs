@@ -1,0 +1,45 @@
+//! Frees of memory allocated outside a capture, asked for while the stream was capturing:
+//! kept with the pool they keep alive, and run on the stream once its capture is over.
+
+use crate::bare_pools::pool_owner::Owner;
+use crate::driver::driver_call;
+use crate::streams::capture_mode;
+use crate::streams::capture_state::refuse_host_wait_on_capturing_thread;
+use cumempool_sys as sys;
+use std::sync::Arc;
+
+/// A free waiting for its stream's capture to end, with the pool it keeps alive until then.
+#[derive(Debug)]
+pub(crate) struct DeferredFree {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) pool: Option<Arc<Owner>>,
+    /// For [`Stream::legacy_for_per_thread`]'s stream, the thread whose per-thread stream's
+    /// capture deferred it: only that thread can see that capture end.
+    pub(crate) thread: Option<std::thread::ThreadId>,
+}
+
+/// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
+/// mapped once their unmapping has run.
+pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
+    if frees.is_empty() {
+        return;
+    }
+    let mut imported = Vec::new();
+    for free in frees {
+        // SAFETY: a live stream-ordered allocation its buffer gave up when dropped, freed once.
+        match unsafe { driver_call!(cuMemFreeAsync(free.ptr, stream)) } {
+            Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free.ptr),
+            Ok(()) => {}
+            Err(error) => tracing::warn!(%error, ptr = free.ptr, "a free deferred by a capture failed"),
+        }
+    }
+    if !imported.is_empty() {
+        let waited = refuse_host_wait_on_capturing_thread("waiting for deferred unmappings")
+            // SAFETY: a live stream that no longer captures.
+            .and_then(|()| capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(stream)) }));
+        match waited {
+            Ok(()) => imported.into_iter().for_each(crate::bare_pools::pool_owner::forget_mapping),
+            Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
+        }
+    }
+}
