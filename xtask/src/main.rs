@@ -6,7 +6,7 @@
 //! - `cargo xtask gpu-pack [DIR] [-- CARGO_ARGS]`: build the GPU suite to run on a GPU host
 //!   without Rust, the Python wheel and its tests included.
 //! - `cargo xtask module-cycles`: fails when modules of a crate depend on each other
-//!   (docs/decisions.md promises none).
+//!   (docs/decisions.md promises none), or a folder uses a layer above it (`LAYERS`).
 //! - `cargo xtask driver-boundary`: fails when the Python crate names a CUDA driver entry point
 //!   (it reaches the driver only through the core crate's checked operations).
 //! - `cargo xtask internals-check`: fails when a file or item `docs/internals.md` names is gone.
@@ -74,7 +74,8 @@ gpu-pack: build every test binary and executable in release mode into DIR (defau
 
 module-cycles: list the modules of each crate that depend on each other (a parent and a child,
   siblings, or through others) and fail unless every one is listed as pending in
-  xtask/src/module_cycles.rs.
+  xtask/src/module_cycles.rs; fail too on a use of a layer above, for the crates whose folders
+  LAYERS in that file lists from the bottom up.
 
 driver-boundary: fail when the Python crate's code (crates/cumempool-py/src and python/) calls a
   CUDA driver entry point or the loader: it reaches the driver only through the core crate.

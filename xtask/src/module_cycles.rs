@@ -29,6 +29,29 @@ use syn::visit::Visit;
 /// no cycle fails the check too, so none outlives its cycle.
 pub const PENDING: &[(&str, &[&str], &str)] = &[];
 
+/// Which folder may use which: for a crate listed here, its top-level modules (the folders that
+/// show its layers, and the files beside them) from the bottom up. A module may use only those
+/// listed before it, and every top-level module must be listed: the one place that says which
+/// layer may use which. Inside a folder, and in crates not listed, only cycles are looked for.
+pub const LAYERS: &[(&str, &[&str])] = &[(
+    "cumempool",
+    &[
+        "values",          // locations, routes, access, export handle types: pure values
+        "error",           // the error type (it names a `Route`)
+        "driver",          // the one driver-call path, handles that may cross threads
+        "devices",         // devices, contexts, a route's check against them
+        "bare_pools",      // a pool as a bare handle: owner, recipe, retirement, attributes
+        "streams",         // streams, events, captures, deferred frees
+        "memory",          // blocks, buffers, allocations made during a capture
+        "pool",            // the pool handles
+        "routing",         // default and current pools, the route table
+        "graph",           // captures into graphs, executables
+        "sharing",         // IPC, descriptor passing, VMM
+        "cudarc_interop",  // cudarc's streams and contexts
+        "header_coverage", // the test of what the headers add
+    ],
+)];
+
 /// A module's path inside its crate: empty for the crate root.
 type ModulePath = Vec<String>;
 
@@ -555,6 +578,47 @@ fn strongly_connected(
     state.groups
 }
 
+/// The uses against a crate's [`LAYERS`] order, `layers` (its top-level modules from the
+/// bottom up), one line each, and the top-level modules the order lacks. The crate root only
+/// wires the layers (its `mod`s and re-exports), so its uses are not looked at.
+fn layer_breaches(krate: &str, layers: &[&str], modules: &BTreeMap<ModulePath, Module>) -> Vec<String> {
+    let rank = |top: &str| layers.iter().position(|layer| *layer == top);
+    let mut breaches = BTreeSet::new();
+    for top in modules.keys().filter(|m| m.len() == 1).map(|m| m[0].as_str()) {
+        if rank(top).is_none() {
+            breaches.insert(format!("{krate}: `{top}` is in no layer; place it in LAYERS"));
+        }
+    }
+    for (from, module) in modules {
+        let Some(from_top) = from.first() else { continue };
+        for reference in &module.references {
+            let Some(to) = resolve(modules, reference) else { continue };
+            let Some(to_top) = to.first() else { continue };
+            if let (Some(user), Some(used)) = (rank(from_top), rank(to_top)) {
+                if used > user {
+                    breaches.insert(format!(
+                        "{krate}: {from_top} may not use {to_top}, a layer above it ({}, {})",
+                        display(reference),
+                        module.file.display()
+                    ));
+                }
+            }
+        }
+    }
+    breaches.into_iter().collect()
+}
+
+/// Every use against [`LAYERS`] in the workspace at `root`.
+pub fn find_layer_breaches(root: &Path) -> Result<Vec<String>, String> {
+    let mut breaches = Vec::new();
+    for (krate, file) in crate_roots(root)? {
+        if let Some(&(_, layers)) = LAYERS.iter().find(|(listed, _)| *listed == krate) {
+            breaches.extend(layer_breaches(&krate, layers, &load_crate(&file)?));
+        }
+    }
+    Ok(breaches)
+}
+
 /// Every module cycle of every crate of the workspace at `root`.
 pub fn find(root: &Path) -> Result<Vec<Cycle>, String> {
     let mut cycles = Vec::new();
@@ -574,6 +638,13 @@ pub fn run(root: &Path) -> Result<(), String> {
     if failing > 0 {
         return Err(format!("{failing} module cycle(s); docs/decisions.md promises none"));
     }
+    let breaches = find_layer_breaches(root)?;
+    if !breaches.is_empty() {
+        return Err(format!(
+            "uses against the layers of LAYERS in xtask/src/module_cycles.rs:\n  {}",
+            breaches.join("\n  ")
+        ));
+    }
     let stale = stale_entries(PENDING, &cycles);
     if !stale.is_empty() {
         return Err(format!(
@@ -582,8 +653,10 @@ pub fn run(root: &Path) -> Result<(), String> {
         ));
     }
     match cycles.len() {
-        0 => println!("no module cycles"),
-        pending => println!("no module cycles but the {pending} pending ones"),
+        0 => println!("no module cycles, and every folder uses only the layers below it"),
+        pending => {
+            println!("no module cycles but the {pending} pending ones; every folder uses only the layers below it")
+        }
     }
     Ok(())
 }
@@ -777,5 +850,32 @@ mod tests {
         let cycles = find(&crate::workspace::root()).unwrap();
         let failing: Vec<String> = cycles.iter().filter(|c| !c.pending).map(ToString::to_string).collect();
         assert!(failing.is_empty(), "module cycles:\n{}", failing.concat());
+    }
+
+    #[test]
+    fn the_workspace_keeps_its_layers() {
+        let breaches = find_layer_breaches(&crate::workspace::root()).unwrap();
+        assert!(breaches.is_empty(), "uses against LAYERS:\n{}", breaches.join("\n"));
+    }
+
+    #[test]
+    fn a_use_of_a_layer_above_and_a_module_in_no_layer_are_breaches() {
+        let root = fixture(
+            "layers",
+            &[
+                ("lib.rs", "mod values;\nmod streams;\nmod extra;\npub use streams::stream::Stream;\n"),
+                ("values.rs", "pub(crate) mod route;\n"),
+                ("values/route.rs", "pub struct Route;\nfn f() { let _ = crate::Stream::new(); }\n"),
+                ("streams.rs", "pub(crate) mod stream;\n"),
+                ("streams/stream.rs", "use crate::values::route::Route;\npub struct Stream(Route);\n"),
+                ("extra.rs", "use crate::values::route::Route;\n"),
+            ],
+        );
+        let modules = load_crate(&root).unwrap();
+        let breaches = layer_breaches("layers", &["values", "streams"], &modules);
+        assert_eq!(breaches.len(), 2, "{breaches:#?}");
+        assert!(breaches[0].starts_with("layers: `extra` is in no layer"), "{breaches:#?}");
+        assert!(breaches[1].starts_with("layers: values may not use streams"), "{breaches:#?}");
+        assert!(layer_breaches("layers", &["values", "streams", "extra"], &modules).len() == 1);
     }
 }
