@@ -23,13 +23,13 @@ mod gil;
 mod lent_streams;
 mod locks;
 mod memory;
-mod plugins;
 mod pools;
 mod primary_contexts;
 mod resources;
 mod route_values;
 mod sharing;
 mod stream;
+mod torch_plugin;
 
 use pyo3::prelude::*;
 
@@ -91,14 +91,14 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(driver_version, module)?)?;
     module.add_function(wrap_pyfunction!(bindings_version, module)?)?;
     module.add_function(wrap_pyfunction!(init, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_serve, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_bind, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_unbind, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_stop_slots, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_usage, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_release_captured, module)?)?;
-    module.add_function(wrap_pyfunction!(plugins::torch_captured_bytes, module)?)?;
-    module.add("TORCH_SLOTS", plugins::TORCH_SLOTS)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_serve, module)?)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_bind, module)?)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_unbind, module)?)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_stop_slots, module)?)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_usage, module)?)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_release_captured, module)?)?;
+    module.add_function(wrap_pyfunction!(torch_plugin::torch_captured_bytes, module)?)?;
+    module.add("TORCH_SLOTS", torch_plugin::TORCH_SLOTS)?;
     #[cfg(feature = "bench-hooks")]
     bench_hooks::register(module)?;
     Ok(())
