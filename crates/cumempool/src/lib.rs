@@ -86,9 +86,7 @@ pub use streams::event::Event;
 pub use streams::stream::{Stream, StreamId};
 pub use values::access::Access;
 pub use values::export_handles::HandleTypes;
-pub use values::location::{
-    raw_location, AllocationType, InvalidLocation, Location,
-};
+pub use values::location::{raw_location, AllocationType, InvalidLocation, Location};
 pub use values::route::{InvalidRoute, Route};
 pub use values::unknown_value::UnknownValue;
 
