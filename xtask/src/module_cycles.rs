@@ -33,24 +33,39 @@ pub const PENDING: &[(&str, &[&str], &str)] = &[];
 /// show its layers, and the files beside them) from the bottom up. A module may use only those
 /// listed before it, and every top-level module must be listed: the one place that says which
 /// layer may use which. Inside a folder, and in crates not listed, only cycles are looked for.
-pub const LAYERS: &[(&str, &[&str])] = &[(
-    "cumempool",
-    &[
-        "values",          // locations, routes, access, export handle types: pure values
-        "error",           // the error type (it names a `Route`)
-        "driver",          // the one driver-call path, handles that may cross threads
-        "devices",         // devices, contexts, a route's check against them
-        "bare_pools",      // a pool as a bare handle: owner, recipe, retirement, attributes
-        "streams",         // streams, events, captures, deferred frees
-        "memory",          // blocks, buffers, allocations made during a capture
-        "pool",            // the pool handles
-        "routing",         // default and current pools, the route table
-        "graph",           // captures into graphs, executables
-        "sharing",         // IPC, descriptor passing, VMM
-        "cudarc_interop",  // cudarc's streams and contexts
-        "header_coverage", // the test of what the headers add
-    ],
-)];
+pub const LAYERS: &[(&str, &[&str])] = &[
+    (
+        "cumempool",
+        &[
+            "values",          // locations, routes, access, export handle types: pure values
+            "error",           // the error type (it names a `Route`)
+            "driver",          // the one driver-call path, handles that may cross threads
+            "devices",         // devices, contexts, a route's check against them
+            "bare_pools",      // a pool as a bare handle: owner, recipe, retirement, attributes
+            "streams",         // streams, events, captures, deferred frees
+            "memory",          // blocks, buffers, allocations made during a capture
+            "pool",            // the pool handles
+            "routing",         // default and current pools, the route table
+            "graph",           // captures into graphs, executables
+            "sharing",         // IPC, descriptor passing, VMM
+            "cudarc_interop",  // cudarc's streams and contexts
+            "header_coverage", // the test of what the headers add
+        ],
+    ),
+    (
+        "cumempool-py",
+        &[
+            "sync",        // the GIL, released around driver calls; locks that outlive a panic
+            "errors",      // the Python exception classes and the conversion of every Rust error
+            "values",      // enums, locations and routes, devices, what the build's features offer
+            "streams",     // the `Stream` class, lent streams, default-stream handles, contexts
+            "memory",      // a live allocation, the resource it goes back to, DLPack, sharing, `Buffer`
+            "pools",       // `MemPool`, default and current pools, resources, the stack's driver link
+            "plugins",     // the torch plug-in's C entry points, CuPy's common case
+            "bench_hooks", // hooks for the Python bench (cargo feature `bench-hooks`)
+        ],
+    ),
+];
 
 /// A module's path inside its crate: empty for the crate root.
 type ModulePath = Vec<String>;

@@ -4,9 +4,9 @@
 //! does not): they are no part of the public API and have no type stubs.
 
 use crate::errors::Outcome;
+use crate::pools::resources::ResourceBase;
 use crate::pools::MemPool;
-use crate::resources::ResourceBase;
-use crate::stream::Stream;
+use crate::streams::stream::Stream;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use std::time::Instant;
@@ -50,7 +50,7 @@ pub fn _bench_stream(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>, device: 
 /// Releases the GIL and takes it back, with nothing in between.
 #[pyfunction]
 pub fn _bench_detach(py: Python<'_>) {
-    crate::gil::detach(py, || ());
+    crate::sync::gil::detach(py, || ());
 }
 
 /// Nanoseconds per alloc+free pair of `size` bytes on `stream`, `pairs` times in Rust with the
@@ -68,7 +68,7 @@ pub fn _bench_rust_pairs(
     if let Ok(pool) = target.cast::<MemPool>() {
         let pool = pool.borrow();
         let pool = pool.pool()?;
-        return crate::gil::detach(py, || {
+        return crate::sync::gil::detach(py, || {
             let start = Instant::now();
             for _ in 0..pairs {
                 let ptr = pool.alloc_raw(size, s)?;
@@ -80,7 +80,7 @@ pub fn _bench_rust_pairs(
     }
     if let Ok(resource) = target.cast::<ResourceBase>() {
         let inner = resource.get().inner.clone();
-        return crate::gil::detach(py, || {
+        return crate::sync::gil::detach(py, || {
             let start = Instant::now();
             for _ in 0..pairs {
                 let ptr = inner.allocate(size, s)?;

@@ -1,11 +1,19 @@
 //! A live allocation behind a Python buffer: where its memory came from (a pool, a resource, an
 //! import), how it goes back, what keeps it valid, and which processors may touch it.
+//!
+//! Below it, the resource it goes back to (`dyn_resource`); above it, what Python sees of it:
+//! DLPack capsules, sharing with another process, and the `Buffer` class.
 
-use crate::default_streams::{LEGACY_HANDLE, PER_THREAD_HANDLE};
-use crate::dyn_resource::Resource;
+pub(crate) mod buffers;
+pub(crate) mod dlpack;
+pub(crate) mod dyn_resource;
+pub(crate) mod sharing;
+
 use crate::errors::Outcome;
-use crate::gil::Held;
-use crate::stream::Stream;
+use crate::memory::dyn_resource::Resource;
+use crate::streams::default_streams::{LEGACY_HANDLE, PER_THREAD_HANDLE};
+use crate::streams::stream::Stream;
+use crate::sync::gil::Held;
 use cumempool::sys;
 use pyo3::prelude::*;
 use std::sync::Arc;
@@ -63,7 +71,7 @@ impl Memory {
                 let _held = Held::new(py);
                 drop(self);
             }
-            _ => crate::gil::detach(py, || self.free()),
+            _ => crate::sync::gil::detach(py, || self.free()),
         }
     }
 
@@ -76,7 +84,7 @@ impl Memory {
             Self::Pool(buffer) => buffer.stream().as_raw() as usize,
             Self::Imported { mapping, .. } => mapping.stream().as_raw() as usize,
         };
-        let freed = crate::current_context::restored_after(handle, || {
+        let freed = crate::streams::current_context::restored_after(handle, || {
             drop(self);
             Ok::<(), cumempool::Error>(())
         });
@@ -134,7 +142,7 @@ impl Core {
         let Self { memory, stream, .. } = core;
         // The memory first: it is freed on the stream the Python object keeps alive.
         memory.give_back(py);
-        crate::stream::let_go(py, stream);
+        crate::streams::stream::let_go(py, stream);
     }
 
     /// Lets go of `core` where the GIL may not be held (a DLPack consumer's deleter, on any

@@ -1,20 +1,27 @@
 //! Pools: owned ones (`MemPool(route, ...)`) and handles to the driver's default and current
 //! pools, with every attribute as a property.
+//!
+//! Above the class: the default and current pools (`current_pools`), the resources built on
+//! pools (`resources`) and the link at the bottom of every resource stack (`driver_link`).
 
-use crate::buffers::Buffer;
-use crate::build_features::gated;
-use crate::device::Device;
+pub(crate) mod current_pools;
+pub(crate) mod driver_link;
+pub(crate) mod resources;
+
 use crate::errors::{Failure, Outcome};
+use crate::memory::buffers::Buffer;
+use crate::memory::sharing::SharedAllocation;
 use crate::memory::{memory_device, Core, Kind, Memory};
-use crate::route_values::{AllocationType, Location, Route};
-use crate::sharing::SharedAllocation;
-use crate::stream::Stream;
+use crate::streams::stream::Stream;
+use crate::values::build_features::gated;
+use crate::values::device::Device;
+use crate::values::route_values::{AllocationType, Location, Route};
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
 /// The Rust access for a member of `cumempool.Access`.
 fn access_from_python(access: &Bound<'_, PyAny>) -> PyResult<cumempool::Access> {
-    Ok(match crate::enums::ACCESS.name_of(access)? {
+    Ok(match crate::values::enums::ACCESS.name_of(access)? {
         "READ" => cumempool::Access::Read,
         "READ_WRITE" => cumempool::Access::ReadWrite,
         _ => cumempool::Access::None,
@@ -28,7 +35,7 @@ fn access_to_python(py: Python<'_>, access: cumempool::Access) -> PyResult<Py<Py
         cumempool::Access::ReadWrite => "READ_WRITE",
         _ => "NONE",
     };
-    Ok(crate::enums::ACCESS.member(py, name)?.unbind())
+    Ok(crate::values::enums::ACCESS.member(py, name)?.unbind())
 }
 
 /// A memory pool. `MemPool(route, max_size=..., handle_types=..., hw_decompress=...)` creates
@@ -49,7 +56,7 @@ impl MemPool {
     }
 
     pub(crate) fn pool(&self) -> Outcome<cumempool::Pool> {
-        crate::locks::lock(&self.pool).clone().ok_or(Failure::Closed("this MemPool"))
+        crate::sync::locks::lock(&self.pool).clone().ok_or(Failure::Closed("this MemPool"))
     }
 
     /// The device whose context and legacy stream serve this pool by default.
@@ -75,7 +82,7 @@ impl MemPool {
         if let Some(bytes) = max_size {
             builder = builder.max_size(bytes);
         }
-        let pool = crate::gil::detach(py, || builder.build())?;
+        let pool = crate::sync::gil::detach(py, || builder.build())?;
         Ok(Self::wrap(cumempool::Pool::clone(&pool)))
     }
 
@@ -92,10 +99,11 @@ impl MemPool {
         let buffer = {
             let s = &stream.get().stream;
             // An empty buffer makes no driver call; any other may wait on the driver.
-            let alloc = || crate::current_context::restored_after(s.as_raw() as usize, || pool.alloc_owned(size, s));
+            let alloc =
+                || crate::streams::current_context::restored_after(s.as_raw() as usize, || pool.alloc_owned(size, s));
             match size {
                 0 => alloc()?,
-                _ => crate::gil::detach(py, alloc)?,
+                _ => crate::sync::gil::detach(py, alloc)?,
             }
         };
         let device = memory_device(route, stream.get().device);
@@ -106,7 +114,7 @@ impl MemPool {
     /// `multiprocessing.reduction.send_handle`) and to close (`os.close`). The pool must be
     /// created with `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` (NotShareableError).
     fn export_fd(&self, py: Python<'_>) -> Outcome<i32> {
-        crate::sharing::export_descriptor(py, &self.pool()?)
+        crate::memory::sharing::export_descriptor(py, &self.pool()?)
     }
 
     /// Imports a pool another process exported with `export_fd`; `fd` stays yours to close.
@@ -115,20 +123,20 @@ impl MemPool {
     /// buffers with `import_buffer`.
     #[staticmethod]
     fn import_fd(py: Python<'_>, fd: i32) -> Outcome<Self> {
-        Ok(Self::wrap(crate::sharing::import_descriptor(py, fd)?))
+        Ok(Self::wrap(crate::memory::sharing::import_descriptor(py, fd)?))
     }
 
     /// Sends the pool's descriptor (SCM_RIGHTS) and route over a connected Unix-domain socket:
     /// a `socket.socket`, a `multiprocessing` connection, or a descriptor.
     fn send(&self, py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<()> {
-        crate::sharing::send_pool(py, &self.pool()?, socket)
+        crate::memory::sharing::send_pool(py, &self.pool()?, socket)
     }
 
     /// Receives a pool sent with `send` over a Unix-domain socket and imports it
     /// (MalformedMessageError for a message `send` did not write, or a closed peer).
     #[staticmethod]
     fn receive(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome<Self> {
-        Ok(Self::wrap(crate::sharing::receive_pool(py, socket)?))
+        Ok(Self::wrap(crate::memory::sharing::receive_pool(py, socket)?))
     }
 
     /// Maps an allocation of the exporting process (`shared`, from its `Buffer.export()`) from
@@ -144,7 +152,7 @@ impl MemPool {
     ) -> Outcome<Buffer> {
         let pool = self.pool()?;
         let stream = Stream::from_object(py, stream, Self::home_device(pool.route()))?;
-        Ok(Buffer::new(crate::sharing::import_allocation(py, &pool, &shared, stream)?))
+        Ok(Buffer::new(crate::memory::sharing::import_allocation(py, &pool, &shared, stream)?))
     }
 
     /// The raw `CUmemoryPool` as an int (for `cupy.cuda.MemoryAsyncPool(pool_handles=...)` or
@@ -175,26 +183,26 @@ impl MemPool {
     /// Whether `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
-        crate::locks::lock(&self.pool).is_none()
+        crate::sync::locks::lock(&self.pool).is_none()
     }
 
     /// Gives memory held beyond `keep_bytes` back to the system.
     fn trim_to(&self, py: Python<'_>, keep_bytes: usize) -> Outcome<()> {
         let pool = self.pool()?;
-        Ok(crate::gil::detach(py, || pool.trim_to(keep_bytes))?)
+        Ok(crate::sync::gil::detach(py, || pool.trim_to(keep_bytes))?)
     }
 
     /// Grants `device` an access (a member of `cumempool.Access`) to the pool's memory.
     fn set_access(&self, py: Python<'_>, device: Device, access: &Bound<'_, PyAny>) -> Outcome<()> {
         let access = access_from_python(access)?;
         let pool = self.pool()?;
-        Ok(crate::gil::detach(py, || pool.set_access(device.0, access))?)
+        Ok(crate::sync::gil::detach(py, || pool.set_access(device.0, access))?)
     }
 
     /// The access `device` has to the pool's memory, a member of `cumempool.Access`.
     fn access(&self, py: Python<'_>, device: Device) -> Outcome<Py<PyAny>> {
         let pool = self.pool()?;
-        let access = crate::gil::detach(py, || pool.access(device.0))?;
+        let access = crate::sync::gil::detach(py, || pool.access(device.0))?;
         Ok(access_to_python(py, access)?)
     }
 
@@ -202,7 +210,7 @@ impl MemPool {
     /// attributes the driver refuses (too old) are left out.
     fn attributes(&self, py: Python<'_>) -> Outcome<std::collections::BTreeMap<&'static str, u64>> {
         let pool = self.pool()?;
-        let all = crate::gil::detach(py, || pool.attributes());
+        let all = crate::sync::gil::detach(py, || pool.attributes());
         Ok(all.into_iter().filter_map(|(a, v)| v.ok().map(|v| (a.name(), v))).collect())
     }
 
@@ -307,7 +315,7 @@ impl MemPool {
             "CU_MEMPOOL_ATTR_EXPORT_HANDLE_TYPES",
             self.pool()?.export_handle_types()?.bits()
         )?;
-        Ok(crate::enums::handle_types(py, bits)?)
+        Ok(crate::values::enums::handle_types(py, bits)?)
     }
 
     /// The pool's location, read from the driver (CUDA 13.2).
@@ -337,9 +345,9 @@ impl MemPool {
     /// Lets go of this handle. An owned pool is destroyed once its buffers and routes are gone
     /// too. Using the handle afterwards raises ClosedError; closing twice does nothing.
     fn close(&self, py: Python<'_>) {
-        let pool = crate::locks::lock(&self.pool).take();
+        let pool = crate::sync::locks::lock(&self.pool).take();
         if let Some(pool) = pool {
-            crate::gil::detach(py, || drop(pool));
+            crate::sync::gil::detach(py, || drop(pool));
         }
     }
 
@@ -358,7 +366,7 @@ impl MemPool {
             Ok(pool) => format!(
                 "<cumempool.MemPool handle={:#x} route={} owned={}>",
                 pool.as_raw() as usize,
-                pool.route().map_or_else(|| "None".to_owned(), crate::route_values::route_repr),
+                pool.route().map_or_else(|| "None".to_owned(), crate::values::route_values::route_repr),
                 if pool.is_owned() { "True" } else { "False" }
             ),
             Err(_) => "<cumempool.MemPool closed>".to_owned(),

@@ -3,7 +3,7 @@
 //! device, never released (the process keeps it, as the runtime does), so after the first use
 //! of a device no lookup here makes a driver call.
 
-use crate::locks::lock;
+use crate::sync::locks::lock;
 use std::sync::Mutex;
 
 /// The retained primary contexts, one per device, in the order first asked for.

@@ -3,14 +3,14 @@
 //! types. Each Python object holds the Rust resource behind one object-safe trait
 //! (`dyn_resource`).
 
-use crate::buffers::Buffer;
-use crate::driver_link::DriverLink;
-use crate::dyn_resource::{Erased, Resource};
 use crate::errors::Outcome;
-use crate::gil::Held;
+use crate::memory::buffers::Buffer;
+use crate::memory::dyn_resource::{Erased, Resource};
 use crate::memory::{Core, Kind, Memory};
+use crate::pools::driver_link::DriverLink;
 use crate::pools::MemPool;
-use crate::stream::Stream;
+use crate::streams::stream::Stream;
+use crate::sync::gil::Held;
 use cumempool_alloc::{
     CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
     OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, Tracking as TrackingAdaptor,
@@ -116,7 +116,7 @@ impl ResourceBase {
         } else if let Ok(cache) = slf.cast::<Caching>() {
             format!(", max_cached={}", cache.get().0.max_cached())
         } else if let Ok(on_oom) = slf.cast::<OnOutOfMemory>() {
-            let slot = crate::locks::lock(&on_oom.get().callback);
+            let slot = crate::sync::locks::lock(&on_oom.get().callback);
             let callback = slot.as_ref().map(|c| c.clone_ref(slf.py()));
             // Released before the repr runs Python code.
             drop(slot);
@@ -346,7 +346,7 @@ impl OnOutOfMemory {
         let shared = slot.clone();
         // Where Python cannot be attached to (shutting down), no retry: the out-of-memory stands.
         let call: Callback = Box::new(move |bytes, attempt| {
-            crate::gil::try_attach(|py| answer(py, &shared, bytes, attempt)).unwrap_or(false)
+            crate::sync::gil::try_attach(|py| answer(py, &shared, bytes, attempt)).unwrap_or(false)
         });
         let adaptor = Arc::new(OomAdaptor::new(Erased(inner), call));
         let base = ResourceBase { calls_python: true, ..ResourceBase::over(adaptor, resource.get(), object) };
@@ -364,7 +364,7 @@ impl OnOutOfMemory {
     }
 
     fn __clear__(&self) {
-        let callback = crate::locks::lock(&self.callback).take();
+        let callback = crate::sync::locks::lock(&self.callback).take();
         // Released after the lock: dropping it may run Python code.
         drop(callback);
     }
@@ -376,7 +376,7 @@ fn answer(py: Python<'_>, slot: &CallbackSlot, bytes: usize, attempt: u32) -> bo
     if Interruptions::pending() {
         return false;
     }
-    let callback = crate::locks::lock(slot).as_ref().map(|c| c.clone_ref(py));
+    let callback = crate::sync::locks::lock(slot).as_ref().map(|c| c.clone_ref(py));
     let Some(callback) = callback else {
         return false;
     };
@@ -439,8 +439,8 @@ impl Caching {
     /// the streams other libraries lent).
     fn release(&self, py: Python<'_>) -> Outcome<()> {
         let cache = self.0.clone();
-        crate::gil::detach(py, || cache.release())?;
-        crate::stream::prune_unused(py);
+        crate::sync::gil::detach(py, || cache.release())?;
+        crate::streams::stream::prune_unused(py);
         Ok(())
     }
 }

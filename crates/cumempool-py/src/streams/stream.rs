@@ -9,12 +9,14 @@
 //! sees one stream however it is passed; every raw handle handed out goes through
 //! `Stream::lent_raw`, which marks the stream as one that may capture.
 
-use crate::default_streams::{names_legacy, PER_THREAD_HANDLE};
-use crate::device::given_or_current;
 use crate::errors::{Failure, Outcome};
-use crate::lent_streams::{foreign_handle, protocol_handle, refuse_bool, still_lent_as, Lent, LentStream, Naming};
-use crate::locks::lock;
-use crate::primary_contexts::primary_context;
+use crate::streams::default_streams::{names_legacy, PER_THREAD_HANDLE};
+use crate::streams::lent_streams::{
+    foreign_handle, protocol_handle, refuse_bool, still_lent_as, Lent, LentStream, Naming,
+};
+use crate::streams::primary_contexts::primary_context;
+use crate::sync::locks::lock;
+use crate::values::device::given_or_current;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use std::sync::{Arc, Mutex};
@@ -107,7 +109,7 @@ impl Stream {
         }
         // Made without the lock (retaining the context releases the GIL): another thread may
         // have made one meanwhile, and the first one stays the device's.
-        let context = crate::gil::detach(py, || primary_context(device))?;
+        let context = crate::sync::gil::detach(py, || primary_context(device))?;
         let made = Py::new(py, Self { stream: make(&context), owner: None, device, closed: Default::default() })?;
         let mut objects = lock(objects);
         if let Some((_, stream)) = objects.iter().find(|(d, _)| *d == device) {
@@ -126,7 +128,7 @@ impl Stream {
         device: i32,
         owner: Option<(Py<PyAny>, Naming)>,
     ) -> Outcome<Self> {
-        let context = crate::gil::detach(py, || primary_context(device))?;
+        let context = crate::sync::gil::detach(py, || primary_context(device))?;
         let raw_stream = raw as cumempool::sys::CUstream;
         let stream = match &owner {
             // SAFETY: `raw` is the lending library's stream of `device`, and its Python object
@@ -234,7 +236,7 @@ impl Stream {
     fn new(py: Python<'_>, device: Option<i32>) -> Outcome<Self> {
         let device = given_or_current(device, py)?;
         // `cuStreamCreate` needs the context current: the caller's is put back after.
-        let stream = crate::gil::detach(py, || {
+        let stream = crate::sync::gil::detach(py, || {
             let context = primary_context(device)?;
             context.while_current(|| cumempool::Stream::new(&context))
         })?;
@@ -310,14 +312,18 @@ impl Stream {
     fn synchronize(&self, py: Python<'_>) -> Outcome<()> {
         self.check_open()?;
         let s = &self.stream;
-        Ok(crate::gil::detach(py, || crate::current_context::restored_after(s.as_raw() as usize, || s.synchronize()))?)
+        Ok(crate::sync::gil::detach(py, || {
+            crate::streams::current_context::restored_after(s.as_raw() as usize, || s.synchronize())
+        })?)
     }
 
     /// Whether all queued work has finished.
     fn is_idle(&self, py: Python<'_>) -> Outcome<bool> {
         self.check_open()?;
         let s = &self.stream;
-        Ok(crate::gil::detach(py, || crate::current_context::restored_after(s.as_raw() as usize, || s.is_idle()))?)
+        Ok(crate::sync::gil::detach(py, || {
+            crate::streams::current_context::restored_after(s.as_raw() as usize, || s.is_idle())
+        })?)
     }
 
     /// cuda.core's stream protocol: `(0, handle)`, with `handle`'s rule.

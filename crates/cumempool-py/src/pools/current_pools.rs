@@ -6,14 +6,14 @@
 
 use crate::errors::Outcome;
 use crate::pools::MemPool;
-use crate::route_values::Route;
+use crate::values::route_values::Route;
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
 /// The driver-owned default pool of `route` (never destroyed).
 #[pyfunction]
 pub fn default_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
-    let pool = crate::gil::detach(py, || cumempool::default_pool(route.0))?;
+    let pool = crate::sync::gil::detach(py, || cumempool::default_pool(route.0))?;
     Ok(MemPool::wrap(cumempool::Pool::clone(&pool)))
 }
 
@@ -22,25 +22,25 @@ pub fn default_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
 /// `current_pool_handle`.
 #[pyfunction]
 pub fn current_pool(py: Python<'_>, route: Route) -> Outcome<MemPool> {
-    Ok(MemPool::wrap(crate::gil::detach(py, || cumempool::current_pool(route.0))?))
+    Ok(MemPool::wrap(crate::sync::gil::detach(py, || cumempool::current_pool(route.0))?))
 }
 
 /// The raw handle (`CUmemoryPool` as an int) of the pool `route` draws from now.
 #[pyfunction]
 pub fn current_pool_handle(py: Python<'_>, route: Route) -> Outcome<usize> {
-    Ok(crate::gil::detach(py, || cumempool::current_pool_handle(route.0).map(|h| h as usize))?)
+    Ok(crate::sync::gil::detach(py, || cumempool::current_pool_handle(route.0).map(|h| h as usize))?)
 }
 
 /// Whether `route` draws from its default pool now.
 #[pyfunction]
 pub fn is_default(py: Python<'_>, route: Route) -> Outcome<bool> {
-    Ok(crate::gil::detach(py, || cumempool::is_default(route.0))?)
+    Ok(crate::sync::gil::detach(py, || cumempool::is_default(route.0))?)
 }
 
 /// Makes the default pool current again and forgets every change made through cumempool.
 #[pyfunction]
 pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
-    Ok(crate::gil::detach(py, || cumempool::reset_current_pool(route.0))?)
+    Ok(crate::sync::gil::detach(py, || cumempool::reset_current_pool(route.0))?)
 }
 
 /// Makes `pool` the current pool of `route` for the whole process until the returned guard
@@ -52,7 +52,7 @@ pub fn reset_current_pool(py: Python<'_>, route: Route) -> Outcome<()> {
 #[pyfunction]
 pub fn set_current_pool(py: Python<'_>, route: Route, pool: PyRef<'_, MemPool>) -> Outcome<RouteGuard> {
     let pool = pool.pool()?;
-    let guard = crate::gil::detach(py, || cumempool::set_current_pool(route.0, &pool))?;
+    let guard = crate::sync::gil::detach(py, || cumempool::set_current_pool(route.0, &pool))?;
     Ok(RouteGuard { route: route.0, guard: Mutex::new(Some(guard)) })
 }
 
@@ -65,7 +65,7 @@ pub struct RouteGuard {
 
 impl RouteGuard {
     fn take(&self) -> Option<cumempool::RouteGuard> {
-        crate::locks::lock(&self.guard).take()
+        crate::sync::locks::lock(&self.guard).take()
     }
 }
 
@@ -80,14 +80,14 @@ impl RouteGuard {
     /// Whether the change is still this guard's to undo.
     #[getter]
     fn active(&self) -> bool {
-        crate::locks::lock(&self.guard).is_some()
+        crate::sync::locks::lock(&self.guard).is_some()
     }
 
     /// Undoes this change now; a second call does nothing. Where the driver refuses, raises,
     /// and the change stays as if kept.
     fn restore(&self, py: Python<'_>) -> Outcome<()> {
         match self.take() {
-            Some(guard) => Ok(crate::gil::detach(py, || guard.restore())?),
+            Some(guard) => Ok(crate::sync::gil::detach(py, || guard.restore())?),
             None => Ok(()),
         }
     }
@@ -111,6 +111,6 @@ impl RouteGuard {
 
     fn __repr__(&self) -> String {
         let active = if self.active() { "True" } else { "False" };
-        format!("<cumempool.RouteGuard route={} active={active}>", crate::route_values::route_repr(self.route))
+        format!("<cumempool.RouteGuard route={} active={active}>", crate::values::route_values::route_repr(self.route))
     }
 }

@@ -1,15 +1,15 @@
 //! The adaptor at the bottom of every resource stack the bindings build, right above the pool:
 //! the only place a stack reaches the driver, so the only place that needs to release the GIL
-//! and to put the caller's context back. Each role is its own module's ([`crate::gil`],
-//! [`crate::current_context`]); this one composes them.
+//! and to put the caller's context back. Each role is its own module's ([`crate::sync::gil`],
+//! [`crate::streams::current_context`]); this one composes them.
 
 use cumempool::sys::CUdeviceptr;
 use cumempool_alloc::StreamOrderedResource;
 
 /// A pool's resource whose driver calls release the GIL when a binding marked the thread
-/// ([`crate::gil::released`], outermost: the context is restored before the GIL is taken back)
+/// ([`crate::sync::gil::released`], outermost: the context is restored before the GIL is taken back)
 /// and put back the caller's context after a call on a legacy stream
-/// ([`crate::current_context::restored_after`], inside).
+/// ([`crate::streams::current_context::restored_after`], inside).
 /// Both are needed at the bottom of every stack because only there does a call reach the
 /// driver: a cache hit, a limit check or a count above it runs with the GIL held and touches no
 /// context, while every path that reaches the driver through a resource (an allocation, a cache
@@ -24,8 +24,10 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
 
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        crate::gil::released(|| {
-            crate::current_context::restored_after(stream.as_raw() as usize, || self.0.allocate(bytes, align, stream))
+        crate::sync::gil::released(|| {
+            crate::streams::current_context::restored_after(stream.as_raw() as usize, || {
+                self.0.allocate(bytes, align, stream)
+            })
         })
     }
 
@@ -37,8 +39,8 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
         align: usize,
         stream: &cumempool::Stream,
     ) -> cumempool_alloc::Result<()> {
-        crate::gil::released(|| {
-            crate::current_context::restored_after(stream.as_raw() as usize, || {
+        crate::sync::gil::released(|| {
+            crate::streams::current_context::restored_after(stream.as_raw() as usize, || {
                 // SAFETY: forwarded under the caller's promise.
                 unsafe { self.0.deallocate(ptr, bytes, align, stream) }
             })

@@ -4,8 +4,8 @@
 //! and turns an out-of-memory into CuPy's class.
 
 use crate::errors::Outcome;
-use crate::resources::ResourceBase;
-use crate::stream::Stream;
+use crate::pools::resources::ResourceBase;
+use crate::streams::stream::Stream;
 use pyo3::prelude::*;
 
 /// Serves CuPy's allocations from a resource, returning `cupy.cuda.MemoryPointer`s; made by
@@ -49,7 +49,7 @@ impl CupyServe {
         let stream_object = self.current_stream.call0(py)?;
         let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
         if capture_possible(&stream.get().stream) {
-            crate::stream::let_go(py, stream);
+            crate::streams::stream::let_go(py, stream);
             return Ok(None);
         }
         let buffer = resource.alloc_outside_captures(py, size, stream)?;

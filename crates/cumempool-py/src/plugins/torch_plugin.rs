@@ -10,10 +10,10 @@
 //! which finds the source by the pointer. `cumempool_torch_alloc` serves what `serve` chose,
 //! for callers of the C functions themselves.
 
-use crate::dyn_resource::{Erased, Resource};
 use crate::errors::{Failure, Outcome};
+use crate::memory::dyn_resource::{Erased, Resource};
+use crate::pools::resources::ResourceBase;
 use crate::pools::MemPool;
-use crate::resources::ResourceBase;
 use cumempool::sys;
 use cumempool_alloc::Statistics;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -120,7 +120,7 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
 
 fn slot(index: usize) -> MutexGuard<'static, Slot> {
-    crate::locks::lock(&SLOTS[index])
+    crate::sync::locks::lock(&SLOTS[index])
 }
 
 impl Slot {
@@ -143,16 +143,16 @@ impl Slot {
 }
 
 fn stream_for(raw: usize, device: i32) -> cumempool::Result<cumempool::Stream> {
-    let mut streams = crate::locks::lock(&STREAMS);
+    let mut streams = crate::sync::locks::lock(&STREAMS);
     let streams = streams.get_or_insert_with(HashMap::new);
     if let Some(stream) = streams.get(&(raw, device)) {
         return Ok(stream.clone());
     }
-    let context = crate::primary_contexts::primary_context(device)?;
+    let context = crate::streams::primary_contexts::primary_context(device)?;
     let stream = match raw {
-        raw if crate::default_streams::names_legacy(raw) => cumempool::Stream::legacy(&context),
+        raw if crate::streams::default_streams::names_legacy(raw) => cumempool::Stream::legacy(&context),
         // Another stream on each thread: the legacy stream, asking the calling thread's at each use.
-        crate::default_streams::PER_THREAD_HANDLE => cumempool::Stream::legacy_for_per_thread(&context),
+        crate::streams::default_streams::PER_THREAD_HANDLE => cumempool::Stream::legacy_for_per_thread(&context),
         // SAFETY: PyTorch never destroys its own streams (the default stream, its stream pools).
         // A stream lent to it through `torch.cuda.ExternalStream` is the lender's to keep alive,
         // as PyTorch requires; here, until the served resource gave back what was freed on it
@@ -173,8 +173,8 @@ pub fn torch_serve(py: Python<'_>, resource: Option<&Bound<'_, ResourceBase>>) -
     let served = resource.map(|r| Served { resource: r.get().inner.clone(), device: r.get().device });
     // The lock is held only to swap (no allocation runs under it), and the resource served
     // until now is let go of after, without the GIL: a cache dropped there frees on the driver.
-    let previous = std::mem::replace(&mut *crate::locks::write(&SERVED), served);
-    crate::gil::detach(py, || drop(previous));
+    let previous = std::mem::replace(&mut *crate::sync::locks::write(&SERVED), served);
+    crate::sync::gil::detach(py, || drop(previous));
     Ok(())
 }
 
@@ -205,10 +205,10 @@ fn refuse_python_callbacks(what: &str, resource: &ResourceBase) -> Outcome<()> {
 #[no_mangle]
 pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
     // PyTorch may call in holding the GIL or not: the GIL is left as it is.
-    let _unmarked = crate::gil::Unmarked::new();
+    let _unmarked = crate::sync::gil::Unmarked::new();
     // A clone, so no lock is held while the resource runs: its out-of-memory callback may
     // serve another resource or stop (`torch_serve` takes the write lock).
-    let served = crate::locks::read(&SERVED).clone();
+    let served = crate::sync::locks::read(&SERVED).clone();
     // SAFETY: under the caller's promise.
     unsafe { allocate(served, None, size, device, stream) }
 }
@@ -219,7 +219,7 @@ pub unsafe extern "C" fn cumempool_torch_alloc(size: isize, device: i32, stream:
 /// # Safety
 /// As `cumempool_torch_alloc`.
 unsafe fn alloc_in_slot(index: usize, size: isize, device: i32, stream: *mut c_void) -> *mut c_void {
-    let _unmarked = crate::gil::Unmarked::new();
+    let _unmarked = crate::sync::gil::Unmarked::new();
     // A clone, as in `cumempool_torch_alloc`: the lock is not held while the resource runs.
     let bound = {
         let slot = slot(index);
@@ -266,7 +266,7 @@ unsafe fn allocate(
                 }
             }
             let live = Live { resource: served.resource.clone(), size, slot: id };
-            crate::locks::lock(&LIVE).get_or_insert_with(HashMap::new).insert(ptr as usize, live);
+            crate::sync::locks::lock(&LIVE).get_or_insert_with(HashMap::new).insert(ptr as usize, live);
             ptr as usize as *mut c_void
         }
         Err(error) => {
@@ -314,11 +314,11 @@ fn allocate_outside_graphs(
 static SIDE_STREAMS: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
 
 fn side_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
-    let mut streams = crate::locks::lock(&SIDE_STREAMS);
+    let mut streams = crate::sync::locks::lock(&SIDE_STREAMS);
     if let Some((_, stream)) = streams.iter().find(|(d, _)| *d == device) {
         return Ok(stream.clone());
     }
-    let context = crate::primary_contexts::primary_context(device)?;
+    let context = crate::streams::primary_contexts::primary_context(device)?;
     let stream = context.while_current(|| cumempool::Stream::new(&context))?;
     streams.push((device, stream.clone()));
     Ok(stream)
@@ -362,8 +362,8 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
         return;
     }
     // As in `cumempool_torch_alloc`.
-    let _unmarked = crate::gil::Unmarked::new();
-    let live = crate::locks::lock(&LIVE).as_mut().and_then(|l| l.remove(&(ptr as usize)));
+    let _unmarked = crate::sync::gil::Unmarked::new();
+    let live = crate::sync::locks::lock(&LIVE).as_mut().and_then(|l| l.remove(&(ptr as usize)));
     let Some(Live { resource, size: allocated, slot: id }) = live else {
         tracing::warn!(?ptr, "cumempool_torch_free of memory cumempool_torch_alloc did not give: ignored");
         return;
@@ -381,7 +381,13 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
         if !device_is_idle_for_a_free(&s, device) {
             // A capture is underway: the graph may use this memory at every launch, so it is
             // kept (with its slot) until `release_captured()`, after the graphs are gone.
-            crate::locks::lock(&PARKED).push(Parked { ptr: ptr as usize, resource: resource.clone(), size, device, slot: id });
+            crate::sync::locks::lock(&PARKED).push(Parked {
+                ptr: ptr as usize,
+                resource: resource.clone(),
+                size,
+                device,
+                slot: id,
+            });
             return Ok(false);
         }
         // SAFETY: PyTorch frees what cumempool_torch_alloc gave (it was live), with the size
@@ -416,7 +422,7 @@ fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
     if capture_known_underway(device) {
         return false;
     }
-    let waited = crate::primary_contexts::primary_context(device).and_then(|context| {
+    let waited = crate::streams::primary_contexts::primary_context(device).and_then(|context| {
         cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
     });
     if let Err(error) = &waited {
@@ -431,7 +437,7 @@ fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
 static SEEN_CAPTURING: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
 
 fn note_capturing(device: i32, stream: &cumempool::Stream) {
-    let mut seen = crate::locks::lock(&SEEN_CAPTURING);
+    let mut seen = crate::sync::locks::lock(&SEEN_CAPTURING);
     if !seen.iter().any(|(d, s)| *d == device && s.same_as(stream)) {
         seen.push((device, stream.clone()));
     }
@@ -444,15 +450,20 @@ fn note_capturing(device: i32, stream: &cumempool::Stream) {
 /// docs tell users not to free through PyTorch then. An answer that cannot be had counts as a
 /// capture.
 fn capture_known_underway(device: i32) -> bool {
-    let seen: Vec<cumempool::Stream> =
-        crate::locks::lock(&SEEN_CAPTURING).iter().filter(|(d, _)| *d == device).map(|(_, s)| s.clone()).collect();
+    let seen: Vec<cumempool::Stream> = crate::sync::locks::lock(&SEEN_CAPTURING)
+        .iter()
+        .filter(|(d, _)| *d == device)
+        .map(|(_, s)| s.clone())
+        .collect();
     let capturing = |stream: &cumempool::Stream| {
-        cumempool::keeping_current_context(|| stream.capture_status()).map_or(true, |status| status != cumempool::CaptureStatus::None)
+        cumempool::keeping_current_context(|| stream.capture_status())
+            .map_or(true, |status| status != cumempool::CaptureStatus::None)
     };
     if seen.iter().any(capturing) {
         return true;
     }
-    crate::primary_contexts::primary_context(device).map_or(true, |context| capturing(&cumempool::Stream::legacy(&context)))
+    crate::streams::primary_contexts::primary_context(device)
+        .map_or(true, |context| capturing(&cumempool::Stream::legacy(&context)))
 }
 
 /// Lets go of the hold an allocation of slot `id` kept on its slot (its free ran).
@@ -475,8 +486,8 @@ fn release_slot_hold(id: Option<SlotId>) {
 /// refused (a capture underway on it) keeps its memory, and the refusal is raised.
 #[pyfunction]
 pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
-    let parked = std::mem::take(&mut *crate::locks::lock(&PARKED));
-    let (released, kept, refusal) = crate::gil::detach(py, || {
+    let parked = std::mem::take(&mut *crate::sync::locks::lock(&PARKED));
+    let (released, kept, refusal) = crate::sync::gil::detach(py, || {
         let mut devices: Vec<i32> = parked.iter().map(|p| p.device).collect();
         devices.sort_unstable();
         devices.dedup();
@@ -494,7 +505,7 @@ pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
             }
             // Given back on the side stream: a cache files the blocks under a stream the
             // plug-in uses again.
-            let waited = crate::primary_contexts::primary_context(device).and_then(|context| {
+            let waited = crate::streams::primary_contexts::primary_context(device).and_then(|context| {
                 cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))?;
                 side_stream(device)
             });
@@ -519,7 +530,7 @@ pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
         }
         (released, kept, refusal)
     });
-    crate::locks::lock(&PARKED).extend(kept);
+    crate::sync::locks::lock(&PARKED).extend(kept);
     match refusal {
         Some(error) => Err(error.into()),
         None => Ok(released),
@@ -529,7 +540,7 @@ pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
 /// The bytes PyTorch freed during captures that the plug-in keeps until `release_captured()`.
 #[pyfunction]
 pub fn torch_captured_bytes() -> usize {
-    crate::locks::lock(&PARKED).iter().map(|p| p.size).sum()
+    crate::sync::locks::lock(&PARKED).iter().map(|p| p.size).sum()
 }
 
 /// Binds a slot to `source` (a `MemPool` or a resource), serving `resource` (the source as a
@@ -592,7 +603,7 @@ pub fn torch_unbind(py: Python<'_>, slot_index: usize, generation: u64) {
     }
     drop(slot);
     // Without the GIL: a cache dropped here frees on the driver.
-    crate::gil::detach(py, || drop(unused));
+    crate::sync::gil::detach(py, || drop(unused));
 }
 
 /// Stops every slot: their functions serve nothing from now on (PyTorch's out-of-memory), and
@@ -608,7 +619,7 @@ pub fn torch_stop_slots(py: Python<'_>) {
         drop(slot.take_if_unused());
     }
     // Without the GIL: a cache dropped here frees on the driver.
-    crate::gil::detach(py, || drop(stopped));
+    crate::sync::gil::detach(py, || drop(stopped));
 }
 
 /// What the slot binding `(slot, generation)` served (`Statistics.usage()`), or `None` once
@@ -622,5 +633,5 @@ pub fn torch_usage(py: Python<'_>, slot_index: usize, generation: u64) -> PyResu
         .binding_of(SlotId { index: slot_index, generation })
         .and_then(|b| b.serving.as_ref())
         .map(|(_, statistics)| statistics.usage());
-    usage.map(|usage| crate::resources::usage_dict(py, usage)).transpose()
+    usage.map(|usage| crate::pools::resources::usage_dict(py, usage)).transpose()
 }

@@ -4,7 +4,7 @@
 
 use crate::errors::{Failure, Outcome};
 use crate::memory::{Core, Kind, Memory};
-use crate::stream::Stream;
+use crate::streams::stream::Stream;
 use cumempool::descriptor_passing as dp;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyTuple};
@@ -81,7 +81,7 @@ fn on_socket<T>(fd: RawFd, io: impl FnOnce(&UnixStream) -> T) -> T {
 
 /// Exports `pool` as a new descriptor (see `MemPool.export_fd`).
 pub(crate) fn export_descriptor(py: Python<'_>, pool: &cumempool::Pool) -> Outcome<RawFd> {
-    Ok(crate::gil::detach(py, || pool.export_fd())?.into_raw_fd())
+    Ok(crate::sync::gil::detach(py, || pool.export_fd())?.into_raw_fd())
 }
 
 /// Imports a pool from descriptor `fd`, which stays the caller's.
@@ -96,14 +96,14 @@ pub(crate) fn import_descriptor(py: Python<'_>, fd: RawFd) -> Outcome<cumempool:
     // SAFETY: a non-negative descriptor the caller lends for the call; `import_fd` checks
     // that it is open before the driver sees it, and neither closes it.
     let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-    let pool = crate::gil::detach(py, || cumempool::MemPool::import_fd(fd))?;
+    let pool = crate::sync::gil::detach(py, || cumempool::MemPool::import_fd(fd))?;
     Ok(cumempool::Pool::clone(&pool))
 }
 
 /// Sends `pool`'s descriptor and route over a Unix socket.
 pub(crate) fn send_pool(py: Python<'_>, pool: &cumempool::Pool, socket: &Bound<'_, PyAny>) -> Outcome<()> {
     let fd = descriptor_of(socket, "sending a pool")?;
-    Ok(crate::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
+    Ok(crate::sync::gil::detach(py, || on_socket(fd, |s| dp::send_pool(s, pool)))?)
 }
 
 /// Receives a pool sent with `send_pool` and imports it, waiting as `socket` says: up to its
@@ -117,7 +117,7 @@ pub(crate) fn receive_pool(py: Python<'_>, socket: &Bound<'_, PyAny>) -> Outcome
         wait_readable(py, fd, deadline, timeout.is_some_and(|t| t.is_zero()))?;
         // One `recvmsg`: a message that is not there yet (another reader took it, or readiness
         // was spurious) fails with nothing consumed, and is waited for again.
-        match crate::gil::detach(py, || on_socket(fd, dp::receive_pool)) {
+        match crate::sync::gil::detach(py, || on_socket(fd, dp::receive_pool)) {
             Ok(received) => return Ok(cumempool::Pool::clone(&received.pool)),
             Err(cumempool::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(error) => return Err(error.into()),
@@ -186,8 +186,8 @@ pub(crate) fn import_allocation(
     // The import makes the stream's context current: the caller's is put back after.
     let mapping = {
         let (s, device): (&cumempool::Stream, i32) = (&borrowed, stream.get().device);
-        crate::gil::detach(py, || {
-            let context = crate::primary_contexts::context_of(s, device)?;
+        crate::sync::gil::detach(py, || {
+            let context = crate::streams::primary_contexts::context_of(s, device)?;
             context.while_current(|| Ok::<_, Failure>(pool.import_pointer(&shared.0, s)?))
         })?
     };
@@ -202,7 +202,7 @@ pub(crate) fn import_allocation(
 /// A buffer's export data (see `Buffer.export`).
 pub(crate) fn export_allocation(py: Python<'_>, core: &Core) -> Outcome<SharedAllocation> {
     match core.pool_buffer() {
-        Some(buffer) => Ok(SharedAllocation(crate::gil::detach(py, || buffer.export())?)),
+        Some(buffer) => Ok(SharedAllocation(crate::sync::gil::detach(py, || buffer.export())?)),
         None => Err(Failure::Core(cumempool::Error::NotShareable {
             what: "exporting an allocation",
             reason: cumempool::NotShareableReason::NotPoolMemory,

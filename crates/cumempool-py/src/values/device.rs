@@ -17,13 +17,13 @@ impl Device {
     #[pyo3(signature = (ordinal = None))]
     fn new(py: Python<'_>, ordinal: Option<i32>) -> Outcome<Self> {
         let ordinal = given_or_current(ordinal, py)?;
-        Ok(Self(crate::gil::detach(py, || cumempool::Device::get(ordinal))?))
+        Ok(Self(crate::sync::gil::detach(py, || cumempool::Device::get(ordinal))?))
     }
 
     /// How many devices the driver sees.
     #[staticmethod]
     fn count(py: Python<'_>) -> Outcome<i32> {
-        Ok(crate::gil::detach(py, cumempool::Device::count)?)
+        Ok(crate::sync::gil::detach(py, cumempool::Device::count)?)
     }
 
     /// The ordinal.
@@ -48,7 +48,7 @@ impl Device {
     /// `cudaMemGetInfo` reports, and what Numba's memory managers answer).
     fn memory_info(&self, py: Python<'_>) -> Outcome<(usize, usize)> {
         let device = self.0;
-        Ok(crate::gil::detach(py, || {
+        Ok(crate::sync::gil::detach(py, || {
             let context = device.primary_context()?;
             context.while_current(|| context.memory_info())
         })?)
@@ -69,7 +69,7 @@ impl Device {
     /// The export handle types its pools support, a `HandleTypes`.
     #[getter]
     fn supported_handle_types(&self, py: Python<'_>) -> Outcome<Py<PyAny>> {
-        Ok(crate::enums::handle_types(py, self.0.supported_handle_types()?.bits())?)
+        Ok(crate::values::enums::handle_types(py, self.0.supported_handle_types()?.bits())?)
     }
 
     /// Whether this device can access `peer`'s memory.
@@ -100,6 +100,6 @@ pub(crate) fn given_or_current(device: Option<i32>, py: pyo3::Python<'_>) -> Out
 /// The calling thread's current device, as PyTorch, CuPy and cuda.core take it: the device of the
 /// current context, else device 0 (no context current yet).
 pub(crate) fn current_device(py: pyo3::Python<'_>) -> Outcome<i32> {
-    let device = crate::gil::detach(py, cumempool::current_device)?;
+    let device = crate::sync::gil::detach(py, cumempool::current_device)?;
     Ok(device.map_or(0, cumempool::Device::ordinal))
 }

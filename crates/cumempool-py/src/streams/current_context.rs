@@ -5,7 +5,7 @@
 //! context (or none) is current again when they return, and a failure of the call wins over a
 //! failure to restore.
 
-use crate::default_streams::names_legacy;
+use crate::streams::default_streams::names_legacy;
 
 /// Runs `call` on the stream `handle` and puts back the caller's context if `call` changed
 /// it: work queued on a legacy stream makes the stream's context current first. Ordinary

@@ -1,11 +1,11 @@
 //! Buffers handed to Python: stream-ordered memory with `__cuda_array_interface__`, DLPack,
 //! NumPy's `__array_interface__` (host-accessible memory) and copies to and from bytes.
 
-use crate::default_streams::LEGACY_HANDLE;
-use crate::dlpack;
 use crate::errors::{Failure, Outcome};
+use crate::memory::dlpack;
 use crate::memory::{Core, Kind, Slot};
-use crate::stream::Stream;
+use crate::streams::default_streams::LEGACY_HANDLE;
+use crate::streams::stream::Stream;
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -255,8 +255,8 @@ impl Buffer {
         };
         if let Some(consumer) = consumer {
             // The consumer's stream is on the memory's device (DLPack).
-            crate::gil::detach(py, || {
-                let context = crate::primary_contexts::primary_context(core.device)?;
+            crate::sync::gil::detach(py, || {
+                let context = crate::streams::primary_contexts::primary_context(core.device)?;
                 core.order_before_consumer(consumer, &context)
             })?;
         }
@@ -268,9 +268,9 @@ impl Buffer {
     /// (`MemPool.import_buffer`): a picklable `SharedAllocation`. The pool must be created with
     /// `handle_types=HandleTypes.POSIX_FILE_DESCRIPTOR` and exported first (`export_fd` or
     /// `send`). Keep this buffer until the importer has closed its mapping.
-    fn export(slf: &Bound<'_, Self>) -> Outcome<crate::sharing::SharedAllocation> {
+    fn export(slf: &Bound<'_, Self>) -> Outcome<crate::memory::sharing::SharedAllocation> {
         let core = Self::in_use(slf)?;
-        crate::sharing::export_allocation(slf.py(), &core)
+        crate::memory::sharing::export_allocation(slf.py(), &core)
     }
 
     /// `(device type, device id)`: CUDA 2, CUDA host 3, CUDA managed 13.
@@ -296,7 +296,7 @@ impl Buffer {
         let core = Self::in_use(slf)?;
         let src = bytes.as_bytes();
         // `bytes` is immutable and held until the copy, which waits, has finished.
-        crate::gil::detach(py, || core.with_block(|block| block.copy_from_host(src)))
+        crate::sync::gil::detach(py, || core.with_block(|block| block.copy_from_host(src)))
     }
 
     /// The buffer's bytes (its first `size` bytes, all by default), after its stream's work.
@@ -317,7 +317,7 @@ impl Buffer {
         let mut failure = None;
         let bytes = PyBytes::new_with(py, len, |dst| {
             // `dst` is `len` writable bytes, alive until the copy, which waits, has finished.
-            if let Err(error) = crate::gil::detach(py, || core.with_block(|block| block.copy_to_host(dst))) {
+            if let Err(error) = crate::sync::gil::detach(py, || core.with_block(|block| block.copy_to_host(dst))) {
                 failure = Some(error);
             }
             Ok(())
@@ -335,14 +335,14 @@ impl Buffer {
         let py = slf.py();
         // Both memories are held until the copy has finished, whatever closes meanwhile.
         let (dst, src) = (Self::in_use(slf)?, Self::in_use(other)?);
-        crate::gil::detach(py, || dst.with_block(|to| to.copy_from(&src.block())))
+        crate::sync::gil::detach(py, || dst.with_block(|to| to.copy_from(&src.block())))
     }
 
     /// Sets every byte to `value`, ordered on the buffer's stream. For pinned host memory the
     /// call first waits for the stream's earlier work, and returns with the bytes set.
     fn fill(slf: &Bound<'_, Self>, value: u8) -> Outcome<()> {
         let core = Self::in_use(slf)?;
-        crate::gil::detach(slf.py(), || core.with_block(|block| block.fill(value)))
+        crate::sync::gil::detach(slf.py(), || core.with_block(|block| block.fill(value)))
     }
 
     /// Gives the memory back, freed on its stream, after the work queued on `stream` so far
@@ -361,8 +361,8 @@ impl Buffer {
                 Err(other) => return Err(other),
             };
             let producer = Stream::from_object(py, Some(stream), core.device)?;
-            let ordered = crate::gil::detach(py, || core.order_release_after(producer.get()));
-            crate::stream::let_go(py, producer);
+            let ordered = crate::sync::gil::detach(py, || core.order_release_after(producer.get()));
+            crate::streams::stream::let_go(py, producer);
             ordered?;
         }
         let slot = {

@@ -171,7 +171,7 @@ unsafe fn free_versioned(managed: *mut DLManagedTensorVersioned, py: Option<Pyth
         return;
     }
     // The caller may hold the GIL or not: the GIL is left as it is.
-    let _unmarked = crate::gil::Unmarked::new();
+    let _unmarked = crate::sync::gil::Unmarked::new();
     // SAFETY: made by `capsule` with Box::into_raw, deleted once (DLPack's rule).
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: the context box belongs to this tensor.
@@ -186,7 +186,7 @@ unsafe fn free_unversioned(managed: *mut DLManagedTensor, py: Option<Python<'_>>
     if managed.is_null() {
         return;
     }
-    let _unmarked = crate::gil::Unmarked::new();
+    let _unmarked = crate::sync::gil::Unmarked::new();
     // SAFETY: as in `free_versioned`.
     let managed = unsafe { Box::from_raw(managed) };
     // SAFETY: as in `free_versioned`.

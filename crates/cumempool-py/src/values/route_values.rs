@@ -3,9 +3,9 @@
 //! made; pickling and reprs use the constructor that makes a value again (a location only the
 //! driver reports has none).
 
-use crate::build_features::gated;
-use crate::enums::PyEnum;
 use crate::errors::{Failure, Outcome};
+use crate::values::build_features::gated;
+use crate::values::enums::PyEnum;
 use pyo3::prelude::*;
 use pyo3::types::{PyTuple, PyType};
 
@@ -272,7 +272,7 @@ impl Route {
     /// Checks the route against this machine's devices (raises if it cannot exist here).
     fn validate(&self, py: Python<'_>) -> Outcome<()> {
         let route = self.0;
-        Ok(crate::gil::detach(py, || route.validate())?)
+        Ok(crate::sync::gil::detach(py, || route.validate())?)
     }
 
     /// Pickles as `Route(location, allocation_type)`.

@@ -1,0 +1,9 @@
+//! Streams from Python: the `Stream` class, streams other libraries lend, the default-stream
+//! handles, the contexts work on a stream runs in, and the relaxed capture mode.
+
+pub(crate) mod capture_mode;
+pub(crate) mod current_context;
+pub(crate) mod default_streams;
+pub(crate) mod lent_streams;
+pub(crate) mod primary_contexts;
+pub(crate) mod stream;
