@@ -11,7 +11,7 @@ typedef int CUresult;
 int live_streams;
 typedef void *CUcontext;
 enum { GLOBAL = 0, THREAD_LOCAL = 1, RELAXED = 2 };
-enum { UNSUPPORTED = 900, INVALIDATED = 901, ISOLATION = 905 };
+enum { INVALID_CONTEXT = 201, UNSUPPORTED = 900, INVALIDATED = 901, ISOLATION = 905 };
 /* `joined`: the stream whose capture this one joined by waiting for an event recorded in it. */
 typedef struct Stream { int capturing, invalidated, mode, blocking; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -20,6 +20,8 @@ static uint64_t next_id = 1;
 static __thread int thread_mode = GLOBAL;
 static int primary_storage;
 static CUcontext primary = &primary_storage;
+/* The calling thread's current context: work that needs one (a new stream or event, or pool
+   memory ordered on the legacy stream) is refused with CUDA_ERROR_INVALID_CONTEXT without it. */
 static __thread CUcontext current;
 /* The calling thread's per-thread default stream (handle 2), a blocking stream: while any
    thread's captures, legacy-stream work (handles 0 and 1) from any thread is an implicit
@@ -61,25 +63,53 @@ CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
 CUresult cuInit(unsigned flags) { return 0; }
 static CUresult error_name(CUresult e, const char **s) { *s = "CUDA_ERROR_FROM_THE_STAND_IN"; return 0; }
 static CUresult device_count(int *n) { *n = 1; return 0; }
-static CUresult device_get(int *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
+/* cuDeviceGet and the context functions are exported by name as well, as libcuda exports them,
+   for tests that call them through ctypes. */
+CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
 static CUresult device_attribute(int *v, int attribute, int d) { *v = 1; return 0; }
 static CUresult primary_retain(CUcontext *c, int d) { *c = primary; return 0; }
-static CUresult ctx_get(CUcontext *c) { *c = current; return 0; }
-static CUresult ctx_set(CUcontext c) { current = c; return 0; }
-static CUresult stream_create(Stream **s, unsigned flags) { *s = calloc(1, sizeof **s); live_streams++; return 0; }
-static CUresult stream_destroy(Stream *s) { free(s); live_streams--; return 0; }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
+CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
+/* A context of the caller's own (what CuPy or a runtime user on another device looks like),
+   made through these symbols only: `cuGetProcAddress` would owe CUDA 13 callers the _v4 ABI. */
+CUresult cuCtxCreate_v2(CUcontext *c, unsigned flags, int d) { *c = malloc(8); current = *c; return 0; }
+CUresult cuCtxDestroy_v2(CUcontext c) { if (current == c) current = 0; free(c); return 0; }
+/* As the driver does, the last destroyed stream's handle goes to the next new stream (kept here
+   rather than left to malloc, whose reuse depends on what else the process allocates). */
+static Stream *last_destroyed;
+static CUresult stream_create(Stream **s, unsigned flags) {
+    if (!current) return INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    *s = last_destroyed ? last_destroyed : malloc(sizeof **s);
+    last_destroyed = 0;
+    memset(*s, 0, sizeof **s);
+    live_streams++;
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+static CUresult stream_destroy(Stream *s) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < 64; i++) if (capturing[i] == s) capturing[i] = 0;
+    free(last_destroyed);
+    last_destroyed = s;
+    live_streams--;
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
 static CUresult pool_create(void **pool, const void *props) { *pool = malloc(8); return 0; }
 static CUresult pool_attribute(void *pool, int attribute, void *value) {
     if (attribute >= 4) *(uint64_t *)value = live_bytes; else *(int *)value = 0;
     return 0;
 }
 static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
+    if ((uintptr_t)s <= 1 && !current) return INVALID_CONTEXT;
     if (legacy_refused(s)) return IMPLICIT;
     if (null_next_alloc) { null_next_alloc = 0; *p = 0; return 0; } /* success with no memory */
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
 }
 static CUresult free_async(uint64_t p, Stream *s) {
+    if ((uintptr_t)s <= 1 && !current) return INVALID_CONTEXT;
     if (legacy_refused(s)) return IMPLICIT;
     if (s && (uintptr_t)s > 2 && s->capturing) return 1; /* memory from before the capture */
     log_call("free", (void *)(uintptr_t)p, s, 0);
@@ -89,7 +119,11 @@ static CUresult free_async(uint64_t p, Stream *s) {
 /* An event is the capturing stream its last record was on, or null. Querying or waiting for an
    event recorded in a capture answers CUDA_ERROR_CAPTURED_EVENT. */
 enum { CAPTURED_EVENT = 907 };
-static CUresult event_create(void **e, unsigned flags) { *e = calloc(1, sizeof(Stream *)); log_call("eventcreate", *e, 0, 0); return 0; }
+static CUresult event_create(void **e, unsigned flags) {
+    if (!current) return INVALID_CONTEXT;
+    *e = calloc(1, sizeof(Stream *)); log_call("eventcreate", *e, 0, 0);
+    return 0;
+}
 static CUresult event_destroy(void *e) { free(e); return 0; }
 /* Whether the calling thread may make a potentially unsafe call now; invalidates what forbids it. */
 static int forbidden(Stream *on) {
@@ -246,9 +280,9 @@ static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void
 static CUresult exchange_mode(int *mode) { if (fail_next_exchange) { fail_next_exchange = 0; return 999; } int old = thread_mode; thread_mode = *mode; *mode = old; return 0; }
 static const struct { const char *name; void *fn; } table[] = {
     {"cuGetErrorName", error_name}, {"cuGetErrorString", error_name},
-    {"cuDeviceGetCount", device_count}, {"cuDeviceGet", device_get},
+    {"cuDeviceGetCount", device_count}, {"cuDeviceGet", cuDeviceGet},
     {"cuDeviceGetAttribute", device_attribute}, {"cuDevicePrimaryCtxRetain", primary_retain},
-    {"cuCtxGetCurrent", ctx_get}, {"cuCtxSetCurrent", ctx_set},
+    {"cuCtxGetCurrent", cuCtxGetCurrent}, {"cuCtxSetCurrent", cuCtxSetCurrent},
     {"cuStreamCreate", stream_create}, {"cuStreamDestroy", stream_destroy},
     {"cuMemPoolCreate", pool_create}, {"cuMemPoolGetAttribute", pool_attribute},
     {"cuMemAllocFromPoolAsync", alloc_from_pool}, {"cuMemFreeAsync", free_async},

@@ -8,11 +8,15 @@
 //! forbade it invalidated, when the calling thread's mode is not relaxed and the thread has a
 //! capture underway, or (in global mode) any thread has a global capture underway; a wait on a
 //! capturing stream is refused whatever the mode. An event last recorded on a capturing stream
-//! answers CUDA_ERROR_CAPTURED_EVENT to a query or wait. Pool allocations are heap blocks, counted;
-//! so are the streams alive ([`live_streams`]). Virtual memory has 2 MiB granules and one
-//! range of addresses, never dereferenced; exporting physical memory as a file descriptor hands
-//! out a new descriptor of `/dev/null`. Every function the stand-in does not model answers
-//! success.
+//! answers CUDA_ERROR_CAPTURED_EVENT to a query or wait. Each thread has its own current context
+//! (`cuCtxCreate_v2` makes one of the caller's own): without one, a new stream or event, or pool
+//! memory ordered on the legacy stream, is refused with CUDA_ERROR_INVALID_CONTEXT. Pool
+//! allocations are heap blocks, counted; so are the streams alive ([`live_streams`]), and the
+//! last destroyed stream's handle goes to the next new stream, as the driver's often does.
+//! Virtual memory has 2 MiB granules and one range of addresses, never dereferenced; exporting
+//! physical memory as a file descriptor hands out a new descriptor of `/dev/null`. Every function
+//! the stand-in does not model answers success. The Python tests run on the same stand-in
+//! (the `stand_in_libcuda` fixture of crates/cumempool-py/tests/conftest.py).
 //!
 //! The same library is also a stand-in for libnccl (`stand_in_nccl.c`, loaded through
 //! `CUMEMPOOL_LIBNCCL`): collectives are logged in the same call log, as `nccl <stream>`, when

@@ -4,6 +4,8 @@ CUMEMPOOL_REQUIRE_GPU=1 (as the Rust suite does); tests that change routing rest
 import ctypes
 import importlib
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -76,6 +78,24 @@ def run_in_new_process(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+# The one stand-in libcuda (and libnccl) of the Rust tests, which the host tests run on too.
+STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src"
+
+
+@pytest.fixture(scope="session")
+def stand_in_libcuda(tmp_path_factory):
+    """The stand-in driver (tests/src/stand_in_driver.c, documented in stand_in_driver.rs),
+    compiled once per session; its path, for `CUMEMPOOL_LIBCUDA`. Its state is per process, so
+    each scenario runs in a process of its own (`run_on_driver`)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    sources = [STAND_IN / "stand_in_driver.c", STAND_IN / "stand_in_nccl.c"]
+    if compiler is None or not all(source.exists() for source in sources):
+        pytest.skip("no C compiler, or no stand-in driver source beside these tests")
+    library = tmp_path_factory.mktemp("stand_in") / "libstandin.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-pthread", "-o", str(library), *map(str, sources)], check=True)
+    return str(library)
 
 
 def run_on_driver(library: str, code: str) -> list:

@@ -12,7 +12,7 @@ import pytest
 
 import cumempool as cm
 from conftest import library
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 MIB = 1 << 20
 
@@ -274,7 +274,7 @@ def test_recording_checks_its_arguments_only_when_it_starts():
     cm.record_history(enabled=False, stacks="anything")  # stopping takes no options
 
 
-def test_the_devices_of_a_budget_follow_local_rank(stand_in_libcuda):  # noqa: F811
+def test_the_devices_of_a_budget_follow_local_rank(stand_in_libcuda):
     # The stand-in driver shows one device.
     words = run_on_stand_in(
         stand_in_libcuda,
@@ -295,7 +295,7 @@ def test_the_devices_of_a_budget_follow_local_rank(stand_in_libcuda):  # noqa: F
     assert words == ["[0]", "[0]", "[0]", "refused", "True"], "one GPU per rank: the rank's is device 0"
 
 
-def test_a_resource_drawn_for_torch_keeps_its_counted_bytes_beside_the_routed_ones(stand_in_libcuda):  # noqa: F811
+def test_a_resource_drawn_for_torch_keeps_its_counted_bytes_beside_the_routed_ones(stand_in_libcuda):
     # A program may draw from the budget as "torch" itself (`Budget.resource("torch", 0)`, for
     # `cumempool.torch.mem_pool`): while PyTorch also uses the route, neither figure replaces
     # the other. A stand-in `torch` on the cudaMallocAsync backend.

@@ -1,9 +1,9 @@
 """An out-of-memory callback, shown on a host without a GPU through the stand-in driver of
-test_fake_driver.py: a cycle through it is collected (and with it the pool's memory a cache
+the Rust tests: a cycle through it is collected (and with it the pool's memory a cache
 kept), and an interruption raised in it (KeyboardInterrupt, SystemExit) reaches the caller of
 `alloc` instead of being reported as unraisable."""
 
-from test_fake_driver import _run_after, fake_libcuda  # noqa: F401 (a fixture)
+from test_fake_driver import _run_after
 
 # A cycle whose only edge back runs through the callback: the holder keeps the resource, the
 # resource keeps the holder's bound method.
@@ -18,9 +18,9 @@ def collected(wrap):
 """
 
 
-def test_a_cycle_through_an_out_of_memory_callback_is_collected(fake_libcuda):
+def test_a_cycle_through_an_out_of_memory_callback_is_collected(stand_in_libcuda):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         HOLDER,
         """
         base = sys.getrefcount(pool)
@@ -36,9 +36,9 @@ def test_a_cycle_through_an_out_of_memory_callback_is_collected(fake_libcuda):
     assert lines[3] == "True", "the collected resources still hold the pool"
 
 
-def test_a_collected_cycle_gives_the_cached_memory_back(fake_libcuda):
+def test_a_collected_cycle_gives_the_cached_memory_back(stand_in_libcuda):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         HOLDER,
         """
         stats = cm.Statistics(cm.PoolResource(pool))
@@ -72,9 +72,9 @@ def outcome(resource, size):
 """
 
 
-def test_keyboard_interrupt_in_an_out_of_memory_callback_reaches_alloc(fake_libcuda):
+def test_keyboard_interrupt_in_an_out_of_memory_callback_reaches_alloc(stand_in_libcuda):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         INTERRUPTIONS,
         """
         limit = cm.Limit(cm.PoolResource(pool), 1024)
@@ -84,9 +84,9 @@ def test_keyboard_interrupt_in_an_out_of_memory_callback_reaches_alloc(fake_libc
     assert lines == ["KeyboardInterrupt", "[]", "[1]"], "Ctrl-C in the callback was swallowed"
 
 
-def test_system_exit_in_an_out_of_memory_callback_reaches_alloc(fake_libcuda):
+def test_system_exit_in_an_out_of_memory_callback_reaches_alloc(stand_in_libcuda):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         INTERRUPTIONS,
         """
         guarded = cm.OnOutOfMemory(cm.Limit(cm.PoolResource(pool), 1024), raising(SystemExit(3)))
@@ -99,9 +99,9 @@ def test_system_exit_in_an_out_of_memory_callback_reaches_alloc(fake_libcuda):
     assert lines == ["SystemExit", "3", "[]"]
 
 
-def test_an_ordinary_exception_in_an_out_of_memory_callback_is_unraisable(fake_libcuda):
+def test_an_ordinary_exception_in_an_out_of_memory_callback_is_unraisable(stand_in_libcuda):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         INTERRUPTIONS,
         """
         limit = cm.Limit(cm.PoolResource(pool), 1024)
@@ -121,11 +121,11 @@ def test_an_ordinary_exception_in_an_out_of_memory_callback_is_unraisable(fake_l
     ]
 
 
-def test_an_interruption_wins_over_an_allocation_a_cache_then_makes(fake_libcuda):
+def test_an_interruption_wins_over_an_allocation_a_cache_then_makes(stand_in_libcuda):
     # The cache above gives its block back after the callback's refusal and retries, which
     # succeeds: the memory goes back and the interruption is raised all the same.
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         INTERRUPTIONS,
         """
         limit = cm.Limit(cm.PoolResource(pool), 4096)
@@ -141,11 +141,11 @@ def test_an_interruption_wins_over_an_allocation_a_cache_then_makes(fake_libcuda
     assert lines == ["2048", "KeyboardInterrupt", "[1]", "[]", "0", "allocated"]
 
 
-def test_an_interruption_is_raised_once_by_the_alloc_it_stopped(fake_libcuda):
+def test_an_interruption_is_raised_once_by_the_alloc_it_stopped(stand_in_libcuda):
     # A callback that allocates through another guarded resource: the inner interruption
     # reaches the outer callback, which lets it through; the next alloc raises nothing stale.
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         INTERRUPTIONS,
         """
         inner = cm.OnOutOfMemory(cm.Limit(cm.PoolResource(pool), 1024), raising(KeyboardInterrupt()))

@@ -1,7 +1,7 @@
 """The CuPy plug-in's CUDA graph support on a host without a GPU: a stand-in ``cupy`` module over
 the stand-in libcuda, whose current stream says it captures when told to."""
 
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 # A stand-in ``cupy``: its current stream is `current[0]` (a handle of the stand-in driver, 0
 # the legacy stream), which `capture()` begins capturing (in `mode`) and `end_capture()` ends, as
@@ -52,7 +52,7 @@ def _with_fake_cupy(stand_in_libcuda, code):
     return run_on_stand_in(stand_in_libcuda, FAKE_CUPY + code)
 
 
-def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda):  # noqa: F811
+def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda):
     # An array a capture made (the graph's output, `y = x * 2` inside the capture) lives on
     # after the graph: releasing the captured memory must not free it under the array, and the
     # device is waited for first (a launch queued before may still run on the memory).
@@ -76,7 +76,7 @@ print(pool.used_mem_current, allocator.captured_bytes)
     assert words == ["4096", "4096", "[0]", "0", "0"], "an array's memory was freed under it, or unsynchronised"
 
 
-def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcuda):  # noqa: F811
+def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcuda):
     # A capture begun in global mode forbids this thread's host waits (the stand-in invalidates
     # it as the driver does): serving it, allocating on the side stream, a cache's bookkeeping
     # and the wait for the allocation must leave it intact.
@@ -96,7 +96,7 @@ for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
     assert words == ["0", "12288", "0", "12288"], "the plug-in invalidated a global-mode capture"
 
 
-def test_on_the_null_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda):  # noqa: F811
+def test_on_the_null_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda):
     # Another thread captures its per-thread stream (blocking, global mode) while CuPy
     # allocates on its null stream: the driver would refuse that allocation and invalidate the
     # capture. The plug-in asks first, harmlessly, and leaves the call to CuPy's own query,

@@ -1,78 +1,13 @@
 """What test_contexts.py and test_stream_memo.py check, and more, shown on a host without a
-GPU: each scenario runs in a process whose driver is a small stand-in for libcuda
-(`CUMEMPOOL_LIBCUDA`), compiled here from C. It keeps a current context per thread, hands out
-heap pointers as streams (so a destroyed stream's handle comes back at once, as the driver's
-often does) and answers every function it does not model with success. Each scenario checks
-first that the path the bindings already guard behaves, so a failure is the bindings', not the
-stand-in's."""
+GPU: each scenario runs in a process whose driver is the stand-in libcuda of the Rust tests
+(tests/src/stand_in_driver.c, the `stand_in_libcuda` fixture). It keeps a current context per
+thread, hands a destroyed stream's handle to the next new stream (as the driver often does) and
+answers every function it does not model with success. Each scenario checks first that the path
+the bindings already guard behaves, so a failure is the bindings', not the stand-in's."""
 
-import shutil
-import subprocess
 import textwrap
 
-import pytest
-
 from conftest import run_on_driver
-
-FAKE_LIBCUDA = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-typedef int CUresult;
-typedef void *CUcontext, *CUstream;
-static int primary_storage;
-static CUcontext primary = &primary_storage;
-static __thread CUcontext current;
-static CUresult generic(void) { return 0; }
-CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
-CUresult cuInit(unsigned flags) { return 0; }
-static CUresult error_name(CUresult e, const char **s) { *s = "CUDA_ERROR_FAKE"; return 0; }
-static CUresult device_count(int *n) { *n = 1; return 0; }
-CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
-static CUresult device_attribute(int *v, int attribute, int d) { *v = 1; return 0; }
-static CUresult primary_retain(CUcontext *c, int d) { *c = primary; return 0; }
-CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
-CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
-CUresult cuCtxCreate_v2(CUcontext *c, unsigned flags, int d) { *c = malloc(8); current = *c; return 0; }
-CUresult cuCtxDestroy_v2(CUcontext c) { if (current == c) current = 0; free(c); return 0; }
-/* As the driver does, the last destroyed stream's handle goes to the next new stream (kept here
-   rather than left to malloc, whose reuse depends on what else the process allocates). */
-static CUstream last_destroyed;
-static CUresult stream_create(CUstream *s, unsigned flags) {
-    if (!current) return 201;
-    *s = last_destroyed ? last_destroyed : malloc(16); last_destroyed = 0; return 0;
-}
-static CUresult stream_destroy(CUstream s) { if (last_destroyed) free(last_destroyed); last_destroyed = s; return 0; }
-static CUresult stream_context(CUstream s, CUcontext *c) { *c = primary; return 0; }
-static CUresult pool_create(void **pool, const void *props) { *pool = malloc(8); return 0; }
-static int legacy(CUstream s) { return s == 0 || s == (CUstream)1; }
-static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, CUstream s) {
-    if (legacy(s) && !current) return 201;
-    *p = (uint64_t)(uintptr_t)malloc(n ? n : 1); return 0;
-}
-static CUresult free_async(uint64_t p, CUstream s) {
-    if (legacy(s) && !current) return 201;
-    free((void *)(uintptr_t)p); return 0;
-}
-static CUresult event_create(void **e, unsigned flags) { if (!current) return 201; *e = malloc(8); return 0; }
-static const struct { const char *name; void *fn; } table[] = {
-    {"cuGetErrorName", error_name}, {"cuGetErrorString", error_name},
-    {"cuDeviceGetCount", device_count}, {"cuDeviceGet", cuDeviceGet},
-    {"cuDeviceGetAttribute", device_attribute}, {"cuDevicePrimaryCtxRetain", primary_retain},
-    {"cuCtxGetCurrent", cuCtxGetCurrent}, {"cuCtxSetCurrent", cuCtxSetCurrent},
-    {"cuStreamCreate", stream_create}, {"cuStreamDestroy", stream_destroy},
-    {"cuStreamGetCtx", stream_context}, {"cuMemPoolCreate", pool_create},
-    {"cuMemAllocFromPoolAsync", alloc_from_pool}, {"cuMemFreeAsync", free_async},
-    {"cuEventCreate", event_create},
-};
-CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
-    *fn = (void *)generic;
-    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
-        if (!strcmp(symbol, table[i].name)) *fn = table[i].fn;
-    if (status) *status = 0;
-    return 0;
-}
-"""
 
 # What every scenario starts with: the stand-in's own context functions, and a context of the
 # caller's own made current (what CuPy or a runtime user on another device looks like).
@@ -97,27 +32,14 @@ pool = cm.MemPool(cm.Route.device(0))
 """
 
 
-@pytest.fixture(scope="module")
-def fake_libcuda(tmp_path_factory):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler for the stand-in driver")
-    directory = tmp_path_factory.mktemp("fake_libcuda")
-    source = directory / "fake.c"
-    source.write_text(FAKE_LIBCUDA)
-    library = directory / "libfakecuda.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
-    return str(library)
-
-
-def _run(fake_libcuda, scenario):
+def _run(stand_in_libcuda, scenario):
     """Runs `scenario` after PRELUDE on the stand-in driver; its stdout lines."""
-    return run_on_driver(fake_libcuda, PRELUDE + textwrap.dedent(scenario))
+    return run_on_driver(stand_in_libcuda, PRELUDE + textwrap.dedent(scenario))
 
 
-def _run_after(fake_libcuda, setup, scenario):
+def _run_after(stand_in_libcuda, setup, scenario):
     """Runs `scenario` after PRELUDE and `setup` (both unindented) on the stand-in driver."""
-    return _run(fake_libcuda, setup + textwrap.dedent(scenario))
+    return _run(stand_in_libcuda, setup + textwrap.dedent(scenario))
 
 
 # The plug-in's exported C functions as PyTorch calls them (`lib`), and the plug-in (`cmt`).
@@ -130,10 +52,10 @@ lib.cumempool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c
 """
 
 
-def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
+def test_a_new_stream_puts_back_the_callers_context(stand_in_libcuda):
     # test_contexts.py::test_creating_a_stream_puts_back_the_callers_context
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         pool.alloc(64).close()
         print(mine_current())  # control: a legacy-stream alloc and free put it back
@@ -145,10 +67,10 @@ def test_a_new_stream_puts_back_the_callers_context(fake_libcuda):
     assert lines[1] == "True", "Stream(0) left the primary context current"
 
 
-def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
+def test_a_capsules_last_free_puts_back_the_callers_context(stand_in_libcuda):
     # test_contexts.py::test_a_capsule_freeing_the_last_of_a_legacy_buffer_puts_back_...
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         buffer = pool.alloc(4096)
         capsule = buffer.__dlpack__(stream=-1)
@@ -162,10 +84,10 @@ def test_a_capsules_last_free_puts_back_the_callers_context(fake_libcuda):
     assert lines[1] == "True", "the capsule's free left the primary context current"
 
 
-def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
+def test_a_caches_release_puts_back_the_callers_context(stand_in_libcuda):
     # test_contexts.py::test_a_cache_giving_legacy_blocks_back_puts_back_the_callers_context
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         cache = cm.CachingResource(cm.PoolResource(pool))
         cache.alloc(4096).close()
@@ -178,12 +100,12 @@ def test_a_caches_release_puts_back_the_callers_context(fake_libcuda):
     assert lines[2] == "True", "release() left the primary context current"
 
 
-def test_a_cache_giving_legacy_blocks_back_for_another_stream_puts_back_the_callers_context(fake_libcuda):
+def test_a_cache_giving_legacy_blocks_back_for_another_stream_puts_back_the_callers_context(stand_in_libcuda):
     # The blocks go back inside an allocation on another (ordinary) stream: the limit below
     # refuses it, and the cache gives its legacy-stream block back to make room; later the
     # cache is collected with a block kept.
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         cache = cm.CachingResource(cm.Limit(cm.PoolResource(pool), 4096))
         stream = cm.Stream(0)
@@ -204,10 +126,10 @@ def test_a_cache_giving_legacy_blocks_back_for_another_stream_puts_back_the_call
     assert lines[4] == "True", "collecting the cache left the primary context current"
 
 
-def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcuda):
+def test_the_torch_functions_put_back_the_callers_context_on_any_host(stand_in_libcuda):
     # test_contexts.py::test_the_torch_functions_put_back_the_callers_context
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         TORCH_FUNCTIONS,
         """
         cmt.serve(pool)
@@ -222,11 +144,11 @@ def test_the_torch_functions_put_back_the_callers_context_on_any_host(fake_libcu
     assert (lines[1], lines[3]) == ("True", "True"), "(after alloc, after free) the caller's context was current"
 
 
-def test_a_torch_allocation_of_zero_bytes_is_not_kept(fake_libcuda):
+def test_a_torch_allocation_of_zero_bytes_is_not_kept(stand_in_libcuda):
     # PyTorch passes size 0 for an empty tensor and never frees the null it gets back: an entry
     # kept for it would count for ever and keep the served resource alive after stop().
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         TORCH_FUNCTIONS,
         """
         # The served cache keeps a block for the lender's stream, so holds the lender: the
@@ -254,11 +176,11 @@ def test_a_torch_allocation_of_zero_bytes_is_not_kept(fake_libcuda):
     assert lines[3] == "True", "the served resource outlived stop() through the empty allocation"
 
 
-def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(fake_libcuda):
+def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(stand_in_libcuda):
     # Under `with cupy.cuda.Device(1)`, CuPy's null stream names no device, and the memory would
     # be the resource's device's, ordered on that device's legacy stream, while CuPy runs on 1.
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         import sys, types
         import cumempool.cupy as cmc
@@ -285,12 +207,12 @@ def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(fake_libcuda):
     assert lines[1:] == ["refused", "True"], "memory of device 0 was handed to CuPy running on device 1"
 
 
-def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys_object(fake_libcuda):
+def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys_object(stand_in_libcuda):
     # CuPy's device current, a stream that does not capture, no recording: one native call
     # serves it (the Python steps, which would ask CuPy's stream, are not taken), and the
     # memory goes back when CuPy's memory object does.
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         import sys, types
         import cumempool.cupy as cmc
@@ -325,9 +247,9 @@ def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys
     assert " ".join(lines[5:]) == "recording takes the Python steps: the Python steps ran"
 
 
-def test_wrong_exports_and_streams_are_refused_in_plain_words(fake_libcuda):
+def test_wrong_exports_and_streams_are_refused_in_plain_words(stand_in_libcuda):
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         buffer = pool.alloc(64)
         try:
@@ -347,9 +269,9 @@ def test_wrong_exports_and_streams_are_refused_in_plain_words(fake_libcuda):
     assert lines[2:] == ["refused", "refused"], "Stream.borrow(True, device=0) took True for the legacy stream"
 
 
-def test_a_device_pickles_as_its_ordinal(fake_libcuda):
+def test_a_device_pickles_as_its_ordinal(stand_in_libcuda):
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         import pickle
         again = pickle.loads(pickle.dumps(cm.Device(0)))
@@ -359,10 +281,10 @@ def test_a_device_pickles_as_its_ordinal(fake_libcuda):
     assert lines == ["Device", "0", "True"]
 
 
-def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
+def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(stand_in_libcuda):
     # test_stream_memo.py::test_a_new_stream_with_a_closed_streams_handle_is_held_by_its_buffers
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         first = Lender(cm.Stream(0))
         handle = first.stream.handle
@@ -380,10 +302,10 @@ def test_a_new_stream_with_a_reused_handle_is_held_by_its_buffers(fake_libcuda):
     assert lines[1] == "True", "the buffer holds the closed stream's object, not its own stream's"
 
 
-def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
+def test_a_closed_stream_object_is_asked_for_its_handle(stand_in_libcuda):
     # test_stream_memo.py::test_a_closed_stream_object_passed_again_is_asked_for_its_handle
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         first = Lender(cm.Stream(0))
         kept = cm.Stream.borrow(first)
@@ -404,10 +326,10 @@ def test_a_closed_stream_object_is_asked_for_its_handle(fake_libcuda):
     assert lines[1] == "raised", "a closed stream object was answered with its old Stream"
 
 
-def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
+def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(stand_in_libcuda):
     # test_stream_memo.py::test_a_stream_borrowed_and_dropped_lets_go_of_its_lender
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         stats = cm.Statistics(cm.PoolResource(pool))
         lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
@@ -424,10 +346,10 @@ def test_a_borrowed_and_dropped_stream_lets_go_of_its_lender(fake_libcuda):
     assert lines[1] == "True", "the memo still holds a lender whose Stream was dropped"
 
 
-def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
+def test_a_capsules_last_free_lets_go_of_the_lender(stand_in_libcuda):
     # test_stream_memo.py::test_a_lent_stream_is_let_go_of_when_a_capsule_frees_the_last_buffer
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         stats = cm.Statistics(cm.PoolResource(pool))
         lender = Lender(cm.Stream(0)); lent = weakref.ref(lender)
@@ -444,10 +366,10 @@ def test_a_capsules_last_free_lets_go_of_the_lender(fake_libcuda):
     assert lines[1] == "True", "the memo still holds the lender after the capsule gave the memory back"
 
 
-def test_a_buffer_copied_into_itself_is_refused_on_any_host(fake_libcuda):
+def test_a_buffer_copied_into_itself_is_refused_on_any_host(stand_in_libcuda):
     # test_buffers.py::test_a_buffer_copied_into_itself_is_refused_before_the_driver
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
         buffer, other = pool.alloc(64), pool.alloc(64)
         other.copy_from_buffer(buffer)
@@ -480,9 +402,9 @@ def consume(capsule):
 """
 
 
-def test_a_consumers_deleter_without_the_gil_puts_back_the_callers_context(fake_libcuda):
+def test_a_consumers_deleter_without_the_gil_puts_back_the_callers_context(stand_in_libcuda):
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         CONSUMER
         + """
 buffer = pool.alloc(4096)
@@ -497,9 +419,9 @@ print(mine_current())
     assert lines[1] == "True", "the consumer's deleter left the primary context current"
 
 
-def test_a_consumers_deleter_without_the_gil_lets_go_of_the_lender(fake_libcuda):
+def test_a_consumers_deleter_without_the_gil_lets_go_of_the_lender(stand_in_libcuda):
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         CONSUMER
         + """
 stats = cm.Statistics(cm.PoolResource(pool))
@@ -518,12 +440,12 @@ print(lent() is None)
     assert lines[1] == "True", "the memo still holds the lender after a consumer gave the memory back"
 
 
-def test_a_buffers_memory_goes_back_once_when_its_last_holder_lets_go(fake_libcuda):
+def test_a_buffers_memory_goes_back_once_when_its_last_holder_lets_go(stand_in_libcuda):
     # The GPU tests of test_lifetimes.py, on any host: whichever of the pool, the resource,
     # the Buffer, an array view and a DLPack consumer lets go first, the memory goes back to
     # the resource it came from exactly once, and only when the last of them lets go.
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         CONSUMER
         + """
 stats = cm.Statistics(cm.PoolResource(pool))
@@ -562,11 +484,11 @@ print(count())
     assert lines[6:8] == ["1", "0"], "a close with a stream did not leave the memory to the consumer"
 
 
-def test_errors_carry_the_rust_reason_or_none_on_any_host(fake_libcuda):
+def test_errors_carry_the_rust_reason_or_none_on_any_host(stand_in_libcuda):
     # The reason's name is the Rust enum variant's (`NotShareableReason::NotPoolMemory`);
     # errors without one, such as ClosedError, carry None.
     lines = _run(
-        fake_libcuda,
+        stand_in_libcuda,
         """
 stats = cm.Statistics(cm.PoolResource(pool))
 buffer = stats.alloc(64)

@@ -9,7 +9,7 @@ import pytest
 
 import cumempool as cm
 from conftest import library
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 # How each way out gives the raw handle of `s`, a Stream cumempool created.
 WAYS_OUT = {
@@ -22,7 +22,7 @@ WAYS_OUT = {
 
 
 @pytest.mark.parametrize("way", sorted(WAYS_OUT))
-def test_a_capture_begun_on_a_lent_handle_is_seen_by_a_cache(stand_in_libcuda, way):  # noqa: F811
+def test_a_capture_begun_on_a_lent_handle_is_seen_by_a_cache(stand_in_libcuda, way):
     served, ended = run_on_stand_in(
         stand_in_libcuda,
         """
@@ -52,7 +52,7 @@ def test_a_capture_begun_on_a_lent_handle_is_seen_by_a_cache(stand_in_libcuda, w
     assert ended == "0", "the capture was left intact"
 
 
-def test_the_legacy_stream_is_not_marked_by_its_handle(stand_in_libcuda):  # noqa: F811
+def test_the_legacy_stream_is_not_marked_by_its_handle(stand_in_libcuda):
     # The legacy stream cannot be captured: reading its handle keeps its uses free of driver
     # queries (a cache hit on it still makes no call).
     words = run_on_stand_in(

@@ -15,7 +15,7 @@ import pytest
 
 import cumempool as cm
 from conftest import libcuda, library, run_in_new_process
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 # Each operation, as a user calls it, on `buffer` (ordered on the capturing stream `captured`),
 # with `other` a buffer on a stream that does not capture and `consumer` a handle of that stream.
@@ -41,7 +41,7 @@ def queued():
 
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))
-def test_an_operation_on_a_capturing_lent_stream_is_refused_before_the_driver(stand_in_libcuda, operation):  # noqa: F811
+def test_an_operation_on_a_capturing_lent_stream_is_refused_before_the_driver(stand_in_libcuda, operation):
     words = run_on_stand_in(
         stand_in_libcuda,
         QUEUED
@@ -68,7 +68,7 @@ def test_an_operation_on_a_capturing_lent_stream_is_refused_before_the_driver(st
     assert words == ["refused", "0", "0", "False"], "refused, nothing queued, the capture intact, the buffer open"
 
 
-def test_the_per_thread_stream_saved_as_an_object_is_checked_at_each_use(stand_in_libcuda):  # noqa: F811
+def test_the_per_thread_stream_saved_as_an_object_is_checked_at_each_use(stand_in_libcuda):
     # `Stream.borrow(2)` kept and used later, while the thread's per-thread stream captures
     # (CuPy's Stream.ptds.begin_capture()): legacy-stream work then would be refused by the
     # driver, invalidating the capture.
@@ -106,7 +106,7 @@ print("filled")
     assert words == ["2", "refused", "refused", "refused", "refused", "refused", "0", "filled"]
 
 
-def test_torch_plugin_refuses_a_source_whose_allocations_call_python(stand_in_libcuda):  # noqa: F811
+def test_torch_plugin_refuses_a_source_whose_allocations_call_python(stand_in_libcuda):
     # PyTorch calls the plug-in holding its allocator mutex: a Python callback there would wait
     # for the GIL against a thread holding it that waits for the mutex (memory_stats()).
     words = run_on_stand_in(

@@ -10,11 +10,11 @@ import pytest
 
 import cumempool as cm
 from conftest import library
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 
 @pytest.mark.parametrize("source", ["pool", "cache"])
-def test_closing_after_a_capturing_stream_is_refused_and_the_capture_left_intact(stand_in_libcuda, source):  # noqa: F811
+def test_closing_after_a_capturing_stream_is_refused_and_the_capture_left_intact(stand_in_libcuda, source):
     words = run_on_stand_in(
         stand_in_libcuda,
         """
@@ -39,7 +39,7 @@ def test_closing_after_a_capturing_stream_is_refused_and_the_capture_left_intact
     assert words == ["refused", "0", "False", "True"], "refused, the capture intact, the buffer still open"
 
 
-def test_a_dlpack_export_to_a_capturing_consumer_is_refused_and_the_capture_left_intact(stand_in_libcuda):  # noqa: F811
+def test_a_dlpack_export_to_a_capturing_consumer_is_refused_and_the_capture_left_intact(stand_in_libcuda):
     words = run_on_stand_in(
         stand_in_libcuda,
         """
@@ -81,7 +81,7 @@ def test_torch_from_dlpack_under_a_graph_capture_leaves_the_capture_intact(gpu):
     assert int(static.sum()) == 16
 
 
-def test_cuda_core_deallocate_on_a_capturing_stream_keeps_the_buffer_for_a_later_one(stand_in_libcuda):  # noqa: F811
+def test_cuda_core_deallocate_on_a_capturing_stream_keeps_the_buffer_for_a_later_one(stand_in_libcuda):
     # cuda.core's Buffer.close(stream) under a capture of `stream`: refused, and the memory
     # (which the graph's work uses) stays, to be freed by a later deallocate, not at once.
     words = run_on_stand_in(

@@ -13,10 +13,10 @@ import pytest
 
 import cumempool as cm
 from conftest import library
-from test_resource_alloc_under_capture import capture_functions, run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import capture_functions, run_on_stand_in
 
 
-def test_the_per_thread_stream_is_served_as_one_object_per_device(stand_in_libcuda):  # noqa: F811
+def test_the_per_thread_stream_is_served_as_one_object_per_device(stand_in_libcuda):
     words = run_on_stand_in(
         stand_in_libcuda,
         """

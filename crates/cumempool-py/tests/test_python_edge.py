@@ -9,13 +9,13 @@ import threading
 import pytest
 
 import cumempool as cm
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 # What a Rust path or reference looks like in a message.
 RUST_ISMS = re.compile(r"::|&[A-Za-z]|\bbuilder\(|\bStream::|Some\(")
 
 
-def test_pool_attributes_are_a_dict(stand_in_libcuda):  # noqa: F811
+def test_pool_attributes_are_a_dict(stand_in_libcuda):
     words = run_on_stand_in(
         stand_in_libcuda,
         """
@@ -26,7 +26,7 @@ def test_pool_attributes_are_a_dict(stand_in_libcuda):  # noqa: F811
     assert words == ["dict", "True"]
 
 
-def test_the_cupy_allocator_raises_cupys_out_of_memory_error(stand_in_libcuda):  # noqa: F811
+def test_the_cupy_allocator_raises_cupys_out_of_memory_error(stand_in_libcuda):
     # CuPy code catches cupy.cuda.memory.OutOfMemoryError (its own pool retries after freeing
     # cached blocks for that class only); a stand-in cupy module carries CuPy's class as CuPy
     # defines it.
@@ -111,7 +111,7 @@ def test_receive_on_a_blocking_socket_and_its_descriptor_waits():
             cm.MemPool.receive(a)
 
 
-def test_messages_name_the_python_api(stand_in_libcuda):  # noqa: F811
+def test_messages_name_the_python_api(stand_in_libcuda):
     # Every refusal this host can provoke, printed one per line.
     out = run_on_stand_in(
         stand_in_libcuda,

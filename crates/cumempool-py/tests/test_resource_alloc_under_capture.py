@@ -3,17 +3,12 @@ on a host without one through the stand-in libcuda of the Rust tests
 (tests/src/stand_in_driver.c), which models captures."""
 
 import ctypes
-import pathlib
-import shutil
-import subprocess
 import textwrap
 
 import pytest
 
 import cumempool as cm
 from conftest import libcuda, run_on_driver
-
-STAND_IN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "src" / "stand_in_driver.c"
 
 
 def capture_functions():
@@ -47,16 +42,6 @@ def test_a_resource_alloc_on_a_capturing_stream_is_refused(gpu, stream):
     assert ended == 0, "the refusal left the capture intact"
     assert pool.used_mem_current == 0
     cache.alloc(4096, stream).close()
-
-
-@pytest.fixture(scope="module")
-def stand_in_libcuda(tmp_path_factory):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not STAND_IN.exists():
-        pytest.skip("no C compiler, or no stand-in driver source beside these tests")
-    library = tmp_path_factory.mktemp("stand_in") / "libstandin.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-pthread", "-o", str(library), str(STAND_IN)], check=True)
-    return str(library)
 
 
 # The stand-in's capture functions as another library calls them (`begin`, `end`): it hands its

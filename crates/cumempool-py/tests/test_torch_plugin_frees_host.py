@@ -2,7 +2,7 @@
 exported functions called as PyTorch's caching allocator calls them, around captures the
 stand-in models."""
 
-from test_resource_alloc_under_capture import run_on_stand_in, stand_in_libcuda  # noqa: F401 (a fixture)
+from test_resource_alloc_under_capture import run_on_stand_in
 
 # The plug-in's C functions (`lib`), serving a pool (`pool`, `cmt`), and the stand-in's log of
 # the calls that order work (`logged()`: the first word of each line since `mark()`).
@@ -38,7 +38,7 @@ def _run(stand_in_libcuda, code):
     return run_on_stand_in(stand_in_libcuda, SETUP + code)
 
 
-def test_a_free_waits_for_the_device_first(stand_in_libcuda):  # noqa: F811
+def test_a_free_waits_for_the_device_first(stand_in_libcuda):
     # A graph replayed on another stream may still read a segment PyTorch frees: the plug-in
     # waits for the whole device before the memory goes back, as PyTorch's cudaFree does.
     words = _run(
@@ -53,7 +53,7 @@ print(" ".join(word for word in logged() if word in ("ctxsync", "free")), pool.u
     assert words == ["ctxsync", "free", "0"], "the memory went back before the device was waited for"
 
 
-def test_a_free_during_a_capture_is_kept_until_release_captured(stand_in_libcuda):  # noqa: F811
+def test_a_free_during_a_capture_is_kept_until_release_captured(stand_in_libcuda):
     # PyTorch's out-of-memory retry can free a segment while its stream captures; the graph may
     # use it at every launch, so it must not go back when the capture ends.
     words = _run(
@@ -74,7 +74,7 @@ print(cmt.release_captured(), pool.used_mem_current, cmt.captured_bytes())
     assert words[3:] == [str(1 << 20), "0", "0"], "release_captured did not give it back"
 
 
-def test_a_free_while_another_stream_captures_is_kept_and_released_after(stand_in_libcuda):  # noqa: F811
+def test_a_free_while_another_stream_captures_is_kept_and_released_after(stand_in_libcuda):
     # Waiting for the device would invalidate a capture underway on it (the driver refuses the
     # wait and invalidates the capture, in every mode): while a stream the plug-in saw capturing
     # still captures, the free is kept, and release_captured refuses, leaving the capture intact.
@@ -100,7 +100,7 @@ print(cmt.release_captured(), pool.used_mem_current - 64)
     assert words[2:] == [str(1 << 20), "0", str(1 << 20), "0"], "the capture was invalidated, or the memory not given back"
 
 
-def test_a_free_while_a_blocking_stream_captures_is_kept(stand_in_libcuda):  # noqa: F811
+def test_a_free_while_a_blocking_stream_captures_is_kept(stand_in_libcuda):
     # A capture on a blocking stream (CuPy's streams, the per-thread stream) that never asked
     # the plug-in for memory is seen through the legacy stream, which answers without harm.
     words = _run(

@@ -1,14 +1,14 @@
 """The PyTorch plug-in's exported C functions, called as PyTorch calls them, on the stand-in
-libcuda of test_fake_driver.py (no GPU, no torch)."""
+libcuda of the Rust tests (no GPU, no torch)."""
 
-from test_fake_driver import TORCH_FUNCTIONS, _run_after, fake_libcuda  # noqa: F401 (a fixture)
+from test_fake_driver import TORCH_FUNCTIONS, _run_after
 
 
-def test_a_free_uses_the_size_recorded_at_allocation(fake_libcuda):  # noqa: F811
+def test_a_free_uses_the_size_recorded_at_allocation(stand_in_libcuda):
     # A wrong size from the caller would file the block under another size class of the cache
     # (and count the wrong bytes): the size recorded at allocation is used.
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         TORCH_FUNCTIONS,
         """
         cache = cm.CachingResource(cm.PoolResource(pool))

@@ -1,4 +1,4 @@
-"""`cumempool.torch.mem_pool` on the stand-in libcuda of test_fake_driver.py, with a stand-in
+"""`cumempool.torch.mem_pool` on the stand-in libcuda of the Rust tests, with a stand-in
 for the part of PyTorch it uses (no GPU, no torch): `CUDAPluggableAllocator` loads the named C
 functions with ctypes, as PyTorch loads them with dlsym, and a `MemPool` allocates through them."""
 
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from test_fake_driver import _run_after, fake_libcuda  # noqa: F401 (a fixture)
+from test_fake_driver import _run_after
 
 FAKE_TORCH = {
     "__init__.py": "from . import cuda\n",
@@ -59,11 +59,11 @@ def fake_torch(tmp_path_factory):
     return f"import sys\nsys.path.insert(0, {str(root)!r})\nimport cumempool.torch as cmt\n"
 
 
-def test_pools_over_two_sources_each_allocate_from_their_own(fake_libcuda, fake_torch):  # noqa: F811
+def test_pools_over_two_sources_each_allocate_from_their_own(stand_in_libcuda, fake_torch):
     # PyTorch gives the allocation function no pool id: a MemPool made before another over
     # another source must still allocate from its own source.
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         fake_torch,
         """
         a = cm.Statistics(cm.PoolResource(pool))
@@ -83,9 +83,9 @@ def test_pools_over_two_sources_each_allocate_from_their_own(fake_libcuda, fake_
     assert lines[2:4] == ["0", "0"], "a block did not go back to its own source"
 
 
-def test_pools_over_one_source_share_a_slot(fake_libcuda, fake_torch):  # noqa: F811
+def test_pools_over_one_source_share_a_slot(stand_in_libcuda, fake_torch):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         fake_torch,
         """
         source = cm.CachingResource(cm.PoolResource(pool))
@@ -107,9 +107,9 @@ def test_pools_over_one_source_share_a_slot(fake_libcuda, fake_torch):  # noqa: 
     assert lines[5:7] == ["{}", "{}"], "statistics after stop()"
 
 
-def test_a_slot_is_free_again_once_its_pool_and_blocks_are_gone(fake_libcuda, fake_torch):  # noqa: F811
+def test_a_slot_is_free_again_once_its_pool_and_blocks_are_gone(stand_in_libcuda, fake_torch):
     lines = _run_after(
-        fake_libcuda,
+        stand_in_libcuda,
         fake_torch,
         """
         pools = [cmt.mem_pool(cm.Statistics(cm.PoolResource(pool))) for _ in range(cmt.TORCH_SLOTS)]
