@@ -13,7 +13,7 @@ typedef void *CUcontext;
 enum { GLOBAL = 0, THREAD_LOCAL = 1, RELAXED = 2 };
 enum { INVALID_CONTEXT = 201, UNSUPPORTED = 900, INVALIDATED = 901, ISOLATION = 905 };
 /* `joined`: the stream whose capture this one joined by waiting for an event recorded in it. */
-typedef struct Stream { int capturing, invalidated, mode, blocking; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
+typedef struct Stream { int capturing, invalidated, mode, blocking, destroyed; pthread_t thread; uint64_t id; struct Stream *joined; } Stream;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static Stream *capturing[64];
 static uint64_t next_id = 1;
@@ -75,7 +75,9 @@ CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
 CUresult cuCtxCreate_v2(CUcontext *c, unsigned flags, int d) { *c = malloc(8); current = *c; return 0; }
 CUresult cuCtxDestroy_v2(CUcontext c) { if (current == c) current = 0; free(c); return 0; }
 /* As the driver does, the last destroyed stream's handle goes to the next new stream (kept here
-   rather than left to malloc, whose reuse depends on what else the process allocates). */
+   rather than left to malloc, whose reuse depends on what else the process allocates). Other
+   destroyed streams are never freed: asked about, they answer CUDA_ERROR_INVALID_HANDLE, as the
+   driver does for a handle it no longer knows. */
 static Stream *last_destroyed;
 static CUresult stream_create(Stream **s, unsigned flags) {
     if (!current) return INVALID_CONTEXT;
@@ -90,7 +92,7 @@ static CUresult stream_create(Stream **s, unsigned flags) {
 static CUresult stream_destroy(Stream *s) {
     pthread_mutex_lock(&lock);
     for (int i = 0; i < 64; i++) if (capturing[i] == s) capturing[i] = 0;
-    free(last_destroyed);
+    s->destroyed = 1;
     last_destroyed = s;
     live_streams--;
     pthread_mutex_unlock(&lock);
@@ -272,6 +274,7 @@ static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void
         if (blocked) return IMPLICIT;
     }
     s = resolve(s);
+    if ((uintptr_t)s > 2 && s->destroyed) return 400; /* CUDA_ERROR_INVALID_HANDLE */
     int on = (uintptr_t)s > 2 && s->capturing;
     *status = on ? (s->invalidated ? 2 : 1) : 0;
     if (id) *id = on ? s->id : 0;

@@ -1,6 +1,8 @@
 """The CuPy plug-in's CUDA graph support on a host without a GPU: a stand-in ``cupy`` module over
 the stand-in libcuda, whose current stream says it captures when told to."""
 
+import pytest
+
 from test_resource_alloc_under_capture import run_on_stand_in
 
 # A stand-in ``cupy``: its current stream is `current[0]` (a handle of the stand-in driver, 0
@@ -96,14 +98,16 @@ for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
     assert words == ["0", "12288", "0", "12288"], "the plug-in invalidated a global-mode capture"
 
 
-def test_on_the_null_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda):
+@pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])
+def test_on_a_default_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda, default_stream):
     # Another thread captures its per-thread stream (blocking, global mode) while CuPy
-    # allocates on its null stream: the driver would refuse that allocation and invalidate the
-    # capture. The plug-in asks first, harmlessly, and leaves the call to CuPy's own query,
-    # which raises.
+    # allocates on its null stream, or on its per-thread default stream (both queue on the
+    # legacy stream): the driver would refuse that allocation and invalidate the capture. The
+    # plug-in asks first, harmlessly, and refuses.
     words = _with_fake_cupy(
         stand_in_libcuda,
-        """
+        f"current[0] = {default_stream}\n"
+        + """
 import threading
 pool = cm.MemPool(cm.Route.device(0))
 allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))

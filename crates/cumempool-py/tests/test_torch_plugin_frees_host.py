@@ -114,3 +114,27 @@ print(cmt.release_captured(), pool.used_mem_current)
 """,
     )
     assert words == [str(1 << 20), "0", str(1 << 20), "0"], "the wait invalidated a blocking stream's capture"
+
+
+def test_a_stream_that_captured_and_was_destroyed_does_not_keep_later_frees(stand_in_libcuda):
+    # The plug-in asks again, before each free, every stream it saw capturing. A stream its
+    # lender destroyed since cannot be asked: it is forgotten, not taken for a capture that
+    # would keep every later free of the device.
+    words = _run(
+        stand_in_libcuda,
+        """
+lent = cm.Stream(0)
+assert begin(lent.handle, 2) == 0
+q = lib.cumempool_torch_alloc(64, 0, lent.handle)  # seen capturing
+assert end_capture(lent.handle) == 0
+lib.cumempool_torch_free(q, 64, 0, lent.handle)
+import gc
+lent.close()
+del lent  # the lender destroys it
+gc.collect()
+p = lib.cumempool_torch_alloc(MIB, 0, h)
+lib.cumempool_torch_free(p, MIB, 0, h)
+print(pool.used_mem_current, cmt.captured_bytes(), cmt.release_captured())
+""",
+    )
+    assert words == ["0", "0", "0"], "a destroyed stream kept the device's frees"

@@ -3,7 +3,7 @@
 //! step. The Python class keeps every other case (another device current, a capture, recording)
 //! and turns an out-of-memory into CuPy's class.
 
-use crate::errors::Outcome;
+use crate::errors::{Failure, Outcome};
 use crate::pools::resources::ResourceBase;
 use crate::streams::stream::Stream;
 use pyo3::prelude::*;
@@ -48,9 +48,10 @@ impl CupyServe {
         }
         let stream_object = self.current_stream.call0(py)?;
         let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
-        if capture_possible(&stream.get().stream) {
+        let possible = capture_possible(&stream.get().stream, resource.device);
+        if !matches!(possible, Ok(false)) {
             crate::streams::stream::let_go(py, stream);
-            return Ok(None);
+            return possible.map(|_| None);
         }
         let buffer = resource.alloc_outside_captures(py, size, stream)?;
         let (ptr, device) = buffer.address_and_device()?;
@@ -60,18 +61,21 @@ impl CupyServe {
     }
 }
 
-/// Whether a capture may stand in the way of allocating on `stream`, asked without harm to one:
-/// a stream that may capture is asked; the legacy stream (CuPy's null stream) cannot capture,
-/// but the driver refuses work on it while a blocking stream of its context captures, and says
-/// so when asked (CuPy's own query raises then, which the Python steps pass on). An answer that
-/// cannot be had leaves the call to the Python steps.
-fn capture_possible(stream: &cumempool::Stream) -> bool {
-    if stream.may_be_capturing() {
-        return stream.is_capturing().unwrap_or(true);
+/// Whether the Python steps must serve a call on `stream`: a capture on it (its memory is kept
+/// for the graph there). Work queued on the legacy stream (CuPy's null stream, or its
+/// per-thread stream, served as the legacy one) while a blocking stream of the device captures
+/// would be refused by the driver, which would invalidate that capture: refused here first,
+/// asked in a way that leaves the capture intact. An answer that cannot be had leaves the call
+/// to the Python steps.
+fn capture_possible(stream: &cumempool::Stream, device: i32) -> Outcome<bool> {
+    if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
+        return Ok(true);
     }
-    if !stream.as_raw().is_null() {
-        return false;
+    if stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(device) {
+        return Err(Failure::Core(cumempool::Error::StreamCapturing {
+            operation: "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture underway on a blocking stream of the device: allocate on another stream, or after the capture)",
+            capture: None,
+        }));
     }
-    cumempool::keeping_current_context(|| stream.capture_status())
-        .map_or(true, |status| status != cumempool::CaptureStatus::None)
+    Ok(false)
 }

@@ -289,10 +289,18 @@ fn allocate_outside_graphs(
     size: usize,
     stream: &cumempool::Stream,
 ) -> cumempool_alloc::Result<sys::CUdeviceptr> {
-    if !stream.may_be_capturing() || !stream.is_capturing()? {
+    let capturing = stream.may_be_capturing() && stream.is_capturing()?;
+    let beside_a_capture = capturing
+        || (stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(served.device));
+    if !beside_a_capture {
         return served.resource.allocate(size, stream);
     }
-    note_capturing(served.device, stream);
+    // A capture on the stream, or (for work queued on the legacy stream, PyTorch's default
+    // stream and the per-thread one included) on a blocking stream of the device, which the
+    // allocation would invalidate: allocated beside it.
+    if capturing {
+        note_capturing(served.device, stream);
+    }
     cumempool::in_relaxed_capture_mode(|| {
         // Made on first use, in relaxed mode too: a capture in global mode refuses this thread
         // calls that are unsafe while it runs.
@@ -433,10 +441,16 @@ fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
 
 /// Streams the plug-in saw capturing, with their device, kept for the process: a capture that
 /// asked the plug-in for memory once may run again on the same stream (PyTorch captures on one
-/// stream by default) without asking.
+/// stream by default) without asking. A stream whose question fails (destroyed by its lender)
+/// is dropped from it. The per-thread stream is never kept: it names another stream on each
+/// thread, and a capturing thread's per-thread stream, which is blocking, is seen through the
+/// legacy stream.
 static SEEN_CAPTURING: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
 
 fn note_capturing(device: i32, stream: &cumempool::Stream) {
+    if stream.is_for_per_thread() {
+        return;
+    }
     let mut seen = crate::sync::locks::lock(&SEEN_CAPTURING);
     if !seen.iter().any(|(d, s)| *d == device && s.same_as(stream)) {
         seen.push((device, stream.clone()));
@@ -447,7 +461,8 @@ fn note_capturing(device: i32, stream: &cumempool::Stream) {
 /// intact: each stream the plug-in saw capturing, and the legacy stream, which answers with an
 /// error while a blocking stream of the context captures (CuPy's streams are blocking). A
 /// capture on a non-blocking stream that never asked the plug-in for memory is not seen: the
-/// docs tell users not to free through PyTorch then. An answer that cannot be had counts as a
+/// docs tell users not to free through PyTorch then. A seen stream whose question fails is
+/// forgotten (its lender destroyed it); a failed question of the legacy stream counts as a
 /// capture.
 fn capture_known_underway(device: i32) -> bool {
     let seen: Vec<cumempool::Stream> = crate::sync::locks::lock(&SEEN_CAPTURING)
@@ -455,15 +470,18 @@ fn capture_known_underway(device: i32) -> bool {
         .filter(|(d, _)| *d == device)
         .map(|(_, s)| s.clone())
         .collect();
-    let capturing = |stream: &cumempool::Stream| {
-        cumempool::keeping_current_context(|| stream.capture_status())
-            .map_or(true, |status| status != cumempool::CaptureStatus::None)
-    };
-    if seen.iter().any(capturing) {
-        return true;
+    let status = |stream: &cumempool::Stream| cumempool::keeping_current_context(|| stream.capture_status());
+    for stream in &seen {
+        match status(stream) {
+            Ok(cumempool::CaptureStatus::None) => {}
+            Ok(_) => return true,
+            Err(error) => {
+                tracing::warn!(%error, "a stream the torch plug-in saw capturing cannot be asked any more: forgotten");
+                crate::sync::locks::lock(&SEEN_CAPTURING).retain(|(d, s)| !(*d == device && s.same_as(stream)));
+            }
+        }
     }
-    crate::streams::primary_contexts::primary_context(device)
-        .map_or(true, |context| capturing(&cumempool::Stream::legacy(&context)))
+    crate::streams::default_streams::legacy_stream_blocked(device)
 }
 
 /// Lets go of the hold an allocation of slot `id` kept on its slot (its free ran).

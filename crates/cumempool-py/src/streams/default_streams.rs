@@ -13,3 +13,15 @@ pub(crate) const PER_THREAD_HANDLE: usize = 2;
 pub(crate) fn names_legacy(handle: usize) -> bool {
     matches!(handle, 0 | LEGACY_HANDLE)
 }
+
+/// Whether work on `device`'s legacy stream would be refused for a capture underway: while a
+/// blocking stream of the context captures, the driver refuses legacy-stream work and
+/// invalidates that capture, and a question of the legacy stream answers with an error instead,
+/// leaving it intact. An answer that cannot be had counts as blocked.
+pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
+    crate::streams::primary_contexts::primary_context(device).map_or(true, |context| {
+        let legacy = cumempool::Stream::legacy(&context);
+        cumempool::keeping_current_context(|| legacy.capture_status())
+            .map_or(true, |status| status != cumempool::CaptureStatus::None)
+    })
+}
