@@ -15,7 +15,7 @@ typedef int CUresult;
 typedef CUresult (*call)();
 static call init, device_get, primary_retain, set_current, stream_create, begin_capture,
     end_capture, exchange_mode, context_wait, default_pool, alloc_from_pool, free_async,
-    stream_wait;
+    stream_wait, capture_info;
 static void *context;
 static const int RELAXED = 2;
 static const char *MODES[] = {"global", "thread-local", "relaxed"};
@@ -26,6 +26,30 @@ static call entry(void *library, const char *name) {
     return found;
 }
 
+/* Another thread asks the legacy stream (handle 0, then 1) whether it captures. */
+struct asker { CUresult answers[2]; };
+static void *ask_the_legacy_stream(void *argument) {
+    struct asker *a = argument;
+    set_current(context);
+    for (int handle = 0; handle < 2; handle++) {
+        int status = -1;
+        unsigned long long id = 0;
+        a->answers[handle] = capture_info((void *)(unsigned long)handle, &status, &id, 0, 0, 0, 0);
+    }
+    for (int mode = 0; mode < 3; mode++) {
+        struct asker a = {{-1, -1}};
+        pthread_t thread;
+        begin_capture(blocking, mode);
+        pthread_create(&thread, 0, ask_the_legacy_stream, &a);
+        pthread_join(thread, 0);
+        void *graph = 0;
+        CUresult ended = end_capture(blocking, &graph);
+        printf("capture %-12s on a blocking stream, the legacy stream asked from another thread: 0 -> %d, 1 -> %d, end %d\n",
+               MODES[mode], a.answers[0], a.answers[1], ended);
+    }
+    return 0;
+}
+
 /* Another thread waits for the context, in relaxed mode when asked to. */
 struct waiter { int relaxed; CUresult answer; };
 static void *wait_from_another_thread(void *argument) {
@@ -33,6 +57,17 @@ static void *wait_from_another_thread(void *argument) {
     set_current(context);
     if (w->relaxed) { int mode = RELAXED; exchange_mode(&mode); }
     w->answer = context_wait(context);
+    for (int mode = 0; mode < 3; mode++) {
+        struct asker a = {{-1, -1}};
+        pthread_t thread;
+        begin_capture(blocking, mode);
+        pthread_create(&thread, 0, ask_the_legacy_stream, &a);
+        pthread_join(thread, 0);
+        void *graph = 0;
+        CUresult ended = end_capture(blocking, &graph);
+        printf("capture %-12s on a blocking stream, the legacy stream asked from another thread: 0 -> %d, 1 -> %d, end %d\n",
+               MODES[mode], a.answers[0], a.answers[1], ended);
+    }
     return 0;
 }
 
@@ -53,6 +88,8 @@ int main(void) {
     alloc_from_pool = entry(library, "cuMemAllocFromPoolAsync");
     free_async = entry(library, "cuMemFreeAsync");
     stream_wait = entry(library, "cuStreamSynchronize");
+    capture_info = (call)dlsym(library, "cuStreamGetCaptureInfo_v3");
+    if (!capture_info) capture_info = entry(library, "cuStreamGetCaptureInfo");
 
     int device;
     void *captured, *side, *pool;
@@ -60,7 +97,9 @@ int main(void) {
     device_get(&device, 0);
     primary_retain(&context, device);
     set_current(context);
+    void *blocking;
     stream_create(&captured, 1); /* non-blocking */
+    stream_create(&blocking, 0);
     stream_create(&side, 1);
     default_pool(&pool, device);
 
@@ -100,6 +139,17 @@ int main(void) {
         CUresult ended = end_capture(captured, &graph);
         printf("capture %-12s allocate, wait, free, wait on another stream (relaxed): %d %d %d %d, end %d\n",
                MODES[mode], allocated, waited, freed, waited_again, ended);
+    }
+    for (int mode = 0; mode < 3; mode++) {
+        struct asker a = {{-1, -1}};
+        pthread_t thread;
+        begin_capture(blocking, mode);
+        pthread_create(&thread, 0, ask_the_legacy_stream, &a);
+        pthread_join(thread, 0);
+        void *graph = 0;
+        CUresult ended = end_capture(blocking, &graph);
+        printf("capture %-12s on a blocking stream, the legacy stream asked from another thread: 0 -> %d, 1 -> %d, end %d\n",
+               MODES[mode], a.answers[0], a.answers[1], ended);
     }
     return 0;
 }
