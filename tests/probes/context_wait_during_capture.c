@@ -36,17 +36,6 @@ static void *ask_the_legacy_stream(void *argument) {
         unsigned long long id = 0;
         a->answers[handle] = capture_info((void *)(unsigned long)handle, &status, &id, 0, 0, 0, 0);
     }
-    for (int mode = 0; mode < 3; mode++) {
-        struct asker a = {{-1, -1}};
-        pthread_t thread;
-        begin_capture(blocking, mode);
-        pthread_create(&thread, 0, ask_the_legacy_stream, &a);
-        pthread_join(thread, 0);
-        void *graph = 0;
-        CUresult ended = end_capture(blocking, &graph);
-        printf("capture %-12s on a blocking stream, the legacy stream asked from another thread: 0 -> %d, 1 -> %d, end %d\n",
-               MODES[mode], a.answers[0], a.answers[1], ended);
-    }
     return 0;
 }
 
@@ -57,17 +46,6 @@ static void *wait_from_another_thread(void *argument) {
     set_current(context);
     if (w->relaxed) { int mode = RELAXED; exchange_mode(&mode); }
     w->answer = context_wait(context);
-    for (int mode = 0; mode < 3; mode++) {
-        struct asker a = {{-1, -1}};
-        pthread_t thread;
-        begin_capture(blocking, mode);
-        pthread_create(&thread, 0, ask_the_legacy_stream, &a);
-        pthread_join(thread, 0);
-        void *graph = 0;
-        CUresult ended = end_capture(blocking, &graph);
-        printf("capture %-12s on a blocking stream, the legacy stream asked from another thread: 0 -> %d, 1 -> %d, end %d\n",
-               MODES[mode], a.answers[0], a.answers[1], ended);
-    }
     return 0;
 }
 
