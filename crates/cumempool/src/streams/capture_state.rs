@@ -7,11 +7,11 @@ use crate::error::{Error, Result};
 use cumempool_sys as sys;
 
 thread_local! {
-    /// The innermost [`Stream::capture`] underway on this thread, if any (its id).
+    /// The innermost [`Stream::capture`](crate::Stream::capture) underway on this thread, if any (its id).
     static THREAD_CAPTURE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
-/// Marks a [`Stream::capture`] as underway on this thread until dropped (the previous mark is
+/// Marks a [`Stream::capture`](crate::Stream::capture) as underway on this thread until dropped (the previous mark is
 /// restored, for captures begun inside another's closure).
 #[derive(Debug)]
 pub(crate) struct ThreadCapture {
@@ -30,7 +30,7 @@ impl Drop for ThreadCapture {
     }
 }
 
-/// Refuses a host wait or query on a thread where a [`Stream::capture`] is underway, whatever
+/// Refuses a host wait or query on a thread where a [`Stream::capture`](crate::Stream::capture) is underway, whatever
 /// the stream: in thread-local mode the driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED for
 /// `cuStreamSynchronize`, `cuStreamQuery` and `cuEventSynchronize` even on a stream that does
 /// not capture, and invalidates the capture (docs/driver-behaviour.md). Host waits are not hot

@@ -21,10 +21,10 @@ impl std::fmt::Debug for KeepAlive {
 /// Frees deferred by a capture whose `Stream` values all dropped before it ended, with what
 /// keeps their stream valid until they run (the lender's handle; an owned stream is leaked).
 ///
-/// Invariant: every entry's stream is valid (by [`Stream::borrow_raw`]'s contract, the keep-alive,
+/// Invariant: every entry's stream is valid (by [`Stream::borrow_raw`](crate::Stream::borrow_raw)'s contract, the keep-alive,
 /// or the leak) and names the same driver stream until its frees have run, so they run on it, in
 /// its order after the capture, by the first capture-aware operation on a `Stream` with the same
-/// handle that finds it not capturing, by that `Stream`'s drop, or by [`Stream::run_orphaned_frees`].
+/// handle that finds it not capturing, by that `Stream`'s drop, or by [`Stream::run_orphaned_frees`](crate::Stream::run_orphaned_frees).
 /// Every keep-alive of the values that left frees for the stream stays with them (any one of
 /// them may be what keeps the stream valid), and an owned stream leaked for a capture is
 /// destroyed once the capture is over and its frees have run.
