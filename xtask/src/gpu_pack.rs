@@ -74,9 +74,12 @@ pub fn run(options: &Options) -> Result<(), String> {
         dir.display(),
         size as f64 / (1 << 20) as f64
     );
+    // The GPU host's path is not this one: the pack goes into a checkout of the same commit
+    // there, at its root (where its Python tests are found), and runs from there.
+    let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     eprintln!(
-        "next: copy {} to the GPU host and run `bash {}/run.sh` there (docs/gpu-suite.md)",
-        dir.display(),
+        "next: copy {} into a checkout of this commit on the GPU host (at its root) and run \
+         `bash {name}/run.sh` there (CONTRIBUTING.md, docs/gpu-suite.md)",
         dir.display()
     );
     Ok(())
