@@ -59,7 +59,11 @@ static void log_call(const char *what, const void *a, const void *b, int r) {
 }
 /* The same log for the stand-in NCCL (stand_in_nccl.c), built into this library. */
 void stand_in_log(const char *what, const void *a, const void *b, int r) { log_call(what, a, b, r); }
-CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+/* The CUDA version this stand-in is a driver of: 13.0 unless built for another (stand_in_driver.rs). */
+#ifndef STAND_IN_DRIVER_VERSION
+#define STAND_IN_DRIVER_VERSION 13000
+#endif
+CUresult cuDriverGetVersion(int *v) { *v = STAND_IN_DRIVER_VERSION; return 0; }
 CUresult cuInit(unsigned flags) { return 0; }
 static CUresult error_name(CUresult e, const char **s) { *s = "CUDA_ERROR_FROM_THE_STAND_IN"; return 0; }
 static CUresult device_count(int *n) { *n = 1; return 0; }
@@ -301,6 +305,9 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuGraphExecDestroy", graph_exec_destroy},
     {"cuMemcpyAsync", memcpy_async}, {"cuMemsetD8Async", memset_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
 };
+/* CUDA 12.0 added cuGetProcAddress_v2: an older driver lacks the symbol, which is how a loader
+   tells it from a library that is no driver at all. */
+#if STAND_IN_DRIVER_VERSION >= 12000
 CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_t flags, int *status) {
     *fn = (void *)generic;
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
@@ -308,3 +315,4 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, uint64_
     if (status) *status = 0;
     return 0;
 }
+#endif

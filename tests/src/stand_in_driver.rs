@@ -23,11 +23,17 @@
 //! NCCL would launch them (at the outermost group's end inside a group), and registrations as
 //! `register <address> <bytes>`; the switch `fail_next_init` fails the next `ncclCommInitRank`.
 //!
+//! The stand-in is a driver of CUDA 13.0 unless built for another version ([`compiled`], which
+//! passes it as `-DSTAND_IN_DRIVER_VERSION=<version>`, `11080` for 11.8): `cuDriverGetVersion`
+//! answers it, and below 12.0 the library lacks `cuGetProcAddress_v2`, as those drivers do. The
+//! switch is the build's, not the environment's: a loader tells an old driver by a missing symbol.
+//!
 //! The stand-in replaces the driver (and NCCL) for the whole process: a test binary that uses it
 //! uses nothing else.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{Context, Device};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -45,22 +51,7 @@ pub fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
     static CONTEXT: OnceLock<Option<Context>> = OnceLock::new();
     let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
     let context = CONTEXT.get_or_init(|| {
-        let directory = std::env::temp_dir().join(format!("cumempool-stand-in-driver-{}", std::process::id()));
-        std::fs::create_dir_all(&directory).unwrap();
-        let (source, library) = (directory.join("stand_in_driver.c"), directory.join("libstandin.so"));
-        let nccl_source = directory.join("stand_in_nccl.c");
-        std::fs::write(&source, SOURCE).unwrap();
-        std::fs::write(&nccl_source, NCCL_SOURCE).unwrap();
-        let compiled = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", "-pthread", "-o"])
-            .arg(&library)
-            .arg(&source)
-            .arg(&nccl_source)
-            .status();
-        if !compiled.is_ok_and(|status| status.success()) {
-            eprintln!("skipped: no C compiler for the stand-in driver");
-            return None;
-        }
+        let library = compiled(13000)?;
         LIBRARY.set(library.clone()).unwrap();
         // SAFETY: set before any thread of this binary reads the environment through the loader
         // (every test takes `SERIAL` and reaches the driver only after this).
@@ -71,6 +62,36 @@ pub fn stand_in() -> Option<(MutexGuard<'static, ()>, Context)> {
         Some(Device::get(0).unwrap().primary_context().unwrap())
     });
     context.clone().map(|context| (serial, context))
+}
+
+/// The stand-in compiled as a driver of CUDA `version` (`13000` for 13.0, the one [`stand_in`]
+/// loads), once per process and version; `None` (skipped, said why) without a C compiler.
+pub fn compiled(version: i32) -> Option<PathBuf> {
+    static BUILT: Mutex<BTreeMap<i32, Option<PathBuf>>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    built.entry(version).or_insert_with(|| compile(version)).clone()
+}
+
+fn compile(version: i32) -> Option<PathBuf> {
+    let directory = std::env::temp_dir().join(format!("cumempool-stand-in-driver-{}-{version}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let (source, library) = (directory.join("stand_in_driver.c"), directory.join("libstandin.so"));
+    let nccl_source = directory.join("stand_in_nccl.c");
+    std::fs::write(&source, SOURCE).unwrap();
+    std::fs::write(&nccl_source, NCCL_SOURCE).unwrap();
+    let compiled = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-pthread"])
+        .arg(format!("-DSTAND_IN_DRIVER_VERSION={version}"))
+        .arg("-o")
+        .arg(&library)
+        .arg(&source)
+        .arg(&nccl_source)
+        .status();
+    if !compiled.is_ok_and(|status| status.success()) {
+        eprintln!("skipped: no C compiler for the stand-in driver");
+        return None;
+    }
+    Some(library)
 }
 
 /// How many streams the stand-in has made and not destroyed. Only after [`stand_in`] answered
