@@ -50,47 +50,12 @@ pub use version::DriverVersion;
 #[doc(hidden)]
 pub use loader::missing;
 
-#[cfg(feature = "cuda-13050")]
-#[path = "generated/cuda_13050.rs"]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-mod bindings;
-
-#[cfg(all(feature = "cuda-13040", not(feature = "cuda-13050")))]
-#[path = "generated/cuda_13040.rs"]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-mod bindings;
-
-#[cfg(all(feature = "cuda-13020", not(feature = "cuda-13040")))]
-#[path = "generated/cuda_13020.rs"]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-mod bindings;
-
-#[cfg(all(feature = "cuda-13000", not(feature = "cuda-13020")))]
-#[path = "generated/cuda_13000.rs"]
+// The newest declarations the features ask for (each feature implies the older ones).
+#[cfg(feature = "cuda-13000")]
+#[cfg_attr(feature = "cuda-13050", path = "generated/cuda_13050.rs")]
+#[cfg_attr(all(feature = "cuda-13040", not(feature = "cuda-13050")), path = "generated/cuda_13040.rs")]
+#[cfg_attr(all(feature = "cuda-13020", not(feature = "cuda-13040")), path = "generated/cuda_13020.rs")]
+#[cfg_attr(not(feature = "cuda-13020"), path = "generated/cuda_13000.rs")]
 #[allow(
     non_camel_case_types,
     non_snake_case,
