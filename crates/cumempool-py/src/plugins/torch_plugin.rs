@@ -430,13 +430,19 @@ fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
     if capture_known_underway(device) {
         return false;
     }
-    let waited = crate::streams::primary_contexts::primary_context(device).and_then(|context| {
-        cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
-    });
+    let waited = wait_for_device(device);
     if let Err(error) = &waited {
         tracing::debug!(%error, device, "the wait before a plug-in free was refused: the free is kept");
     }
     waited.is_ok()
+}
+
+/// Waits for every launch queued on `device` (its primary context), in relaxed capture mode,
+/// the caller's context kept. A capture underway on the device would be invalidated: callers
+/// ask `capture_known_underway` first.
+fn wait_for_device(device: i32) -> cumempool::Result<()> {
+    let context = crate::streams::primary_contexts::primary_context(device)?;
+    cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
 }
 
 /// Streams the plug-in saw capturing, with their device, kept for the process: a capture that
@@ -523,10 +529,7 @@ pub fn torch_release_captured(py: Python<'_>) -> Outcome<usize> {
             }
             // Given back on the side stream: a cache files the blocks under a stream the
             // plug-in uses again.
-            let waited = crate::streams::primary_contexts::primary_context(device).and_then(|context| {
-                cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))?;
-                side_stream(device)
-            });
+            let waited = wait_for_device(device).and_then(|()| side_stream(device));
             match waited {
                 Ok(stream) => idle.push((device, stream)),
                 Err(error) => refusal = refusal.or(Some(error)),
