@@ -129,18 +129,18 @@ class Allocator:
         return lease
 
     def __call__(self, size: int):
-        if _history.recording is None:
-            try:
+        try:
+            if _history.recording is None:
                 pointer = self._serve(size)
-            except errors.OutOfMemoryError as error:
-                raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
-            if pointer is not None:
-                return pointer
-        return self._serve_in_python(size)
+                if pointer is not None:
+                    return pointer
+            return self._serve_in_python(size)
+        except errors.OutOfMemoryError as error:
+            raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
 
     def _serve_in_python(self, size: int):
         """The call step by step: another device current (refused), a capturing stream, or
-        recording on."""
+        recording on. Its out-of-memory is turned into CuPy's class by ``__call__``."""
         import cupy
 
         current = cupy.cuda.runtime.getDevice()
@@ -152,17 +152,14 @@ class Allocator:
                 f"device {current}: give each device an Allocator of its own resource"
             )
         stream = cupy.cuda.get_current_stream()
-        try:
-            is_capturing = getattr(stream, "is_capturing", None)
-            owner: Buffer | _Lease
-            if is_capturing is not None and is_capturing():
-                owner = self._for_a_capture(size)
-            else:
-                owner = self.resource.alloc(size, stream)
-                if _history.recording is not None:
-                    owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)
-        except errors.OutOfMemoryError as error:
-            raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
+        is_capturing = getattr(stream, "is_capturing", None)
+        owner: Buffer | _Lease
+        if is_capturing is not None and is_capturing():
+            owner = self._for_a_capture(size)
+        else:
+            owner = self.resource.alloc(size, stream)
+            if _history.recording is not None:
+                owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
