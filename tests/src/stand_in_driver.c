@@ -107,9 +107,18 @@ static CUresult pool_attribute(void *pool, int attribute, void *value) {
     if (attribute >= 4) *(uint64_t *)value = live_bytes; else *(int *)value = 0;
     return 0;
 }
+/* STAND_IN_POOL_LIMIT=N (read at the first allocation): an allocation that would bring the
+   bytes live past N is refused with CUDA_ERROR_OUT_OF_MEMORY, as a pool at its maximum size
+   refuses it. */
+static size_t pool_limit(void) {
+    static long long limit = -1;
+    if (limit < 0) { const char *v = getenv("STAND_IN_POOL_LIMIT"); limit = v ? atoll(v) : 0; }
+    return (size_t)limit;
+}
 static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
     if ((uintptr_t)s <= 1 && !current) return INVALID_CONTEXT;
     if (legacy_refused(s)) return IMPLICIT;
+    if (pool_limit() && live_bytes + n > pool_limit()) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
     if (null_next_alloc) { null_next_alloc = 0; *p = 0; return 0; } /* success with no memory */
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
@@ -267,7 +276,10 @@ static CUresult end_capture(Stream *s, void **graph) {
     return invalidated ? INVALIDATED : 0;
 }
 static CUresult graph_destroy(void *graph) { free(graph); return 0; }
+/* How many times cuStreamGetCaptureInfo was asked: a count, not a log entry, since hot paths ask. */
+unsigned long capture_queries;
 static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void *b, void *c, void *d) {
+    __atomic_fetch_add(&capture_queries, 1, __ATOMIC_RELAXED);
     /* Asked of the legacy stream while a blocking stream captures, the driver answers with the
        implicit-dependency error and leaves the capture intact. */
     if ((uintptr_t)s <= 1) {
