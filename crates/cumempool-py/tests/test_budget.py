@@ -320,3 +320,35 @@ def test_a_resource_drawn_for_torch_keeps_its_counted_bytes_beside_the_routed_on
     )
     assert words[:3] == ["4096", "8192", "0"], "the bytes counted for torch were replaced by the routed remainder"
     assert "".join(words[3:]) == "[(0,8192)]", "the snapshot lost PyTorch's routed bytes"
+
+
+def test_cupys_cache_is_counted_apart_and_given_back_when_another_library_needs_it(stand_in_libcuda):
+    # CuPy draws through a cache under the budget (its temporaries would each cost a pool
+    # allocation and free): what the cache keeps free is in the pool's use, so it is counted as
+    # CuPy's "cached", never as unattributed or as PyTorch's; a plug-in library that finds the
+    # pool full gets the cache's blocks back; `release_cached` gives them back for the rest.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import os
+        os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)  # the pool's maximum size, as the GPU's
+        budget = cm.budget(devices={0: "1MiB"})
+        stream = cm.Stream(0)
+        cupy_side = budget.resource("cupy", 0)
+        cupy_side.alloc(8192, stream).close()
+        held = cm.usage()[0]["libraries"]
+        print(held["cupy"]["bytes"], held["cupy"]["cached"], held["unattributed"]["bytes"])
+        big = budget.resource("numba", 0).alloc((1 << 20) - 4096, stream)  # fits once the cache lets go
+        held = cm.usage()[0]["libraries"]
+        print(held["cupy"]["cached"], held["numba"]["bytes"], held["unattributed"]["bytes"])
+        big.close()
+        cupy_side.alloc(8192, stream).close()
+        print(budget.release_cached(), cm.usage()[0]["libraries"]["cupy"]["cached"])
+        print("bound", cupy_side.__repr__().count("max_cached=16384"))
+        budget.close()
+        """,
+    )
+    assert words[:3] == ["0", "8192", "0"], "the cache's free block was not counted as CuPy's"
+    assert words[3:6] == ["0", str((1 << 20) - 4096), "0"], "the full pool did not take the cache's block back"
+    assert words[6:8] == ["8192", "0"], "release_cached did not give the cache's block back"
+    assert words[8:] == ["bound", "1"], "the cache keeps more than a 64th of the budget"

@@ -7,14 +7,18 @@ in the way that keeps it at its own speed:
 - PyTorch: its ``cudaMallocAsync`` backend (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``,
   set before PyTorch is imported), which allocates from the device's current pool on every
   thread, autograd's backward thread included;
-- CuPy: cumempool's allocator plug-in over the budget's pool, installed when CuPy is imported;
+- CuPy: cumempool's allocator plug-in over a cache of the budget's pool, installed when CuPy is
+  imported (CuPy's own pool caches too: the cache keeps at most a 64th of the budget, 64 MiB at
+  most, and gives its blocks back when an allocation of CuPy's or Numba's would otherwise fail);
 - Numba: cumempool's External Memory Manager, installed when ``numba.cuda`` is imported;
 - cuda.core: its default ``DeviceMemoryResource`` wraps the device's current pool: routing alone.
 
 Over the budget each library raises its own out-of-memory error (``torch.OutOfMemoryError``,
 CuPy's ``OutOfMemoryError``, a ``MemoryError`` for Numba, ``CUDA_ERROR_OUT_OF_MEMORY`` for
-cuda.core), and memory one library frees is the others' at once. :func:`usage` says who holds
-what; :func:`report` is the text an out-of-memory error carries.
+cuda.core), and memory one library frees is the others' at once; what CuPy's cache keeps is
+given back when the other plug-in libraries need it, and PyTorch and cuda.core, which allocate
+through routing past any code of cumempool's, get it from :meth:`Budget.release_cached`. :func:`usage` says who holds what; :func:`report`
+is the text an out-of-memory error carries.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ._native import MemPool, PoolResource, Route, RouteGuard, Statistics, set_current_pool
+from ._native import CachingResource, MemPool, OnOutOfMemory, PoolResource, Route, RouteGuard, Statistics, set_current_pool
 
 _UNITS = {
     "": 1,
@@ -69,23 +73,63 @@ def parse_size(size: int | str) -> int:
     return value
 
 
+# The libraries whose plug-in draws through a cache: CuPy allocates a temporary per operation,
+# which CuPy's own pool serves from its cache; a pool allocation and free per temporary would
+# cost a driver call each.
+_CACHED_LIBRARIES = frozenset({"cupy"})
+
+# The most a library's cache keeps: free blocks that the libraries allocating through routing
+# cannot have until released. CuPy's temporaries cycle through a few blocks, so a small cache
+# serves them.
+_MOST_CACHED = 64 << 20
+
+
+def cache_bound(limit: int) -> int:
+    """The bytes of free blocks a library's cache under a budget of ``limit`` bytes keeps: a
+    64th of the budget, and 64 MiB at most."""
+    return min(limit // 64, _MOST_CACHED)
+
+
 @dataclass
 class _Device:
     """The budget of one device: its pool, the route change that made it current, and the
-    resource each plug-in library draws through (counted per library)."""
+    resource each plug-in library draws through, counted per library: above its cache where it
+    has one, else above a hook that releases the caches when the pool is full."""
 
     ordinal: int
     limit: int
     pool: MemPool
     guard: RouteGuard
     libraries: dict[str, Statistics] = field(default_factory=dict)
+    caches: dict[str, CachingResource] = field(default_factory=dict)
 
     def resource(self, library: str) -> Statistics:
         with _lock:
             counted = self.libraries.get(library)
             if counted is None:
-                counted = self.libraries[library] = Statistics(PoolResource(self.pool))
+                below: Any = PoolResource(self.pool)
+                if library in _CACHED_LIBRARIES:
+                    # A cache gives its own blocks back when the pool below is full.
+                    below = self.caches[library] = CachingResource(below, max_cached=cache_bound(self.limit))
+                else:
+                    below = OnOutOfMemory(below, self._release_caches_once)
+                counted = self.libraries[library] = Statistics(below)
             return counted
+
+    def release_cached(self) -> int:
+        """Gives the caches' free blocks back to the pool; the bytes given back."""
+        with _lock:
+            caches = list(self.caches.values())
+        released = 0
+        for cache in caches:
+            released += cache.stats()["cached_bytes"]
+            cache.release()
+        return released
+
+    def _release_caches_once(self, _requested: int, attempt: int) -> bool:
+        """An ``OnOutOfMemory`` callback: the pool is full, so the caches give their blocks back
+        and the allocation is tried once more, where they held any."""
+        return attempt == 1 and self.release_cached() > 0
 
 
 class Budget:
@@ -132,6 +176,11 @@ class Budget:
 
             raise InvalidDeviceError(f"device {device} has no budget: the budget covers devices {sorted(self._devices)}")
         return found
+
+    def release_cached(self) -> int:
+        """Gives the free blocks the libraries' caches keep back to the budget's pools, for the
+        other libraries; the bytes given back."""
+        return sum(device.release_cached() for device in self._devices.values())
 
     def close(self) -> None:
         """Puts back the pools that were current before (what the libraries allocated stays
@@ -390,7 +439,9 @@ def _after_import(name: str, then: Callable[[Any], None]) -> None:
 def usage() -> dict[int, dict[str, Any]]:
     """Per device of the budget: ``limit``, the pool's ``used`` and ``reserved`` bytes, and per
     library the bytes in use, the peak, the count of live allocations and the share of the
-    limit. The plug-in libraries (``cupy``, ``numba``) are counted allocation by allocation.
+    limit. The plug-in libraries (``cupy``, ``numba``) are counted allocation by allocation;
+    ``cached`` is what a library's cache keeps free (CuPy's), in the pool's use but in no
+    library's bytes.
 
     PyTorch draws through routing (its ``cudaMallocAsync`` backend), which passes no code of
     cumempool's, and its own counters read the pool it configured, not the budget's: so while
@@ -410,15 +461,17 @@ def usage() -> dict[int, dict[str, Any]]:
         libraries: dict[str, dict[str, Any]] = {}
         for name, counted in sorted(device.libraries.items()):
             counts = counted.usage()
-            libraries[name] = {"bytes": counts["current_bytes"], "peak": counts["peak_bytes"], "count": counts["current_count"]}
-        remainder = max(0, used - sum(held["bytes"] for held in libraries.values()))
+            cache = device.caches.get(name)
+            cached = cache.stats()["cached_bytes"] if cache is not None else 0
+            libraries[name] = {"bytes": counts["current_bytes"], "peak": counts["peak_bytes"], "count": counts["current_count"], "cached": cached}
+        remainder = max(0, used - sum(held["bytes"] + held["cached"] for held in libraries.values()))
         if torch_routed:
             # A resource the program drew for "torch" itself (`Budget.resource`) keeps its own
             # counted entry beside the routed one.
             routed_name = "torch" if "torch" not in libraries else "torch (routed)"
-            libraries[routed_name] = {"bytes": remainder, "peak": None, "count": None, "counted": "routed", "includes": direct}
+            libraries[routed_name] = {"bytes": remainder, "peak": None, "count": None, "cached": 0, "counted": "routed", "includes": direct}
             remainder = 0
-        libraries["unattributed"] = {"bytes": remainder, "peak": None, "count": None, "includes": direct}
+        libraries["unattributed"] = {"bytes": remainder, "peak": None, "count": None, "cached": 0, "includes": direct}
         for held in libraries.values():
             held["share"] = held["bytes"] / device.limit
         answer[ordinal] = {"limit": device.limit, "used": used, "reserved": reserved, "libraries": libraries}
@@ -461,6 +514,8 @@ def report(device: int | None = None) -> str:
             if held["bytes"] == 0 and name == "unattributed":
                 continue
             count = f" in {held['count']} allocations" if held["count"] is not None else ""
+            if held["cached"]:
+                count += f", and {size_text(held['cached'])} its cache keeps free"
             how = ""
             if held.get("counted") == "routed":
                 how = f" (through routing: the pool's use less what cumempool counted, {' and '.join(held['includes'])} included)"
@@ -478,6 +533,9 @@ def report(device: int | None = None) -> str:
             advice = f"free what {top[0]} holds (or what else draws from the pool directly: {' or '.join(top[1]['includes'])})"
         else:
             advice = f"free what {top[0]} holds"
+        cached = sum(held["cached"] for held in of_device["libraries"].values())
+        if cached:
+            advice += f", give back the {size_text(cached)} the caches keep (cumempool.active().release_cached())"
         lines.append(f"  to go on: {advice}, make the budget larger (--budget / cumempool.budget), or use smaller batches")
     return "\n".join(lines)
 
