@@ -303,7 +303,8 @@ impl Pool {
     /// As [`Pool::alloc`], without its refusal of a capturing stream.
     #[inline]
     pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
-        if !stream.may_be_capturing() {
+        // A check the call holds ran the deferred frees already.
+        if !stream.may_be_capturing() || stream.capture_checked() {
             return self.alloc_on(bytes, stream);
         }
         let status = stream.capture_status()?;

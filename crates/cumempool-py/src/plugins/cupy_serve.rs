@@ -48,12 +48,18 @@ impl CupyServe {
         }
         let stream_object = self.current_stream.call0(py)?;
         let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
-        let possible = capture_possible(&stream.get().stream, resource.device);
-        if !matches!(possible, Ok(false)) {
-            crate::streams::stream::let_go(py, stream);
-            return possible.map(|_| None);
-        }
-        let buffer = resource.alloc_outside_captures(py, size, stream)?;
+        // Held until the allocation is made: the layers below (a cache, the pool) take the
+        // stream as checked, and ask the driver no more.
+        let checked = match not_capturing(&stream.get().stream, resource.device) {
+            Ok(Some(checked)) => checked,
+            outcome => {
+                crate::streams::stream::let_go(py, stream);
+                return outcome.map(|_| None);
+            }
+        };
+        let buffer = resource.alloc_outside_captures(py, size, stream);
+        drop(checked);
+        let buffer = buffer?;
         let (ptr, device) = buffer.address_and_device()?;
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
@@ -61,21 +67,21 @@ impl CupyServe {
     }
 }
 
-/// Whether the Python steps must serve a call on `stream`: a capture on it (its memory is kept
-/// for the graph there). Work queued on the legacy stream (CuPy's null stream, or its
-/// per-thread stream, served as the legacy one) while a blocking stream of the device captures
-/// would be refused by the driver, which would invalidate that capture: refused here first,
-/// asked in a way that leaves the capture intact. An answer that cannot be had leaves the call
-/// to the Python steps.
-fn capture_possible(stream: &cumempool::Stream, device: i32) -> Outcome<bool> {
-    if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
-        return Ok(true);
-    }
+/// `stream` checked not capturing, for the native steps; `None` where the Python steps must
+/// serve the call: a capture on it (its memory is kept for the graph there), or an answer that
+/// cannot be had. Work queued on the legacy stream (CuPy's null stream, or its per-thread
+/// stream, served as the legacy one) while a blocking stream of the device captures would be
+/// refused by the driver, which would invalidate that capture: refused here first, asked in a
+/// way that leaves the capture intact.
+fn not_capturing(stream: &cumempool::Stream, device: i32) -> Outcome<Option<cumempool::CaptureChecked>> {
+    let Ok(checked) = stream.check_not_capturing("allocating for CuPy") else {
+        return Ok(None);
+    };
     if stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(device) {
         return Err(Failure::Core(cumempool::Error::StreamCapturing {
             operation: "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture underway on a blocking stream of the device: allocate on another stream, or after the capture)",
             capture: None,
         }));
     }
-    Ok(false)
+    Ok(Some(checked))
 }

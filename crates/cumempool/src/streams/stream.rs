@@ -7,7 +7,9 @@ use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, driver_call};
 use crate::error::{Error, Result};
 use crate::streams::capture_mode;
-use crate::streams::capture_state::{capture_info, refuse_host_wait_on_capturing_thread, CaptureStatus};
+use crate::streams::capture_state::{
+    self, capture_info, refuse_host_wait_on_capturing_thread, CaptureChecked, CaptureStatus,
+};
 use crate::streams::deferred_frees::{run_frees, DeferredFree};
 use crate::streams::orphans::{adopt, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan};
 use cumempool_sys as sys;
@@ -391,7 +393,7 @@ impl Stream {
     /// As [`Stream::capture_status`].
     #[inline]
     pub fn is_capturing(&self) -> Result<bool> {
-        if !self.may_be_capturing() {
+        if !self.may_be_capturing() || self.capture_checked() {
             return Ok(false);
         }
         Ok(self.capture_status()? != CaptureStatus::None)
@@ -407,10 +409,30 @@ impl Stream {
     /// [`Error::StreamCapturing`]; the driver's refusal to say whether the stream captures.
     #[inline]
     pub fn ensure_not_capturing(&self, operation: &'static str) -> Result<()> {
-        if !self.may_be_capturing() {
+        if !self.may_be_capturing() || self.capture_checked() {
             return Ok(());
         }
         self.ensure_not_capturing_slow(operation)
+    }
+
+    /// As [`Stream::ensure_not_capturing`], and the answer holds on the calling thread while
+    /// the returned guard lives: [`Stream::is_capturing`] and `ensure_not_capturing` on this
+    /// stream then answer from it, so the layers of one call ask the driver once.
+    ///
+    /// # Errors
+    /// As [`Stream::ensure_not_capturing`].
+    pub fn check_not_capturing(&self, operation: &'static str) -> Result<CaptureChecked> {
+        if !self.may_be_capturing() || self.capture_checked() {
+            return Ok(CaptureChecked::none());
+        }
+        self.ensure_not_capturing_slow(operation)?;
+        Ok(CaptureChecked::hold(self.0.id.get()))
+    }
+
+    /// Whether a [`CaptureChecked`] for this stream holds on the calling thread.
+    #[inline]
+    pub(crate) fn capture_checked(&self) -> bool {
+        capture_state::checked_not_capturing(self.0.id.get())
     }
 
     #[cold]
