@@ -60,7 +60,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<pools::resources::Tracking>()?;
     module.add_class::<pools::resources::OnOutOfMemory>()?;
     module.add_class::<pools::resources::Caching>()?;
-    module.add_class::<plugins::cupy_serve::CupyServe>()?;
+    module.add_class::<plugins::cupy_allocator::CupyAllocatorBase>()?;
     module.add_function(wrap_pyfunction!(streams::capture_mode::_in_relaxed_capture_mode, module)?)?;
     module.add_function(wrap_pyfunction!(pools::current_pools::default_pool, module)?)?;
     module.add_function(wrap_pyfunction!(pools::current_pools::current_pool, module)?)?;

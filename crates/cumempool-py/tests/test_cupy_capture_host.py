@@ -190,3 +190,35 @@ buffer.close()
     )
     # The call's own check, then the retry's: the cache's and the pool's ask again.
     assert int(words[0]) >= 2 and words[1] == "0", "the retry after the callback took the check made before it"
+
+
+def test_the_native_call_raises_cupys_out_of_memory_and_records_when_asked(stand_in_libcuda):
+    # The allocator's call is native: at the resource's limit it still raises CuPy's class
+    # (cumempool's too, with the driver's fields), other failures raise as they are, and with
+    # recording on the call goes through the Python steps, which record it.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+class CupyOutOfMemory(Exception):
+    pass
+cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+stream = cm.Stream(0)
+current[0] = stream.handle
+allocator = cmc.Allocator(cm.Limit(cm.PoolResource(cm.MemPool(cm.Route.device(0))), 4096))
+try:
+    allocator(8192)
+except CupyOutOfMemory as error:
+    print(type(error).__qualname__, isinstance(error, cm.OutOfMemoryError), error.__cause__ is not None)
+try:
+    allocator(-1)
+except OverflowError:
+    print("overflow")
+print(type(allocator(1024)[2]).__name__)
+cm.record_history(stacks=None)
+print(type(allocator(1024)[2]).__name__)
+cm.record_history(False)
+""",
+    )
+    assert words[:3] == ["OutOfMemoryError", "True", "True"], words
+    assert words[3:5] == ["overflow", "Buffer"], words
+    assert words[5] != "Buffer", "recording on, the native steps served the call"

@@ -47,7 +47,7 @@ __all__ = [
     "torch_captured_bytes",
     "TORCH_SLOTS",
     "_in_relaxed_capture_mode",
-    "_CupyServe",
+    "_CupyAllocatorBase",
 ]
 
 # Anything accepted where a stream is: a Stream, an object with `__cuda_stream__`, a PyTorch or
@@ -367,11 +367,17 @@ _T = TypeVar("_T")
 
 def _in_relaxed_capture_mode(call: Callable[[], _T]) -> _T: ...
 
-@final
-class _CupyServe:
-    """The CuPy plug-in's allocation in one native call (``cumempool.cupy.Allocator``)."""
+@disjoint_base
+class _CupyAllocatorBase:
+    """The native part of ``cumempool.cupy.Allocator``: its call."""
 
     def __new__(
-        cls, resource: Resource, current_device: Callable[[], int], current_stream: Callable[[], Any], unowned_memory: Any, memory_pointer: Any
-    ) -> _CupyServe: ...
-    def __call__(self, size: int) -> Any | None: ...
+        cls,
+        resource: Resource,
+        current_device: Callable[[], int],
+        current_stream: Callable[[], Any],
+        unowned_memory: Any,
+        memory_pointer: Any,
+        history: dict[str, Any],
+    ) -> Self: ...
+    def __call__(self, size: int) -> Any: ...

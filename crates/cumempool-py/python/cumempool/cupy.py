@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Callable
 
 from . import _history, errors
-from ._native import Buffer, MemPool, Resource, Stream, _CupyServe, _in_relaxed_capture_mode
+from ._native import Buffer, MemPool, Resource, Stream, _CupyAllocatorBase, _in_relaxed_capture_mode
 from ._sources import resource_of
 from .errors import InvalidDeviceError
 
@@ -57,7 +57,7 @@ def out_of_memory_error():
     return _out_of_memory_class
 
 
-class Allocator:
+class Allocator(_CupyAllocatorBase):
     """``allocator(size) -> cupy.cuda.MemoryPointer`` over ``source``; the memory goes back
     (on the stream it was allocated on) when CuPy lets go of it.
 
@@ -76,9 +76,22 @@ class Allocator:
     for the graph (which uses those addresses at every launch) until you call
     :meth:`release_captured` after the graphs that use it are gone."""
 
-    def __init__(self, source: MemPool | Resource):
+    # The call itself is native (`_CupyAllocatorBase.__call__`): the common case never enters
+    # Python; the rest comes to `_serve_in_python`, and failures to `_failed`.
+    def __new__(cls, source: MemPool | Resource):
         import cupy
 
+        return super().__new__(
+            cls,
+            resource_of(source),
+            cupy.cuda.runtime.getDevice,
+            cupy.cuda.get_current_stream,
+            cupy.cuda.UnownedMemory,
+            cupy.cuda.MemoryPointer,
+            vars(_history),
+        )
+
+    def __init__(self, source: MemPool | Resource):
         self.resource = resource_of(source)
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
@@ -86,11 +99,6 @@ class Allocator:
         self._side: Stream | None = None
         # What serves CuPy on another device (the budget's fallback), else refused.
         self._elsewhere: Callable[[int], Any] | None = None
-        # The common case in one native call: the resource's device current, a stream that
-        # does not capture, no recording.
-        self._serve = _CupyServe(
-            self.resource, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream, cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
-        )
 
     @property
     def captured_bytes(self) -> int:
@@ -128,19 +136,22 @@ class Allocator:
         self._captured.append((buffer, weakref.ref(lease)))
         return lease
 
-    def __call__(self, size: int):
-        try:
-            if _history.recording is None:
-                pointer = self._serve(size)
-                if pointer is not None:
-                    return pointer
-            return self._serve_in_python(size)
-        except errors.OutOfMemoryError as error:
+    def _failed(self, size: int, error: BaseException):
+        """Raises what a call of ``size`` bytes failed with: an out-of-memory as CuPy's class
+        (with the budget's report where a budget is in force), anything else as it is."""
+        if isinstance(error, errors.OutOfMemoryError):
             raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
+        raise error
 
     def _serve_in_python(self, size: int):
-        """The call step by step: another device current (refused), a capturing stream, or
-        recording on. Its out-of-memory is turned into CuPy's class by ``__call__``."""
+        """The call step by step, where the native steps cannot serve it: another device
+        current, a capturing stream, or recording on."""
+        try:
+            return self._serve_step_by_step(size)
+        except errors.OutOfMemoryError as error:
+            self._failed(size, error)
+
+    def _serve_step_by_step(self, size: int):
         import cupy
 
         current = cupy.cuda.runtime.getDevice()

@@ -1,17 +1,22 @@
-//! The CuPy plug-in's allocation in one native call: what `cumempool.cupy.Allocator` does for
-//! each of CuPy's allocations on a stream that does not capture, without a Python frame per
-//! step. The Python class keeps every other case (another device current, a capture, recording)
-//! and turns an out-of-memory into CuPy's class.
+//! The CuPy plug-in's call, native: `cumempool.cupy.Allocator` is a Python subclass of this
+//! class, so CuPy's call to the allocator enters native code with no Python frame, and the
+//! common case (the resource's device current, a stream that does not capture, no recording)
+//! stays native to the return. Every other case goes to the Python class's
+//! `_serve_in_python`, and every failure to its `_failed` (which turns an out-of-memory into
+//! CuPy's class).
 
 use crate::errors::{Failure, Outcome};
 use crate::pools::resources::ResourceBase;
 use crate::streams::stream::Stream;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-/// Serves CuPy's allocations from a resource, returning `cupy.cuda.MemoryPointer`s; made by
-/// `cumempool.cupy.Allocator` with CuPy's own functions, so this crate imports no CuPy.
-#[pyclass(frozen, module = "cumempool._native", name = "_CupyServe")]
-pub struct CupyServe {
+/// The native part of `cumempool.cupy.Allocator`: serves CuPy's allocations from a resource,
+/// returning `cupy.cuda.MemoryPointer`s. Made with CuPy's own functions, so this crate imports
+/// no CuPy.
+#[pyclass(subclass, frozen, module = "cumempool._native", name = "_CupyAllocatorBase")]
+pub struct CupyAllocatorBase {
     resource: Py<ResourceBase>,
     /// `cupy.cuda.runtime.getDevice`: CuPy's current device.
     current_device: Py<PyAny>,
@@ -21,10 +26,12 @@ pub struct CupyServe {
     unowned_memory: Py<PyAny>,
     /// `cupy.cuda.MemoryPointer`.
     memory_pointer: Py<PyAny>,
+    /// The globals of `cumempool._history`, whose `recording` is not None while recording.
+    history: Py<PyDict>,
 }
 
 #[pymethods]
-impl CupyServe {
+impl CupyAllocatorBase {
     #[new]
     fn new(
         resource: Py<ResourceBase>,
@@ -32,16 +39,39 @@ impl CupyServe {
         current_stream: Py<PyAny>,
         unowned_memory: Py<PyAny>,
         memory_pointer: Py<PyAny>,
+        history: Py<PyDict>,
     ) -> Self {
-        Self { resource, current_device, current_stream, unowned_memory, memory_pointer }
+        Self { resource, current_device, current_stream, unowned_memory, memory_pointer, history }
     }
 
     /// A `cupy.cuda.MemoryPointer` to `size` bytes on CuPy's current stream, owned by a
-    /// `Buffer` that gives the memory back when CuPy lets go of it; `None` where the caller must
-    /// serve the call itself: the resource's device is not the current one, or the stream
-    /// captures into a graph (whose memory needs the caller's keeping). Raises what
-    /// `Resource.alloc` raises (`OutOfMemoryError` at the resource's limit).
-    fn __call__(&self, py: Python<'_>, size: usize) -> Outcome<Option<Py<PyAny>>> {
+    /// `Buffer` that gives the memory back when CuPy lets go of it. Served natively where it
+    /// can be, else by `self._serve_in_python(size)`; a failure of the native steps goes to
+    /// `self._failed(size, error)`, which raises.
+    fn __call__(slf: &Bound<'_, Self>, size: usize) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let this = slf.get();
+        let recording = this.history.bind(py).get_item(intern!(py, "recording"))?;
+        if recording.is_none_or(|recorder| recorder.is_none()) {
+            match this.serve(py, size) {
+                Ok(Some(pointer)) => return Ok(pointer),
+                Ok(None) => {}
+                Err(failure) => {
+                    let error = PyErr::from(failure).into_value(py);
+                    return slf.call_method1(intern!(py, "_failed"), (size, error)).map(Bound::unbind);
+                }
+            }
+        }
+        slf.call_method1(intern!(py, "_serve_in_python"), (size,)).map(Bound::unbind)
+    }
+}
+
+impl CupyAllocatorBase {
+    /// The common case: a pointer, or `None` where the Python steps must serve the call (the
+    /// resource's device is not the current one, or the stream captures into a graph, whose
+    /// memory needs their keeping). Fails as `Resource.alloc` does (`OutOfMemoryError` at the
+    /// resource's limit).
+    fn serve(&self, py: Python<'_>, size: usize) -> Outcome<Option<Py<PyAny>>> {
         let resource = self.resource.get();
         if self.current_device.call0(py)?.extract::<i32>(py)? != resource.device {
             return Ok(None);
