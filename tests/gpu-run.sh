@@ -6,7 +6,8 @@
 #   BENCH=0          skip the benches        SANITIZE_RUN=0     skip the sanitizer pass
 #   WORKLOADS=0      skip the workload bench (bench/workloads.py: about 5 minutes, needs torch/CuPy)
 #   PROBES=0         skip the driver probes of tests/probes (they need nvcc)
-#   SANITIZE_LIMIT=S stop a sanitized test binary after S seconds (default 300)
+#   SANITIZE_LIMIT=S stop a sanitized test binary after S seconds (default 1200: the GPU suite's
+#                    tests are one binary, run one test at a time under the sanitizer)
 #   PACK=DIR         the pack, if not .gpu
 cd "$(dirname "$0")/.." || exit 2
 pack=${PACK:-.gpu}
@@ -57,7 +58,7 @@ if [ "${PROBES:-1}" = 1 ] && command -v nvcc >/dev/null; then
   cat "$OUT/probes.txt"
 fi
 if [ "${SANITIZE_RUN:-1}" = 1 ]; then
-  SANITIZE=1 LIMIT=${SANITIZE_LIMIT:-300} OUT=$logs/sanitizer bash "$pack/run.sh" | tee "$logs/sanitizer.txt"
+  SANITIZE=1 LIMIT=${SANITIZE_LIMIT:-1200} OUT=$logs/sanitizer bash "$pack/run.sh" | tee "$logs/sanitizer.txt"
   echo "sanitizer summaries: $(grep -h 'SUMMARY' "$logs"/sanitizer/*.log | sed 's/^=* *//' | sort | uniq -c | tr '\n' ' ')"
 fi
 tar czf "$OUT/logs.tgz" -C "$logs" .

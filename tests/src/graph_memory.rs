@@ -3,7 +3,7 @@
 //! device's graph memory in use before and after, to show that none of it leaked.
 #![allow(clippy::unwrap_used)]
 
-use crate::routing_lock;
+use crate::graph_memory_lock;
 use cumempool::sys::CUdeviceptr;
 use cumempool::{Capture, Device, Graph, MemPool, Stream};
 use std::sync::MutexGuard;
@@ -45,8 +45,9 @@ pub fn capture_a_kept_allocation<'p>(
     (graph, kept.get())
 }
 
-/// Device 0's graph memory in use when the test began, held with the routing lock: graph
-/// memory is per device, so no other test of the binary that measures it runs meanwhile.
+/// Device 0's graph memory in use when the test began, held with the graph-memory lock: graph
+/// memory is per device, so no other test of the binary that launches graph allocations or
+/// measures graph memory runs meanwhile.
 pub struct GraphMemoryBaseline {
     _lock: MutexGuard<'static, ()>,
     device: Device,
@@ -56,7 +57,7 @@ pub struct GraphMemoryBaseline {
 impl GraphMemoryBaseline {
     /// Takes the lock, waits for `stream`'s work, and reads device 0's graph memory in use.
     pub fn take(stream: &Stream) -> Self {
-        let lock = routing_lock();
+        let lock = graph_memory_lock();
         let device = Device::get(0).unwrap();
         stream.synchronize().unwrap();
         let used_before = device.graph_memory().unwrap().used_current;

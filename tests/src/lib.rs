@@ -1,18 +1,18 @@
-//! Shared helpers of the integration tests: finding the GPU, serialising tests that change
-//! process-global routing, captures begun by other code, graph memory, and a stand-in driver for
-//! the capture rules on a host without a GPU.
-
-use std::sync::{Mutex, MutexGuard, PoisonError};
+//! Shared helpers of the integration tests: finding the GPU, the locks of what the tests of one
+//! binary share (`shared_state`), captures begun by other code, graph memory, and a stand-in
+//! driver for the capture rules on a host without a GPU.
 
 pub mod device_bytes;
 pub mod fault_library;
 mod foreign_capture;
 pub mod graph_memory;
+pub mod shared_state;
 pub mod stand_in_driver;
 
 pub use foreign_capture::{
     begin_foreign_capture, begin_foreign_capture_in, end_foreign_capture, end_foreign_capture_counting,
 };
+pub use shared_state::{context_wait_lock, graph_memory_lock, reservations_lock, routing_lock};
 
 /// The device-0 primary context, or `None` (with a note) where no driver is present.
 ///
@@ -49,14 +49,13 @@ pub const ROUTE_KINDS: [cumempool::Route; 6] = [
     cumempool::Route::managed(cumempool::Location::Unspecified),
 ];
 
-static GLOBAL_STATE: Mutex<()> = Mutex::new(());
-
-/// Held by every test that changes (or depends on) process-global routing.
-pub fn routing_lock() -> MutexGuard<'static, ()> {
-    GLOBAL_STATE.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// A deterministic byte pattern, different for each `seed`.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// The name the test harness knows a test by, from `concat!(module_path!(), "::test_fn")`: its
+/// path below the crate, as `--exact` takes it when a test runs its own binary again.
+pub fn harness_name(path: &str) -> &str {
+    path.split_once("::").map_or(path, |(_, below)| below)
 }

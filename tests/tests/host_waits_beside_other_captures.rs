@@ -1,3 +1,5 @@
+//! Its own process: a capture in global mode forbids the driver calls of every other thread.
+//!
 //! Host waits and queries that reach the driver while a capture is underway on the calling
 //! thread (or, in global mode, on any thread), on the real driver: each is refused before the
 //! driver or runs without invalidating the capture.

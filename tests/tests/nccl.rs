@@ -1,3 +1,5 @@
+//! Its own process: it sets NCCL_NVLS_ENABLE before NCCL loads, and its bandwidth table times the GPUs.
+//!
 //! cumempool-nccl on the GPU: loading, one-rank collectives on pool buffers (each a copy),
 //! registration of pool versus arena memory, windows, bad input, the bounded wait; and with two
 //! GPUs exact all-reduce results in one process and in two, a peer that dies mid-collective, and

@@ -1,3 +1,5 @@
+//! Its own process: it counts the retired pools, which any pool built in the process may take back.
+//!
 //! Teardown other threads survive: pools that were ever a route's current pool are
 //! retired, not destroyed, so threads of other libraries allocating through the route at that
 //! moment never find their pool gone; `destroy_retired_pools` destroys them when the program says.

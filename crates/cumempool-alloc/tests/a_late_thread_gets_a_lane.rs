@@ -1,6 +1,8 @@
+//! Its own process: its 64 threads must take lane numbers 0..64, which are process-wide.
+//!
 //! Found by review of the lanes: a thread that took its lane number while 64 other
 //! threads held theirs keeps a number >= LANES for its whole life, so it never gets a lane,
-//! even after every other thread has exited. Alone in its binary: lane numbers are process-wide.
+//! even after every other thread has exited.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

@@ -1,9 +1,10 @@
+//! Its own process: its threads need lanes, which other tests' threads could all hold.
+//!
 //! Found by the second review of the lanes: since lane lists are made only by
 //! `deallocate_beyond_lane` for a stream in its *home* slot (`home_slot`, 30b8185), a stream
 //! whose home slot another stream holds (it sits further along the probe path) never gets lane
 //! lists: every free of it, from every thread, goes to the slot's shared lists under the slot's
-//! lock. Before 30b8185, `push` made the lists inside the lane, for any slot. Alone in its
-//! binary: lane numbers are process-wide.
+//! lock. Before 30b8185, `push` made the lists inside the lane, for any slot.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

@@ -1,5 +1,6 @@
-//! A thread that exits leaves its lane's blocks to the next thread. Alone in its test binary:
-//! a thread's lane number is process-wide, so other tests' threads would take it first.
+//! Its own process: the next thread must take the lane number the exited one gave back.
+//!
+//! A thread that exits leaves its lane's blocks to the next thread.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

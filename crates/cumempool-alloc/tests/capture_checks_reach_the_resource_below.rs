@@ -1,9 +1,11 @@
+//! Its own process: a simulated capture marks every stream of the process as capturing.
+//!
 //! Every layer that wraps a resource answers the capture checks
 //! (`StreamOrderedResource::marked_stream_id` and `is_capturing`) of the resource below, as the
 //! trait asks: otherwise a layer above it (a cache over an adaptor, an adaptor over a cache)
 //! asks the driver where the resource below answers otherwise, and misses a capture that
-//! resource reports. The host heap's simulated captures stand in for a driver's. Simulated
-//! captures are process-wide: the tests of this binary take turns on `CAPTURES`.
+//! resource reports. The host heap's simulated captures stand in for a driver's; the tests of
+//! this binary take turns on `CAPTURES`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

@@ -1,3 +1,5 @@
+//! Its own process: its thread needs a lane, which other tests' threads could all hold.
+//!
 //! Found by review of the lanes: the module documentation promises that "before any of
 //! it [reclaim, eviction], every slot's and lane's unfilled budget is taken back (that gives up
 //! no block)". With the 1 ms rate limit on lane sweeps, `make_room` evicts another stream's

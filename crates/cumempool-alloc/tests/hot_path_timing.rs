@@ -1,3 +1,5 @@
+//! Its own process: a timing, which other tests' threads running beside it would distort.
+//!
 //! The cache's hot path on the host heap, timed: `cargo test --release -p cumempool-alloc
 //! --features testing --test hot_path_timing -- --ignored --nocapture`. No GPU is needed: a hit
 //! never reaches the resource below, so these are the cache's own costs.

@@ -1,7 +1,8 @@
+//! Its own process: it forks, and the child must not inherit other tests' threads holding locks.
+//!
 //! A cache used in a child forked after it was made: lanes that the parent's other threads were
 //! inside at the fork stay marked busy in the child for ever (found by review), so claims there
-//! are refused with a typed error instead of waiting. Alone in its binary: the child must not
-//! inherit other tests' threads holding locks.
+//! are refused with a typed error instead of waiting.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(target_os = "linux")]
 

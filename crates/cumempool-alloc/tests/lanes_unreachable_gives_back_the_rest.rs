@@ -1,9 +1,10 @@
+//! Its own process: it forks, and the child must not inherit other tests' threads holding locks.
+//!
 //! Found by the second review of the lanes: `Error::LanesUnreachable` says "What else it held
 //! was given back; the lanes' blocks stay cached", but `take_slots` drops every picked slot that
 //! has lanes (any stream with a second cached free) from the release altogether, so its shared
 //! lists and its budget stay too. The no-memory retry (`allocate_below` -> `release`) then frees
 //! nothing, and dropped streams with lanes are never reclaimed (the cache keeps them alive).
-//! Alone in its binary: the forked child must not inherit other tests' threads holding locks.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(target_os = "linux")]
 

@@ -1,3 +1,5 @@
+//! Its own process: the lane numbers its threads hand on would go to other tests' threads.
+//!
 //! The hot path enters the lane of a stream's home slot before it checks the slot's key, and a
 //! thread's lane number (with the blocks and budget its lanes hold) passes to the next thread
 //! when it exits. Checked together here: short-lived threads on streams that share one home
@@ -5,7 +7,6 @@
 //! to two users at once or to a stream other than the one it was freed on, every block must go
 //! back below on its stream, and once everything is released the whole bound must be free
 //! again (no budget lost in a lane of an exited thread or a released slot).
-//! Alone in its binary: lane numbers are process-wide.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

@@ -1,3 +1,5 @@
+//! Its own process: its 16 threads need lanes, which other tests' threads could all hold.
+//!
 //! Adversarial check of the cache's hot path, which finds a stream in any slot within eight
 //! of its home (not only its home slot), against slots being evicted, reclaimed, released and
 //! taken over by other streams from other threads at the same time.
@@ -6,7 +8,6 @@
 //! which blocks are in a user's hands. The cache must never hand a block to two users at once,
 //! never hand a block freed on stream A to an allocation on stream B (B's work is not ordered
 //! after A's last use), and give every block back below on the stream its user freed it on.
-//! Alone in its binary: lane numbers are process-wide.
 #![cfg(feature = "testing")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,4 +1,4 @@
-//! The importing side of the fault suite's IPC case, started by `tests/faults.rs` with the fault
+//! The importing side of the fault suite's IPC case, started by `tests/faults/main.rs` with the fault
 //! library as its driver and `CUMEMPOOL_FAULT_PLAN` failing its first pool import. It receives
 //! the pool twice (the first import fails after the descriptor arrived), then maps the
 //! allocation with each of the import's driver calls failing in turn, and writes one line per

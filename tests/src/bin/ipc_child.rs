@@ -1,4 +1,4 @@
-//! The importing side of the two-process sharing test (tests/ipc.rs starts it).
+//! The importing side of the two-process sharing test (tests/gpu/ipc.rs starts it).
 //!
 //! Usage: `ipc_child SOCKET_PATH`. Connects, imports the pool and the allocation, checks the
 //! exporter's pattern, writes its own, tries the bad inputs, and reports one line per check.

@@ -1,5 +1,5 @@
-//! What the cache's test binaries share (each uses some of it: many must be alone in their
-//! binary, since a thread's lane number is process-wide).
+//! What the cache's test binaries share (each uses some of it: many are binaries of their own,
+//! since a thread's lane number is process-wide).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::Stream;
@@ -33,13 +33,27 @@ pub fn is_child(env: &str) -> bool {
     std::env::var_os(env).is_some()
 }
 
-/// Runs test `name` of this binary again in a child process with `env` set (for what cannot be
+/// Runs a test of this binary again in a child process with `env` set (for what cannot be
 /// undone, such as a seccomp filter), and fails unless it succeeds within `limit`: a hang
-/// fails the test instead of hanging it.
-pub fn run_in_child(name: &str, env: &str, limit: std::time::Duration) {
+/// fails the test instead of hanging it. `test` is the test's path,
+/// `concat!(module_path!(), "::test_fn")`; a child that ran no test of that name fails too.
+pub fn run_in_child(test: &str, env: &str, limit: std::time::Duration) {
+    use std::io::Read;
+    // The harness names a test by its path below the crate.
+    let name = test.split_once("::").map_or(test, |(_, below)| below);
     let exe = std::env::current_exe().unwrap();
-    let mut child =
-        std::process::Command::new(exe).args(["--exact", name, "--nocapture"]).env(env, "1").spawn().unwrap();
+    let mut child = std::process::Command::new(exe)
+        .args(["--exact", name, "--nocapture"])
+        .env(env, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let report = std::thread::spawn(move || {
+        let mut report = String::new();
+        let _ = stdout.read_to_string(&mut report);
+        report
+    });
     let start = std::time::Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -52,7 +66,10 @@ pub fn run_in_child(name: &str, env: &str, limit: std::time::Duration) {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
+    let report = report.join().unwrap();
+    print!("{report}");
     assert!(status.success(), "{status:?}");
+    assert!(report.contains(" 1 passed"), "the child ran no test named {name}");
 }
 
 /// The seccomp answer that makes `membarrier` fail with EPERM, as a sandbox would.

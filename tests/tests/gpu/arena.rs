@@ -5,7 +5,7 @@
 use cumempool::{Access, HandleTypes, Stream};
 use cumempool_alloc::{Arena, ArenaImport, CachingResource, Error, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool_tests::device_bytes::{read, write};
-use cumempool_tests::{gpu, pattern};
+use cumempool_tests::{gpu, harness_name, pattern};
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 
@@ -171,7 +171,8 @@ fn another_process_maps_an_arena_allocation_from_its_descriptors() {
     let export = arena.export_fd(block).unwrap();
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["another_process_maps_an_arena_allocation_from_its_descriptors", "--exact", "--include-ignored"])
+        .arg(harness_name(concat!(module_path!(), "::another_process_maps_an_arena_allocation_from_its_descriptors")))
+        .args(["--exact", "--include-ignored"])
         .env("CUMEMPOOL_ARENA_CHILD", "1")
         .stdin(std::process::Stdio::from(std::os::fd::OwnedFd::from(theirs)))
         .spawn()

@@ -7,7 +7,7 @@
 use cumempool::sys::{self, CUdeviceptr};
 use cumempool::{Event, MemPool, Route, Stream};
 use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, Statistics, StreamOrderedResource};
-use cumempool_tests::gpu;
+use cumempool_tests::{gpu, graph_memory_lock};
 
 const BLOCK: usize = 1 << 20;
 
@@ -77,6 +77,7 @@ fn cache_three<R: StreamOrderedResource>(cache: &CachingResource<R>, stream: &St
 #[ignore = "requires a CUDA GPU"]
 fn a_captured_allocation_fill_copy_and_free_never_touch_the_cached_blocks() {
     let context = gpu().expect("a GPU");
+    let _graph_memory = graph_memory_lock(); // its launches allocate graph memory
     let stream = Stream::new(&context).unwrap();
     let pool = MemPool::new(Route::device(0)).unwrap();
     let cache = CachingResource::new(Statistics::new(PoolResource::<DeviceMemory>::new(&pool).unwrap()));
@@ -120,6 +121,7 @@ fn a_captured_allocation_fill_copy_and_free_never_touch_the_cached_blocks() {
 #[ignore = "requires a CUDA GPU"]
 fn a_block_allocated_during_a_capture_and_freed_after_it_elsewhere_goes_below() {
     let context = gpu().expect("a GPU");
+    let _graph_memory = graph_memory_lock(); // its launches allocate graph memory
     let (stream, other) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let pool = MemPool::new(Route::device(0)).unwrap();
     let cache = CachingResource::new(Statistics::new(PoolResource::<DeviceMemory>::new(&pool).unwrap()));

@@ -1,7 +1,21 @@
-//! Adaptor and cache logic against the host heap: no GPU needed, runs in CI.
+//! Adaptor and cache logic against the host heap: no GPU needed, runs in CI. The modules are
+//! the cache beside a `membarrier` that fails, each run again in a child process of its own
+//! (`support::run_in_child`), since the seccomp filter that makes it fail cannot be removed.
+//!
+//! The tests that need this process to themselves (for its lane numbers, a fork, a simulated
+//! capture, a timing) are the other targets of this folder, each saying why at its top.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "../support/mod.rs"]
 mod support;
+
+// Miri starts no child process.
+#[cfg(not(miri))]
+mod after_a_transient_membarrier_failure;
+#[cfg(not(miri))]
+mod frees_beyond_the_bound;
+#[cfg(not(miri))]
+mod when_membarrier_is_forbidden;
 
 use cumempool::Stream;
 use cumempool_alloc::{

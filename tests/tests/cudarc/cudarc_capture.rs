@@ -5,7 +5,7 @@
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaContext;
 use cumempool::{Error, MemPool, Route, Stream};
-use cumempool_tests::gpu;
+use cumempool_tests::{context_wait_lock, gpu};
 
 const MIB: usize = 1 << 20;
 
@@ -21,6 +21,7 @@ const MIB: usize = 1 << 20;
 #[ignore = "requires a CUDA GPU"]
 fn a_cudarc_stream_dropped_during_cudarcs_capture_still_frees_the_buffers_dropped_in_it() {
     gpu().expect("a GPU");
+    let _context_waits = context_wait_lock(); // its first stream waits for the primary context
     let cudarc_context = CudaContext::new(0).unwrap();
     let cudarc_stream = cudarc_context.new_stream().unwrap();
     let pool = MemPool::new(Route::device(0)).unwrap();
@@ -51,6 +52,7 @@ fn a_cudarc_stream_dropped_during_cudarcs_capture_still_frees_the_buffers_droppe
 #[ignore = "requires a CUDA GPU"]
 fn a_copy_into_a_non_primary_contexts_stream_inside_a_capture_closure_is_refused_before_it_is_queued() {
     let context = gpu().expect("a GPU");
+    let _context_waits = context_wait_lock(); // it captures in the primary context
     let cudarc_context = CudaContext::new_non_primary(0, 0).unwrap();
     let cudarc_stream = cudarc_context.new_stream().unwrap();
     let target_stream = Stream::from_cudarc(&cudarc_stream).unwrap();

@@ -8,12 +8,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
-mod support;
-
+use crate::support::{fake_stream, fill_this_threads_lane, is_child, run_in_child, trap_membarrier};
 use cumempool_alloc::{CachingResource, Error, HostHeap, Statistics};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
-use support::{fake_stream, fill_this_threads_lane, is_child, run_in_child, trap_membarrier};
 
 const CHILD: &str = "CUMEMPOOL_TRANSIENT_MEMBARRIER_CHILD";
 /// How many more trapped `membarrier` calls fail with ENOMEM.
@@ -54,5 +52,9 @@ fn a_transient_membarrier_failure_fails_at_most_that_claim() {
         assert_eq!(below.usage().current_bytes, 0);
         return;
     }
-    run_in_child("a_transient_membarrier_failure_fails_at_most_that_claim", CHILD, Duration::from_secs(30));
+    run_in_child(
+        concat!(module_path!(), "::a_transient_membarrier_failure_fails_at_most_that_claim"),
+        CHILD,
+        Duration::from_secs(30),
+    );
 }

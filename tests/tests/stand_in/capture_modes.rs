@@ -1,7 +1,8 @@
 //! The driver's capture-mode rules, on a host without a GPU, through the stand-in libcuda of
 //! `cumempool_tests::stand_in_driver`.
 //!
-//! The same scenarios run on the GPU in `host_waits_beside_other_captures.rs` and `cudarc_capture.rs`.
+//! The same scenarios run on the GPU in `tests/tests/host_waits_beside_other_captures.rs` and
+//! `tests/tests/cudarc/cudarc_capture.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::sys::{self, CUresult, CUstreamCaptureMode};

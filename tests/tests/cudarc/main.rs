@@ -1,11 +1,20 @@
+//! Its own process: cudarc's first stream on a context waits for the whole context.
+//!
 //! cudarc interop on the real driver: cudarc's own allocations land in a cumempool pool routed
 //! for the device, a max-size pool caps them with a clean out-of-memory error, and streams and
-//! contexts convert between the two libraries.
+//! contexts convert between the two libraries; and captures cudarc begins (`cudarc_capture`).
+//!
+//! `CudaContext::new_stream` runs `cuCtxSynchronize` for the first stream of a `CudaContext`,
+//! which fails and invalidates every capture in that context, on any thread
+//! (docs/driver-behaviour.md): the tests that make one on device 0's primary context, and those
+//! that capture there, hold `context_wait_lock`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod cudarc_capture;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cumempool::{set_current_pool, Context, MemPool, Route, Stream};
-use cumempool_tests::{gpu, routing_lock};
+use cumempool_tests::{context_wait_lock, gpu, routing_lock};
 use std::sync::Arc;
 
 const MIB: usize = 1 << 20;
@@ -20,6 +29,7 @@ fn cudarc_program(stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8
 fn cudarc_allocations_land_in_the_routed_pool_and_its_maximum_caps_them() {
     gpu().expect("a GPU");
     let _lock = routing_lock();
+    let _context_waits = context_wait_lock(); // its first stream waits for the primary context
     let context = CudaContext::new(0).unwrap();
     let stream = context.new_stream().unwrap();
     // The driver rounds the maximum up to 32 MiB steps on the H200; 64 MiB is two.
@@ -56,6 +66,7 @@ fn cudarc_allocations_land_in_the_routed_pool_and_its_maximum_caps_them() {
 #[ignore = "requires a CUDA GPU"]
 fn a_cudarc_stream_serves_cumempool_and_stays_alive_as_long_as_needed() {
     gpu().expect("a GPU");
+    let _context_waits = context_wait_lock(); // its first stream waits for the primary context
     let cudarc_context = CudaContext::new(0).unwrap();
     let cudarc_stream = cudarc_context.new_stream().unwrap();
     let raw = cudarc_stream.cu_stream() as usize;

@@ -3,7 +3,7 @@
 
 use cumempool::{MemPool, Route, Stream};
 use cumempool_alloc::{DeviceMemory, OnOutOfMemory, PoolResource, StreamOrderedResource, Tracking};
-use cumempool_tests::gpu;
+use cumempool_tests::{gpu, reservations_lock};
 use std::sync::Mutex;
 
 const MIB: usize = 1 << 20;
@@ -39,6 +39,7 @@ fn tracking_names_the_leaked_device_allocation_and_its_stream() {
 #[ignore = "requires a CUDA GPU"]
 fn on_out_of_memory_frees_held_device_memory_and_the_retry_succeeds() {
     let context = gpu().expect("a GPU");
+    let _reservations = reservations_lock(); // its allocations are refused
     let stream = Stream::new(&context).unwrap();
     // The driver rounds the maximum up to 32 MiB steps on the H200; 64 MiB is one.
     let pool = MemPool::builder(Route::device(0)).max_size(64 << 20).build().unwrap();

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{current_pool, default_pool, is_default, set_current_pool, Error, Location, MemPool, Route};
-use cumempool_tests::{gpu, routing_lock, ROUTE_KINDS};
+use cumempool_tests::{gpu, reservations_lock, routing_lock, ROUTE_KINDS};
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
@@ -281,6 +281,7 @@ fn a_change_made_outside_the_library_is_not_overwritten() {
 fn a_routed_pool_keeps_its_memory_unless_its_threshold_was_set() {
     let context = gpu().expect("a GPU");
     let _lock = routing_lock();
+    let _reservations = reservations_lock(); // it reads what the pool keeps reserved
     let stream = cumempool::Stream::new(&context).unwrap();
     let route = Route::device(0);
     let pool = MemPool::builder(route).max_size(256 << 20).build().unwrap();

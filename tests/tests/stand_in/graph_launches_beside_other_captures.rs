@@ -84,7 +84,7 @@ fn a_launch_on_a_lent_stream_that_begins_capturing_before_the_launch_launches_no
     // marker. The outside buffer's stream, ordered next, does not capture: the joined private
     // stream must not wait for its marker (the driver refuses that, breaking the capture with
     // an error of its own).
-    let Some(LentLaunch { launched, log, stream, .. }) =
+    let Some(LentLaunch { _serial, launched, log, stream, .. }) =
         launch_on_a_lent_stream(|_, _| set_switch("capture_on_next_record"))
     else {
         return;
@@ -104,7 +104,7 @@ fn a_launch_on_a_lent_stream_that_begins_capturing_before_the_launch_launches_no
 /// (the driver refuses the wait and invalidates the capture), so the launch waits on the host
 /// instead, leaving that capture alone.
 fn captured_while_the_launch_runs(which: for<'a> fn(&'a Stream, &'a Stream) -> &'a Stream) {
-    let Some(LentLaunch { launched, log, stream, outside, .. }) =
+    let Some(LentLaunch { _serial, launched, log, stream, outside }) =
         launch_on_a_lent_stream(|stream, outside| capture_at_next_launch(which(stream, outside)))
     else {
         return;
@@ -137,7 +137,7 @@ fn a_launch_whose_outside_buffers_stream_begins_capturing_while_the_launch_runs_
 fn a_launch_whose_marker_a_capture_took_and_ended_launches_nothing() {
     // The other code's capture takes the event that orders the launch after the stream, and ends
     // before the launch's stream waits for it: the wait then orders nothing.
-    let Some(LentLaunch { launched, log, .. }) = launch_on_a_lent_stream(|_, _| {
+    let Some(LentLaunch { _serial, launched, log, .. }) = launch_on_a_lent_stream(|_, _| {
         set_switch("capture_on_next_record");
         set_switch("end_capture_before_next_waitevent");
     }) else {

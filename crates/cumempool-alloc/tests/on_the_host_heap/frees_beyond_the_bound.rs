@@ -9,12 +9,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
-mod support;
-
+use crate::support::{fake_stream, is_child, run_in_child, trap_membarrier};
 use cumempool_alloc::{CachingResource, HostHeap, StreamOrderedResource};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
-use support::{fake_stream, is_child, run_in_child, trap_membarrier};
 
 const CHILD: &str = "CUMEMPOOL_REVIEW2_BEYOND_BOUND_CHILD";
 static MEMBARRIERS: AtomicUsize = AtomicUsize::new(0);
@@ -53,7 +51,7 @@ fn frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each() {
         return;
     }
     run_in_child(
-        "frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each",
+        concat!(module_path!(), "::frees_beyond_the_bound_with_nothing_to_evict_cost_no_membarrier_each"),
         CHILD,
         Duration::from_secs(30),
     );

@@ -7,11 +7,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
-mod support;
-
+use crate::support::{
+    fake_stream, fill_this_threads_lane, filter_membarrier, is_child, run_in_child, MEMBARRIER_EPERM,
+};
 use cumempool_alloc::{CachingResource, Error, HostHeap, Statistics, StreamOrderedResource};
 use std::time::Duration;
-use support::{fake_stream, fill_this_threads_lane, filter_membarrier, is_child, run_in_child, MEMBARRIER_EPERM};
 
 const CHILD: &str = "CUMEMPOOL_REVIEW_MEMBARRIER_CHILD";
 
@@ -39,5 +39,9 @@ fn release_returns_when_membarrier_is_forbidden_after_the_first_cache() {
         return;
     }
     // A release still spinning after 10 s fails the test.
-    run_in_child("release_returns_when_membarrier_is_forbidden_after_the_first_cache", CHILD, Duration::from_secs(10));
+    run_in_child(
+        concat!(module_path!(), "::release_returns_when_membarrier_is_forbidden_after_the_first_cache"),
+        CHILD,
+        Duration::from_secs(10),
+    );
 }

@@ -6,7 +6,9 @@
 use cumempool::sys::CUresult;
 use cumempool::{Device, Error, InvalidArgumentReason, MemPool, Route, Stream};
 use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline, Kept};
-use cumempool_tests::{begin_foreign_capture, end_foreign_capture_counting, gpu, gpu_stream, pattern, routing_lock};
+use cumempool_tests::{
+    begin_foreign_capture, end_foreign_capture_counting, gpu, gpu_stream, graph_memory_lock, pattern, reservations_lock,
+};
 
 const MIB: usize = 1 << 20;
 
@@ -21,7 +23,7 @@ fn capturing(result: cumempool::Result<impl std::fmt::Debug>, what: &str) {
 #[ignore = "requires a CUDA GPU"]
 fn a_captured_allocation_fill_copy_and_drop_replays_into_pinned_host_memory() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock(); // graph memory is per device, measured by other tests here
+    let _graph_memory = graph_memory_lock(); // its launches allocate graph memory
     let device_pool = MemPool::new(Route::device(0)).unwrap();
     let host_pool = MemPool::new(Route::host()).unwrap();
     let mut result = host_pool.alloc(MIB, &stream).unwrap();
@@ -54,7 +56,8 @@ fn a_captured_allocation_fill_copy_and_drop_replays_into_pinned_host_memory() {
 #[ignore = "requires a CUDA GPU"]
 fn a_capped_pool_serves_a_capture_from_graph_memory_which_stays_reserved_until_trimmed() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock(); // graph memory is per device, measured by other tests here
+    let _graph_memory = graph_memory_lock(); // it measures and trims the device's graph memory
+    let _reservations = reservations_lock(); // an allocation is refused
     let device = Device::get(0).unwrap();
     let pool = MemPool::builder(Route::device(0)).max_size(64 * MIB as u64).build().unwrap();
     assert!(pool.alloc(128 * MIB, &stream).is_err_and(|e| e.is_out_of_memory()), "the cap holds outside a capture");
@@ -148,9 +151,14 @@ fn a_buffer_dropped_during_a_capture_is_freed_after_it_ends() {
     begin_foreign_capture(&stream);
     drop(last);
     assert_eq!(end_foreign_capture_counting(&stream).0, CUresult::CUDA_SUCCESS);
-    let context = stream.context().unwrap().clone();
-    drop(stream); // runs the deferred free before destroying the stream
-    context.synchronize().unwrap();
+    // The drop runs the deferred free before destroying the stream. Watched on the pool, not
+    // waited for with `Context::synchronize`: a wait for the whole context fails and invalidates
+    // the capture of any test capturing beside this one (docs/driver-behaviour.md).
+    drop(stream);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while pool.used_mem_current().unwrap() != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     assert_eq!(pool.used_mem_current().unwrap(), 0, "the stream's drop ran its deferred free");
 }
 
@@ -217,7 +225,7 @@ fn kept_and_freed_raw_allocations(kept_at: Kept) {
 #[ignore = "requires a CUDA GPU"]
 fn a_closure_that_fails_or_panics_ends_its_capture() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock(); // graph memory is per device, measured by other tests here
+    let _graph_memory = graph_memory_lock(); // graph memory is per device, measured by other tests here
     let pool = MemPool::new(Route::device(0)).unwrap();
     let failed = stream.capture(|capture| {
         let _scratch = capture.alloc(&pool, 4096)?;

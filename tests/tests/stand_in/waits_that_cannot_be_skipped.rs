@@ -5,7 +5,7 @@
 //! caller then releases.
 //!
 //! The same failures on the GPU, through the fault-injecting driver, are in
-//! `failures_after_queued_work.rs`.
+//! `tests/tests/faults/failures_after_queued_work.rs`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::sys::CUresult;
@@ -150,7 +150,7 @@ fn refused_with_nothing_copied(copied: &cumempool::Result<()>, log: &str) {
 fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_before_the_copy_copies_nothing_and_leaves_that_capture_no_graph(
 ) {
     // The other code's capture begins after the check, before the copy is set up.
-    let Some(LentCopy { copied, log, stream, _device, _serial }) =
+    let Some(LentCopy { _serial, copied, log, stream, _device }) =
         copy_on_a_lent_stream(|_| set_switch("capture_on_next_record"))
     else {
         return;
@@ -167,7 +167,7 @@ fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_before_the_copy_copies_
 fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_while_the_copy_runs_waits_for_it() {
     // The other code's capture begins once the copy is queued: the copy is real work, and must
     // be waited for before the vector can be released.
-    let Some(LentCopy { copied, log, stream, _device, _serial }) = copy_on_a_lent_stream(capture_at_next_copy) else {
+    let Some(LentCopy { _serial, copied, log, stream, _device }) = copy_on_a_lent_stream(capture_at_next_copy) else {
         return;
     };
     assert!(copied.is_ok(), "{copied:?}\n{log}");
@@ -184,7 +184,7 @@ fn a_waiting_copy_on_a_lent_stream_that_begins_capturing_while_the_copy_runs_wai
 fn a_waiting_copy_whose_marker_a_capture_took_and_ended_copies_nothing() {
     // The other code's capture takes the event that orders the copy after the stream, and ends
     // before the copy's stream waits for it: the wait then orders nothing.
-    let Some(LentCopy { copied, log, _device, _serial, .. }) = copy_on_a_lent_stream(|_| {
+    let Some(LentCopy { _serial, copied, log, _device, .. }) = copy_on_a_lent_stream(|_| {
         set_switch("capture_on_next_record");
         set_switch("end_capture_before_next_waitevent");
     }) else {

@@ -5,17 +5,7 @@
 use cumempool::{
     default_pool, Access, Device, Error, HandleTypes, Location, MemPool, Pool, PoolAttribute, Route, Stream,
 };
-use cumempool_tests::{gpu, gpu_stream};
-use std::sync::{Mutex, MutexGuard, PoisonError};
-
-/// Held by the tests that read a pool's reserved memory and by those that have an allocation
-/// refused: the driver gives back every pool's unused reserved memory when it refuses one
-/// (`a_refused_allocation_gives_back_every_pools_unused_reservation`).
-static RESERVATIONS: Mutex<()> = Mutex::new(());
-
-fn reservations() -> MutexGuard<'static, ()> {
-    RESERVATIONS.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use cumempool_tests::{gpu, gpu_stream, reservations_lock, routing_lock};
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
@@ -43,7 +33,7 @@ fn pools_are_created_for_every_creatable_route() {
 #[ignore = "requires a CUDA GPU"]
 fn the_builder_sets_threshold_reuse_and_reserves_the_initial_size() {
     let _gpu = gpu().expect("a GPU");
-    let _reservations = reservations();
+    let _reservations = reservations_lock();
     const MIB: u64 = 1 << 20;
     for route in [Route::device(0), Route::host()] {
         let pool = MemPool::builder(route)
@@ -97,7 +87,7 @@ fn refused_pool_creations_say_why() {
 #[ignore = "requires a CUDA GPU"]
 fn the_maximum_size_turns_into_a_typed_out_of_memory() {
     let stream = gpu_stream().expect("a GPU");
-    let _reservations = reservations();
+    let _reservations = reservations_lock();
     let pool = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();
     let first = pool.alloc(512 << 20, &stream).unwrap();
     match pool.alloc(1 << 30, &stream) {
@@ -184,6 +174,7 @@ fn every_attribute_reads_and_the_newer_ones_fail_cleanly_on_older_drivers() {
 #[ignore = "requires a CUDA GPU"]
 fn looking_up_a_default_pool_changes_none_of_its_attributes() {
     let _gpu = gpu().expect("a GPU");
+    let _lock = routing_lock(); // it reads the route's current pool
     let before: Vec<_> =
         default_pool(Route::device(0)).unwrap().attributes().into_iter().map(|(a, v)| (a, v.ok())).collect();
     let again = default_pool(Route::device(0)).unwrap();
@@ -272,7 +263,7 @@ fn device_facts_are_readable() {
 #[ignore = "requires a CUDA GPU"]
 fn a_refused_allocation_gives_back_every_pools_unused_reservation() {
     let stream = gpu_stream().expect("a GPU");
-    let _reservations = reservations();
+    let _reservations = reservations_lock();
     let kept = MemPool::builder(Route::device(0)).initial_size(64 << 20).build().unwrap();
     let before = kept.reserved_mem_current().unwrap();
     let capped = MemPool::builder(Route::device(0)).max_size(1 << 30).build().unwrap();

@@ -7,7 +7,7 @@
 use cumempool::sys::{self, CUresult};
 use cumempool::{Error, MemPool, Route};
 use cumempool_tests::graph_memory::{capture_a_kept_allocation, GraphMemoryBaseline, Kept};
-use cumempool_tests::{begin_foreign_capture, end_foreign_capture, gpu_stream, routing_lock};
+use cumempool_tests::{begin_foreign_capture, end_foreign_capture, gpu_stream, graph_memory_lock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 
 const MIB: usize = 1 << 20;
@@ -102,7 +102,7 @@ fn a_raw_captured_allocation_freed_once_after_its_graph_is_gone_gives_its_memory
 #[ignore = "requires a CUDA GPU"]
 fn a_raw_captured_allocation_freed_between_launches_lets_a_graph_without_auto_free_launch_again() {
     let stream = gpu_stream().expect("a GPU");
-    let _lock = routing_lock();
+    let _graph_memory = graph_memory_lock(); // its launches allocate graph memory
     let pool = MemPool::new(Route::device(0)).unwrap();
     let (graph, kept) = capture_a_kept_allocation(&stream, &pool, MIB, Kept::First, |_| Ok(()));
     let driver = sys::driver().unwrap();

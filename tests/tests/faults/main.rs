@@ -1,3 +1,5 @@
+//! Its own process: it loads the fault-injecting driver before the process's first driver call.
+//!
 //! The fault suite: every fallible driver call of the safe and alloc layers made to fail, through
 //! the fault-injecting driver (`cumempool-fault`), which this process loads instead of libcuda.
 //!
@@ -6,8 +8,13 @@
 //! (`tracing`), nothing is freed twice (the test frees what the library had to leave, and the
 //! driver accepts it), nothing leaks (the pool's used memory is back to 0; compute-sanitizer's
 //! leak check in the GPU pack), and the state is consistent and usable afterwards.
-//! docs/reliability.md lists the sites and the case that covers each.
+//! docs/reliability.md lists the sites and the case that covers each. Two modules use the same
+//! fixture: `failures_after_queued_work` (failures after work was queued) and `route_checks` (the
+//! driver calls of a routing call, counted).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod failures_after_queued_work;
+mod route_checks;
 
 use allocator_api2::vec::Vec as PoolVec;
 use cumempool::{
@@ -1194,7 +1201,11 @@ fn the_site_table_lists_every_driver_call_site() {
         }
     }
     let doc = std::fs::read_to_string(root.join("docs/reliability.md")).unwrap();
-    let suite = std::fs::read_to_string(root.join("tests/tests/faults.rs")).unwrap();
+    // Every file of this binary: the cases live in its modules too.
+    let mut suite = String::new();
+    for entry in std::fs::read_dir(root.join("tests/tests/faults")).unwrap() {
+        suite.push_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap());
+    }
     let child = std::fs::read_to_string(root.join("tests/src/bin/fault_ipc_child.rs")).unwrap();
     let spans = |cell: &str| -> Vec<String> { cell.split('`').skip(1).step_by(2).map(str::to_owned).collect() };
     let (mut in_table, mut covered) = (Vec::new(), 0);

@@ -5,39 +5,15 @@
 //! stream must still end up ordered after the work: otherwise that stream's next free (the
 //! buffer's drop, or the drop after `mem::forget` of the executable, which the graph's docs
 //! promise is harmless) releases memory the device still reads or writes. A capture whose end
-//! fails must not stay underway.
+//! fails must not stay underway. On the fault suite's fixture (`crate::suite`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use crate::{suite, UNKNOWN};
 use cumempool::{Buffer, Context, Event, GraphExec, MemPool, Route, Stream};
-use cumempool_tests::fault_library::FaultLibrary;
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 const MIB: usize = 1 << 20;
 /// Bytes per fill: 64 of them keep an H200 busy for milliseconds.
 const BIG: usize = 512 * MIB;
-/// `CUDA_ERROR_UNKNOWN`.
-const UNKNOWN: u32 = 999;
-
-struct Suite {
-    faults: FaultLibrary,
-    context: Context,
-}
-
-static SUITE: OnceLock<Option<Suite>> = OnceLock::new();
-static LOCK: Mutex<()> = Mutex::new(());
-
-fn suite() -> Option<(MutexGuard<'static, ()>, &'static Suite)> {
-    let lock = LOCK.lock().unwrap_or_else(PoisonError::into_inner);
-    let suite = SUITE
-        .get_or_init(|| {
-            let faults = FaultLibrary::install().unwrap_or_else(|e| panic!("the fault library: {e}"));
-            let context = cumempool_tests::gpu()?;
-            Some(Suite { faults, context })
-        })
-        .as_ref()?;
-    suite.faults.clear();
-    Some((lock, suite))
-}
 
 /// Whether the work queued on `after` so far, which `waiter` must be ordered after, has
 /// finished once `waiter`'s queued work has: records an event on `waiter`, waits for it on the

@@ -1,21 +1,17 @@
 //! A route is checked once per public routing call, and the driver calls below it take the
 //! checked form: counted through the fault-injecting driver (`cumempool-fault`), which this
-//! process loads instead of libcuda and which counts every entry point's calls.
+//! process loads instead of libcuda and which counts every entry point's calls (the fault suite's
+//! fixture, `crate::suite`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use crate::suite;
 use cumempool::{current_pool, is_default, reset_current_pool, set_current_pool, MemPool, Route};
-use cumempool_tests::fault_library::FaultLibrary;
 
 #[test]
 #[ignore = "requires a CUDA GPU"]
 fn routing_calls_check_their_route_without_asking_the_driver_for_the_device_again() {
-    let faults = FaultLibrary::install().unwrap_or_else(|e| panic!("the fault library: {e}"));
-    if cumempool::init().is_err() {
-        cumempool_tests::gpu(); // says why, or fails under CUMEMPOOL_REQUIRE_GPU=1
-        return;
-    }
-    let Some(_context) = cumempool_tests::gpu() else { return };
-    let _lock = cumempool_tests::routing_lock();
+    let Some((_lock, suite)) = suite() else { return };
+    let faults = &suite.faults;
     let route = Route::device(0);
     let pool = MemPool::new(route).unwrap();
 
