@@ -222,3 +222,79 @@ cm.record_history(False)
     assert words[:3] == ["OutOfMemoryError", "True", "True"], words
     assert words[3:5] == ["overflow", "Buffer"], words
     assert words[5] != "Buffer", "recording on, the native steps served the call"
+
+
+def test_a_finalizer_that_begins_a_capture_inside_an_allocation_is_asked_about(stand_in_libcuda):
+    # The cache, at the pool's limit, gives its blocks back, and so lets go of another library's
+    # stream object, whose finalizer runs there and begins a capture on the stream being
+    # allocated on. The call's check is stale from then on: the allocation the cache retries
+    # must ask the driver again (and so find the capture), not take the check.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+import gc, os
+os.environ["STAND_IN_POOL_LIMIT"] = "8192"
+queries = ctypes.c_ulong.in_dll(lib, "capture_queries")
+cache = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
+target, lent = cm.Stream(0), cm.Stream(0)
+fired = []
+class Lender:
+    def __cuda_stream__(self):
+        return (0, lent.handle)
+    def __del__(self):
+        fired.append((begin(target.handle, 2), queries.value))
+lender = Lender()
+cache.alloc(4096, lender).close()  # a block cached on the lent stream: the cache holds `lender`
+del lender
+class Other:
+    def __init__(self, handle):
+        self.handle = handle
+    def __cuda_stream__(self):
+        return (0, self.handle)
+others = [cm.Stream(0) for _ in range(80)]
+kept = [cm.Stream.borrow(Other(s.handle)) for s in others]  # the lent stream leaves the memo
+gc.collect()
+assert not fired
+buffer = cache.alloc(8192, target.handle)  # full: the cache gives its block back, then retries
+assert fired and fired[0][0] == 0, fired
+print(queries.value - fired[0][1])
+""",
+    )
+    assert int(words[0]) >= 1, "the retry after a finalizer took the call's stale check"
+
+
+def test_an_allocator_in_a_cycle_is_collected_copied_and_keeps_its_errors(stand_in_libcuda):
+    # An out-of-memory callback that holds the allocator makes a cycle through the allocator's
+    # native part; the collector must find it. A copy draws from the same resource. A failure
+    # while CuPy's error is built keeps the out-of-memory as its context.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import copy, gc, weakref
+pool = cm.MemPool(cm.Route.device(0))
+def make():
+    holder = []
+    def on_oom(requested, attempt):
+        holder[0].release_captured()
+        return False
+    allocator = cmc.Allocator(cm.OnOutOfMemory(cm.PoolResource(pool), on_oom))
+    holder.append(allocator)
+    return weakref.ref(allocator)
+ref = make()
+gc.collect()
+print(ref() is None)
+allocator = cmc.Allocator(cm.Limit(cm.PoolResource(pool), 4096))
+print(copy.copy(allocator).resource is allocator.resource)
+stream = cm.Stream(0)
+current[0] = stream.handle
+cupy.cuda.memory.OutOfMemoryError = None  # building CuPy's class fails
+cmc._out_of_memory_class = None
+try:
+    allocator(8192)
+except TypeError as error:
+    print(type(error.__context__).__name__)
+""",
+    )
+    assert words[0] == "True", "an allocator in a cycle was never collected"
+    assert words[1] == "True", "a copy draws from another resource"
+    assert words[2] == "LimitExceededError", "the out-of-memory was lost when CuPy's class could not be built"

@@ -92,13 +92,17 @@ class Allocator(_CupyAllocatorBase):
         )
 
     def __init__(self, source: MemPool | Resource):
-        self.resource = resource_of(source)
+        # `self.resource`, the resource drawn from, is the native part's.
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
         self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []
         self._side: Stream | None = None
         # What serves CuPy on another device (the budget's fallback), else refused.
         self._elsewhere: Callable[[int], Any] | None = None
+
+    def __reduce__(self):
+        # A copy draws from the same resource, with no memory of its own kept for graphs yet.
+        return (type(self), (self.resource,))
 
     @property
     def captured_bytes(self) -> int:
@@ -139,9 +143,12 @@ class Allocator(_CupyAllocatorBase):
     def _failed(self, size: int, error: BaseException):
         """Raises what a call of ``size`` bytes failed with: an out-of-memory as CuPy's class
         (with the budget's report where a budget is in force), anything else as it is."""
-        if isinstance(error, errors.OutOfMemoryError):
+        try:
+            raise error
+        except errors.OutOfMemoryError:
+            # Raised while `error` is handled: a failure to build CuPy's class keeps it as its
+            # context.
             raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
-        raise error
 
     def _serve_in_python(self, size: int):
         """The call step by step, where the native steps cannot serve it: another device

@@ -11,6 +11,7 @@ use crate::streams::stream::Stream;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use pyo3::{PyTraverseError, PyVisit};
 
 /// The native part of `cumempool.cupy.Allocator`: serves CuPy's allocations from a resource,
 /// returning `cupy.cuda.MemoryPointer`s. Made with CuPy's own functions, so this crate imports
@@ -44,10 +45,17 @@ impl CupyAllocatorBase {
         Self { resource, current_device, current_stream, unowned_memory, memory_pointer, history }
     }
 
+    /// The resource the allocator draws from.
+    #[getter]
+    fn resource(&self, py: Python<'_>) -> Py<ResourceBase> {
+        self.resource.clone_ref(py)
+    }
+
     /// A `cupy.cuda.MemoryPointer` to `size` bytes on CuPy's current stream, owned by a
     /// `Buffer` that gives the memory back when CuPy lets go of it. Served natively where it
     /// can be, else by `self._serve_in_python(size)`; a failure of the native steps goes to
-    /// `self._failed(size, error)`, which raises.
+    /// `self._failed(size, error)`, which raises (the error itself where it returns or is
+    /// missing).
     fn __call__(slf: &Bound<'_, Self>, size: usize) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let this = slf.get();
@@ -57,12 +65,27 @@ impl CupyAllocatorBase {
                 Ok(Some(pointer)) => return Ok(pointer),
                 Ok(None) => {}
                 Err(failure) => {
-                    let error = PyErr::from(failure).into_value(py);
-                    return slf.call_method1(intern!(py, "_failed"), (size, error)).map(Bound::unbind);
+                    let error = PyErr::from(failure);
+                    let Ok(failed) = slf.getattr(intern!(py, "_failed")) else { return Err(error) };
+                    return Err(match failed.call1((size, error.value(py))) {
+                        Ok(_) => error,
+                        Err(raised) => raised,
+                    });
                 }
             }
         }
         slf.call_method1(intern!(py, "_serve_in_python"), (size,)).map(Bound::unbind)
+    }
+
+    /// What the garbage collector follows: a cycle through the resource (an out-of-memory
+    /// callback that holds the allocator) is found, and broken where it can be cleared.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.resource)?;
+        visit.call(&self.current_device)?;
+        visit.call(&self.current_stream)?;
+        visit.call(&self.unowned_memory)?;
+        visit.call(&self.memory_pointer)?;
+        visit.call(&self.history)
     }
 }
 
@@ -78,18 +101,23 @@ impl CupyAllocatorBase {
         }
         let stream_object = self.current_stream.call0(py)?;
         let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
-        // Held until the allocation is made: the layers below (a cache, the pool) take the
-        // stream as checked, and ask the driver no more.
-        let checked = match not_capturing(&stream.get().stream, resource.device) {
-            Ok(Some(checked)) => checked,
+        // The capture asked once, and the answer held for the allocation: a cache below takes
+        // it instead of asking again. A capture, or no answer, leaves the call to Python.
+        let core = &stream.get().stream;
+        let served = core.with_capture_checked("allocating for CuPy", || {
+            refuse_legacy_stream_beside_a_capture(core, resource.device)?;
+            resource.alloc_outside_captures(py, size, stream.clone_ref(py))
+        });
+        let buffer = match served {
+            Ok(Ok(buffer)) => buffer,
             outcome => {
                 crate::streams::stream::let_go(py, stream);
-                return outcome.map(|_| None);
+                return match outcome {
+                    Ok(Err(failure)) => Err(failure),
+                    _ => Ok(None),
+                };
             }
         };
-        let buffer = resource.alloc_outside_captures(py, size, stream);
-        drop(checked);
-        let buffer = buffer?;
         let (ptr, device) = buffer.address_and_device()?;
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
@@ -97,21 +125,16 @@ impl CupyAllocatorBase {
     }
 }
 
-/// `stream` checked not capturing, for the native steps; `None` where the Python steps must
-/// serve the call: a capture on it (its memory is kept for the graph there), or an answer that
-/// cannot be had. Work queued on the legacy stream (CuPy's null stream, or its per-thread
-/// stream, served as the legacy one) while a blocking stream of the device captures would be
-/// refused by the driver, which would invalidate that capture: refused here first, asked in a
-/// way that leaves the capture intact.
-fn not_capturing(stream: &cumempool::Stream, device: i32) -> Outcome<Option<cumempool::CaptureChecked>> {
-    let Ok(checked) = stream.check_not_capturing("allocating for CuPy") else {
-        return Ok(None);
-    };
+/// Work queued on the legacy stream (CuPy's null stream, or its per-thread stream, served as
+/// the legacy one) while a blocking stream of the device captures would be refused by the
+/// driver, which would invalidate that capture: refused here first, asked in a way that leaves
+/// the capture intact.
+fn refuse_legacy_stream_beside_a_capture(stream: &cumempool::Stream, device: i32) -> Outcome<()> {
     if stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(device) {
         return Err(Failure::Core(cumempool::Error::StreamCapturing {
             operation: "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture underway on a blocking stream of the device: allocate on another stream, or after the capture)",
             capture: None,
         }));
     }
-    Ok(Some(checked))
+    Ok(())
 }

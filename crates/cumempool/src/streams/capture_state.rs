@@ -16,19 +16,17 @@ thread_local! {
     static TOKENS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// A stream found not capturing by [`Stream::check_not_capturing`](crate::Stream::check_not_capturing),
-/// and so taken as not capturing on the calling thread until this is dropped: one public call
-/// that passes several layers (a plug-in, a cache, the pool) asks the driver once, not once per
-/// layer. No more racy than one check: a capture another thread begins on the stream meanwhile
-/// could begin between any check and the work it guards.
+/// A stream found not capturing by [`Stream::with_capture_checked`](crate::Stream::with_capture_checked),
+/// and so taken as not capturing on the calling thread while the call it runs lasts. Made and
+/// dropped there only, so no safe code can keep it (a guard forgotten with `mem::forget` would
+/// answer "not capturing" for the stream on this thread for good).
 ///
 /// One check holds per thread: a guard made while another holds makes none of its own (the
 /// later calls ask the driver as before), so guards dropped in any order never leave a check
-/// behind. Code that runs what the call does not control (a callback that could begin a
-/// capture on the stream) calls [`forget_capture_checks`] first.
+/// behind. Code that runs what the call does not control (a callback, a finalizer) calls
+/// [`forget_capture_checks`] first.
 #[derive(Debug)]
-#[must_use = "the check holds only while the guard lives"]
-pub struct CaptureChecked {
+pub(crate) struct CaptureChecked {
     /// The token this guard set, or 0 where it set none.
     token: u64,
     /// Dropped on the thread whose check it holds.
@@ -36,15 +34,10 @@ pub struct CaptureChecked {
 }
 
 impl CaptureChecked {
-    /// A guard that holds nothing: the stream cannot capture, or another check holds.
-    pub(crate) fn none() -> Self {
-        Self { token: 0, _not_send: std::marker::PhantomData }
-    }
-
     /// Holds the check for stream `id` on this thread, unless another holds.
     pub(crate) fn hold(id: u64) -> Self {
         if CHECKED.with(std::cell::Cell::get).1 != 0 {
-            return Self::none();
+            return Self { token: 0, _not_send: std::marker::PhantomData };
         }
         let token = TOKENS.with(|t| {
             let next = t.get().wrapping_add(1).max(1);
@@ -75,9 +68,10 @@ pub(crate) fn checked_not_capturing(id: u64) -> bool {
     CHECKED.with(std::cell::Cell::get).0 == id
 }
 
-/// Ends the capture check a [`CaptureChecked`] holds on the calling thread, so that what follows
-/// asks the driver again: for code about to run what the call does not control, such as an
-/// out-of-memory callback that could begin a capture on the stream.
+/// Ends the capture check [`Stream::with_capture_checked`](crate::Stream::with_capture_checked)
+/// holds on the calling thread, so that what follows asks the driver again: for code about to
+/// run what the call does not control, such as an out-of-memory callback or a finalizer that
+/// could begin a capture on the stream.
 pub fn forget_capture_checks() {
     CHECKED.with(|c| c.set((0, 0)));
 }

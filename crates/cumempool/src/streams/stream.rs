@@ -415,18 +415,22 @@ impl Stream {
         self.ensure_not_capturing_slow(operation)
     }
 
-    /// As [`Stream::ensure_not_capturing`], and the answer holds on the calling thread while
-    /// the returned guard lives: [`Stream::is_capturing`] and `ensure_not_capturing` on this
-    /// stream then answer from it, so the layers of one call ask the driver once.
+    /// As [`Stream::ensure_not_capturing`], then runs `call` with that answer held on the
+    /// calling thread: inside it, [`Stream::is_capturing`] and `ensure_not_capturing` on this
+    /// stream answer from the check, so the layers of one call (a plug-in, a cache above the
+    /// pool) ask the driver once. What allocates from the driver asks again
+    /// ([`Pool::alloc_raw`](crate::Pool::alloc_raw)), and so does everything after code the
+    /// call does not control ran on the thread ([`forget_capture_checks`](crate::forget_capture_checks)).
     ///
     /// # Errors
-    /// As [`Stream::ensure_not_capturing`].
-    pub fn check_not_capturing(&self, operation: &'static str) -> Result<CaptureChecked> {
+    /// As [`Stream::ensure_not_capturing`]; then `call`'s own result is returned as it is.
+    pub fn with_capture_checked<T>(&self, operation: &'static str, call: impl FnOnce() -> T) -> Result<T> {
         if !self.may_be_capturing() || self.capture_checked() {
-            return Ok(CaptureChecked::none());
+            return Ok(call());
         }
         self.ensure_not_capturing_slow(operation)?;
-        Ok(CaptureChecked::hold(self.0.id.get()))
+        let _held = CaptureChecked::hold(self.0.id.get());
+        Ok(call())
     }
 
     /// Whether a [`CaptureChecked`] for this stream holds on the calling thread.
