@@ -107,18 +107,18 @@ static CUresult pool_attribute(void *pool, int attribute, void *value) {
     if (attribute >= 4) *(uint64_t *)value = live_bytes; else *(int *)value = 0;
     return 0;
 }
-/* STAND_IN_POOL_LIMIT=N (read at the first allocation): an allocation that would bring the
-   bytes live past N is refused with CUDA_ERROR_OUT_OF_MEMORY, as a pool at its maximum size
-   refuses it. */
+/* STAND_IN_POOL_LIMIT=N (read at each allocation; unset or 0: none): an allocation that would
+   bring the bytes live, over all pools, past N is refused with CUDA_ERROR_OUT_OF_MEMORY, as a
+   pool at its maximum size refuses it. */
 static size_t pool_limit(void) {
-    static long long limit = -1;
-    if (limit < 0) { const char *v = getenv("STAND_IN_POOL_LIMIT"); limit = v ? atoll(v) : 0; }
-    return (size_t)limit;
+    const char *v = getenv("STAND_IN_POOL_LIMIT");
+    return v ? (size_t)strtoull(v, 0, 10) : 0;
 }
 static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
     if ((uintptr_t)s <= 1 && !current) return INVALID_CONTEXT;
     if (legacy_refused(s)) return IMPLICIT;
-    if (pool_limit() && live_bytes + n > pool_limit()) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    size_t limit = pool_limit();
+    if (limit && (n > limit || live_bytes > limit - n)) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
     if (null_next_alloc) { null_next_alloc = 0; *p = 0; return 0; } /* success with no memory */
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;

@@ -352,3 +352,25 @@ def test_cupys_cache_is_counted_apart_and_given_back_when_another_library_needs_
     assert words[3:6] == ["0", str((1 << 20) - 4096), "0"], "the full pool did not take the cache's block back"
     assert words[6:8] == ["8192", "0"], "release_cached did not give the cache's block back"
     assert words[8:] == ["bound", "1"], "the cache keeps more than a 64th of the budget"
+
+
+def test_what_cupys_cache_rounds_up_is_counted_as_cupys(stand_in_libcuda):
+    # The cache allocates a size class from the pool (here 40 MiB for 32 MiB and a byte): those
+    # bytes are CuPy's, and the counts add up to the pool's use, nothing unattributed.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        budget = cm.budget(devices={0: "64MiB"})
+        held = budget.resource("cupy", 0).alloc((32 << 20) + 1, cm.Stream(0))
+        of_device = cm.usage()[0]
+        libraries = of_device["libraries"]
+        print(of_device["used"], libraries["cupy"]["bytes"], libraries["cupy"]["count"], libraries["unattributed"]["bytes"])
+        held.close()
+        budget.close()
+        print(cm.usage(), budget.pool(0).used_mem_current)
+        """,
+    )
+    used, cupy, count, unattributed = map(int, words[:4])
+    assert used > (32 << 20) + 1 and cupy == used and count == 1, words
+    assert unattributed == 0, "the cache's rounding was counted as unattributed"
+    assert words[4:] == ["{}", "0"], "closing the budget left the cache's blocks in the pool"

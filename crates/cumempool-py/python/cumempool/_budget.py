@@ -92,9 +92,12 @@ def cache_bound(limit: int) -> int:
 
 @dataclass
 class _Device:
-    """The budget of one device: its pool, the route change that made it current, and the
-    resource each plug-in library draws through, counted per library: above its cache where it
-    has one, else above a hook that releases the caches when the pool is full."""
+    """The budget of one device: its pool, the route change that made it current, and per
+    plug-in library the resource it draws through (``tops``) and what counts it, right above
+    the pool (``libraries``): what a library's cache holds (its free blocks, its size classes'
+    rounding) is the library's, so the counts add up to the pool's use. A library without a
+    cache draws through a hook that has the caches give their blocks back when the pool is
+    full."""
 
     ordinal: int
     limit: int
@@ -102,28 +105,38 @@ class _Device:
     guard: RouteGuard
     libraries: dict[str, Statistics] = field(default_factory=dict)
     caches: dict[str, CachingResource] = field(default_factory=dict)
+    tops: dict[str, Any] = field(default_factory=dict)
 
-    def resource(self, library: str) -> Statistics:
+    def resource(self, library: str) -> Any:
         with _lock:
-            counted = self.libraries.get(library)
-            if counted is None:
-                below: Any = PoolResource(self.pool)
+            top = self.tops.get(library)
+            if top is None:
                 if library in _CACHED_LIBRARIES:
                     # A cache gives its own blocks back when the pool below is full.
-                    below = self.caches[library] = CachingResource(below, max_cached=cache_bound(self.limit))
+                    counted = Statistics(PoolResource(self.pool))
+                    top = self.caches[library] = CachingResource(counted, max_cached=cache_bound(self.limit))
                 else:
-                    below = OnOutOfMemory(below, self._release_caches_once)
-                counted = self.libraries[library] = Statistics(below)
-            return counted
+                    counted = top = Statistics(OnOutOfMemory(PoolResource(self.pool), self._release_caches_once))
+                self.libraries[library] = counted
+                self.tops[library] = top
+            return top
 
     def release_cached(self) -> int:
-        """Gives the caches' free blocks back to the pool; the bytes given back."""
-        with _lock:
-            caches = list(self.caches.values())
-        released = 0
+        """Gives the caches' free blocks back to the pool; the bytes given back. Every cache
+        is released even where one fails; the first failure is raised after."""
+        # No lock: an out-of-memory callback calls this, possibly inside a `with _lock` block
+        # of this thread (a finalizer that allocates), and a list copy is one step.
+        caches = list(self.caches.values())
+        released, failure = 0, None
         for cache in caches:
-            released += cache.stats()["cached_bytes"]
-            cache.release()
+            before = cache.stats()["cached_bytes"]
+            try:
+                cache.release()
+            except Exception as error:  # noqa: BLE001 - raised below, after the other caches
+                failure = failure or error
+            released += max(0, before - cache.stats()["cached_bytes"])
+        if failure is not None:
+            raise failure
         return released
 
     def _release_caches_once(self, _requested: int, attempt: int) -> bool:
@@ -151,9 +164,9 @@ class Budget:
         """The pool that holds ``device``'s budget."""
         return self._device(device).pool
 
-    def resource(self, library: str, device: int) -> Statistics:
+    def resource(self, library: str, device: int) -> Any:
         """The resource a plug-in library draws through on ``device``: the budget's pool,
-        counted for that library."""
+        counted for that library (through a cache for CuPy)."""
         return self._device(device).resource(library)
 
     def resource_or_outside(self, library: str, device: int) -> Any:
@@ -180,7 +193,15 @@ class Budget:
     def release_cached(self) -> int:
         """Gives the free blocks the libraries' caches keep back to the budget's pools, for the
         other libraries; the bytes given back."""
-        return sum(device.release_cached() for device in self._devices.values())
+        released, failure = 0, None
+        for device in self._devices.values():
+            try:
+                released += device.release_cached()
+            except Exception as error:  # noqa: BLE001 - raised below, after the other devices
+                failure = failure or error
+        if failure is not None:
+            raise failure
+        return released
 
     def close(self) -> None:
         """Puts back the pools that were current before (what the libraries allocated stays
@@ -188,6 +209,9 @@ class Budget:
         global _active
         for device in self._devices.values():
             device.guard.restore()
+        # What the caches keep free goes back to the pools, which live on while memory drawn
+        # from them does.
+        self.release_cached()
         cupy = sys.modules.get("cupy")
         if cupy is not None and self._cupy is not None:
             previous, installed = self._cupy
@@ -439,9 +463,9 @@ def _after_import(name: str, then: Callable[[Any], None]) -> None:
 def usage() -> dict[int, dict[str, Any]]:
     """Per device of the budget: ``limit``, the pool's ``used`` and ``reserved`` bytes, and per
     library the bytes in use, the peak, the count of live allocations and the share of the
-    limit. The plug-in libraries (``cupy``, ``numba``) are counted allocation by allocation;
-    ``cached`` is what a library's cache keeps free (CuPy's), in the pool's use but in no
-    library's bytes.
+    limit. The plug-in libraries (``cupy``, ``numba``) are counted allocation by allocation, as
+    the pool serves them: CuPy's bytes are its cache's size classes, and ``cached`` what its
+    cache keeps free (in the pool's use, not in ``bytes``; ``peak`` includes it).
 
     PyTorch draws through routing (its ``cudaMallocAsync`` backend), which passes no code of
     cumempool's, and its own counters read the pool it configured, not the budget's: so while
@@ -460,10 +484,17 @@ def usage() -> dict[int, dict[str, Any]]:
         used, reserved = device.pool.used_mem_current, device.pool.reserved_mem_current
         libraries: dict[str, dict[str, Any]] = {}
         for name, counted in sorted(device.libraries.items()):
+            # Counted right above the pool: a cache's free blocks are in it, and set apart.
             counts = counted.usage()
             cache = device.caches.get(name)
-            cached = cache.stats()["cached_bytes"] if cache is not None else 0
-            libraries[name] = {"bytes": counts["current_bytes"], "peak": counts["peak_bytes"], "count": counts["current_count"], "cached": cached}
+            cache_stats = cache.stats() if cache is not None else {"cached_bytes": 0, "cached_blocks": 0}
+            cached = min(cache_stats["cached_bytes"], counts["current_bytes"])
+            libraries[name] = {
+                "bytes": counts["current_bytes"] - cached,
+                "peak": counts["peak_bytes"],
+                "count": max(0, counts["current_count"] - cache_stats["cached_blocks"]),
+                "cached": cached,
+            }
         remainder = max(0, used - sum(held["bytes"] + held["cached"] for held in libraries.values()))
         if torch_routed:
             # A resource the program drew for "torch" itself (`Budget.resource`) keeps its own
