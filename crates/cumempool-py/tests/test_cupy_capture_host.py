@@ -298,3 +298,33 @@ except TypeError as error:
     assert words[0] == "True", "an allocator in a cycle was never collected"
     assert words[1] == "True", "a copy draws from another resource"
     assert words[2] == "LimitExceededError", "the out-of-memory was lost when CuPy's class could not be built"
+
+
+def test_memory_held_when_the_allocator_ran_out_goes_back_without_the_collector(stand_in_libcuda):
+    # A program fills the resource until CuPy's out-of-memory, then drops what it holds: the
+    # memory goes back at once. The error must not keep the frames of the failed call alive
+    # (a cycle through them waits for the garbage collector, and holds the program's arrays).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import gc
+gc.disable()
+class CupyOutOfMemory(Exception):
+    pass
+cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+stream = cm.Stream(0)
+current[0] = stream.handle
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.Limit(cm.PoolResource(pool), 4 * 4096))
+def fill():
+    held = []
+    try:
+        while True:
+            held.append(allocator(4096))
+    except CupyOutOfMemory as error:
+        return len(held), type(error).__name__
+print(*fill())
+print(pool.used_mem_current)
+""",
+    )
+    assert words == ["4", "OutOfMemoryError", "0"], "the arrays held when the allocator ran out stayed alive"

@@ -145,10 +145,15 @@ class Allocator(_CupyAllocatorBase):
         (with the budget's report where a budget is in force), anything else as it is."""
         try:
             raise error
-        except errors.OutOfMemoryError:
-            # Raised while `error` is handled: a failure to build CuPy's class keeps it as its
+        except errors.OutOfMemoryError as caught:
+            # Raised while the error is handled: a failure to build CuPy's class keeps it as its
             # context.
-            raise out_of_memory_error()(size, error, _budget_report(self.resource.device)) from error
+            raise out_of_memory_error()(size, caught, _budget_report(self.resource.device)) from caught
+        finally:
+            # The error's traceback holds this frame, which would hold the error: a cycle that
+            # keeps the failed call's frames, and the caller's arrays in them, until the
+            # garbage collector runs.
+            del error
 
     def _serve_in_python(self, size: int):
         """The call step by step, where the native steps cannot serve it: another device
