@@ -374,3 +374,40 @@ def test_what_cupys_cache_rounds_up_is_counted_as_cupys(stand_in_libcuda):
     assert used > (32 << 20) + 1 and cupy == used and count == 1, words
     assert unattributed == 0, "the cache's rounding was counted as unattributed"
     assert words[4:] == ["{}", "0"], "closing the budget left the cache's blocks in the pool"
+
+
+def test_a_failed_release_closes_the_budget_and_keeps_no_frames(stand_in_libcuda):
+    # A cache's release that fails: the error reaches the caller without keeping the frames it
+    # passed (and the caller's arrays in them) until the garbage collector runs, and `close()`
+    # still takes the budget out of force, so another can be made.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import gc, weakref
+        gc.disable()
+        budget = cm.budget(devices={0: "1MiB"})
+        class Failing:
+            def stats(self):
+                return {"cached_bytes": 0}
+            def release(self):
+                raise RuntimeError("the release failed")
+        budget._devices[0].caches["cupy"] = Failing()
+        class Held:
+            pass
+        def caller():
+            held = Held()
+            try:
+                budget.release_cached()
+            except RuntimeError:
+                return weakref.ref(held)
+        print(caller()() is None)
+        try:
+            budget.close()
+        except RuntimeError:
+            pass
+        print(cm._budget.active() is None)
+        cm.budget(devices={0: "1MiB"}).close()
+        print("again")
+        """,
+    )
+    assert words == ["True", "True", "again"], words

@@ -136,62 +136,6 @@ print(ended[0], pool.used_mem_current)
     assert words == ["refused", "0", "0"], "the allocation went to the driver and invalidated the other thread's capture"
 
 
-def test_an_allocation_asks_the_driver_once_whether_the_stream_captures(stand_in_libcuda):
-    # CuPy's stream is another library's, so a capture may be underway on it at any time and
-    # each allocation asks the driver (about 0.15 us on an H100). The plug-in asks, and the cache
-    # and the pool below take its answer for the rest of the call instead of asking again.
-    words = _with_fake_cupy(
-        stand_in_libcuda,
-        """
-queries = ctypes.c_ulong.in_dll(lib, "capture_queries")
-stream = cm.Stream(0)
-current[0] = stream.handle
-allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0)))))
-allocator(4096)  # the stream is remembered, the cache warmed
-before = queries.value
-kept = allocator(4096)
-print(queries.value - before)
-resource = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
-borrowed = cm.Stream.borrow(stream.handle, 0)
-resource.alloc(4096, borrowed).close()
-before = queries.value
-buffer = resource.alloc(4096, borrowed)
-print(queries.value - before)
-buffer.close()
-""",
-    )
-    assert words == ["1", "1"], "an allocation asked the driver more than once whether its stream captures"
-
-
-def test_an_out_of_memory_callback_ends_the_calls_capture_check(stand_in_libcuda):
-    # The callback runs the program's code, which may begin a capture on the stream: after it,
-    # the layers below ask the driver again instead of taking the call's first answer.
-    words = _with_fake_cupy(
-        stand_in_libcuda,
-        """
-import os
-os.environ["STAND_IN_POOL_LIMIT"] = "8192"
-queries = ctypes.c_ulong.in_dll(lib, "capture_queries")
-held, inside = [], []
-def free_and_retry(requested, attempt):
-    start = queries.value
-    held.clear()  # its free asks too: counted apart
-    inside.append(queries.value - start)
-    return attempt == 1
-owner = cm.Stream(0)
-stream = cm.Stream.borrow(owner.handle, 0)
-resource = cm.OnOutOfMemory(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))), max_cached=0), free_and_retry)
-held.append(resource.alloc(8192, stream))
-before = queries.value
-buffer = resource.alloc(4096, stream)
-print(queries.value - before - sum(inside), len(held))
-buffer.close()
-""",
-    )
-    # The call's own check, then the retry's: the cache's and the pool's ask again.
-    assert int(words[0]) >= 2 and words[1] == "0", "the retry after the callback took the check made before it"
-
-
 def test_the_native_call_raises_cupys_out_of_memory_and_records_when_asked(stand_in_libcuda):
     # The allocator's call is native: at the resource's limit it still raises CuPy's class
     # (cumempool's too, with the driver's fields), other failures raise as they are, and with

@@ -81,7 +81,7 @@ pub use sharing::descriptor_passing;
 pub use sharing::vmm;
 pub use sharing::SharedAllocation;
 pub use streams::capture_mode::relaxed as in_relaxed_capture_mode;
-pub use streams::capture_state::{forget_capture_checks, CaptureStatus};
+pub use streams::capture_state::CaptureStatus;
 pub use streams::event::Event;
 pub use streams::stream::{Stream, StreamId};
 pub use values::access::Access;

@@ -303,9 +303,6 @@ impl Pool {
     /// As [`Pool::alloc`], without its refusal of a capturing stream.
     #[inline]
     pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
-        // Asked even where the call holds a check (`Stream::with_capture_checked`): code the
-        // call does not control (a finalizer run by a drop on the way) may have begun a
-        // capture since, and the address must then be recorded as the graph's.
         if !stream.may_be_capturing() {
             return self.alloc_on(bytes, stream);
         }

@@ -51,9 +51,6 @@ where
             match self.inner.allocate(bytes, align, stream) {
                 Err(error) if error.is_out_of_memory() => {
                     attempt = attempt.saturating_add(1);
-                    // The callback may begin a capture on the stream: what the call checked
-                    // before it no longer holds (`Stream::check_not_capturing`).
-                    cumempool::forget_capture_checks();
                     if !(self.on_out_of_memory)(bytes, attempt) {
                         return Err(error);
                     }

@@ -136,7 +136,12 @@ class _Device:
                 failure = failure or error
             released += max(0, before - cache.stats()["cached_bytes"])
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                # This frame would hold its own exception: a cycle (exception, traceback,
+                # frame) that keeps the caller's locals until the garbage collector runs.
+                del failure
         return released
 
     def _release_caches_once(self, _requested: int, attempt: int) -> bool:
@@ -200,7 +205,12 @@ class Budget:
             except Exception as error:  # noqa: BLE001 - raised below, after the other devices
                 failure = failure or error
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                # This frame would hold its own exception: a cycle (exception, traceback,
+                # frame) that keeps the caller's locals until the garbage collector runs.
+                del failure
         return released
 
     def close(self) -> None:
@@ -209,17 +219,20 @@ class Budget:
         global _active
         for device in self._devices.values():
             device.guard.restore()
-        # What the caches keep free goes back to the pools, which live on while memory drawn
-        # from them does.
-        self.release_cached()
-        cupy = sys.modules.get("cupy")
-        if cupy is not None and self._cupy is not None:
-            previous, installed = self._cupy
-            if cupy.cuda.get_allocator() is installed:
-                cupy.cuda.set_allocator(previous)
-        with _lock:
-            if _active is self:
-                _active = None
+        try:
+            # What the caches keep free goes back to the pools, which live on while memory
+            # drawn from them does.
+            self.release_cached()
+        finally:
+            # Closed even where a release failed: the budget is out of force either way.
+            cupy = sys.modules.get("cupy")
+            if cupy is not None and self._cupy is not None:
+                previous, installed = self._cupy
+                if cupy.cuda.get_allocator() is installed:
+                    cupy.cuda.set_allocator(previous)
+            with _lock:
+                if _active is self:
+                    _active = None
 
     def __repr__(self) -> str:
         limits = ", ".join(f"{d}: {device.limit}" for d, device in sorted(self._devices.items()))

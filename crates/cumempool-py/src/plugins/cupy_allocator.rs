@@ -101,23 +101,12 @@ impl CupyAllocatorBase {
         }
         let stream_object = self.current_stream.call0(py)?;
         let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
-        // The capture asked once, and the answer held for the allocation: a cache below takes
-        // it instead of asking again. A capture, or no answer, leaves the call to Python.
-        let core = &stream.get().stream;
-        let served = core.with_capture_checked("allocating for CuPy", || {
-            refuse_legacy_stream_beside_a_capture(core, resource.device)?;
-            resource.alloc_outside_captures(py, size, stream.clone_ref(py))
-        });
-        let buffer = match served {
-            Ok(Ok(buffer)) => buffer,
-            outcome => {
-                crate::streams::stream::let_go(py, stream);
-                return match outcome {
-                    Ok(Err(failure)) => Err(failure),
-                    _ => Ok(None),
-                };
-            }
-        };
+        let possible = capture_possible(&stream.get().stream, resource.device);
+        if !matches!(possible, Ok(false)) {
+            crate::streams::stream::let_go(py, stream);
+            return possible.map(|_| None);
+        }
+        let buffer = resource.alloc_outside_captures(py, size, stream)?;
         let (ptr, device) = buffer.address_and_device()?;
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
@@ -125,16 +114,20 @@ impl CupyAllocatorBase {
     }
 }
 
-/// Work queued on the legacy stream (CuPy's null stream, or its per-thread stream, served as
-/// the legacy one) while a blocking stream of the device captures would be refused by the
-/// driver, which would invalidate that capture: refused here first, asked in a way that leaves
-/// the capture intact.
-fn refuse_legacy_stream_beside_a_capture(stream: &cumempool::Stream, device: i32) -> Outcome<()> {
+/// Whether the Python steps must serve a call on `stream`: a capture on it (its memory is kept
+/// for the graph there), or an answer that cannot be had. Work queued on the legacy stream
+/// (CuPy's null stream, or its per-thread stream, served as the legacy one) while a blocking
+/// stream of the device captures would be refused by the driver, which would invalidate that
+/// capture: refused here first, asked in a way that leaves the capture intact.
+fn capture_possible(stream: &cumempool::Stream, device: i32) -> Outcome<bool> {
+    if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
+        return Ok(true);
+    }
     if stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(device) {
         return Err(Failure::Core(cumempool::Error::StreamCapturing {
             operation: "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture underway on a blocking stream of the device: allocate on another stream, or after the capture)",
             capture: None,
         }));
     }
-    Ok(())
+    Ok(false)
 }

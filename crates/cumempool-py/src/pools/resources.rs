@@ -90,9 +90,8 @@ impl ResourceBase {
         // What it allocates on a capturing stream is graph memory (an allocation node), and the
         // Buffer, freed outside the graph, would either have its free refused before a launch
         // (each launch then allocates memory nothing frees) or run unordered after one.
-        // The answer held through the allocation: a cache below takes it instead of asking.
-        let core = stream.get().stream.clone();
-        core.with_capture_checked(ALLOC_DURING_CAPTURE, || self.alloc_outside_captures(py, size, stream))?
+        stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
+        self.alloc_outside_captures(py, size, stream)
     }
 
     /// `"device"`, `"host"` or `"managed"`.

@@ -64,16 +64,10 @@ impl Drop for Unmarked {
 /// goes through here, so a mark is never seen by a thread that does not hold the GIL (a Python
 /// callback of a resource, such as an out-of-memory callback calling
 /// `CachingResource.release()`, may release it inside a marked call).
-///
-/// Taking the GIL back may run Python code on this thread (PyO3 applies the reference drops
-/// that waited for the GIL, which may run finalizers): a capture check the call holds
-/// (`cumempool::Stream::with_capture_checked`) is forgotten, so what follows asks the driver.
 #[inline]
 pub fn detach<T: Send>(py: Python<'_>, call: impl FnOnce() -> T + Send) -> T {
     let _unmarked = Unmarked::new();
-    let answer = py.detach(call);
-    cumempool::forget_capture_checks();
-    answer
+    py.detach(call)
 }
 
 /// Set by the `atexit` handler the module registers: the interpreter is shutting down.

@@ -9,71 +9,6 @@ use cumempool_sys as sys;
 thread_local! {
     /// The innermost [`Stream::capture`](crate::Stream::capture) underway on this thread, if any (its id).
     static THREAD_CAPTURE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
-    /// The check a [`CaptureChecked`] holds on this thread: the stream's id, and the guard's
-    /// token; `(0, 0)` for none.
-    static CHECKED: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
-    /// The last token handed to a [`CaptureChecked`] on this thread.
-    static TOKENS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// A stream found not capturing by [`Stream::with_capture_checked`](crate::Stream::with_capture_checked),
-/// and so taken as not capturing on the calling thread while the call it runs lasts. Made and
-/// dropped there only, so no safe code can keep it (a guard forgotten with `mem::forget` would
-/// answer "not capturing" for the stream on this thread for good).
-///
-/// One check holds per thread: a guard made while another holds makes none of its own (the
-/// later calls ask the driver as before), so guards dropped in any order never leave a check
-/// behind. Code that runs what the call does not control (a callback, a finalizer) calls
-/// [`forget_capture_checks`] first.
-#[derive(Debug)]
-pub(crate) struct CaptureChecked {
-    /// The token this guard set, or 0 where it set none.
-    token: u64,
-    /// Dropped on the thread whose check it holds.
-    _not_send: std::marker::PhantomData<*const ()>,
-}
-
-impl CaptureChecked {
-    /// Holds the check for stream `id` on this thread, unless another holds.
-    pub(crate) fn hold(id: u64) -> Self {
-        if CHECKED.with(std::cell::Cell::get).1 != 0 {
-            return Self { token: 0, _not_send: std::marker::PhantomData };
-        }
-        let token = TOKENS.with(|t| {
-            let next = t.get().wrapping_add(1).max(1);
-            t.set(next);
-            next
-        });
-        CHECKED.with(|c| c.set((id, token)));
-        Self { token, _not_send: std::marker::PhantomData }
-    }
-}
-
-impl Drop for CaptureChecked {
-    fn drop(&mut self) {
-        // Only its own check: one forgotten or held by no guard of this one stays as it is.
-        if self.token != 0 {
-            CHECKED.with(|c| {
-                if c.get().1 == self.token {
-                    c.set((0, 0));
-                }
-            });
-        }
-    }
-}
-
-/// Whether a [`CaptureChecked`] holds for stream `id` on this thread.
-#[inline]
-pub(crate) fn checked_not_capturing(id: u64) -> bool {
-    CHECKED.with(std::cell::Cell::get).0 == id
-}
-
-/// Ends the capture check [`Stream::with_capture_checked`](crate::Stream::with_capture_checked)
-/// holds on the calling thread, so that what follows asks the driver again: for code about to
-/// run what the call does not control, such as an out-of-memory callback or a finalizer that
-/// could begin a capture on the stream.
-pub fn forget_capture_checks() {
-    CHECKED.with(|c| c.set((0, 0)));
 }
 
 /// Marks a [`Stream::capture`](crate::Stream::capture) as underway on this thread until dropped (the previous mark is
@@ -163,40 +98,4 @@ pub(crate) fn capture_info(stream: sys::CUstream) -> Result<CaptureStatus> {
         ))
     }?;
     CaptureStatus::from_raw(status, id)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{checked_not_capturing, forget_capture_checks, CaptureChecked};
-
-    #[test]
-    fn a_check_holds_while_its_guard_lives() {
-        let held = CaptureChecked::hold(5);
-        assert!(checked_not_capturing(5) && !checked_not_capturing(6));
-        drop(held);
-        assert!(!checked_not_capturing(5));
-    }
-
-    #[test]
-    fn guards_dropped_in_any_order_leave_no_check_behind() {
-        let outer = CaptureChecked::hold(5);
-        let inner = CaptureChecked::hold(6);
-        assert!(!checked_not_capturing(6), "a second check while one holds makes none");
-        drop(outer);
-        assert!(!checked_not_capturing(5));
-        drop(inner);
-        assert!(!checked_not_capturing(5) && !checked_not_capturing(6));
-    }
-
-    #[test]
-    fn a_forgotten_check_stays_forgotten() {
-        let first = CaptureChecked::hold(5);
-        forget_capture_checks();
-        assert!(!checked_not_capturing(5));
-        let second = CaptureChecked::hold(7);
-        drop(first);
-        assert!(checked_not_capturing(7), "the forgotten guard's drop cleared another's check");
-        drop(second);
-        assert!(!checked_not_capturing(7));
-    }
 }

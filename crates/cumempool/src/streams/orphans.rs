@@ -12,16 +12,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// Another library's handle, held only so that its stream outlives this one.
 pub(crate) struct KeepAlive(pub(crate) Option<Arc<dyn std::any::Any + Send + Sync>>);
 
-impl Drop for KeepAlive {
-    fn drop(&mut self) {
-        // Letting go of the lender's handle may run its code (a Python finalizer), which may
-        // begin a capture on a stream a call of this thread holds checked.
-        if self.0.is_some() {
-            crate::streams::capture_state::forget_capture_checks();
-        }
-    }
-}
-
 impl std::fmt::Debug for KeepAlive {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(if self.0.is_some() { "Some(..)" } else { "None" })

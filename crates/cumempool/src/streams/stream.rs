@@ -7,9 +7,7 @@ use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, driver_call};
 use crate::error::{Error, Result};
 use crate::streams::capture_mode;
-use crate::streams::capture_state::{
-    self, capture_info, refuse_host_wait_on_capturing_thread, CaptureChecked, CaptureStatus,
-};
+use crate::streams::capture_state::{capture_info, refuse_host_wait_on_capturing_thread, CaptureStatus};
 use crate::streams::deferred_frees::{run_frees, DeferredFree};
 use crate::streams::orphans::{adopt, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan};
 use cumempool_sys as sys;
@@ -393,7 +391,7 @@ impl Stream {
     /// As [`Stream::capture_status`].
     #[inline]
     pub fn is_capturing(&self) -> Result<bool> {
-        if !self.may_be_capturing() || self.capture_checked() {
+        if !self.may_be_capturing() {
             return Ok(false);
         }
         Ok(self.capture_status()? != CaptureStatus::None)
@@ -409,34 +407,10 @@ impl Stream {
     /// [`Error::StreamCapturing`]; the driver's refusal to say whether the stream captures.
     #[inline]
     pub fn ensure_not_capturing(&self, operation: &'static str) -> Result<()> {
-        if !self.may_be_capturing() || self.capture_checked() {
+        if !self.may_be_capturing() {
             return Ok(());
         }
         self.ensure_not_capturing_slow(operation)
-    }
-
-    /// As [`Stream::ensure_not_capturing`], then runs `call` with that answer held on the
-    /// calling thread: inside it, [`Stream::is_capturing`] and `ensure_not_capturing` on this
-    /// stream answer from the check, so the layers of one call (a plug-in, a cache above the
-    /// pool) ask the driver once. What allocates from the driver asks again
-    /// ([`Pool::alloc_raw`](crate::Pool::alloc_raw)), and so does everything after code the
-    /// call does not control ran on the thread ([`forget_capture_checks`](crate::forget_capture_checks)).
-    ///
-    /// # Errors
-    /// As [`Stream::ensure_not_capturing`]; then `call`'s own result is returned as it is.
-    pub fn with_capture_checked<T>(&self, operation: &'static str, call: impl FnOnce() -> T) -> Result<T> {
-        if !self.may_be_capturing() || self.capture_checked() {
-            return Ok(call());
-        }
-        self.ensure_not_capturing_slow(operation)?;
-        let _held = CaptureChecked::hold(self.0.id.get());
-        Ok(call())
-    }
-
-    /// Whether a [`CaptureChecked`] for this stream holds on the calling thread.
-    #[inline]
-    pub(crate) fn capture_checked(&self) -> bool {
-        capture_state::checked_not_capturing(self.0.id.get())
     }
 
     #[cold]
