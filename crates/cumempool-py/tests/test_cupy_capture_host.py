@@ -228,7 +228,9 @@ ref = make()
 gc.collect()
 print(ref() is None)
 allocator = cmc.Allocator(cm.Limit(cm.PoolResource(pool), 4096))
-print(copy.copy(allocator).resource is allocator.resource)
+allocator._elsewhere = print
+copied = copy.copy(allocator)
+print(copied.resource is allocator.resource and copied._elsewhere is print and copied._captured == [])
 stream = cm.Stream(0)
 current[0] = stream.handle
 cupy.cuda.memory.OutOfMemoryError = None  # building CuPy's class fails

@@ -101,8 +101,9 @@ class Allocator(_CupyAllocatorBase):
         self._elsewhere: Callable[[int], Any] | None = None
 
     def __reduce__(self):
-        # A copy draws from the same resource, with no memory of its own kept for graphs yet.
-        return (type(self), (self.resource,))
+        # A copy draws from the same resource, with the same fallback for other devices, and
+        # no memory of its own kept for graphs yet.
+        return (type(self), (self.resource,), {"_elsewhere": self._elsewhere})
 
     @property
     def captured_bytes(self) -> int:
