@@ -90,6 +90,27 @@ def cache_bound(limit: int) -> int:
     return min(limit // 64, _MOST_CACHED)
 
 
+def _release(caches: list[CachingResource]) -> int:
+    """Releases every cache, even where one fails (the first failure is raised after); the
+    bytes given back."""
+    released, failure = 0, None
+    for cache in caches:
+        before = cache.stats()["cached_bytes"]
+        try:
+            cache.release()
+        except Exception as error:  # noqa: BLE001 - raised below, after the other caches
+            failure = failure or error
+        released += max(0, before - cache.stats()["cached_bytes"])
+    if failure is not None:
+        try:
+            raise failure
+        finally:
+            # This frame would hold its own exception: a cycle (exception, traceback, frame)
+            # that keeps the caller's locals until the garbage collector runs.
+            del failure
+    return released
+
+
 @dataclass
 class _Device:
     """The budget of one device: its pool, the route change that made it current, and per
@@ -122,27 +143,10 @@ class _Device:
             return top
 
     def release_cached(self) -> int:
-        """Gives the caches' free blocks back to the pool; the bytes given back. Every cache
-        is released even where one fails; the first failure is raised after."""
+        """Gives the caches' free blocks back to the pool; the bytes given back."""
         # No lock: an out-of-memory callback calls this, possibly inside a `with _lock` block
         # of this thread (a finalizer that allocates), and a list copy is one step.
-        caches = list(self.caches.values())
-        released, failure = 0, None
-        for cache in caches:
-            before = cache.stats()["cached_bytes"]
-            try:
-                cache.release()
-            except Exception as error:  # noqa: BLE001 - raised below, after the other caches
-                failure = failure or error
-            released += max(0, before - cache.stats()["cached_bytes"])
-        if failure is not None:
-            try:
-                raise failure
-            finally:
-                # This frame would hold its own exception: a cycle (exception, traceback,
-                # frame) that keeps the caller's locals until the garbage collector runs.
-                del failure
-        return released
+        return _release(list(self.caches.values()))
 
     def _release_caches_once(self, _requested: int, attempt: int) -> bool:
         """An ``OnOutOfMemory`` callback: the pool is full, so the caches give their blocks back
@@ -198,20 +202,7 @@ class Budget:
     def release_cached(self) -> int:
         """Gives the free blocks the libraries' caches keep back to the budget's pools, for the
         other libraries; the bytes given back."""
-        released, failure = 0, None
-        for device in self._devices.values():
-            try:
-                released += device.release_cached()
-            except Exception as error:  # noqa: BLE001 - raised below, after the other devices
-                failure = failure or error
-        if failure is not None:
-            try:
-                raise failure
-            finally:
-                # This frame would hold its own exception: a cycle (exception, traceback,
-                # frame) that keeps the caller's locals until the garbage collector runs.
-                del failure
-        return released
+        return _release([cache for device in self._devices.values() for cache in list(device.caches.values())])
 
     def close(self) -> None:
         """Puts back the pools that were current before (what the libraries allocated stays
