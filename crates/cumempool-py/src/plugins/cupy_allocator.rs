@@ -23,6 +23,11 @@ pub struct CupyAllocatorBase {
     current_device: Py<PyAny>,
     /// `cupy.cuda.get_current_stream`.
     current_stream: Py<PyAny>,
+    /// `cupy.cuda.stream.get_current_stream_ptr`, where CuPy has it: the current stream's
+    /// handle as an int, without the stream object. Used alone only where the handle names a
+    /// default stream (legacy or per-thread), which outlives every object; any other stream
+    /// is looked up through its object, which the buffer then holds.
+    current_stream_handle: Option<Py<PyAny>>,
     /// `cupy.cuda.UnownedMemory`.
     unowned_memory: Py<PyAny>,
     /// `cupy.cuda.MemoryPointer`.
@@ -38,11 +43,20 @@ impl CupyAllocatorBase {
         resource: Py<ResourceBase>,
         current_device: Py<PyAny>,
         current_stream: Py<PyAny>,
+        current_stream_handle: Option<Py<PyAny>>,
         unowned_memory: Py<PyAny>,
         memory_pointer: Py<PyAny>,
         history: Py<PyDict>,
     ) -> Self {
-        Self { resource, current_device, current_stream, unowned_memory, memory_pointer, history }
+        Self {
+            resource,
+            current_device,
+            current_stream,
+            current_stream_handle,
+            unowned_memory,
+            memory_pointer,
+            history,
+        }
     }
 
     /// The resource the allocator draws from.
@@ -83,6 +97,9 @@ impl CupyAllocatorBase {
         visit.call(&self.resource)?;
         visit.call(&self.current_device)?;
         visit.call(&self.current_stream)?;
+        if let Some(handle) = &self.current_stream_handle {
+            visit.call(handle)?;
+        }
         visit.call(&self.unowned_memory)?;
         visit.call(&self.memory_pointer)?;
         visit.call(&self.history)
@@ -99,8 +116,7 @@ impl CupyAllocatorBase {
         if self.current_device.call0(py)?.extract::<i32>(py)? != resource.device {
             return Ok(None);
         }
-        let stream_object = self.current_stream.call0(py)?;
-        let stream = Stream::from_object(py, Some(stream_object.bind(py)), resource.device)?;
+        let stream = self.current_stream(py, resource.device)?;
         let possible = capture_possible(&stream.get().stream, resource.device);
         if !matches!(possible, Ok(false)) {
             crate::streams::stream::let_go(py, stream);
@@ -111,6 +127,20 @@ impl CupyAllocatorBase {
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
+    }
+
+    /// CuPy's current stream, as served on `device` (the current device). A default stream's
+    /// handle is served from the handle alone (one call, no attribute of the object read);
+    /// any other stream through CuPy's object, as every library's stream is.
+    fn current_stream(&self, py: Python<'_>, device: i32) -> Outcome<Py<Stream>> {
+        if let Some(handle) = &self.current_stream_handle {
+            let raw = handle.call0(py)?;
+            if let Some(stream) = Stream::for_default_handle(py, raw.extract::<usize>(py)?, device)? {
+                return Ok(stream);
+            }
+        }
+        let stream_object = self.current_stream.call0(py)?;
+        Stream::from_object(py, Some(stream_object.bind(py)), device)
     }
 }
 

@@ -2,6 +2,9 @@
 //! legacy stream is the current context's, the per-thread stream the calling thread's, so every
 //! module that meets a raw handle asks here before treating it as one stream.
 
+use crate::sync::locks::lock;
+use std::sync::Mutex;
+
 /// `CU_STREAM_LEGACY`: the legacy default stream of the current context, as `0` is.
 pub(crate) const LEGACY_HANDLE: usize = 1;
 
@@ -19,9 +22,30 @@ pub(crate) fn names_legacy(handle: usize) -> bool {
 /// invalidates that capture, and a question of the legacy stream answers with an error instead,
 /// leaving it intact. An answer that cannot be had counts as blocked.
 pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
-    crate::streams::primary_contexts::primary_context(device).map_or(true, |context| {
-        let legacy = cumempool::Stream::legacy(&context);
+    legacy_stream(device).map_or(true, |legacy| {
         cumempool::keeping_current_context(|| legacy.capture_status())
             .map_or(true, |status| status != cumempool::CaptureStatus::None)
     })
 }
+
+/// The legacy stream of `device`'s primary context, made once per device: the plug-ins ask
+/// it at every allocation on a default stream.
+fn legacy_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
+    let known = |streams: &[(i32, cumempool::Stream)]| {
+        streams.iter().find(|(d, _)| *d == device).map(|(_, stream)| stream.clone())
+    };
+    if let Some(stream) = known(&lock(&LEGACY_STREAMS)) {
+        return Ok(stream);
+    }
+    let made = cumempool::Stream::legacy(&crate::streams::primary_contexts::primary_context(device)?);
+    let mut streams = lock(&LEGACY_STREAMS);
+    if let Some(first) = known(&streams) {
+        return Ok(first);
+    }
+    streams.push((device, made.clone()));
+    Ok(made)
+}
+
+/// One legacy stream per device (`legacy_stream`); each holds its primary context, which the
+/// bindings keep retained for the process anyway (`primary_contexts`).
+static LEGACY_STREAMS: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());

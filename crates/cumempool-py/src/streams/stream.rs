@@ -143,6 +143,22 @@ impl Stream {
         Ok(Self { stream, owner, device, closed: Default::default() })
     }
 
+    /// The object `raw` stands for where it names one of `device`'s default streams, which no
+    /// library destroys: `0` and `CU_STREAM_LEGACY` name the legacy stream of whichever context
+    /// is current (the device's own object, so two devices' legacy streams are never one
+    /// stream); `CU_STREAM_PER_THREAD` the calling thread's per-thread stream (never
+    /// remembered: each use is checked on its own thread, `per_thread`). `None` for any other
+    /// handle.
+    pub(crate) fn for_default_handle(py: Python<'_>, raw: usize, device: i32) -> Outcome<Option<Py<Self>>> {
+        if names_legacy(raw) {
+            return Self::shared_legacy(py, device).map(Some);
+        }
+        if raw == PER_THREAD_HANDLE {
+            return Self::per_thread(py, device).map(Some);
+        }
+        Ok(None)
+    }
+
     /// What `obj` names as a stream: a `Stream`, an object with `__cuda_stream__`, a PyTorch
     /// stream (`cuda_stream`), a CuPy stream (`ptr`), or a raw int handle. `None` is the legacy
     /// default stream of `default_device`.
@@ -169,14 +185,8 @@ impl Stream {
             }
         }
         let (raw, device, naming) = foreign_handle(obj, default_device)?;
-        // `0` and `CU_STREAM_LEGACY` name the legacy stream of whichever context is current:
-        // the device's own object, so two devices' legacy streams are never one stream.
-        if names_legacy(raw) {
-            return Self::shared_legacy(py, device);
-        }
-        // Never remembered: each use is checked on its own thread (`per_thread`).
-        if raw == PER_THREAD_HANDLE {
-            return Self::per_thread(py, device);
+        if let Some(stream) = Self::for_default_handle(py, raw, device)? {
+            return Ok(stream);
         }
         let known = lock(&LENT).by_handle(py, raw, device);
         let stream = match known {
