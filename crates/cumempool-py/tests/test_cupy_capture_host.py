@@ -8,11 +8,15 @@ from test_resource_alloc_under_capture import run_on_stand_in
 # A stand-in ``cupy``: its current stream is `current[0]` (a handle of the stand-in driver, 0
 # the legacy stream), which `capture()` begins capturing (in `mode`) and `end_capture()` ends, as
 # CuPy's `begin_capture` and `end_capture` do; `synced` notes the devices synchronised
-# (`cupy.cuda.Device(n).synchronize()`).
+# (`cupy.cuda.Device(n).synchronize()`); `asked` lists the attributes the stream had not
+# (what a conversion looked for).
 FAKE_CUPY = """
 import sys, types
-current, synced, objects_asked = [0], [], [0]
+current, synced, asked = [0], [], []
 class FakeStream:
+    def __getattr__(self, name):
+        asked.append(name)
+        raise AttributeError(name)
     @property
     def ptr(self):
         return current[0]
@@ -39,26 +43,22 @@ cupy = types.ModuleType("cupy")
 cupy.cuda = types.SimpleNamespace(
     memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
     runtime=types.SimpleNamespace(getDevice=lambda: 0),
-    get_current_stream=lambda: (objects_asked.__setitem__(0, objects_asked[0] + 1), FakeStream())[1],
+    get_current_stream=lambda: FakeStream(),
     Device=FakeDevice,
     UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
     MemoryPointer=lambda memory, offset: memory,
 )
-if HANDLES:
-    cupy.cuda.stream = types.SimpleNamespace(get_current_stream_ptr=lambda: current[0])
 sys.modules["cupy"] = cupy
 import cumempool.cupy as cmc
 """
 
 
-def _with_fake_cupy(stand_in_libcuda, code, handles=False):
-    """Runs `code` on the stand-in driver after FAKE_CUPY (with CuPy's handle call where
-    `handles`); its stdout words."""
-    return run_on_stand_in(stand_in_libcuda, f"HANDLES = {handles}\n" + FAKE_CUPY + code)
+def _with_fake_cupy(stand_in_libcuda, code):
+    """Runs `code` on the stand-in driver after FAKE_CUPY; its stdout words."""
+    return run_on_stand_in(stand_in_libcuda, FAKE_CUPY + code)
 
 
-@pytest.mark.parametrize("handles", [False, True], ids=["stream objects", "handle call"])
-def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda, handles):
+def test_release_captured_keeps_memory_an_array_still_holds(stand_in_libcuda):
     # An array a capture made (the graph's output, `y = x * 2` inside the capture) lives on
     # after the graph: releasing the captured memory must not free it under the array, and the
     # device is waited for first (a launch queued before may still run on the memory).
@@ -78,13 +78,11 @@ del escaped
 allocator.release_captured()
 print(pool.used_mem_current, allocator.captured_bytes)
 """,
-        handles=handles,
     )
     assert words == ["4096", "4096", "[0]", "0", "0"], "an array's memory was freed under it, or unsynchronised"
 
 
-@pytest.mark.parametrize("handles", [False, True], ids=["stream objects", "handle call"])
-def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcuda, handles):
+def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcuda):
     # A capture begun in global mode forbids this thread's host waits (the stand-in invalidates
     # it as the driver does): serving it, allocating on the side stream, a cache's bookkeeping
     # and the wait for the allocation must leave it intact.
@@ -100,14 +98,12 @@ for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
     print(end_capture(captured), allocator.captured_bytes)
     allocator.release_captured()
 """,
-        handles=handles,
     )
     assert words == ["0", "12288", "0", "12288"], "the plug-in invalidated a global-mode capture"
 
 
-@pytest.mark.parametrize("handles", [False, True], ids=["stream objects", "handle call"])
 @pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])
-def test_on_a_default_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda, default_stream, handles):
+def test_on_a_default_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda, default_stream):
     # Another thread captures its per-thread stream (blocking, global mode) while CuPy
     # allocates on its null stream, or on its per-thread default stream (both queue on the
     # legacy stream): the driver would refuse that allocation and invalidate the capture. The
@@ -140,15 +136,14 @@ done.set()
 thread.join()
 print(ended[0], pool.used_mem_current)
 """,
-        handles=handles,
     )
     assert words == ["refused", "0", "0"], "the allocation went to the driver and invalidated the other thread's capture"
 
 
-def test_on_a_default_stream_the_handle_alone_serves_and_another_stream_is_held_by_its_object(stand_in_libcuda):
-    # With CuPy's handle call, a default stream (null, per-thread) is served from the handle
-    # alone: CuPy's stream object is never asked for. Any other stream is looked up through its
-    # object (which the buffer then holds: CuPy may destroy a stream whose object is gone).
+def test_a_default_stream_is_served_from_its_handle_and_another_through_its_object(stand_in_libcuda):
+    # CuPy's null and per-thread streams are served from `ptr` alone (they outlive every
+    # object): no other library's attribute is looked for. Any other stream goes through the
+    # general conversion, which keeps CuPy's object for the buffer.
     words = _with_fake_cupy(
         stand_in_libcuda,
         """
@@ -157,16 +152,16 @@ allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
 for handle in (0, 1, 2):
     current[0] = handle
     kept = allocator(4096)
+    print(kept[2].stream.handle)
     del kept
-print(objects_asked[0])
+print(len(asked))
 stream = cm.Stream(0)
 current[0] = stream.handle
 kept = allocator(4096)
-print(objects_asked[0], kept[2].stream.handle == stream.handle)
+print(kept[2].stream.handle == stream.handle, "__cuda_stream__" in asked)
 """,
-        handles=True,
     )
-    assert words == ["0", "1", "True"], "the default streams asked for CuPy's object, or another stream went without it"
+    assert words == ["0", "0", "2", "0", "True", "True"], "a default stream was looked up by other attributes"
 
 
 def test_the_native_call_raises_cupys_out_of_memory_and_records_when_asked(stand_in_libcuda):

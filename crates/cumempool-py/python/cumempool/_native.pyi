@@ -376,7 +376,6 @@ class _CupyAllocatorBase:
         resource: Resource,
         current_device: Callable[[], int],
         current_stream: Callable[[], Any],
-        current_stream_handle: Callable[[], int] | None,
         unowned_memory: Any,
         memory_pointer: Any,
         history: dict[str, Any],

@@ -86,7 +86,6 @@ class Allocator(_CupyAllocatorBase):
             resource_of(source),
             cupy.cuda.runtime.getDevice,
             cupy.cuda.get_current_stream,
-            getattr(getattr(cupy.cuda, "stream", None), "get_current_stream_ptr", None),
             cupy.cuda.UnownedMemory,
             cupy.cuda.MemoryPointer,
             vars(_history),

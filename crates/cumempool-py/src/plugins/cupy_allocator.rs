@@ -23,11 +23,6 @@ pub struct CupyAllocatorBase {
     current_device: Py<PyAny>,
     /// `cupy.cuda.get_current_stream`.
     current_stream: Py<PyAny>,
-    /// `cupy.cuda.stream.get_current_stream_ptr`, where CuPy has it: the current stream's
-    /// handle as an int, without the stream object. Used alone only where the handle names a
-    /// default stream (legacy or per-thread), which outlives every object; any other stream
-    /// is looked up through its object, which the buffer then holds.
-    current_stream_handle: Option<Py<PyAny>>,
     /// `cupy.cuda.UnownedMemory`.
     unowned_memory: Py<PyAny>,
     /// `cupy.cuda.MemoryPointer`.
@@ -43,20 +38,11 @@ impl CupyAllocatorBase {
         resource: Py<ResourceBase>,
         current_device: Py<PyAny>,
         current_stream: Py<PyAny>,
-        current_stream_handle: Option<Py<PyAny>>,
         unowned_memory: Py<PyAny>,
         memory_pointer: Py<PyAny>,
         history: Py<PyDict>,
     ) -> Self {
-        Self {
-            resource,
-            current_device,
-            current_stream,
-            current_stream_handle,
-            unowned_memory,
-            memory_pointer,
-            history,
-        }
+        Self { resource, current_device, current_stream, unowned_memory, memory_pointer, history }
     }
 
     /// The resource the allocator draws from.
@@ -97,9 +83,6 @@ impl CupyAllocatorBase {
         visit.call(&self.resource)?;
         visit.call(&self.current_device)?;
         visit.call(&self.current_stream)?;
-        if let Some(handle) = &self.current_stream_handle {
-            visit.call(handle)?;
-        }
         visit.call(&self.unowned_memory)?;
         visit.call(&self.memory_pointer)?;
         visit.call(&self.history)
@@ -129,18 +112,20 @@ impl CupyAllocatorBase {
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
     }
 
-    /// CuPy's current stream, as served on `device` (the current device). A default stream's
-    /// handle is served from the handle alone (one call, no attribute of the object read);
-    /// any other stream through CuPy's object, as every library's stream is.
+    /// CuPy's current stream, as served on `device` (the current device). A default stream
+    /// (CuPy's null stream, its per-thread stream) is served from its handle, `ptr`, alone:
+    /// those streams outlive every object, and this skips the other libraries' attributes the
+    /// general conversion looks for first. Any other stream goes through that conversion, which
+    /// keeps CuPy's object (CuPy destroys the stream when its object goes).
     fn current_stream(&self, py: Python<'_>, device: i32) -> Outcome<Py<Stream>> {
-        if let Some(handle) = &self.current_stream_handle {
-            let raw = handle.call0(py)?;
-            if let Some(stream) = Stream::for_default_handle(py, raw.extract::<usize>(py)?, device)? {
+        let stream_object = self.current_stream.call0(py)?;
+        let stream_object = stream_object.bind(py);
+        if let Some(raw) = stream_object.getattr(intern!(py, "ptr")).ok().and_then(|ptr| ptr.extract::<usize>().ok()) {
+            if let Some(stream) = Stream::for_default_handle(py, raw, device)? {
                 return Ok(stream);
             }
         }
-        let stream_object = self.current_stream.call0(py)?;
-        Stream::from_object(py, Some(stream_object.bind(py)), device)
+        Stream::from_object(py, Some(stream_object), device)
     }
 }
 
