@@ -14,6 +14,9 @@ FAKE_CUPY = """
 import sys, types
 current, synced, asked = [0], [], []
 class FakeStream:
+    device_id = -1  # CuPy's default-stream objects answer -1: "the current device"
+    def __cuda_stream__(self):
+        return (0, self.ptr)
     def __getattr__(self, name):
         asked.append(name)
         raise AttributeError(name)
@@ -158,10 +161,33 @@ print(len(asked))
 stream = cm.Stream(0)
 current[0] = stream.handle
 kept = allocator(4096)
-print(kept[2].stream.handle == stream.handle, "__cuda_stream__" in asked)
+print(kept[2].stream.handle == stream.handle, len(asked) > 0)
 """,
     )
     assert words == ["0", "0", "2", "0", "True", "True"], "a default stream was looked up by other attributes"
+
+
+def test_a_default_stream_is_the_current_devices_in_the_python_steps_too(stand_in_libcuda):
+    # Handles 0, 1 and 2 name the current context's default streams, whatever device the
+    # stream object says: the Python steps (recording on) serve them as the native call does,
+    # on the current device.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+FakeStream.device_id = 1
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+for recording in (False, True):
+    cm.record_history(recording, stacks=None)
+    kept = allocator(4096)
+    buffer = getattr(kept[2], "buffer", kept[2])  # recording holds it in a record
+    print(buffer.device, buffer.stream.handle)
+    del buffer
+    del kept
+cm.record_history(False)
+""",
+    )
+    assert words == ["0", "0", "0", "0"], "the Python steps took the stream object's device"
 
 
 def test_the_native_call_raises_cupys_out_of_memory_and_records_when_asked(stand_in_libcuda):

@@ -181,7 +181,10 @@ class Allocator(_CupyAllocatorBase):
         if is_capturing is not None and is_capturing():
             owner = self._for_a_capture(size)
         else:
-            owner = self.resource.alloc(size, stream)
+            # A default stream (null, legacy, per-thread) by its handle, which names the current
+            # device's, as the native call serves it.
+            handle = getattr(stream, "ptr", None)
+            owner = self.resource.alloc(size, handle if handle in (0, 1, 2) else stream)
             if _history.recording is not None:
                 owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)

@@ -8,6 +8,7 @@
 use crate::errors::{Failure, Outcome};
 use crate::pools::resources::ResourceBase;
 use crate::streams::stream::Stream;
+use pyo3::exceptions::PyAttributeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -120,10 +121,17 @@ impl CupyAllocatorBase {
     fn current_stream(&self, py: Python<'_>, device: i32) -> Outcome<Py<Stream>> {
         let stream_object = self.current_stream.call0(py)?;
         let stream_object = stream_object.bind(py);
-        if let Some(raw) = stream_object.getattr(intern!(py, "ptr")).ok().and_then(|ptr| ptr.extract::<usize>().ok()) {
-            if let Some(stream) = Stream::for_default_handle(py, raw, device)? {
-                return Ok(stream);
+        match stream_object.getattr(intern!(py, "ptr")) {
+            Ok(ptr) => {
+                if let Ok(raw) = ptr.extract::<usize>() {
+                    if let Some(stream) = Stream::for_default_handle(py, raw, device)? {
+                        return Ok(stream);
+                    }
+                }
             }
+            // No `ptr`: not a CuPy stream; the general conversion says what it is.
+            Err(error) if error.is_instance_of::<PyAttributeError>(py) => {}
+            Err(error) => return Err(error.into()),
         }
         Stream::from_object(py, Some(stream_object), device)
     }

@@ -47,5 +47,6 @@ fn legacy_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
 }
 
 /// One legacy stream per device (`legacy_stream`); each holds its primary context, which the
-/// bindings keep retained for the process anyway (`primary_contexts`).
+/// bindings keep retained for the process anyway (`primary_contexts`). Apart from the Python
+/// objects of `Stream::shared_legacy` (`stream.rs`): the torch plug-in asks without the GIL.
 static LEGACY_STREAMS: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
