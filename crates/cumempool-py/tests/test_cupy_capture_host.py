@@ -9,13 +9,15 @@ from test_resource_alloc_under_capture import run_on_stand_in
 # the legacy stream), which `capture()` begins capturing (in `mode`) and `end_capture()` ends, as
 # CuPy's `begin_capture` and `end_capture` do; `synced` notes the devices synchronised
 # (`cupy.cuda.Device(n).synchronize()`); `asked` lists the attributes the stream had not
-# (what a conversion looked for).
+# (what a conversion looked for), and `protocol` counts calls of `__cuda_stream__`. The current
+# stream is a new object per call unless `same[0]` holds one (CuPy keeps its current stream's).
 FAKE_CUPY = """
 import sys, types
-current, synced, asked = [0], [], []
+current, synced, asked, protocol, same = [0], [], [], [0], [None]
 class FakeStream:
     device_id = -1  # CuPy's default-stream objects answer -1: "the current device"
     def __cuda_stream__(self):
+        protocol[0] += 1
         return (0, self.ptr)
     def __getattr__(self, name):
         asked.append(name)
@@ -46,7 +48,7 @@ cupy = types.ModuleType("cupy")
 cupy.cuda = types.SimpleNamespace(
     memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
     runtime=types.SimpleNamespace(getDevice=lambda: 0),
-    get_current_stream=lambda: FakeStream(),
+    get_current_stream=lambda: same[0] or FakeStream(),
     Device=FakeDevice,
     UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
     MemoryPointer=lambda memory, offset: memory,
@@ -188,6 +190,30 @@ cm.record_history(False)
 """,
     )
     assert words == ["0", "0", "0", "0"], "the Python steps took the stream object's device"
+
+
+def test_cupys_stream_object_is_found_again_by_its_handle_and_not_asked_again(stand_in_libcuda):
+    # A CuPy stream that stays current is found in the memo by its object and the handle just
+    # read (`ptr`): the stream protocol is not asked again. An object that names another
+    # handle by now is looked up anew.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+first, second = cm.Stream(0), cm.Stream(0)
+same[0] = FakeStream()
+current[0] = first.handle
+kept = [allocator(4096)]
+asked_first = protocol[0]
+kept += [allocator(4096) for _ in range(3)]
+print(asked_first > 0, protocol[0] == asked_first, {k[2].stream.handle == first.handle for k in kept})
+current[0] = second.handle
+kept.append(allocator(4096))
+print(kept[-1][2].stream.handle == second.handle)
+""",
+    )
+    assert words == ["True", "True", "{True}", "True"], "the memo asked the protocol again, or kept a stale stream"
 
 
 def test_the_native_call_raises_cupys_out_of_memory_and_records_when_asked(stand_in_libcuda):

@@ -116,8 +116,9 @@ impl CupyAllocatorBase {
     /// CuPy's current stream, as served on `device` (the current device). A default stream
     /// (CuPy's null stream, its per-thread stream) is served from its handle, `ptr`, alone:
     /// those streams outlive every object, and this skips the other libraries' attributes the
-    /// general conversion looks for first. Any other stream goes through that conversion, which
-    /// keeps CuPy's object (CuPy destroys the stream when its object goes).
+    /// general conversion looks for first. Any other stream goes through the lent-stream memo,
+    /// which keeps CuPy's object (CuPy destroys the stream when its object goes); the handle
+    /// just read stands for the memo's question of the object.
     fn current_stream(&self, py: Python<'_>, device: i32) -> Outcome<Py<Stream>> {
         let stream_object = self.current_stream.call0(py)?;
         let stream_object = stream_object.bind(py);
@@ -127,6 +128,7 @@ impl CupyAllocatorBase {
                     if let Some(stream) = Stream::for_default_handle(py, raw, device)? {
                         return Ok(stream);
                     }
+                    return Stream::from_object_with_handle(py, stream_object, raw, device);
                 }
             }
             // No `ptr`: not a CuPy stream; the general conversion says what it is.

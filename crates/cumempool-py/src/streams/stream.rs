@@ -159,6 +159,24 @@ impl Stream {
         Ok(None)
     }
 
+    /// What `obj`, whose handle was just read as `raw` (CuPy's `ptr`), names as a stream: the
+    /// memo's stream for `obj` where it still has that handle, so the object is not asked
+    /// again; else as [`Stream::from_object`] (which asks it).
+    pub(crate) fn from_object_with_handle(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        raw: usize,
+        default_device: i32,
+    ) -> Outcome<Py<Self>> {
+        let recent = lock(&LENT).recent(py, obj);
+        if let Some((known, _)) = recent {
+            if known.get().stream.as_raw() as usize == raw {
+                return Ok(known);
+            }
+        }
+        Self::from_object(py, Some(obj), default_device)
+    }
+
     /// What `obj` names as a stream: a `Stream`, an object with `__cuda_stream__`, a PyTorch
     /// stream (`cuda_stream`), a CuPy stream (`ptr`), or a raw int handle. `None` is the legacy
     /// default stream of `default_device`.
