@@ -216,6 +216,29 @@ print(kept[-1][2].stream.handle == second.handle)
     assert words == ["True", "True", "{True}", "True"], "the memo asked the protocol again, or kept a stale stream"
 
 
+def test_a_cupy_stream_without_the_protocol_that_names_another_handle_is_looked_up_anew(stand_in_libcuda):
+    # CuPy before 14 has no `__cuda_stream__`: its stream is named by `ptr`. Where the object
+    # reports another handle than the memo kept for it, the allocation goes to that stream.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+class OlderCupyStream:
+    device_id = -1
+    ptr = 0
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+first, second = cm.Stream(0), cm.Stream(0)
+same[0] = OlderCupyStream()
+same[0].ptr = first.handle
+kept = [allocator(4096)]
+same[0].ptr = second.handle
+kept.append(allocator(4096))
+print([k[2].stream.handle for k in kept] == [first.handle, second.handle])
+""",
+    )
+    assert words == ["True"], "the allocation went to the stream the memo kept, not the one the object names"
+
+
 def test_the_native_call_raises_cupys_out_of_memory_and_records_when_asked(stand_in_libcuda):
     # The allocator's call is native: at the resource's limit it still raises CuPy's class
     # (cumempool's too, with the driver's fields), other failures raise as they are, and with

@@ -161,7 +161,8 @@ impl Stream {
 
     /// What `obj`, whose handle was just read as `raw` (CuPy's `ptr`), names as a stream: the
     /// memo's stream for `obj` where it still has that handle, so the object is not asked
-    /// again; else as [`Stream::from_object`] (which asks it).
+    /// again; else looked up anew (whatever the memo kept for `obj`, which names another
+    /// stream now).
     pub(crate) fn from_object_with_handle(
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
@@ -174,7 +175,7 @@ impl Stream {
                 return Ok(known);
             }
         }
-        Self::from_object(py, Some(obj), default_device)
+        Self::looked_up_anew(py, obj, default_device)
     }
 
     /// What `obj` names as a stream: a `Stream`, an object with `__cuda_stream__`, a PyTorch
@@ -202,6 +203,12 @@ impl Stream {
                 return Ok(known);
             }
         }
+        Self::looked_up_anew(py, obj, default_device)
+    }
+
+    /// What `obj` (another library's stream object) names now, asked of the object itself and
+    /// remembered: the stream kept for its handle where `obj` may stand for it, else a new one.
+    fn looked_up_anew(py: Python<'_>, obj: &Bound<'_, PyAny>, default_device: i32) -> Outcome<Py<Self>> {
         let (raw, device, naming) = foreign_handle(obj, default_device)?;
         if let Some(stream) = Self::for_default_handle(py, raw, device)? {
             return Ok(stream);
