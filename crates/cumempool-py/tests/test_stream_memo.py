@@ -7,7 +7,6 @@ import weakref
 import pytest
 
 import cumempool as cm
-from conftest import run_on_driver
 
 
 class Lender:
@@ -116,51 +115,3 @@ def _lend_another():
     """Lends the memo one more stream (a miss), for a fix that prunes on a miss."""
     other = Lender(cm.Stream(0))
     cm.Stream.borrow(other)
-
-
-@pytest.mark.parametrize("owner_names", ["ptr", "__cuda_stream__"], ids=["CuPy before 14", "CuPy 14"])
-@pytest.mark.parametrize("wrapper_names", ["cuda_stream", "__cuda_stream__"], ids=["torch wrapper", "cuda.core wrapper"])
-def test_a_stream_two_libraries_objects_name_holds_the_object_each_buffer_came_through(
-    stand_in_libcuda, owner_names, wrapper_names
-):
-    # One handle named by two libraries' objects of different kinds: a CuPy stream, which owns
-    # the stream (destroyed when the object goes), and a torch.cuda.ExternalStream wrapping its
-    # handle, which owns nothing. A buffer allocated through the owner must hold the owner, not
-    # share the wrapper's entry, or the stream could be destroyed under memory still ordered on
-    # it once the caller lets go of both objects.
-    words = run_on_driver(
-        stand_in_libcuda,
-        f"""
-        import gc, weakref
-        import cumempool as cm
-
-        class Owner:  # as CuPy's Stream: named by `ptr` (and `__cuda_stream__` from CuPy 14)
-            def __init__(self, stream):
-                self.stream, self.ptr, self.device_id = stream, stream.handle, -1
-            if {owner_names == "__cuda_stream__"}:
-                def __cuda_stream__(self):
-                    return (0, self.ptr)
-
-        class Wrapper:  # a wrapper of another library's handle, which owns nothing
-            def __init__(self, handle):
-                self.handle = handle
-            if {wrapper_names == "cuda_stream"}:
-                cuda_stream = property(lambda self: self.handle)  # torch.cuda.ExternalStream
-            else:
-                def __cuda_stream__(self):  # cuda.core's Stream.from_handle
-                    return (0, self.handle)
-
-        pool = cm.MemPool(cm.Route.device(0))
-        owner = Owner(cm.Stream(0))
-        wrapper = Wrapper(owner.ptr)
-        first = pool.alloc(4096, wrapper)
-        second = pool.alloc(4096, owner)
-        alive = weakref.ref(owner)
-        del owner, wrapper
-        for _ in range(12):  # other streams push both objects out of the memo's recent list
-            pool.alloc(16, Owner(cm.Stream(0))).close()
-        gc.collect()
-        print(alive() is not None, second.stream.owner is alive())
-        """,
-    )
-    assert words == ["True", "True"], "the owner of the stream was let go of while a buffer is ordered on it"

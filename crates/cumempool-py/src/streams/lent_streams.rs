@@ -141,9 +141,7 @@ fn device_of(obj: &Bound<'_, PyAny>) -> Option<i32> {
 /// destroys it), and the driver gives a destroyed stream's handle to the next new stream:
 /// the entry's own object is asked again which handle it names. An entry an int made
 /// answers for ints (which promise validity themselves), and gives way to a library
-/// object, which is then held. An entry a library's object made answers for ints, and for
-/// objects of its type that compare equal to it (the same stream of the same library); another
-/// object gets a stream of its own, which holds it.
+/// object, which is then held.
 pub(crate) fn still_lent_as<S: LentStream>(stream: &S, obj: &Bound<'_, PyAny>, raw: usize, naming: Naming) -> bool {
     let Some((owner, owner_naming)) = stream.lender() else {
         return false;
@@ -152,21 +150,11 @@ pub(crate) fn still_lent_as<S: LentStream>(stream: &S, obj: &Bound<'_, PyAny>, r
     if owner.is(obj) {
         return true;
     }
-    // A library's own objects of one stream (each `torch.cuda.current_stream()` is a new one)
-    // compare equal. An object of another kind may be the one that owns the stream (a CuPy
-    // stream beside a `torch.cuda.ExternalStream` or a cuda.core `Stream.from_handle` of its
-    // handle), and must be held by what is ordered through it: it gets a stream of its own.
-    let same_library_object = |kind: Naming| {
-        naming == Naming::Int
-            || (naming == kind && owner.get_type().is(obj.get_type()) && owner.eq(obj).unwrap_or(false))
-    };
     match owner_naming {
         Naming::Int => naming == Naming::Int,
-        Naming::Attribute => same_library_object(Naming::Attribute),
+        Naming::Attribute => true,
         // The entry's object raising (closed) or naming another handle: a stale entry.
-        Naming::Protocol => {
-            protocol_handle(owner).is_ok_and(|handle| handle == raw) && same_library_object(Naming::Protocol)
-        }
+        Naming::Protocol => protocol_handle(owner).is_ok_and(|handle| handle == raw),
     }
 }
 
