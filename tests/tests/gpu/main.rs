@@ -21,7 +21,6 @@ mod ipc;
 mod locality_domains;
 mod pools;
 mod resource_allocations_in_graphs;
-mod retired_pools;
 mod route_table;
 mod routes;
 mod streams;

@@ -1,3 +1,6 @@
+//! Its own process: it counts the retired pools, which a pool any other test drops (one that was
+//! ever current) adds to, and any pool built in the process may take back.
+//!
 //! Retired pools made anew by the builder: never given away by `MemPool::into_raw`, and never
 //! made anew at all once exported to other processes.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
