@@ -1,0 +1,83 @@
+"""The CuPy plug-in's call without a GPU, for counting its instructions: CuPy's call of
+``cumempool.cupy.Allocator`` over a cache, on CuPy's null stream, made ``--calls`` times against
+the stand-in driver (tests/src/stand_in_driver.c) and a stand-in ``cupy`` module whose stream,
+``UnownedMemory`` and ``MemoryPointer`` look like CuPy 14.2's. Run it under callgrind and read the
+allocator's own cost per call; the wall time it prints is this host's, not a GPU's:
+
+    cc -O2 -shared -fPIC -pthread -o /tmp/libstandin.so tests/src/stand_in_driver.c tests/src/stand_in_nccl.c
+    CUMEMPOOL_LIBCUDA=/tmp/libstandin.so valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out \\
+        python3 crates/cumempool-py/bench/cupy_call_on_stand_in.py --calls 10000
+    callgrind_annotate --inclusive=yes --tree=calling /tmp/cg.out | grep -A12 '\\* .*CupyAllocatorBase::__pymethod___call__'
+
+The ``call1`` line under the call is CuPy's two constructors (this module's stand-ins, not
+CuPy's); the rest is the plug-in's own work.
+"""
+
+import argparse
+import sys
+import time
+import types
+
+
+class NullStream:
+    """As CuPy 14.2's ``Stream.null``: the legacy stream, named by ``ptr`` and the stream
+    protocol, with ``device_id`` -1 (the current device)."""
+
+    ptr = 0
+    device_id = -1
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+class UnownedMemory:
+    __slots__ = ("ptr", "size", "owner", "device_id")
+
+    def __init__(self, ptr, size, owner, device_id):
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+
+class MemoryPointer:
+    __slots__ = ("mem", "ptr")
+
+    def __init__(self, mem, offset):
+        self.mem, self.ptr = mem, mem.ptr + offset
+
+
+def stand_in_cupy() -> types.ModuleType:
+    null = NullStream()
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        get_current_stream=lambda: null,
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
+    )
+    return cupy
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=10_000)
+    parser.add_argument("--size", type=int, default=1 << 20)
+    args = parser.parse_args()
+    sys.modules["cupy"] = stand_in_cupy()
+    import cumempool as cm
+    import cumempool.cupy as cmc
+
+    allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0)))))
+    for _ in range(100):  # the cache's first block, and the memo's entries
+        del_me = allocator(args.size)
+        del del_me
+    start = time.perf_counter()
+    for _ in range(args.calls):
+        pointer = allocator(args.size)
+        del pointer
+    spent = time.perf_counter() - start
+    print(f"{args.calls} calls and frees: {spent / args.calls * 1e9:.0f} ns each on this host (stand-in driver)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
