@@ -7,6 +7,7 @@ import weakref
 import pytest
 
 import cumempool as cm
+from conftest import run_on_driver
 
 
 class Lender:
@@ -115,3 +116,76 @@ def _lend_another():
     """Lends the memo one more stream (a miss), for a fix that prunes on a miss."""
     other = Lender(cm.Stream(0))
     cm.Stream.borrow(other)
+
+
+@pytest.mark.parametrize("owner_names", ["ptr", "__cuda_stream__"], ids=["CuPy before 14", "CuPy 14"])
+@pytest.mark.parametrize("wrapper_names", ["cuda_stream", "__cuda_stream__"], ids=["torch wrapper", "cuda.core wrapper"])
+def test_a_stream_found_for_another_object_holds_that_object_too(stand_in_libcuda, owner_names, wrapper_names):
+    # One handle named by two objects: a wrapper that owns nothing (torch.cuda.ExternalStream,
+    # cuda.core's Stream.from_handle), lent first, then the object that owns the stream (a CuPy
+    # stream, whose stream goes when it is collected). The remembered stream serves both, so it
+    # must hold the owner too while a buffer is ordered on it, after the caller let go of it and
+    # other streams pushed it out of the memo's recent objects.
+    words = run_on_driver(
+        stand_in_libcuda,
+        f"""
+        import gc, weakref
+        import cumempool as cm
+
+        class Owner:  # as CuPy's Stream: named by `ptr` (and `__cuda_stream__` from CuPy 14)
+            def __init__(self, stream):
+                self.stream, self.ptr, self.device_id = stream, stream.handle, -1
+            if {owner_names == "__cuda_stream__"}:
+                def __cuda_stream__(self):
+                    return (0, self.ptr)
+
+        class Wrapper:  # a wrapper of another library's handle, which owns nothing
+            def __init__(self, handle):
+                self.handle = handle
+            if {wrapper_names == "cuda_stream"}:
+                cuda_stream = property(lambda self: self.handle)
+            else:
+                def __cuda_stream__(self):
+                    return (0, self.handle)
+
+        pool = cm.MemPool(cm.Route.device(0))
+        owner = Owner(cm.Stream(0))
+        wrapper = Wrapper(owner.ptr)
+        first = pool.alloc(4096, wrapper)
+        second = pool.alloc(4096, owner)
+        alive = weakref.ref(owner)
+        del owner, wrapper
+        first.close()
+        # Other streams' objects, kept in use, push both out of the memo's recent objects.
+        others = [pool.alloc(16, Owner(cm.Stream(0))) for _ in range(12)]
+        gc.collect()
+        print(alive() is not None, second.stream.handle == alive().ptr if alive() else None)
+        """,
+    )
+    assert words == ["True", "True"], "the stream's owner was let go of while a buffer is ordered on it"
+
+
+def test_wrappers_made_per_call_share_one_stream_and_its_cached_blocks(stand_in_libcuda):
+    # A library that wraps a handle in a new object at each call (the stream protocol's usual
+    # adapter) gets the same remembered stream every time: the cache hits, and the stream holds
+    # a bounded number of those objects.
+    words = run_on_driver(
+        stand_in_libcuda,
+        """
+        import cumempool as cm
+
+        class Wrapper:
+            def __init__(self, handle):
+                self.handle = handle
+            def __cuda_stream__(self):
+                return (0, self.handle)
+
+        own = cm.Stream(0)
+        cache = cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
+        for _ in range(100):
+            cache.alloc(256, Wrapper(own.handle)).close()
+        stats = cache.stats()
+        print(stats["streams"], stats["hits"])
+        """,
+    )
+    assert words == ["1", "99"], "a wrapper made per call got a stream of its own, and the cache missed"

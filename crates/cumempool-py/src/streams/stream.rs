@@ -33,6 +33,9 @@ pub struct Stream {
     /// The lending library's stream object, held so its stream outlives every use here, and
     /// how it names the stream.
     owner: Option<(Py<PyAny>, Naming)>,
+    /// What every clone of the Rust stream holds (its keep-alive): the lender, and the other
+    /// objects this stream was found for since (`hold_also`).
+    lenders: Option<Arc<Lenders>>,
     pub(crate) device: i32,
     /// Set by `close()` on a stream cumempool created: later uses through this object raise
     /// `ClosedError`; the driver stream goes with its last holder (buffers, caches).
@@ -110,7 +113,10 @@ impl Stream {
         // Made without the lock (retaining the context releases the GIL): another thread may
         // have made one meanwhile, and the first one stays the device's.
         let context = crate::sync::gil::detach(py, || primary_context(device))?;
-        let made = Py::new(py, Self { stream: make(&context), owner: None, device, closed: Default::default() })?;
+        let made = Py::new(
+            py,
+            Self { stream: make(&context), owner: None, lenders: None, device, closed: Default::default() },
+        )?;
         let mut objects = lock(objects);
         if let Some((_, stream)) = objects.iter().find(|(d, _)| *d == device) {
             return Ok(stream.clone_ref(py));
@@ -130,17 +136,34 @@ impl Stream {
     ) -> Outcome<Self> {
         let context = crate::sync::gil::detach(py, || primary_context(device))?;
         let raw_stream = raw as cumempool::sys::CUstream;
-        let stream = match &owner {
+        let lenders = owner.as_ref().map(|(object, _)| Arc::new(Lenders::new(object.clone_ref(py))));
+        let stream = match &lenders {
             // SAFETY: `raw` is the lending library's stream of `device`, and its Python object
             // (held by every clone of the result) keeps it alive.
-            Some((object, _)) => unsafe {
-                cumempool::Stream::borrow_raw_keeping(raw_stream, Some(&context), Arc::new(object.clone_ref(py)))
+            Some(lenders) => unsafe {
+                cumempool::Stream::borrow_raw_keeping(raw_stream, Some(&context), lenders.clone())
             },
             // SAFETY: a bare int: the caller promised (`Stream.borrow`) that it stays valid while
             // this Stream and its buffers live.
             None => unsafe { cumempool::Stream::borrow_raw(raw_stream, Some(&context)) },
         }?;
-        Ok(Self { stream, owner, device, closed: Default::default() })
+        Ok(Self { stream, owner, lenders, device, closed: Default::default() })
+    }
+
+    /// Holds `obj` too, for as long as any clone of the Rust stream lives: this remembered
+    /// stream was found for it by its handle, and `obj` may be the object that owns the stream
+    /// (a CuPy stream beside a `torch.cuda.ExternalStream` or cuda.core `Stream.from_handle` of
+    /// its handle, met first). At most `ALSO_HELD` objects besides the lender, so objects made
+    /// per call do not pile up.
+    fn hold_also(&self, obj: &Bound<'_, PyAny>) {
+        let Some(lenders) = &self.lenders else { return };
+        if lenders.first.is(obj) {
+            return;
+        }
+        let mut others = lock(&lenders.others);
+        if others.len() < ALSO_HELD && !others.iter().any(|other| other.is(obj)) {
+            others.push(obj.clone().unbind());
+        }
     }
 
     /// The object `raw` stands for where it names one of `device`'s default streams, which no
@@ -215,7 +238,12 @@ impl Stream {
         }
         let known = lock(&LENT).by_handle(py, raw, device);
         let stream = match known {
-            Some(stream) if still_lent_as(stream.get(), obj, raw, naming) => stream,
+            Some(stream) if still_lent_as(stream.get(), obj, raw, naming) => {
+                if naming != Naming::Int {
+                    stream.get().hold_also(obj);
+                }
+                stream
+            }
             _ => Py::new(py, Self::borrow_handle(py, raw, device, Some((obj.clone().unbind(), naming)))?)?,
         };
         let mut lent = lock(&LENT);
@@ -252,6 +280,22 @@ pub(crate) fn prune_unused(py: Python<'_>) {
 /// The streams other libraries lent, found again by object and by handle (`lent_streams`).
 static LENT: Mutex<Lent<Stream>> = Mutex::new(Lent::new());
 
+/// How many objects a lent stream holds besides its lender (`Stream::hold_also`).
+const ALSO_HELD: usize = 8;
+
+/// The objects a lent stream keeps alive: the lender, and others it was found for since. Every
+/// clone of the Rust stream holds it, so a buffer or a cached block keeps them all.
+struct Lenders {
+    first: Py<PyAny>,
+    others: Mutex<Vec<Py<PyAny>>>,
+}
+
+impl Lenders {
+    fn new(first: Py<PyAny>) -> Self {
+        Self { first, others: Mutex::new(Vec::new()) }
+    }
+}
+
 impl LentStream for Stream {
     fn lender(&self) -> Option<&(Py<PyAny>, Naming)> {
         self.owner.as_ref()
@@ -275,7 +319,7 @@ impl Stream {
             let context = primary_context(device)?;
             context.while_current(|| cumempool::Stream::new(&context))
         })?;
-        Ok(Self { stream, owner: None, device, closed: Default::default() })
+        Ok(Self { stream, owner: None, lenders: None, device, closed: Default::default() })
     }
 
     /// The legacy default stream (`0`) of `device` (default: the current device): one object
