@@ -2,7 +2,7 @@
 //! legacy stream is the current context's, the per-thread stream the calling thread's, so every
 //! module that meets a raw handle asks here before treating it as one stream.
 
-use crate::sync::locks::lock;
+use crate::streams::primary_contexts::{once_per_device, primary_context};
 use std::sync::Mutex;
 
 /// `CU_STREAM_LEGACY`: the legacy default stream of the current context, as `0` is.
@@ -31,19 +31,7 @@ pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
 /// The legacy stream of `device`'s primary context, made once per device: the plug-ins ask
 /// it at every allocation on a default stream.
 fn legacy_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
-    let known = |streams: &[(i32, cumempool::Stream)]| {
-        streams.iter().find(|(d, _)| *d == device).map(|(_, stream)| stream.clone())
-    };
-    if let Some(stream) = known(&lock(&LEGACY_STREAMS)) {
-        return Ok(stream);
-    }
-    let made = cumempool::Stream::legacy(&crate::streams::primary_contexts::primary_context(device)?);
-    let mut streams = lock(&LEGACY_STREAMS);
-    if let Some(first) = known(&streams) {
-        return Ok(first);
-    }
-    streams.push((device, made.clone()));
-    Ok(made)
+    once_per_device(&LEGACY_STREAMS, device, || Ok(cumempool::Stream::legacy(&primary_context(device)?)))
 }
 
 /// One legacy stream per device (`legacy_stream`); each holds its primary context, which the

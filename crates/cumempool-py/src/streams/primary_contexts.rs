@@ -13,23 +13,33 @@ static PRIMARY: Mutex<Vec<(i32, cumempool::Context)>> = Mutex::new(Vec::new());
 /// retains it with the driver (which may create it: a long call), so callers holding the GIL
 /// make it with the GIL released.
 pub(crate) fn primary_context(device: i32) -> cumempool::Result<cumempool::Context> {
-    let known = |contexts: &[(i32, cumempool::Context)]| {
-        contexts.iter().find(|(d, _)| *d == device).map(|(_, context)| context.clone())
-    };
-    if let Some(context) = known(&lock(&PRIMARY)) {
-        return Ok(context);
+    // Retained without the lock (another thread's lookup of a known device need not wait); an
+    // extra retain, where another thread retained it meanwhile, is released after the lock
+    // (releasing is a driver call).
+    once_per_device(&PRIMARY, device, || cumempool::Device::get(device)?.primary_context())
+}
+
+/// The entry of `device` in `entries`, made by `make` on the first call for the device. `make`
+/// runs without the lock, so a lookup of a known device never waits for it; where another
+/// thread made an entry meanwhile, that first one stays the device's and the one made here is
+/// dropped after the lock.
+pub(crate) fn once_per_device<T: Clone>(
+    entries: &Mutex<Vec<(i32, T)>>,
+    device: i32,
+    make: impl FnOnce() -> cumempool::Result<T>,
+) -> cumempool::Result<T> {
+    let known = |entries: &[(i32, T)]| entries.iter().find(|(d, _)| *d == device).map(|(_, entry)| entry.clone());
+    if let Some(entry) = known(&lock(entries)) {
+        return Ok(entry);
     }
-    // Retained without the lock: another thread's lookup of a known device need not wait.
-    let context = cumempool::Device::get(device)?.primary_context()?;
-    // Another thread may have retained it meanwhile: one entry per device, and the extra
-    // retain is released after the lock (releasing is a driver call).
-    let mut contexts = lock(&PRIMARY);
-    if let Some(first) = known(&contexts) {
-        drop(contexts);
+    let made = make()?;
+    let mut entries = lock(entries);
+    if let Some(first) = known(&entries) {
+        drop(entries);
         return Ok(first);
     }
-    contexts.push((device, context.clone()));
-    Ok(context)
+    entries.push((device, made.clone()));
+    Ok(made)
 }
 
 /// The context of `stream`, a stream of `device`: its own where it knows it (every stream the
