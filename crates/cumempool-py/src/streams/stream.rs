@@ -30,11 +30,9 @@ use std::sync::{Arc, Mutex};
 #[pyclass(frozen, module = "cumempool")]
 pub struct Stream {
     pub(crate) stream: cumempool::Stream,
-    /// The lending library's stream object, held so its stream outlives every use here, and
-    /// how it names the stream.
-    owner: Option<(Py<PyAny>, Naming)>,
-    /// What every clone of the Rust stream holds (its keep-alive): the lender, and the other
-    /// objects this stream was found for since (`hold_also`).
+    /// For another library's stream: its object (the lender, and how it names the stream) and
+    /// the other objects this stream was found for since (`hold_also`), held by every clone of
+    /// the Rust stream (its keep-alive) so the stream outlives every use here.
     lenders: Option<Arc<Lenders>>,
     pub(crate) device: i32,
     /// Set by `close()` on a stream cumempool created: later uses through this object raise
@@ -76,7 +74,7 @@ impl Stream {
 
     /// Whether another library lent the stream (its object is held).
     pub(crate) fn is_lent(&self) -> bool {
-        self.owner.is_some()
+        self.lenders.is_some()
     }
 
     /// The legacy default stream of `device`, one object per device for the process, so a
@@ -113,10 +111,7 @@ impl Stream {
         // Made without the lock (retaining the context releases the GIL): another thread may
         // have made one meanwhile, and the first one stays the device's.
         let context = crate::sync::gil::detach(py, || primary_context(device))?;
-        let made = Py::new(
-            py,
-            Self { stream: make(&context), owner: None, lenders: None, device, closed: Default::default() },
-        )?;
+        let made = Py::new(py, Self { stream: make(&context), lenders: None, device, closed: Default::default() })?;
         let mut objects = lock(objects);
         if let Some((_, stream)) = objects.iter().find(|(d, _)| *d == device) {
             return Ok(stream.clone_ref(py));
@@ -136,7 +131,7 @@ impl Stream {
     ) -> Outcome<Self> {
         let context = crate::sync::gil::detach(py, || primary_context(device))?;
         let raw_stream = raw as cumempool::sys::CUstream;
-        let lenders = owner.as_ref().map(|(object, _)| Arc::new(Lenders::new(object.clone_ref(py))));
+        let lenders = owner.map(|first| Arc::new(Lenders::new(first)));
         let stream = match &lenders {
             // SAFETY: `raw` is the lending library's stream of `device`, and its Python object
             // (held by every clone of the result) keeps it alive.
@@ -147,7 +142,7 @@ impl Stream {
             // this Stream and its buffers live.
             None => unsafe { cumempool::Stream::borrow_raw(raw_stream, Some(&context)) },
         }?;
-        Ok(Self { stream, owner, lenders, device, closed: Default::default() })
+        Ok(Self { stream, lenders, device, closed: Default::default() })
     }
 
     /// Holds `obj` too, for as long as any clone of the Rust stream lives: this remembered
@@ -157,7 +152,7 @@ impl Stream {
     /// per call do not pile up.
     fn hold_also(&self, obj: &Bound<'_, PyAny>) {
         let Some(lenders) = &self.lenders else { return };
-        if lenders.first.is(obj) {
+        if lenders.first.0.is(obj) {
             return;
         }
         let mut others = lock(&lenders.others);
@@ -283,22 +278,23 @@ static LENT: Mutex<Lent<Stream>> = Mutex::new(Lent::new());
 /// How many objects a lent stream holds besides its lender (`Stream::hold_also`).
 const ALSO_HELD: usize = 8;
 
-/// The objects a lent stream keeps alive: the lender, and others it was found for since. Every
-/// clone of the Rust stream holds it, so a buffer or a cached block keeps them all.
+/// The objects a lent stream keeps alive: the lender (with how it names the stream), and others
+/// it was found for since. Every clone of the Rust stream holds it, so a buffer or a cached
+/// block keeps them all.
 struct Lenders {
-    first: Py<PyAny>,
+    first: (Py<PyAny>, Naming),
     others: Mutex<Vec<Py<PyAny>>>,
 }
 
 impl Lenders {
-    fn new(first: Py<PyAny>) -> Self {
+    fn new(first: (Py<PyAny>, Naming)) -> Self {
         Self { first, others: Mutex::new(Vec::new()) }
     }
 }
 
 impl LentStream for Stream {
     fn lender(&self) -> Option<&(Py<PyAny>, Naming)> {
-        self.owner.as_ref()
+        self.lenders.as_deref().map(|lenders| &lenders.first)
     }
 
     fn shared_elsewhere(&self) -> bool {
@@ -319,7 +315,7 @@ impl Stream {
             let context = primary_context(device)?;
             context.while_current(|| cumempool::Stream::new(&context))
         })?;
-        Ok(Self { stream, owner: None, lenders: None, device, closed: Default::default() })
+        Ok(Self { stream, lenders: None, device, closed: Default::default() })
     }
 
     /// The legacy default stream (`0`) of `device` (default: the current device): one object
@@ -384,7 +380,7 @@ impl Stream {
     /// The borrowed library object, if any.
     #[getter]
     fn owner(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.owner.as_ref().map(|(o, _)| o.clone_ref(py))
+        self.lenders.as_ref().map(|lenders| lenders.first.0.clone_ref(py))
     }
 
     /// Waits for all work queued on the stream.
