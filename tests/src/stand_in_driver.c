@@ -72,7 +72,9 @@ static CUresult device_count(int *n) { *n = 1; return 0; }
 CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
 static CUresult device_attribute(int *v, int attribute, int d) { *v = 1; return 0; }
 static CUresult primary_retain(CUcontext *c, int d) { *c = primary; return 0; }
-CUresult cuCtxGetCurrent(CUcontext *c) { *c = current; return 0; }
+/* How many times the current context was read: a count, as `capture_queries` below. */
+unsigned long context_queries;
+CUresult cuCtxGetCurrent(CUcontext *c) { __atomic_fetch_add(&context_queries, 1, __ATOMIC_RELAXED); *c = current; return 0; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return 0; }
 /* A context of the caller's own (what CuPy or a runtime user on another device looks like),
    made through these symbols only: `cuGetProcAddress` would owe CUDA 13 callers the _v4 ABI. */

@@ -107,6 +107,20 @@ pub fn live_streams() -> i32 {
     }
 }
 
+/// How many times the stand-in was asked `name`, one of its counts: `context_queries`
+/// (`cuCtxGetCurrent`) or `capture_queries` (`cuStreamGetCaptureInfo`), on every thread. Only
+/// after [`stand_in`] answered a context.
+pub fn queries(name: &str) -> u64 {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: as in `live_streams`; each count is an `unsigned long` the stand-in only adds to,
+    // atomically.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let count = library.get::<*const std::sync::atomic::AtomicU64>(format!("{name}\0").as_bytes()).unwrap();
+        (**count).load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// The calls that order work, as the stand-in logged them, one per line: `memcpy <stream>`,
 /// `sync <stream> <result>`, `record <event> <stream>`, `waitevent <stream> <event>`,
 /// `eventsync <event> <result>`, `launch <stream> <1 if it captures, else 0>`,

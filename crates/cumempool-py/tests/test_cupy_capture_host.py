@@ -377,3 +377,23 @@ print(pool.used_mem_current)
 """,
     )
     assert words == ["4", "OutOfMemoryError", "0"], "the arrays held when the allocator ran out stayed alive"
+
+
+def test_a_call_on_the_null_stream_reads_the_current_context_once(stand_in_libcuda):
+    # Each allocation on CuPy's null stream asks whether a blocking capture is underway; with
+    # the device's context current (as CuPy leaves it) that is one read of the current context
+    # and one capture question, and a cache hit makes no other driver call.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+contexts = ctypes.c_ulong.in_dll(lib, "context_queries")
+captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0)))))
+allocator(4096)  # the pool's block, then the cache's
+before = contexts.value, captures.value
+for _ in range(10):
+    allocator(4096)
+print((contexts.value - before[0]) / 10, (captures.value - before[1]) / 10)
+""",
+    )
+    assert words == ["1.0", "1.0"], words

@@ -9,6 +9,7 @@
 
 mod arena_refusals;
 mod capture_modes;
+mod capture_questions;
 mod graph_launches_beside_other_captures;
 mod nccl_on_the_stand_in;
 mod old_driver;

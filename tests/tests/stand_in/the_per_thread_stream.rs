@@ -106,3 +106,14 @@ fn a_free_one_threads_capture_deferred_waits_for_that_thread() {
     per_thread.ensure_not_capturing("using the stream after the capture").unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), used - 4096, "freed once the capture ended");
 }
+
+#[test]
+fn the_questions_keeping_the_context_see_a_per_thread_capture_and_leave_it_intact() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let per_thread = Stream::legacy_for_per_thread(&context);
+    begin_per_thread_capture();
+    assert!(legacy.capture_status_keeping_context().is_err(), "a blocking stream captures");
+    assert!(matches!(per_thread.capture_status_keeping_context(), Ok(cumempool::CaptureStatus::Active { .. })));
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "a question invalidated the capture");
+}

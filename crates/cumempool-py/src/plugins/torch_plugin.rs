@@ -476,9 +476,8 @@ fn capture_known_underway(device: i32) -> bool {
         .filter(|(d, _)| *d == device)
         .map(|(_, s)| s.clone())
         .collect();
-    let status = |stream: &cumempool::Stream| cumempool::keeping_current_context(|| stream.capture_status());
     for stream in &seen {
-        match status(stream) {
+        match stream.capture_status_keeping_context() {
             Ok(cumempool::CaptureStatus::None) => {}
             Ok(_) => return true,
             Err(error) => {

@@ -23,8 +23,7 @@ pub(crate) fn names_legacy(handle: usize) -> bool {
 /// leaving it intact. An answer that cannot be had counts as blocked.
 pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
     legacy_stream(device).map_or(true, |legacy| {
-        cumempool::keeping_current_context(|| legacy.capture_status())
-            .map_or(true, |status| status != cumempool::CaptureStatus::None)
+        legacy.capture_status_keeping_context().map_or(true, |status| status != cumempool::CaptureStatus::None)
     })
 }
 

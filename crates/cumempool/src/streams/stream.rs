@@ -384,6 +384,25 @@ impl Stream {
         capture_info(self.as_raw())
     }
 
+    /// [`Stream::capture_status`], with the calling thread's current context (or none) current
+    /// again afterwards: for layers above that must not move the thread to another device. Where
+    /// the stream's context is already current (the common case) it reads the current context
+    /// once and asks the question, no more.
+    ///
+    /// # Errors
+    /// As [`Stream::capture_status`]; the driver's refusal to read or restore the current
+    /// context.
+    pub fn capture_status_keeping_context(&self) -> Result<CaptureStatus> {
+        match &self.0.context {
+            Some(context) if self.is_legacy() => context.while_current(|| {
+                let handle = if self.0.for_per_thread { PER_THREAD_HANDLE as sys::CUstream } else { self.as_raw() };
+                capture_info(handle)
+            }),
+            // An ordinary stream names its context itself: the question needs none current.
+            _ => capture_info(self.as_raw()),
+        }
+    }
+
     /// Whether a capture is underway (active or invalidated) on this stream. Asks the driver
     /// only when [`Stream::may_be_capturing`] is true.
     ///
