@@ -2,7 +2,8 @@
 ``cumempool.cupy.Allocator`` over a cache, on CuPy's null stream, made ``--calls`` times against
 the stand-in driver (tests/src/stand_in_driver.c) and a stand-in ``cupy`` module whose stream,
 ``UnownedMemory`` and ``MemoryPointer`` look like CuPy 14.2's. Run it under callgrind and read the
-allocator's own cost per call; the wall time it prints is this host's, not a GPU's:
+allocator's own cost per call, with device 0's primary context current as CuPy leaves it; the
+wall time it prints is this host's, not a GPU's:
 
     cc -O2 -shared -fPIC -pthread -o /tmp/libstandin.so tests/src/stand_in_driver.c tests/src/stand_in_nccl.c
     CUMEMPOOL_LIBCUDA=/tmp/libstandin.so valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out \\
@@ -14,6 +15,8 @@ CuPy's); the rest is the plug-in's own work.
 """
 
 import argparse
+import ctypes
+import os
 import sys
 import time
 import types
@@ -57,12 +60,29 @@ def stand_in_cupy() -> types.ModuleType:
     return cupy
 
 
+def primary_context_current() -> None:
+    """Makes device 0's primary context current on this thread, as CuPy's runtime leaves it
+    (CUMEMPOOL_LIBCUDA names the stand-in, which exports these entry points)."""
+    lib = ctypes.CDLL(os.environ["CUMEMPOOL_LIBCUDA"])
+    retain = ctypes.c_void_p()
+    status = ctypes.c_int()
+    found = lib.cuGetProcAddress_v2(b"cuDevicePrimaryCtxRetain", ctypes.byref(retain), 13000, 0, ctypes.byref(status))
+    if found != 0 or not retain.value:
+        raise RuntimeError("the stand-in driver has no cuDevicePrimaryCtxRetain")
+    context = ctypes.c_void_p()
+    if ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int)(retain.value)(ctypes.byref(context), 0) != 0:
+        raise RuntimeError("cuDevicePrimaryCtxRetain failed")
+    if lib.cuCtxSetCurrent(context) != 0:
+        raise RuntimeError("cuCtxSetCurrent failed")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--size", type=int, default=1 << 20)
     args = parser.parse_args()
     sys.modules["cupy"] = stand_in_cupy()
+    primary_context_current()
     import cumempool as cm
     import cumempool.cupy as cmc
 
