@@ -106,7 +106,11 @@ def breakdown_rows(stream, pairs: int, rounds: int, libraries: dict):
     yield "empty native call", timed(native._bench_noop), "floor of any method"
     yield "native call with alloc's arguments", timed(lambda: native._bench_args(SIZE, stream)), "no conversion"
     yield "GIL release + reacquire", timed(native._bench_detach), "py.detach(|| ())"
-    streams = [("cumempool.Stream", stream), ("None (legacy)", None), ("int handle", stream.handle)]
+    # The int handle is another stream's: reading a stream's handle marks the stream as one other
+    # code may capture, and every cache operation on it then asks the driver (the rows below on
+    # `lent` show that cost); `stream` stays as the table measured it.
+    lent = cm.Stream(0)
+    streams = [("cumempool.Stream", stream), ("None (legacy)", None), ("int handle", lent.handle)]
     for name, make in libraries.get("streams", []):
         streams.append((name, make()))
     for name, obj in streams:
@@ -137,6 +141,10 @@ def breakdown_rows(stream, pairs: int, rounds: int, libraries: dict):
     yield "pool pair in Rust", rust, "GIL released once for all pairs"
     rust = native._bench_rust_pairs(cache, SIZE, stream, pairs) / 1e3
     yield "cache pair in Rust", rust, "GIL released once for all pairs"
+    yield "cache pair, handle given out", timed(lambda: cache.alloc(SIZE, lent).close()), "a capture question per call"
+    rust = native._bench_rust_pairs(cache, SIZE, lent, pairs) / 1e3
+    yield "cache pair in Rust, handle given out", rust, "the same, looped in Rust"
+    lent.synchronize()
     stream.synchronize()
     yield from cupy_plugin_pieces(cache, timed)
 
