@@ -189,3 +189,114 @@ def test_wrappers_made_per_call_share_one_stream_and_its_cached_blocks(stand_in_
         """,
     )
     assert words == ["1", "99"], "a wrapper made per call got a stream of its own, and the cache missed"
+
+
+MEMO_CLASSES = """
+import gc, weakref
+import cumempool as cm
+
+class Owner:  # as CuPy's Stream: owns its stream, named by `ptr`
+    def __init__(self, stream):
+        self.stream, self.ptr, self.device_id = stream, stream.handle, -1
+
+class FromHandle:  # as cuda.core's Stream.from_handle: owns nothing; close() lets go of the handle
+    def __init__(self, handle):
+        self.handle = handle
+    def close(self):
+        self.handle = None
+    def __cuda_stream__(self):
+        if self.handle is None:
+            raise RuntimeError("closed")
+        return (0, self.handle)
+
+class Wrapping:  # another library's stream made from an object with __cuda_stream__, kept
+    def __init__(self, obj):
+        self._owner = obj
+        self._handle = obj.__cuda_stream__()[1]
+    def __cuda_stream__(self):
+        return (0, self._handle)
+
+pool = cm.MemPool(cm.Route.device(0))
+
+def push_out():
+    # Other streams' objects, kept in use, push the memo's recent objects out; then misses let
+    # go of unused entries, and the collector runs.
+    kept = [pool.alloc(16, Owner(cm.Stream(0))) for _ in range(12)]
+    for _ in range(3):
+        cm.Stream.borrow(Owner(cm.Stream(0)))
+    gc.collect()
+    return kept
+"""
+
+
+def _memo_case(stand_in_libcuda, code):
+    """Runs `code` after MEMO_CLASSES on the stand-in driver; its stdout words."""
+    return run_on_driver(stand_in_libcuda, MEMO_CLASSES + code)
+
+
+def test_a_stream_whose_lender_closed_is_found_by_an_owner_it_holds(stand_in_libcuda):
+    # The remembered stream's lender (a wrapper that owns nothing) was closed, but the stream
+    # holds the owner it was found for too: a new wrapper of the same handle must get that
+    # stream, which holds the owner, not a new one that holds the wrapper alone (the owner would
+    # go with the first buffers, its stream destroyed under the new buffer).
+    words = _memo_case(
+        stand_in_libcuda,
+        """
+owner = Owner(cm.Stream(0))
+handle = owner.ptr
+w1 = FromHandle(handle)
+a = pool.alloc(4096, w1)
+b = pool.alloc(4096, owner)
+w1.close()
+w2 = FromHandle(handle)
+c = pool.alloc(4096, w2)
+alive = weakref.ref(owner)
+del owner, w1, w2
+a.close(); b.close()
+others = push_out()
+print(alive() is not None, any(o.stream.handle == handle for o in others))
+""",
+    )
+    assert words == ["True", "False"], words
+
+
+def test_a_wrapper_of_the_memos_own_stream_is_let_go_of(stand_in_libcuda):
+    # Another library's stream made from the memo's Stream (it keeps that object) is found by
+    # its handle and held while a buffer is ordered on it: once the buffer is gone, the stream
+    # must let go of it, or the two hold each other (and the lender) for good.
+    words = _memo_case(
+        stand_in_libcuda,
+        """
+owner = Owner(cm.Stream(0))
+s = cm.Stream.borrow(owner)
+core = Wrapping(s)
+buf = pool.alloc(4096, core)
+alive = weakref.ref(owner)
+del owner, s, core
+buf.close()
+others = push_out()
+print(alive() is None)
+""",
+    )
+    assert words == ["True"], "the lender is never let go of: a cycle through the stream's held objects"
+
+
+def test_an_owner_passed_again_is_held_after_the_stream_let_go_of_it(stand_in_libcuda):
+    # With no memory on it, the stream lets go of the objects it held besides its lender; the
+    # owner passed again (found among the memo's recent objects) must be held again by the
+    # stream its new buffer is ordered on.
+    words = _memo_case(
+        stand_in_libcuda,
+        """
+owner = Owner(cm.Stream(0))
+w1 = FromHandle(owner.ptr)
+s = cm.Stream.borrow(w1)          # the stream, its lender a wrapper, kept by the caller
+pool.alloc(4096, owner).close()   # held, then let go of with the buffer
+c = pool.alloc(4096, owner)       # found again among the recent objects
+alive = weakref.ref(owner)
+del owner
+others = push_out()
+print(c.stream is s, alive() is not None)
+""",
+    )
+    assert words == ["True", "True"], "the owner of the stream a buffer is ordered on was let go of"

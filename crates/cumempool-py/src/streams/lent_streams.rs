@@ -49,6 +49,13 @@ pub(crate) trait LentStream: PyClass<Frozen = True> + Sync {
     /// bindings made or an int handle.
     fn lender(&self) -> Option<&(Py<PyAny>, Naming)>;
 
+    /// The other objects the stream was found for and holds, with how each names it.
+    fn held_also(&self, py: Python<'_>) -> Vec<(Py<PyAny>, Naming)>;
+
+    /// Those objects, taken out where nothing uses the stream (no clone of the Rust stream held
+    /// elsewhere); none otherwise. To be dropped outside the memo's lock.
+    fn let_go_of_held_also(&self) -> Vec<(Py<PyAny>, Naming)>;
+
     /// Whether a clone of the Rust stream is held beside this object's (a buffer's, a block a
     /// cache keeps).
     fn shared_elsewhere(&self) -> bool;
@@ -143,18 +150,34 @@ fn device_of(obj: &Bound<'_, PyAny>) -> Option<i32> {
 /// answers for ints (which promise validity themselves), and gives way to a library
 /// object, which is then held.
 pub(crate) fn still_lent_as<S: LentStream>(stream: &S, obj: &Bound<'_, PyAny>, raw: usize, naming: Naming) -> bool {
-    let Some((owner, owner_naming)) = stream.lender() else {
+    let Some((lender, lender_naming)) = stream.lender() else {
         return false;
     };
-    let owner = owner.bind(obj.py());
-    if owner.is(obj) {
+    let py = obj.py();
+    // The lender first; then the objects the stream holds besides (one may own the stream
+    // while the lender, a wrapper, was closed).
+    std::iter::once((lender.clone_ref(py), *lender_naming))
+        .chain(stream.held_also(py))
+        .any(|(held, held_naming)| names_it_still(held.bind(py), held_naming, obj, raw, naming))
+}
+
+/// Whether `held`, an object the entry holds, still stands for the stream `obj` names as `raw`.
+fn names_it_still(
+    held: &Bound<'_, PyAny>,
+    held_naming: Naming,
+    obj: &Bound<'_, PyAny>,
+    raw: usize,
+    naming: Naming,
+) -> bool {
+    if held.is(obj) {
         return true;
     }
-    match owner_naming {
+    match held_naming {
         Naming::Int => naming == Naming::Int,
+        // An object named by an attribute owns its stream (CuPy, PyTorch): held, it stays.
         Naming::Attribute => true,
-        // The entry's object raising (closed) or naming another handle: a stale entry.
-        Naming::Protocol => protocol_handle(owner).is_ok_and(|handle| handle == raw),
+        // The object raising (closed) or naming another handle: it stands for nothing now.
+        Naming::Protocol => protocol_handle(held).is_ok_and(|handle| handle == raw),
     }
 }
 
@@ -250,12 +273,15 @@ impl<S: LentStream> Lent<S> {
     /// no clone of its Rust stream is held elsewhere; what was taken, to be dropped outside the
     /// lock.
     fn evict(&mut self, stream: &Py<S>, others: usize) -> Vec<Py<PyAny>> {
+        // What an unused stream held besides its lender goes (with what is taken here): the
+        // stream may then be unused at the next look, if one of those objects held it.
+        let mut evicted: Vec<Py<PyAny>> =
+            stream.get().let_go_of_held_also().into_iter().map(|(object, _)| object).collect();
         let in_memo = self.streams.iter().filter(|(_, _, s)| s.is(stream)).count()
             + self.objects.iter().filter(|(_, s, _)| s.is(stream)).count();
         // SAFETY: a live object, held by the caller, who holds the GIL.
         let references = unsafe { ffi::Py_REFCNT(stream.as_ptr()) };
         let unused = references == (in_memo + others) as isize && !stream.get().shared_elsewhere();
-        let mut evicted = Vec::new();
         if in_memo == 0 || !unused {
             return evicted;
         }

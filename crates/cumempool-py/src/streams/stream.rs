@@ -150,14 +150,25 @@ impl Stream {
     /// (a CuPy stream beside a `torch.cuda.ExternalStream` or cuda.core `Stream.from_handle` of
     /// its handle, met first). At most `ALSO_HELD` objects besides the lender, so objects made
     /// per call do not pile up.
-    fn hold_also(&self, obj: &Bound<'_, PyAny>) {
+    fn hold_also(&self, obj: &Bound<'_, PyAny>, naming: Naming) {
         let Some(lenders) = &self.lenders else { return };
-        if lenders.first.0.is(obj) {
+        if naming == Naming::Int || lenders.first.0.is(obj) {
             return;
         }
         let mut others = lock(&lenders.others);
-        if others.len() < ALSO_HELD && !others.iter().any(|other| other.is(obj)) {
-            others.push(obj.clone().unbind());
+        if others.len() < ALSO_HELD && !others.iter().any(|(other, _)| other.is(obj)) {
+            others.push((obj.clone().unbind(), naming));
+        }
+    }
+
+    /// The objects `hold_also` added, taken out where no memory is ordered on the stream any
+    /// more (no clone of the Rust stream but this object's): they only kept the stream alive for
+    /// that memory, and one of them may hold this very object (another library's stream made
+    /// from it), a cycle the collector cannot see. To be dropped outside any lock.
+    fn others_once_unused(&self) -> Vec<(Py<PyAny>, Naming)> {
+        match &self.lenders {
+            Some(lenders) if !self.shared_elsewhere() => std::mem::take(&mut *lock(&lenders.others)),
+            _ => Vec::new(),
         }
     }
 
@@ -188,8 +199,9 @@ impl Stream {
         default_device: i32,
     ) -> Outcome<Py<Self>> {
         let recent = lock(&LENT).recent(py, obj);
-        if let Some((known, _)) = recent {
+        if let Some((known, naming)) = recent {
             if known.get().stream.as_raw() as usize == raw {
+                known.get().hold_also(obj, naming);
                 return Ok(known);
             }
         }
@@ -218,6 +230,8 @@ impl Stream {
             // closed object's own error surfaces; one that names another stream is looked up
             // anew.
             if naming != Naming::Protocol || protocol_handle(obj)? == known.get().stream.as_raw() as usize {
+                // The stream may have let go of `obj` since (`others_once_unused`).
+                known.get().hold_also(obj, naming);
                 return Ok(known);
             }
         }
@@ -234,9 +248,7 @@ impl Stream {
         let known = lock(&LENT).by_handle(py, raw, device);
         let stream = match known {
             Some(stream) if still_lent_as(stream.get(), obj, raw, naming) => {
-                if naming != Naming::Int {
-                    stream.get().hold_also(obj);
-                }
+                stream.get().hold_also(obj, naming);
                 stream
             }
             _ => Py::new(py, Self::borrow_handle(py, raw, device, Some((obj.clone().unbind(), naming)))?)?,
@@ -258,6 +270,9 @@ pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
     if !stream.get().is_lent() {
         return;
     }
+    // First the objects held besides the lender, outside the lock (they may run code when let
+    // go of): one may hold `stream` itself, which is unused only once it is gone.
+    drop(stream.get().others_once_unused());
     // Held here too: one more reference than the memo's.
     let evicted = lock(&LENT).let_go_of(&stream);
     // Outside the lock: the library's object may run code when let go of.
@@ -268,8 +283,12 @@ pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
 /// Lets go of every memo entry whose stream nothing else uses (after a cache gave its blocks
 /// back, say).
 pub(crate) fn prune_unused(py: Python<'_>) {
-    let evicted = lock(&LENT).unused_entries(py);
-    drop(evicted);
+    // Twice: the first pass lets go of what unused streams held besides their lenders, which
+    // may be all that kept a stream in use (`others_once_unused`).
+    for _ in 0..2 {
+        let evicted = lock(&LENT).unused_entries(py);
+        drop(evicted);
+    }
 }
 
 /// The streams other libraries lent, found again by object and by handle (`lent_streams`).
@@ -283,7 +302,7 @@ const ALSO_HELD: usize = 8;
 /// block keeps them all.
 struct Lenders {
     first: (Py<PyAny>, Naming),
-    others: Mutex<Vec<Py<PyAny>>>,
+    others: Mutex<Vec<(Py<PyAny>, Naming)>>,
 }
 
 impl Lenders {
@@ -295,6 +314,16 @@ impl Lenders {
 impl LentStream for Stream {
     fn lender(&self) -> Option<&(Py<PyAny>, Naming)> {
         self.lenders.as_deref().map(|lenders| &lenders.first)
+    }
+
+    fn held_also(&self, py: Python<'_>) -> Vec<(Py<PyAny>, Naming)> {
+        self.lenders.as_deref().map_or_else(Vec::new, |lenders| {
+            lock(&lenders.others).iter().map(|(object, naming)| (object.clone_ref(py), *naming)).collect()
+        })
+    }
+
+    fn let_go_of_held_also(&self) -> Vec<(Py<PyAny>, Naming)> {
+        self.others_once_unused()
     }
 
     fn shared_elsewhere(&self) -> bool {
