@@ -155,10 +155,12 @@ pub(crate) fn still_lent_as<S: LentStream>(stream: &S, obj: &Bound<'_, PyAny>, r
     };
     let py = obj.py();
     // The lender first; then the objects the stream holds besides (one may own the stream
-    // while the lender, a wrapper, was closed).
-    std::iter::once((lender.clone_ref(py), *lender_naming))
-        .chain(stream.held_also(py))
-        .any(|(held, held_naming)| names_it_still(held.bind(py), held_naming, obj, raw, naming))
+    // while the lender, a wrapper, was closed), only asked for where the lender fails.
+    names_it_still(lender.bind(py), *lender_naming, obj, raw, naming)
+        || stream
+            .held_also(py)
+            .iter()
+            .any(|(held, held_naming)| names_it_still(held.bind(py), *held_naming, obj, raw, naming))
 }
 
 /// Whether `held`, an object the entry holds, still stands for the stream `obj` names as `raw`.
