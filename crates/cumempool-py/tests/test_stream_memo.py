@@ -300,3 +300,33 @@ print(c.stream is s, alive() is not None)
 """,
     )
     assert words == ["True", "True"], "the owner of the stream a buffer is ordered on was let go of"
+
+
+def test_an_owner_found_again_stays_held_when_a_callback_closes_the_streams_other_buffers(stand_in_libcuda):
+    # Between finding the stream and the new buffer taking its share of it, an out-of-memory
+    # callback closes the stream's other buffers: the stream must go on holding the owner it was
+    # found for, since the new buffer is ordered on the owner's stream.
+    words = _memo_case(
+        stand_in_libcuda,
+        """
+owner = Owner(cm.Stream(0))
+handle = owner.ptr
+w1 = FromHandle(handle)
+held = []
+def on_oom(size, attempt):
+    freed = list(held)
+    for b in held:
+        b.close()
+    held.clear()
+    return bool(freed)
+res = cm.OnOutOfMemory(cm.Limit(cm.PoolResource(pool), 8192), on_oom)
+held.append(res.alloc(4096, w1))
+held.append(res.alloc(4096, owner))
+c = res.alloc(8192, owner)
+alive = weakref.ref(owner)
+del owner
+others = push_out()
+print(c.stream.handle == handle, alive() is not None, any(o.stream.handle == handle for o in others))
+""",
+    )
+    assert words == ["True", "True", "False"], words

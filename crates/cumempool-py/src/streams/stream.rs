@@ -161,17 +161,6 @@ impl Stream {
         }
     }
 
-    /// The objects `hold_also` added, taken out where no memory is ordered on the stream any
-    /// more (no clone of the Rust stream but this object's): they only kept the stream alive for
-    /// that memory, and one of them may hold this very object (another library's stream made
-    /// from it), a cycle the collector cannot see. To be dropped outside any lock.
-    fn others_once_unused(&self) -> Vec<(Py<PyAny>, Naming)> {
-        match &self.lenders {
-            Some(lenders) if !self.shared_elsewhere() => std::mem::take(&mut *lock(&lenders.others)),
-            _ => Vec::new(),
-        }
-    }
-
     /// The object `raw` stands for where it names one of `device`'s default streams, which no
     /// library destroys: `0` and `CU_STREAM_LEGACY` name the legacy stream of whichever context
     /// is current (the device's own object, so two devices' legacy streams are never one
@@ -199,9 +188,8 @@ impl Stream {
         default_device: i32,
     ) -> Outcome<Py<Self>> {
         let recent = lock(&LENT).recent(py, obj);
-        if let Some((known, naming)) = recent {
+        if let Some((known, _)) = recent {
             if known.get().stream.as_raw() as usize == raw {
-                known.get().hold_also(obj, naming);
                 return Ok(known);
             }
         }
@@ -230,8 +218,6 @@ impl Stream {
             // closed object's own error surfaces; one that names another stream is looked up
             // anew.
             if naming != Naming::Protocol || protocol_handle(obj)? == known.get().stream.as_raw() as usize {
-                // The stream may have let go of `obj` since (`others_once_unused`).
-                known.get().hold_also(obj, naming);
                 return Ok(known);
             }
         }
@@ -266,15 +252,12 @@ impl Stream {
 /// cache keeps): so the lending library's object lives as long as its stream is used here,
 /// and no longer. A stream still used stays in the memo, so it is found again (one stream to a
 /// cache).
-pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
+pub(crate) fn let_go(py: Python<'_>, stream: Py<Stream>) {
     if !stream.get().is_lent() {
         return;
     }
-    // First the objects held besides the lender, outside the lock (they may run code when let
-    // go of): one may hold `stream` itself, which is unused only once it is gone.
-    drop(stream.get().others_once_unused());
     // Held here too: one more reference than the memo's.
-    let evicted = lock(&LENT).let_go_of(&stream);
+    let evicted = lock(&LENT).let_go_of(py, &stream);
     // Outside the lock: the library's object may run code when let go of.
     drop(evicted);
     drop(stream);
@@ -283,12 +266,8 @@ pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
 /// Lets go of every memo entry whose stream nothing else uses (after a cache gave its blocks
 /// back, say).
 pub(crate) fn prune_unused(py: Python<'_>) {
-    // Twice: the first pass lets go of what unused streams held besides their lenders, which
-    // may be all that kept a stream in use (`others_once_unused`).
-    for _ in 0..2 {
-        let evicted = lock(&LENT).unused_entries(py);
-        drop(evicted);
-    }
+    let evicted = lock(&LENT).unused_entries(py);
+    drop(evicted);
 }
 
 /// The streams other libraries lent, found again by object and by handle (`lent_streams`).
@@ -322,8 +301,28 @@ impl LentStream for Stream {
         })
     }
 
-    fn let_go_of_held_also(&self) -> Vec<(Py<PyAny>, Naming)> {
-        self.others_once_unused()
+    fn references_from_held(&self, this: &Bound<'_, PyAny>) -> Option<usize> {
+        let py = this.py();
+        let get_referents =
+            py.import(pyo3::intern!(py, "gc")).and_then(|gc| gc.getattr(pyo3::intern!(py, "get_referents"))).ok()?;
+        let mut count = 0;
+        for (held, _) in self.held_also(py) {
+            for referent in get_referents.call1((held,)).ok()?.try_iter().ok()? {
+                let referent = referent.ok()?;
+                count += usize::from(referent.is(this));
+                // An instance's attributes, where its dict was made.
+                if let Ok(attributes) = referent.cast::<pyo3::types::PyDict>() {
+                    count += attributes.values().iter().filter(|value| value.is(this)).count();
+                }
+            }
+        }
+        Some(count)
+    }
+
+    fn take_held_also(&self) -> Vec<Py<PyAny>> {
+        self.lenders.as_deref().map_or_else(Vec::new, |lenders| {
+            std::mem::take(&mut *lock(&lenders.others)).into_iter().map(|(object, _)| object).collect()
+        })
     }
 
     fn shared_elsewhere(&self) -> bool {
