@@ -52,14 +52,6 @@ pub(crate) trait LentStream: PyClass<Frozen = True> + Sync {
     /// The other objects the stream was found for and holds, with how each names it.
     fn held_also(&self, py: Python<'_>) -> Vec<(Py<PyAny>, Naming)>;
 
-    /// How many references to `this` (the stream's own object) those objects make directly or
-    /// through their attributes' dict; `None` where it cannot be told (counts as not known to
-    /// be unused).
-    fn references_from_held(&self, this: &Bound<'_, PyAny>) -> Option<usize>;
-
-    /// Those objects, taken out: for a stream let go of, to be dropped outside the memo's lock.
-    fn take_held_also(&self) -> Vec<Py<PyAny>>;
-
     /// Whether a clone of the Rust stream is held beside this object's (a buffer's, a block a
     /// cache keeps).
     fn shared_elsewhere(&self) -> bool;
@@ -258,8 +250,8 @@ impl<S: LentStream> Lent<S> {
 
     /// Takes `stream`'s entries out when nothing but the memo and the caller (one reference)
     /// uses it; what was taken, to be dropped outside the lock.
-    pub(crate) fn let_go_of(&mut self, py: Python<'_>, stream: &Py<S>) -> Vec<Py<PyAny>> {
-        self.evict(py, stream, 1)
+    pub(crate) fn let_go_of(&mut self, stream: &Py<S>) -> Vec<Py<PyAny>> {
+        self.evict(stream, 1)
     }
 
     /// Takes out every entry whose stream nothing else uses; what was taken, to be dropped
@@ -269,7 +261,7 @@ impl<S: LentStream> Lent<S> {
         let mut evicted = Vec::new();
         for stream in &streams {
             // `streams` holds one more reference.
-            evicted.extend(self.evict(py, stream, 1));
+            evicted.extend(self.evict(stream, 1));
         }
         evicted.extend(streams.into_iter().map(Py::into_any));
         evicted
@@ -278,27 +270,16 @@ impl<S: LentStream> Lent<S> {
     /// Takes `stream`'s entries out when its references are the memo's and `others` more, and
     /// no clone of its Rust stream is held elsewhere; what was taken, to be dropped outside the
     /// lock.
-    fn evict(&mut self, py: Python<'_>, stream: &Py<S>, others: usize) -> Vec<Py<PyAny>> {
+    fn evict(&mut self, stream: &Py<S>, others: usize) -> Vec<Py<PyAny>> {
         let in_memo = self.streams.iter().filter(|(_, _, s)| s.is(stream)).count()
             + self.objects.iter().filter(|(_, s, _)| s.is(stream)).count();
         // SAFETY: a live object, held by the caller, who holds the GIL.
         let references = unsafe { ffi::Py_REFCNT(stream.as_ptr()) };
-        let expected = (in_memo + others) as isize;
-        if in_memo == 0 || references < expected || stream.get().shared_elsewhere() {
-            return Vec::new();
+        let unused = references == (in_memo + others) as isize && !stream.get().shared_elsewhere();
+        let mut evicted = Vec::new();
+        if in_memo == 0 || !unused {
+            return evicted;
         }
-        // An object the stream holds besides its lender may hold the stream's own object
-        // (another library's stream made from it keeps it): those references go with the
-        // stream, and count as none. Any other reference is a use (a caller between finding
-        // the stream and ordering memory on it holds one).
-        if references > expected {
-            let from_held = stream.get().references_from_held(stream.bind(py).as_any());
-            if from_held.is_none_or(|from_held| references != expected + from_held as isize) {
-                return Vec::new();
-            }
-        }
-        // The held objects are taken out, so a cycle through them ends with the entries.
-        let mut evicted = stream.get().take_held_also();
         while let Some(at) = self.streams.iter().position(|(_, _, s)| s.is(stream)) {
             evicted.extend(self.streams.remove(at).map(|(_, _, s)| s.into_any()));
         }

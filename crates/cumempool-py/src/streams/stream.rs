@@ -252,12 +252,12 @@ impl Stream {
 /// cache keeps): so the lending library's object lives as long as its stream is used here,
 /// and no longer. A stream still used stays in the memo, so it is found again (one stream to a
 /// cache).
-pub(crate) fn let_go(py: Python<'_>, stream: Py<Stream>) {
+pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
     if !stream.get().is_lent() {
         return;
     }
     // Held here too: one more reference than the memo's.
-    let evicted = lock(&LENT).let_go_of(py, &stream);
+    let evicted = lock(&LENT).let_go_of(&stream);
     // Outside the lock: the library's object may run code when let go of.
     drop(evicted);
     drop(stream);
@@ -298,30 +298,6 @@ impl LentStream for Stream {
     fn held_also(&self, py: Python<'_>) -> Vec<(Py<PyAny>, Naming)> {
         self.lenders.as_deref().map_or_else(Vec::new, |lenders| {
             lock(&lenders.others).iter().map(|(object, naming)| (object.clone_ref(py), *naming)).collect()
-        })
-    }
-
-    fn references_from_held(&self, this: &Bound<'_, PyAny>) -> Option<usize> {
-        let py = this.py();
-        let get_referents =
-            py.import(pyo3::intern!(py, "gc")).and_then(|gc| gc.getattr(pyo3::intern!(py, "get_referents"))).ok()?;
-        let mut count = 0;
-        for (held, _) in self.held_also(py) {
-            for referent in get_referents.call1((held,)).ok()?.try_iter().ok()? {
-                let referent = referent.ok()?;
-                count += usize::from(referent.is(this));
-                // An instance's attributes, where its dict was made.
-                if let Ok(attributes) = referent.cast::<pyo3::types::PyDict>() {
-                    count += attributes.values().iter().filter(|value| value.is(this)).count();
-                }
-            }
-        }
-        Some(count)
-    }
-
-    fn take_held_also(&self) -> Vec<Py<PyAny>> {
-        self.lenders.as_deref().map_or_else(Vec::new, |lenders| {
-            std::mem::take(&mut *lock(&lenders.others)).into_iter().map(|(object, _)| object).collect()
         })
     }
 
