@@ -218,6 +218,11 @@ class Wrapping:  # another library's stream made from an object with __cuda_stre
 
 pool = cm.MemPool(cm.Route.device(0))
 
+def owner_and_wrapper():
+    # A stream's owner, its handle, and a wrapper of that handle that owns nothing.
+    owner = Owner(cm.Stream(0))
+    return owner, owner.ptr, FromHandle(owner.ptr)
+
 def push_out():
     # Other streams' objects, kept in use, push the memo's recent objects out; then misses let
     # go of unused entries, and the collector runs.
@@ -242,9 +247,7 @@ def test_a_stream_whose_lender_closed_is_found_by_an_owner_it_holds(stand_in_lib
     words = _memo_case(
         stand_in_libcuda,
         """
-owner = Owner(cm.Stream(0))
-handle = owner.ptr
-w1 = FromHandle(handle)
+owner, handle, w1 = owner_and_wrapper()
 a = pool.alloc(4096, w1)
 b = pool.alloc(4096, owner)
 w1.close()
@@ -286,17 +289,16 @@ print(alive() is None)
     assert words == ["True"], "the lender is never let go of: a cycle through the stream's held objects"
 
 
-def test_an_owner_passed_again_is_held_after_the_stream_let_go_of_it(stand_in_libcuda):
-    # With no memory on it, the stream lets go of the objects it held besides its lender; the
-    # owner passed again (found among the memo's recent objects) must be held again by the
-    # stream its new buffer is ordered on.
+def test_an_owner_passed_again_is_held_after_its_first_buffer_closed(stand_in_libcuda):
+    # The owner was held with a buffer that has closed, while the caller keeps the stream (its
+    # lender a wrapper); passed again (found among the memo's recent objects), it must still be
+    # held by the stream its new buffer is ordered on.
     words = _memo_case(
         stand_in_libcuda,
         """
-owner = Owner(cm.Stream(0))
-w1 = FromHandle(owner.ptr)
+owner, _, w1 = owner_and_wrapper()
 s = cm.Stream.borrow(w1)          # the stream, its lender a wrapper, kept by the caller
-pool.alloc(4096, owner).close()   # held, then let go of with the buffer
+pool.alloc(4096, owner).close()   # held by the stream, with a buffer that closes
 c = pool.alloc(4096, owner)       # found again among the recent objects
 alive = weakref.ref(owner)
 del owner
@@ -314,9 +316,7 @@ def test_an_owner_found_again_stays_held_when_a_callback_closes_the_streams_othe
     words = _memo_case(
         stand_in_libcuda,
         """
-owner = Owner(cm.Stream(0))
-handle = owner.ptr
-w1 = FromHandle(handle)
+owner, handle, w1 = owner_and_wrapper()
 held = []
 def on_oom(size, attempt):
     freed = list(held)
@@ -343,9 +343,7 @@ def test_an_owner_stays_held_by_a_stream_the_user_keeps_through_a_wrapper(stand_
     words = _memo_case(
         stand_in_libcuda,
         """
-owner = Owner(cm.Stream(0))
-handle = owner.ptr
-w1 = FromHandle(handle)
+owner, handle, w1 = owner_and_wrapper()
 s = cm.Stream.borrow(w1)
 assert cm.Stream.borrow(owner) is s
 core = Wrapping(s)

@@ -377,11 +377,16 @@ impl Stream {
     /// See [cuStreamGetCaptureInfo](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
         self.bind()?;
+        capture_info(self.asked_handle())
+    }
+
+    /// The handle a capture question is asked of: for [`Stream::legacy_for_per_thread`], the
+    /// calling thread's per-thread stream (of the context current when asked).
+    fn asked_handle(&self) -> sys::CUstream {
         if self.0.for_per_thread {
-            // The calling thread's per-thread stream, of the context `bind` made current.
-            return capture_info(PER_THREAD_HANDLE as sys::CUstream);
+            return PER_THREAD_HANDLE as sys::CUstream;
         }
-        capture_info(self.as_raw())
+        self.as_raw()
     }
 
     /// [`Stream::capture_status`], with the calling thread's current context (or none) current
@@ -394,10 +399,7 @@ impl Stream {
     /// context.
     pub fn capture_status_keeping_context(&self) -> Result<CaptureStatus> {
         match &self.0.context {
-            Some(context) if self.is_legacy() => context.while_current(|| {
-                let handle = if self.0.for_per_thread { PER_THREAD_HANDLE as sys::CUstream } else { self.as_raw() };
-                capture_info(handle)
-            }),
+            Some(context) if self.is_legacy() => context.while_current(|| capture_info(self.asked_handle())),
             // An ordinary stream names its context itself: the question needs none current.
             _ => capture_info(self.as_raw()),
         }
