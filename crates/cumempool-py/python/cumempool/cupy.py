@@ -89,6 +89,7 @@ class Allocator(_CupyAllocatorBase):
             cupy.cuda.UnownedMemory,
             cupy.cuda.MemoryPointer,
             vars(_history),
+            getattr(getattr(cupy.cuda, "memory", None), "CFunctionAllocatorMemory", None),
         )
 
     def __init__(self, source: MemPool | Resource):
