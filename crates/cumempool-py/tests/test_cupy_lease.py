@@ -30,6 +30,13 @@ class CFunctionAllocatorMemory:
         if self.ptr:
             freed.append(self.ptr)
             FREE(self._free)(self._param, self.ptr, self.device_id)
+    def __reduce__(self):
+        # As Cython pickles CuPy's class: by its fields, with no malloc when made again.
+        return (_by_fields, (type(self), (self._param, self._free, self.device_id, self.size, self.ptr)))
+def _by_fields(cls, fields):
+    made = cls.__new__(cls)
+    made._param, made._free, made.device_id, made.size, made.ptr = fields
+    return made
 class CupyStream:
     def __init__(self, stream):
         self.stream = stream
@@ -64,13 +71,13 @@ def test_cupys_memory_object_holds_the_memory_until_it_goes(stand_in_libcuda):
         """
         current[0] = CupyStream(cm.Stream(0))
         memory = allocator(256)
-        print(type(memory).__name__, memory.size, memory.device_id, memory.ptr != 0, in_use())
+        print(isinstance(memory, CFunctionAllocatorMemory), memory.size, memory.device_id, memory.ptr != 0, in_use())
         ptr = memory.ptr
         del memory
         print(freed == [ptr], in_use())
         """,
     )
-    assert words[:5] == ["CFunctionAllocatorMemory", "256", "0", "True", "256"]
+    assert words[:5] == ["True", "256", "0", "True", "256"]
     assert words[5:] == ["True", "0"], "the memory outlived CuPy's object"
 
 
@@ -130,3 +137,39 @@ def test_an_empty_allocation_makes_a_memory_object_without_an_address(stand_in_l
         """,
     )
     assert words == ["0", "0", "0", "0"]
+
+
+def test_a_copy_is_the_object_itself_and_pickling_is_refused(stand_in_libcuda):
+    # CuPy's class copies and pickles by its fields: a second object with the same fields
+    # would give the memory back a second time, under the first.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+        import copy, pickle
+        current[0] = CupyStream(cm.Stream(0))
+        memory = allocator(256)
+        print(copy.copy(memory) is memory, copy.deepcopy(memory) is memory)
+        try:
+            pickle.dumps(memory)
+        except TypeError as error:
+            print("refused", "cumempool.cupy.Allocator" in str(error))
+        del memory
+        gc.collect()
+        print(in_use(), len(freed))
+        """,
+    )
+    assert words == ["True", "True", "refused", "True", "0", "1"]
+
+
+def test_memory_cupy_holds_at_exit_is_left_to_the_driver(stand_in_libcuda):
+    # CuPy lets go of its memory objects as the interpreter tears its modules down, from
+    # outside any binding: no attaching to Python then (it would abort the process).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+        current[0] = types.SimpleNamespace(ptr=0)
+        _kept = allocator(256)
+        print(in_use())
+        """,
+    )
+    assert words == ["256"]

@@ -133,7 +133,6 @@ impl CupyAllocatorBase {
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
     }
 
-
     /// CuPy's current stream, as served on `device` (the current device). A default stream
     /// (CuPy's null stream, its per-thread stream) is served from its handle, `ptr`, alone:
     /// those streams outlive every object, and this skips the other libraries' attributes the

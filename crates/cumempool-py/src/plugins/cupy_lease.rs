@@ -27,10 +27,19 @@ struct Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Some(core) = self.core.take() {
-            // The last count goes in `give_back` (CuPy's `__dealloc__`) or in `memory_object`,
-            // both with the GIL held: this only counts it again.
-            Python::attach(|py| Core::release(Slot::Own(core), py));
+        let Some(core) = self.core.take() else { return };
+        // The last count goes in `give_back` (CuPy's `__dealloc__`) or in `LentMemory::make`,
+        // both with the GIL held, but `give_back` from outside any binding: at exit, after the
+        // module's `atexit` handler or once Python is finalizing, attaching is refused (it
+        // would panic), and the memory is left to the driver with the process.
+        let mut core = Some(core);
+        let released = crate::sync::gil::try_attach(|py| {
+            if let Some(core) = core.take() {
+                Core::release(Slot::Own(core), py);
+            }
+        });
+        if released.is_none() {
+            std::mem::forget(core);
         }
     }
 }
@@ -53,7 +62,11 @@ unsafe extern "C" fn lend(param: *mut c_void, _size: usize, _device: c_int) -> *
 /// `param` is the count `lend` handed to CuPy's object, given back once.
 unsafe extern "C" fn give_back(param: *mut c_void, _ptr: *mut c_void, _device: c_int) {
     // SAFETY: under the caller's promise.
-    drop(unsafe { Arc::from_raw(param.cast::<Lease>().cast_const()) });
+    let lease = unsafe { Arc::from_raw(param.cast::<Lease>().cast_const()) };
+    // No unwinding into CuPy's C: a panic leaves the memory to the driver.
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(lease))).is_err() {
+        tracing::error!("giving back memory CuPy let go of panicked: the memory is not given back");
+    }
 }
 
 /// CuPy's `CFunctionAllocatorMemory`, with this module's two functions as the Python ints its
