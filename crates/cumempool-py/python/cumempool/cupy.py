@@ -11,7 +11,6 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable
 
@@ -193,13 +192,18 @@ class Allocator(_CupyAllocatorBase):
         return cupy.cuda.MemoryPointer(memory, 0)
 
 
-@functools.cache
+_lent_memory_classes: dict[Any, type | None] = {}
+
+
 def _lent_memory_class(cupy) -> type | None:
     """CuPy's ``CFunctionAllocatorMemory`` (where CuPy has it), which the native steps make to
     hold the memory they serve, made uncopyable: CuPy's class pickles and copies by its fields,
     and a second object with the same fields would give the same memory back twice."""
-    base = getattr(getattr(cupy.cuda, "memory", None), "CFunctionAllocatorMemory", None)
+    if cupy in _lent_memory_classes:
+        return _lent_memory_classes[cupy]
+    base: Any = getattr(getattr(cupy.cuda, "memory", None), "CFunctionAllocatorMemory", None)
     if base is None:
+        _lent_memory_classes[cupy] = None
         return None
 
     class LentMemory(base):
@@ -223,6 +227,7 @@ def _lent_memory_class(cupy) -> type | None:
 
     LentMemory.__module__ = __name__
     LentMemory.__qualname__ = "LentMemory"
+    _lent_memory_classes[cupy] = LentMemory
     return LentMemory
 
 
