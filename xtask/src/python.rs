@@ -111,13 +111,17 @@ pub fn test_wheel(root: &Path, python: &Path, wheel: &Path) -> Result<(), String
     }
 }
 
-/// Lints the Python package, its tests, examples and benches with ruff (pyproject.toml's rules).
+/// Lints the Python package, its tests, examples and benches with ruff (pyproject.toml's rules),
+/// and checks they are laid out as `ruff format` lays them out.
 fn lint(root: &Path, python: &Path) -> Result<(), String> {
+    let package = root.join("crates").join("cumempool-py");
     run(
-        Command::new(python)
-            .args(["-m", "ruff", "check", "--quiet", "."])
-            .current_dir(root.join("crates").join("cumempool-py")),
+        Command::new(python).args(["-m", "ruff", "check", "--quiet", "."]).current_dir(&package),
         "ruff check (crates/cumempool-py/pyproject.toml's rules)",
+    )?;
+    run(
+        Command::new(python).args(["-m", "ruff", "format", "--check", "--quiet", "."]).current_dir(&package),
+        "ruff format --check (run `ruff format` in crates/cumempool-py)",
     )
 }
 

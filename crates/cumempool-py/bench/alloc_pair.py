@@ -170,7 +170,11 @@ def cupy_plugin_pieces(cache, timed):
         yield "CuPy: cache pair on the CuPy stream", timed(lambda: cache.alloc(SIZE, s).close()), "stream memo included"
         yield "CuPy: owner.ptr + owner.device", timed(lambda: (owner.ptr, owner.device)), ""
         unowned, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
-        yield "CuPy: MemoryPointer(UnownedMemory(...))", timed(lambda: pointer(unowned(owner.ptr, SIZE, owner, 0), 0)), "CuPy's objects"
+        yield (
+            "CuPy: MemoryPointer(UnownedMemory(...))",
+            timed(lambda: pointer(unowned(owner.ptr, SIZE, owner, 0), 0)),
+            "CuPy's objects",
+        )
         owner.close()
         s.synchronize()
 

@@ -80,7 +80,9 @@ def main() -> None:
         for label, allocate in allocators:
             plain, calls, inside = run(allocate, args.iterations, args.rounds)
             base = base or plain
-            print(f"  {label:32s} {plain * 1e6:8.2f} us/iter  {plain / base:6.3f}x  {calls:4.1f} allocations  {inside * 1e6:6.2f} us inside them")
+            print(
+                f"  {label:32s} {plain * 1e6:8.2f} us/iter  {plain / base:6.3f}x  {calls:4.1f} allocations  {inside * 1e6:6.2f} us inside them"
+            )
 
 
 if __name__ == "__main__":

@@ -84,8 +84,12 @@ class Counts:
     pair_rounds: int
 
 
-FULL = Counts(step_warmup=5, steps=40, replays=40, burst_warmup=2, bursts=12, loop_block=300, loop_blocks=10, pairs=20000, pair_rounds=15)
-QUICK = Counts(step_warmup=2, steps=8, replays=8, burst_warmup=1, bursts=3, loop_block=100, loop_blocks=4, pairs=4000, pair_rounds=5)
+FULL = Counts(
+    step_warmup=5, steps=40, replays=40, burst_warmup=2, bursts=12, loop_block=300, loop_blocks=10, pairs=20000, pair_rounds=15
+)
+QUICK = Counts(
+    step_warmup=2, steps=8, replays=8, burst_warmup=1, bursts=3, loop_block=100, loop_blocks=4, pairs=4000, pair_rounds=5
+)
 
 
 @dataclass(frozen=True)
@@ -401,7 +405,12 @@ def cupy_child(key: str, counts: Counts, result: dict):
             memory["peak_reserved"] = memory["pool_reserved_high"] = pool.reserved_mem_high
             memory["pool_used_high"] = pool.used_mem_high
             memory["pool_release_threshold"] = pool.release_threshold
-        return {"median_s": median_of(spent), "iterations": len(spent) * counts.loop_block, "checksum": checksum, "memory": memory}
+        return {
+            "median_s": median_of(spent),
+            "iterations": len(spent) * counts.loop_block,
+            "checksum": checksum,
+            "memory": memory,
+        }
 
     try:
         run_workloads(result, {"loop": loop}, None, None, counts)
@@ -420,6 +429,7 @@ def pairs_child(counts: Counts, result: dict):
     import alloc_pair
 
     import cumempool as cm
+
     # The Rust loop needs the benchmark hooks; without them (a user's wheel) the other rows run.
     native = alloc_pair.bench_hooks_or_none()
 
@@ -496,8 +506,19 @@ def dry_child(key: str, counts: Counts, result: dict, skew: str | None):
     checksum = {"step": 0.75, "graph": 0.74, "burst": 3.0 * sum(burst_sizes()), "loop": 1234.5}
     result["environment"] = {"device": "(dry run)", "driver": "-", "python": sys.version.split()[0], "cumempool": "-"}
     if key == "pairs":
-        seconds = {"pool pair": 1.3e-6, "pool pair in Rust": 1.2e-6, "cache pair": 0.3e-6, "CuPy default MemoryPool pair": 2e-6, "CuPy plug-in pair over the cache": 0.6e-6}
-        result["pairs"] = {"size_bytes": MIB, "pairs_per_round": counts.pairs, "rounds": 2, "seconds": {k: [v, v] for k, v in seconds.items()}}
+        seconds = {
+            "pool pair": 1.3e-6,
+            "pool pair in Rust": 1.2e-6,
+            "cache pair": 0.3e-6,
+            "CuPy default MemoryPool pair": 2e-6,
+            "CuPy plug-in pair over the cache": 0.6e-6,
+        }
+        result["pairs"] = {
+            "size_bytes": MIB,
+            "pairs_per_round": counts.pairs,
+            "rounds": 2,
+            "seconds": {k: [v, v] for k, v in seconds.items()},
+        }
         return
     for name in WORKLOADS[config.library]:
         value = checksum[name] * (1.5 if key == skew else 1.0)
@@ -642,15 +663,15 @@ def check_checksums(runs: dict, configs: list[Config]) -> tuple[list[str], list[
             base = [v for v in values if v[0] == BASELINE[library]] or values
             reference = base[0][2]
             tolerance = TOLERANCE[workload]
-            bad = [
-                v
-                for v in values
-                if not (math.isfinite(v[2]) and abs(v[2] - reference) <= tolerance * abs(reference))
-            ]
+            bad = [v for v in values if not (math.isfinite(v[2]) and abs(v[2] - reference) <= tolerance * abs(reference))]
             for key, round_, value in bad:
-                mismatches.append(f"MISMATCH {workload}: {key} round {round_ + 1} computed {value!r}, {base[0][0]} {reference!r} (rtol {tolerance})")
+                mismatches.append(
+                    f"MISMATCH {workload}: {key} round {round_ + 1} computed {value!r}, {base[0][0]} {reference!r} (rtol {tolerance})"
+                )
             if not bad:
-                agreed.append(f"{workload}: {len(values)} results of {len({v[0] for v in values})} configurations agree (rtol {tolerance}): {reference!r}")
+                agreed.append(
+                    f"{workload}: {len(values)} results of {len({v[0] for v in values})} configurations agree (rtol {tolerance}): {reference!r}"
+                )
     return agreed, mismatches
 
 
@@ -674,7 +695,10 @@ def table_rows(summary: dict, configs: list[Config], library: str, columns) -> l
     for config in configs:
         if config.library == library and config.key in summary:
             s = summary[config.key]
-            cells = (fmt(s[name]["median"], scale, digits, width) + fmt(s[name]["ratio"], 1, 3, 7) for name, _, scale, digits, width in columns)
+            cells = (
+                fmt(s[name]["median"], scale, digits, width) + fmt(s[name]["ratio"], 1, 3, 7)
+                for name, _, scale, digits, width in columns
+            )
             rows.append(f"  {config.label:<38}" + "".join(cells))
     return rows
 
@@ -688,7 +712,10 @@ def torch_table(summary: dict, configs: list[Config], runs: dict) -> list[str]:
     recipe = [c for c in configs if c.key.startswith("torch-recipe") and c.key in summary]
     for config in recipe:
         s = summary[config.key]
-        parts = [f"{w} {fmt(s[f'{n}.median_s']['ratio_vs_async'], 1, 3, 0)}x" for w, n in (("step", "step"), ("replay", "graph"), ("burst", "burst"))]
+        parts = [
+            f"{w} {fmt(s[f'{n}.median_s']['ratio_vs_async'], 1, 3, 0)}x"
+            for w, n in (("step", "step"), ("replay", "graph"), ("burst", "burst"))
+        ]
         lines.append(f"  {config.label} against backend:cudaMallocAsync: " + ", ".join(parts))
     shares = []
     for config in configs:
@@ -734,14 +761,27 @@ def pair_figures(pairs: dict | None) -> dict:
 
 def pair_table(figures: dict, pairs: dict | None) -> list[str]:
     if not figures:
-        return ["alloc+free pairs: not measured" + (f" ({pairs['failure'].splitlines()[0]})" if pairs and pairs.get("failure") else "")]
+        return [
+            "alloc+free pairs: not measured"
+            + (f" ({pairs['failure'].splitlines()[0]})" if pairs and pairs.get("failure") else "")
+        ]
     meta = pairs["pairs"]
-    lines = [f"alloc+free pairs of {meta['size_bytes'] >> 20} MiB, medians of {meta['rounds']} rounds of {meta['pairs_per_round']} pairs"]
-    for name in ("pool pair", "pool pair in Rust", "cache pair", "CuPy default MemoryPool pair", "CuPy plug-in pair over the cache"):
+    lines = [
+        f"alloc+free pairs of {meta['size_bytes'] >> 20} MiB, medians of {meta['rounds']} rounds of {meta['pairs_per_round']} pairs"
+    ]
+    for name in (
+        "pool pair",
+        "pool pair in Rust",
+        "cache pair",
+        "CuPy default MemoryPool pair",
+        "CuPy plug-in pair over the cache",
+    ):
         if name in figures:
             lines.append(f"  {name:<38}{figures[name] * 1e6:9.3f} us")
-    lines.append(f"  Python pool pair / Rust loop {fmt(figures['pool/rust'], 1, 3, 0)}x; cache pair / CuPy MemoryPool pair "
-                 f"{fmt(figures['cache/cupy'], 1, 3, 0)}x; CuPy plug-in pair / MemoryPool pair {fmt(figures['plugin/cupy'], 1, 3, 0)}x")
+    lines.append(
+        f"  Python pool pair / Rust loop {fmt(figures['pool/rust'], 1, 3, 0)}x; cache pair / CuPy MemoryPool pair "
+        f"{fmt(figures['cache/cupy'], 1, 3, 0)}x; CuPy plug-in pair / MemoryPool pair {fmt(figures['plugin/cupy'], 1, 3, 0)}x"
+    )
     if pairs.get("rust_pairs_skipped"):
         lines.append(f"  Rust loop row skipped: {pairs['rust_pairs_skipped']}")
     if pairs.get("cupy_skipped"):
@@ -756,8 +796,16 @@ def targets(summary: dict, figures: dict) -> list[dict]:
         return summary.get(key, {}).get(name, {}).get(field)
 
     found = [
-        ("routing recipe (as documented) step <= 1.05x cudaMallocAsync", get("torch-recipe", "step.median_s", "ratio_vs_async"), 1.05),
-        ("routing recipe, threshold raised, step <= 1.05x cudaMallocAsync", get("torch-recipe-threshold", "step.median_s", "ratio_vs_async"), 1.05),
+        (
+            "routing recipe (as documented) step <= 1.05x cudaMallocAsync",
+            get("torch-recipe", "step.median_s", "ratio_vs_async"),
+            1.05,
+        ),
+        (
+            "routing recipe, threshold raised, step <= 1.05x cudaMallocAsync",
+            get("torch-recipe-threshold", "step.median_s", "ratio_vs_async"),
+            1.05,
+        ),
         ("plug-in over the pool step <= 1.03x torch native", get("torch-plugin-pool", "step.median_s"), 1.03),
         ("plug-in over the cache step <= 1.03x torch native", get("torch-plugin-cache", "step.median_s"), 1.03),
         ("plug-in over the pool graph replay <= 1.02x native", get("torch-plugin-pool", "graph.median_s"), 1.02),
@@ -770,7 +818,10 @@ def targets(summary: dict, figures: dict) -> list[dict]:
         ("Python pool pair <= 1.15x the Rust loop", figures.get("pool/rust"), 1.15),
         ("cache pair <= 0.30x CuPy default MemoryPool pair", figures.get("cache/cupy"), 0.30),
     ]
-    return [{"target": name, "value": value, "limit": limit, "pass": None if value is None else value <= limit} for name, value, limit in found]
+    return [
+        {"target": name, "value": value, "limit": limit, "pass": None if value is None else value <= limit}
+        for name, value, limit in found
+    ]
 
 
 def problems_of(result: dict, round_: int | None, say) -> list[dict]:
@@ -867,7 +918,9 @@ def parent_main(args) -> int:
     lines.append("targets (measurements, not tests)")
     for t in found_targets:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
-        lines.append(f"  {verdict}  {t['target']:<64} {fmt(t['value'], 1, 3, 0) + 'x' if t['value'] is not None else 'not measured'}")
+        lines.append(
+            f"  {verdict}  {t['target']:<64} {fmt(t['value'], 1, 3, 0) + 'x' if t['value'] is not None else 'not measured'}"
+        )
     agreed, mismatches = check_checksums(runs, configs)
     lines.append("checks")
     lines += [f"  {line}" for line in agreed + mismatches]
@@ -892,7 +945,15 @@ def parent_main(args) -> int:
             "wall_s": wall,
             "environment": environment_found,
             "counts": asdict(counts),
-            "model": {"layers": LAYERS, "d_model": D_MODEL, "nhead": NHEAD, "batch": BATCH, "seq": SEQ, "dropout": 0.0, "optimizer": "SGD lr 0.01"},
+            "model": {
+                "layers": LAYERS,
+                "d_model": D_MODEL,
+                "nhead": NHEAD,
+                "batch": BATCH,
+                "seq": SEQ,
+                "dropout": 0.0,
+                "optimizer": "SGD lr 0.01",
+            },
             "cap_bytes": CAP,
             "configs": [
                 {**asdict(c), "summary": summary.get(c.key), "runs": {str(r): v for r, v in runs.get(c.key, {}).items()}}
@@ -917,7 +978,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="rounds of every configuration (default 5, --quick 1)")
     parser.add_argument("--budget", type=float, help="seconds after which no new round starts (default 300, --quick 60)")
     parser.add_argument("--json-out", metavar="FILE", help="also write every figure as JSON to FILE")
-    parser.add_argument("--only", metavar="KEYS", help="comma-separated parts of configuration keys to run (e.g. torch-native,cupy)")
+    parser.add_argument(
+        "--only", metavar="KEYS", help="comma-separated parts of configuration keys to run (e.g. torch-native,cupy)"
+    )
     parser.add_argument("--no-pairs", action="store_true", help="leave out the alloc+free pair ratios")
     parser.add_argument("--dry-run", action="store_true", help="run the parent/child protocol with made-up figures (no GPU)")
     parser.add_argument("--dry-run-skew", metavar="KEY", help=argparse.SUPPRESS)  # a wrong checksum, for the protocol's test

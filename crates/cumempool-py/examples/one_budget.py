@@ -156,7 +156,9 @@ print(f"one budget of {BUDGET // MIB} MiB: a pool made current for device 0, dra
 print(f"  {'library':<11}{'share':>9}  {'filled the rest':>16}  {'used at the cap':>16}  its own out-of-memory error")
 for library in libraries:
     extra, at_cap, name = filled[library.name]
-    print(f"  {library.name:<11}{share[library.name] // MIB:>5} MiB  {'+' + str(extra // MIB) + ' MiB':>16}  {str(at_cap // MIB) + ' MiB':>16}  {name}")
+    print(
+        f"  {library.name:<11}{share[library.name] // MIB:>5} MiB  {'+' + str(extra // MIB) + ' MiB':>16}  {str(at_cap // MIB) + ' MiB':>16}  {name}"
+    )
 print(
     f"  pool: used {pool.used_mem_current // MIB} MiB now, {pool.used_mem_high // MIB} MiB at most, "
     f"reserved {pool.reserved_mem_high // MIB} MiB at most, of {BUDGET // MIB} MiB"

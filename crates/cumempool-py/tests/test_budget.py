@@ -32,9 +32,7 @@ def test_sizes_are_read_as_people_write_them():
 
 
 def _run(*args, env=None, timeout=180):
-    return subprocess.run(
-        [sys.executable, "-m", "cumempool", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return subprocess.run([sys.executable, "-m", "cumempool", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_the_command_says_what_is_missing():
@@ -192,7 +190,20 @@ def test_on_the_gpu_torchrun_gives_each_rank_its_budget_and_all_reduce_is_exact(
     script.write_text(TORCHRUN_SCRIPT)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "cumempool", "run", "--budget", "1GiB", "--", str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "cumempool",
+        "run",
+        "--budget",
+        "1GiB",
+        "--",
+        str(script),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("rank"))
@@ -227,41 +238,55 @@ def _hooked(tmp_path, code, extra=""):
     (package / "data.txt").write_text("packaged\n")
     out = subprocess.run(
         [sys.executable, *extra.split(), "-c", HOOKED + textwrap.dedent(code), str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
 
 def test_a_lookup_before_the_import_does_not_use_the_hook_up(tmp_path):
-    words = _hooked(tmp_path, """
+    words = _hooked(
+        tmp_path,
+        """
         assert importlib.util.find_spec("hooked") is not None   # "is it installed?"
         import hooked
         print(calls)
-        """)
+        """,
+    )
     assert words == ["['hooked']"]
 
 
 def test_a_hooked_package_still_reads_its_own_data(tmp_path):
-    words = _hooked(tmp_path, """
+    words = _hooked(
+        tmp_path,
+        """
         import importlib.resources, hooked
         print(importlib.resources.files("hooked").joinpath("data.txt").read_text().strip(), type(hooked.__loader__).__name__)
-        """)
+        """,
+    )
     assert words == ["packaged", "SourceFileLoader"]
 
 
 def test_a_failing_setup_does_not_fail_the_import(tmp_path):
-    words = _hooked(tmp_path, """
+    words = _hooked(
+        tmp_path,
+        """
         _budget._finder.waiting["hooked"] = lambda module: warnings.warn("setting up failed")
         import hooked
         print(hooked.VALUE)
-        """, extra="-W error")
+        """,
+        extra="-W error",
+    )
     assert words == ["1"]
 
 
 def test_a_script_runs_as_python_would_run_it(tmp_path):
     script = tmp_path / "where.py"
-    script.write_text("import os, sys\nprint(os.path.isabs(__file__), sys.argv[0], sys.path[0] == os.path.dirname(os.path.realpath(__file__)))\nsys.exit(3)\n")
+    script.write_text(
+        "import os, sys\nprint(os.path.isabs(__file__), sys.argv[0], sys.path[0] == os.path.dirname(os.path.realpath(__file__)))\nsys.exit(3)\n"
+    )
     code = "import sys; from cumempool import __main__ as m; sys.exit(m.run_program(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", code, "where.py", "a"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 3, out.stderr

@@ -32,8 +32,11 @@ def _documented():
         if not inspect.isclass(value) or issubclass(value, enum.Enum):
             continue
         for member, attribute in vars(value).items():
-            if not (inspect.isroutine(attribute) or inspect.isdatadescriptor(attribute)
-                    or isinstance(attribute, (staticmethod, classmethod))):
+            if not (
+                inspect.isroutine(attribute)
+                or inspect.isdatadescriptor(attribute)
+                or isinstance(attribute, (staticmethod, classmethod))
+            ):
                 continue
             doc = getattr(attribute, "__doc__", None)
             if isinstance(doc, str) or not member.startswith("_"):
@@ -42,8 +45,14 @@ def _documented():
 
 def test_the_scan_sees_the_native_classes_and_their_members():
     names = dict(_documented())
-    for expected in ("cumempool.MemPool", "cumempool.MemPool.alloc", "cumempool.Buffer.to_bytes",
-                     "cumempool.Stream.handle", "cumempool.set_current_pool", "cumempool._native.torch_bind"):
+    for expected in (
+        "cumempool.MemPool",
+        "cumempool.MemPool.alloc",
+        "cumempool.Buffer.to_bytes",
+        "cumempool.Stream.handle",
+        "cumempool.set_current_pool",
+        "cumempool._native.torch_bind",
+    ):
         assert names.get(expected), f"{expected} has no docstring"
     assert RUST_ISMS.search("Pool::alloc(&self, size: usize) -> Result<Buffer>")
     assert not RUST_ISMS.search("pool.alloc(1 << 20, stream) returns a Buffer; None: the legacy stream")
@@ -55,6 +64,7 @@ def test_every_public_member_has_a_docstring():
 
 
 def test_docstrings_use_python_words_not_rust_ones():
-    rusty = [f"{name}: {RUST_ISMS.search(doc).group()!r} in {doc!r}" for name, doc in _documented()
-             if doc and RUST_ISMS.search(doc)]
+    rusty = [
+        f"{name}: {RUST_ISMS.search(doc).group()!r} in {doc!r}" for name, doc in _documented() if doc and RUST_ISMS.search(doc)
+    ]
     assert not rusty, "docstrings speak Rust:\n" + "\n".join(rusty)

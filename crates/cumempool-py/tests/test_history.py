@@ -85,18 +85,30 @@ def test_a_snapshot_round_trips_and_plots_without_dependencies(recording, tmp_pa
     assert lines["cupy"][-1][1] == 0 and lines["numba"][-1][1] == 2 * MIB
     for suffix in ("svg", "html"):
         out = tmp_path / f"usage.{suffix}"
-        done = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(out)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(out)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
         text = out.read_text()
         assert "<svg" in text and ">cupy<" in text and ">numba<" in text
-    wrong = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(tmp_path / "usage.bmp")], capture_output=True, text=True, timeout=60)
+    wrong = subprocess.run(
+        [sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(tmp_path / "usage.bmp")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert wrong.returncode != 0 and "write .svg, .html or .png" in wrong.stderr
 
 
 def test_plotting_a_file_that_is_no_snapshot_says_so(tmp_path):
     path = tmp_path / "not.pickle"
     path.write_bytes(pickle.dumps({"hello": 1}))
-    done = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(tmp_path / "x.svg")], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "cumempool", "plot", str(path), "-o", str(tmp_path / "x.svg")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0 and "is not a memory snapshot" in done.stderr
 
 
@@ -130,7 +142,10 @@ def test_on_the_gpu_the_snapshot_opens_in_pytorchs_viewer_and_plots(gpu, tmp_pat
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     out = subprocess.run(
         [sys.executable, "-m", "cumempool", "run", "--budget", "1GiB", "--", str(script), str(snapshot)],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     data = pickle.loads(snapshot.read_bytes())
@@ -155,7 +170,9 @@ def test_on_the_gpu_the_snapshot_opens_in_pytorchs_viewer_and_plots(gpu, tmp_pat
     assert shown.stdout.splitlines()[0] == "True True", shown.stdout
     print(shown.stdout)
     png = tmp_path / "usage.png"
-    plotted = subprocess.run([sys.executable, "-m", "cumempool", "plot", str(snapshot), "-o", str(png)], capture_output=True, text=True, timeout=120)
+    plotted = subprocess.run(
+        [sys.executable, "-m", "cumempool", "plot", str(snapshot), "-o", str(png)], capture_output=True, text=True, timeout=120
+    )
     assert plotted.returncode == 0, plotted.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out_dir = os.environ.get("CUMEMPOOL_KEEP_PLOT")

@@ -124,7 +124,9 @@ def test_resources_print_their_stack(gpu):
     pool = cm.MemPool(cm.Route.device(0))
     stack = cm.CachingResource(cm.Limit(cm.PoolResource(pool), 1 << 20), max_cached=4096)
     assert repr(stack) == f"CachingResource(Limit(PoolResource({pool!r}), 1048576), max_cached=4096)"
-    assert repr(pool).startswith("<cumempool.MemPool handle=0x") and "route=Route(Location.device(0), AllocationType.PINNED) owned=True>" in repr(pool)
+    assert repr(pool).startswith(
+        "<cumempool.MemPool handle=0x"
+    ) and "route=Route(Location.device(0), AllocationType.PINNED) owned=True>" in repr(pool)
     assert repr(cm.Stream(0)).startswith("<cumempool.Stream handle=0x") and repr(cm.Stream(0)).endswith("device=0 owned=True>")
 
 

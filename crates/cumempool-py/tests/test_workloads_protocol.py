@@ -20,7 +20,14 @@ def test_a_dry_run_goes_through_every_configuration(tmp_path):
     assert out.returncode == 0, out.stderr + out.stdout
     document = json.loads((tmp_path / "w.json").read_text())
     keys = {c["key"] for c in document["configs"]}
-    assert {"torch-native", "torch-recipe", "torch-recipe-threshold", "torch-plugin-cache", "cupy-default", "cupy-plugin-cache"} <= keys
+    assert {
+        "torch-native",
+        "torch-recipe",
+        "torch-recipe-threshold",
+        "torch-plugin-cache",
+        "cupy-default",
+        "cupy-plugin-cache",
+    } <= keys
     assert document["rounds_run"] == 2 and document["status"] == 0 and not document["checks"]["mismatches"]
     for config in document["configs"]:
         assert len(config["runs"]) == 2, config["key"]
@@ -38,7 +45,7 @@ def test_a_checksum_that_differs_fails_the_run():
 
 # A `cumempool` whose native module has no benchmark hooks, as a wheel built without the cargo
 # feature `bench-hooks` (`pip install ./crates/cumempool-py`); its objects do nothing.
-_HOOKLESS_CUMEMPOOL = '''
+_HOOKLESS_CUMEMPOOL = """
 class _Idle:
     def __init__(self, *args, **kwargs): pass
     def __getattr__(self, name): return lambda *args, **kwargs: _Idle()
@@ -48,7 +55,7 @@ class Route:
     @staticmethod
     def device(ordinal): return _Idle()
 def driver_version(): return (13, 0)
-'''
+"""
 
 
 def test_the_pairs_child_runs_without_the_benchmark_hooks_and_says_what_it_skipped(tmp_path):
@@ -60,7 +67,10 @@ def test_the_pairs_child_runs_without_the_benchmark_hooks_and_says_what_it_skipp
     result = tmp_path / "pairs.json"
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--child", "pairs", "--quick", "--result", str(result)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
     )
     assert out.returncode == 0 and result.exists(), out.stderr
     written = json.loads(result.read_text())

@@ -53,8 +53,6 @@ from ._history import dump_snapshot, record_history, snapshot
 from .errors import *  # noqa: F401,F403  (the exception classes, at the top level too)
 
 
-
-
 def native_library_path() -> str:
     """The path of the native shared library, which also exports the C allocation functions
     PyTorch's ``CUDAPluggableAllocator`` loads (``cumempool_torch_alloc``/``_free``)."""

@@ -336,7 +336,11 @@ def _install_cupy(cupy: Any) -> None:
         return
     current = cupy.cuda.get_allocator()
     default = getattr(cupy.get_default_memory_pool(), "malloc", None)
-    if current is not None and default is not None and getattr(current, "__self__", None) is not getattr(default, "__self__", None):
+    if (
+        current is not None
+        and default is not None
+        and getattr(current, "__self__", None) is not getattr(default, "__self__", None)
+    ):
         warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
         return
     from .cupy import Allocator
@@ -504,7 +508,14 @@ def usage() -> dict[int, dict[str, Any]]:
             # A resource the program drew for "torch" itself (`Budget.resource`) keeps its own
             # counted entry beside the routed one.
             routed_name = "torch" if "torch" not in libraries else "torch (routed)"
-            libraries[routed_name] = {"bytes": remainder, "peak": None, "count": None, "cached": 0, "counted": "routed", "includes": direct}
+            libraries[routed_name] = {
+                "bytes": remainder,
+                "peak": None,
+                "count": None,
+                "cached": 0,
+                "counted": "routed",
+                "includes": direct,
+            }
             remainder = 0
         libraries["unattributed"] = {"bytes": remainder, "peak": None, "count": None, "cached": 0, "includes": direct}
         for held in libraries.values():
@@ -558,7 +569,9 @@ def report(device: int | None = None) -> str:
                 how = f" (drawn from the pool directly: {' or '.join(held['includes'])})"
             lines.append(f"  {name:<14} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{how}")
         if reserved > used:
-            lines.append(f"  reserved {size_text(reserved)} against {size_text(used)} used: {size_text(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)")
+            lines.append(
+                f"  reserved {size_text(reserved)} against {size_text(used)} used: {size_text(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)"
+            )
         top = holders[0] if holders and holders[0][1]["bytes"] else None
         if top is None:
             advice = "free memory"

@@ -123,7 +123,17 @@ def note_free(library: str, device: int, address: int, size: int, stream: int) -
         trace = recorder.trace(device)
         now = _now()
         for action in ("free_requested", "free_completed", "segment_free"):
-            trace.append({"action": action, "addr": address, "size": size, "stream": stream, "time_us": now, "frames": live.frames, "library": library})
+            trace.append(
+                {
+                    "action": action,
+                    "addr": address,
+                    "size": size,
+                    "stream": stream,
+                    "time_us": now,
+                    "frames": live.frames,
+                    "library": library,
+                }
+            )
 
 
 def traced(owner: Any, library: str, device: int, size: int, stream: int) -> Any:
@@ -237,4 +247,3 @@ def load_snapshot(path: str) -> dict[str, Any]:
     if not isinstance(data, dict) or "device_traces" not in data:
         raise ValueError(f"{path} is not a memory snapshot (no device_traces): write one with cumempool.dump_snapshot")
     return data
-

@@ -80,8 +80,12 @@ def svg(data: dict[str, Any], width: int = 900, height: int = 360) -> str:
         parts.append(f'<text x="{margin_left + plot_w}" y="{y(0) + 16}" font-size="11" text-anchor="end">{end:.3f} s</text>')
         if device in budgets:
             limit = budgets[device]
-            parts.append(f'<line x1="{margin_left}" y1="{y(limit)}" x2="{margin_left + plot_w}" y2="{y(limit)}" stroke="red" stroke-dasharray="6,4"/>')
-            parts.append(f'<text x="{margin_left + plot_w + 6}" y="{y(limit) + 4}" font-size="11" fill="red">budget {_size(limit)}</text>')
+            parts.append(
+                f'<line x1="{margin_left}" y1="{y(limit)}" x2="{margin_left + plot_w}" y2="{y(limit)}" stroke="red" stroke-dasharray="6,4"/>'
+            )
+            parts.append(
+                f'<text x="{margin_left + plot_w + 6}" y="{y(limit) + 4}" font-size="11" fill="red">budget {_size(limit)}</text>'
+            )
         for row, (library, points) in enumerate(sorted(lines.items())):
             colour = colours.setdefault(library, _COLOURS[len(colours) % len(_COLOURS)])
             steps = []
@@ -104,7 +108,7 @@ def write(data: dict[str, Any], path: str) -> None:
     if lower.endswith(".svg"):
         text = svg(data)
     elif lower.endswith((".html", ".htm")):
-        text = f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>cumempool: bytes in use</title></head><body>\n{svg(data)}</body></html>\n"
+        text = f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>cumempool: bytes in use</title></head><body>\n{svg(data)}</body></html>\n'
     elif lower.endswith(".png"):
         return _png(data, path)
     else:

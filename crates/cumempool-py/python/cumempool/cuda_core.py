@@ -87,10 +87,7 @@ def _implementation() -> type:
         try:
             _class = _make_class()
         except ImportError as error:
-            raise ImportError(
-                "cumempool.cuda_core.MemoryResource needs cuda.core (pip install cuda-core): "
-                f"{error}"
-            ) from error
+            raise ImportError(f"cumempool.cuda_core.MemoryResource needs cuda.core (pip install cuda-core): {error}") from error
     return _class
 
 

@@ -181,7 +181,6 @@ class ClosedError(CumempoolError, ValueError):
     """A pool, buffer, stream or resource used after ``close()``."""
 
 
-
 def _keep_classes_made_before(before: dict) -> None:
     for name, value in before.items():
         if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == __name__:

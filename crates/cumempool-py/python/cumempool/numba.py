@@ -30,9 +30,7 @@ def _numba_cuda() -> Any:
     try:
         from numba import cuda
     except ImportError as error:
-        raise ImportError(
-            "cumempool.numba needs Numba's CUDA target (pip install numba-cuda): " f"{error}"
-        ) from error
+        raise ImportError(f"cumempool.numba needs Numba's CUDA target (pip install numba-cuda): {error}") from error
     return cuda
 
 
