@@ -143,6 +143,29 @@ def test_cupy_allocator_on_cupys_null_stream(gpu):
     assert stats.usage()["current_bytes"] == 0
 
 
+def test_cupys_memory_object_is_copied_as_itself_pickled_never_and_let_go_of_at_exit(gpu):
+    # The plug-in's memory is held by CuPy's own memory object (a subclass that refuses to be
+    # pickled: CuPy's class pickles by its fields, and a twin would give the memory back
+    # twice). Arrays alive at exit are let go of as the interpreter tears CuPy down.
+    library("cupy")
+    code = """
+import copy, pickle
+import cupy, cumempool as cm, cumempool.cupy as cmc
+stats = cm.Statistics(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
+cupy.cuda.set_allocator(cmc.Allocator(stats))
+kept = cupy.arange(1 << 16, dtype=cupy.float32)
+memory = kept.data.mem
+print(isinstance(memory, cupy.cuda.memory.CFunctionAllocatorMemory), copy.copy(memory) is memory)
+print(copy.deepcopy(kept.data).mem is memory, float(copy.deepcopy(kept).sum()) == float(kept.sum()))
+try:
+    pickle.dumps(memory)
+except TypeError:
+    print("refused")
+print(stats.usage()["current_bytes"] >= 1 << 18)
+"""
+    assert run_in_new_process(code).split() == ["True", "True", "True", "True", "refused", "True"]
+
+
 def test_cuda_core_memory_resource(gpu):
     library("cuda.core")
     import cumempool.cuda_core as cmcc
