@@ -12,6 +12,10 @@ wall time it prints is this host's, not a GPU's:
 
 The ``call1`` line under the call is CuPy's two constructors (this module's stand-ins, not
 CuPy's); the rest is the plug-in's own work.
+
+With ``--real-cupy`` the memory objects are CuPy's own (an installed CuPy, which imports without
+a GPU; its device and stream calls, which need one, are the stand-ins): the count then includes
+CuPy's constructors and destructors as the GPU host runs them.
 """
 
 import argparse
@@ -60,6 +64,17 @@ def stand_in_cupy() -> types.ModuleType:
     return cupy
 
 
+def real_cupy() -> types.ModuleType:
+    """The installed CuPy, with its current device and stream answered by the stand-ins (its own
+    calls need the CUDA runtime, and a GPU)."""
+    import cupy
+
+    null = NullStream()
+    cupy.cuda.runtime.getDevice = lambda: 0
+    cupy.cuda.get_current_stream = lambda: null
+    return cupy
+
+
 def primary_context_current() -> None:
     """Makes device 0's primary context current on this thread, as CuPy's runtime leaves it
     (CUMEMPOOL_LIBCUDA names the stand-in, which exports these entry points)."""
@@ -80,8 +95,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--size", type=int, default=1 << 20)
+    parser.add_argument("--real-cupy", action="store_true", help="CuPy's own memory objects (CuPy installed)")
     args = parser.parse_args()
-    sys.modules["cupy"] = stand_in_cupy()
+    sys.modules["cupy"] = real_cupy() if args.real_cupy else stand_in_cupy()
     primary_context_current()
     import cumempool as cm
     import cumempool.cupy as cmc

@@ -25,13 +25,23 @@ struct Lease {
     taken: AtomicBool,
 }
 
+impl Lease {
+    /// Lets go of one count inside a binding; the last gives the core back there.
+    fn let_go(lease: Arc<Self>, py: Python<'_>) {
+        let Some(mut lease) = Arc::into_inner(lease) else { return };
+        if let Some(core) = lease.core.take() {
+            Core::release(Slot::Own(core), py);
+        }
+    }
+}
+
 impl Drop for Lease {
+    /// The last count let go of outside a binding (`give_back`, from CuPy's `__dealloc__`):
+    /// attached if it may be, else (at exit, once the module's `atexit` handler ran or Python
+    /// is finalizing, where attaching would end the thread or panic) the memory is left to the
+    /// driver with the process.
     fn drop(&mut self) {
         let Some(core) = self.core.take() else { return };
-        // The last count goes in `give_back` (CuPy's `__dealloc__`) or in `LentMemory::make`,
-        // both with the GIL held, but `give_back` from outside any binding: at exit, after the
-        // module's `atexit` handler or once Python is finalizing, attaching is refused (it
-        // would panic), and the memory is left to the driver with the process.
         let mut core = Some(core);
         let released = crate::sync::gil::try_attach(|py| {
             if let Some(core) = core.take() {
@@ -48,9 +58,9 @@ impl Drop for Lease {
 /// the lease that `param` stands for.
 ///
 /// # Safety
-/// `param` is a count of an `Arc<Lease>` from `memory_object`, whose caller still holds another.
+/// `param` is a count of an `Arc<Lease>` from `LentMemory::make`, which still holds another.
 unsafe extern "C" fn lend(param: *mut c_void, _size: usize, _device: c_int) -> *mut c_void {
-    // SAFETY: live while `memory_object`'s own count is held, which outlasts this call.
+    // SAFETY: live while `make`'s own count is held, which outlasts this call.
     let lease = unsafe { &*param.cast::<Lease>() };
     lease.taken.store(true, Ordering::Release);
     lease.core.as_ref().map_or(std::ptr::null_mut(), |core| core.ptr() as usize as *mut c_void)
@@ -63,6 +73,9 @@ unsafe extern "C" fn lend(param: *mut c_void, _size: usize, _device: c_int) -> *
 unsafe extern "C" fn give_back(param: *mut c_void, _ptr: *mut c_void, _device: c_int) {
     // SAFETY: under the caller's promise.
     let lease = unsafe { Arc::from_raw(param.cast::<Lease>().cast_const()) };
+    // CuPy calls this from the memory object's `__dealloc__`, holding the GIL but outside any
+    // binding: the last count attaches in `Drop` (so that the stream's Python object is let go
+    // of at once, not through PyO3's deferred references, as a token assumed here would).
     // No unwinding into CuPy's C: a panic leaves the memory to the driver.
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(lease))).is_err() {
         tracing::error!("giving back memory CuPy let go of panicked: the memory is not given back");
@@ -104,6 +117,7 @@ impl LentMemory {
             // SAFETY: the count made above, given to no one.
             unsafe { Arc::decrement_strong_count(param) };
         }
+        Lease::let_go(lease, py);
         made
     }
 }
