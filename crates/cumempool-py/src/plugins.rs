@@ -2,5 +2,4 @@
 //! CuPy's common case, served in one call.
 
 pub(crate) mod cupy_allocator;
-pub(crate) mod cupy_lease;
 pub(crate) mod torch_plugin;

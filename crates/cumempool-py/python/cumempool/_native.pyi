@@ -379,7 +379,6 @@ class _CupyAllocatorBase:
         unowned_memory: Any,
         memory_pointer: Any,
         history: dict[str, Any],
-        lent_memory: Any | None = None,
     ) -> Self: ...
     @property
     def resource(self) -> Resource: ...

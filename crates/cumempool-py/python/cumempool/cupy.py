@@ -89,7 +89,6 @@ class Allocator(_CupyAllocatorBase):
             cupy.cuda.UnownedMemory,
             cupy.cuda.MemoryPointer,
             vars(_history),
-            _lent_memory_class(cupy),
         )
 
     def __init__(self, source: MemPool | Resource):
@@ -190,45 +189,6 @@ class Allocator(_CupyAllocatorBase):
                 owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)
         return cupy.cuda.MemoryPointer(memory, 0)
-
-
-_lent_memory_classes: dict[Any, type | None] = {}
-
-
-def _lent_memory_class(cupy) -> type | None:
-    """CuPy's ``CFunctionAllocatorMemory`` (where CuPy has it), which the native steps make to
-    hold the memory they serve, made uncopyable: CuPy's class pickles and copies by its fields,
-    and a second object with the same fields would give the same memory back twice."""
-    if cupy in _lent_memory_classes:
-        return _lent_memory_classes[cupy]
-    base: Any = getattr(getattr(cupy.cuda, "memory", None), "CFunctionAllocatorMemory", None)
-    if base is None:
-        _lent_memory_classes[cupy] = None
-        return None
-
-    class LentMemory(base):
-        """CuPy's memory object for memory a ``cumempool.cupy.Allocator`` served: the memory goes
-        back when the object goes. It owns the memory, so it is not pickled, and a copy is the
-        object itself."""
-
-        __slots__ = ()
-
-        def __copy__(self):
-            return self
-
-        def __deepcopy__(self, memo):
-            return self
-
-        def __reduce_ex__(self, protocol):
-            raise TypeError(
-                "CuPy memory served by cumempool.cupy.Allocator cannot be pickled: it owns the "
-                "allocation; pickle the array (its data is copied to the host) instead"
-            )
-
-    LentMemory.__module__ = __name__
-    LentMemory.__qualname__ = "LentMemory"
-    _lent_memory_classes[cupy] = LentMemory
-    return LentMemory
 
 
 def _budget_report(device: int) -> str | None:

@@ -84,6 +84,12 @@ impl Buffer {
         self.core.as_deref().ok_or(Failure::Closed("this Buffer"))
     }
 
+    /// The address, as an int, and the device the memory is on.
+    pub(crate) fn address_and_device(&self) -> Outcome<(usize, i32)> {
+        let core = self.core()?;
+        Ok((core.ptr() as usize, core.device))
+    }
+
     /// The core, shared from now on (so a DLPack capsule or a call without the GIL can hold
     /// it beyond this buffer's `close()`).
     fn shared_core(buffer: &Bound<'_, Self>) -> Outcome<Arc<Core>> {

@@ -6,8 +6,6 @@
 //! CuPy's class).
 
 use crate::errors::{Failure, Outcome};
-use crate::memory::buffers::Buffer;
-use crate::plugins::cupy_lease::LentMemory;
 use crate::pools::resources::ResourceBase;
 use crate::streams::stream::Stream;
 use pyo3::exceptions::PyAttributeError;
@@ -28,10 +26,6 @@ pub struct CupyAllocatorBase {
     current_stream: Py<PyAny>,
     /// `cupy.cuda.UnownedMemory`.
     unowned_memory: Py<PyAny>,
-    /// `cupy.cuda.memory.CFunctionAllocatorMemory`, where CuPy has it: CuPy's memory object
-    /// for what the native steps serve, holding the allocation itself (`cupy_lease`); else a
-    /// `Buffer` in an `UnownedMemory`.
-    lent_memory: Option<LentMemory>,
     /// `cupy.cuda.MemoryPointer`.
     memory_pointer: Py<PyAny>,
     /// The globals of `cumempool._history`, whose `recording` is not None while recording.
@@ -41,20 +35,15 @@ pub struct CupyAllocatorBase {
 #[pymethods]
 impl CupyAllocatorBase {
     #[new]
-    #[pyo3(signature = (resource, current_device, current_stream, unowned_memory, memory_pointer, history, lent_memory = None))]
-    #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>,
         resource: Py<ResourceBase>,
         current_device: Py<PyAny>,
         current_stream: Py<PyAny>,
         unowned_memory: Py<PyAny>,
         memory_pointer: Py<PyAny>,
         history: Py<PyDict>,
-        lent_memory: Option<Py<PyAny>>,
-    ) -> PyResult<Self> {
-        let lent_memory = lent_memory.map(|memory_type| LentMemory::new(py, memory_type)).transpose()?;
-        Ok(Self { resource, current_device, current_stream, unowned_memory, lent_memory, memory_pointer, history })
+    ) -> Self {
+        Self { resource, current_device, current_stream, unowned_memory, memory_pointer, history }
     }
 
     /// The resource the allocator draws from.
@@ -63,9 +52,8 @@ impl CupyAllocatorBase {
         self.resource.clone_ref(py)
     }
 
-    /// A `cupy.cuda.MemoryPointer` to `size` bytes on CuPy's current stream, whose memory goes
-    /// back when CuPy lets go of it (natively served: with CuPy's own memory object, else with a
-    /// `Buffer`, which the Python steps make). Served natively where it
+    /// A `cupy.cuda.MemoryPointer` to `size` bytes on CuPy's current stream, owned by a
+    /// `Buffer` that gives the memory back when CuPy lets go of it. Served natively where it
     /// can be, else by `self._serve_in_python(size)`; a failure of the native steps goes to
     /// `self._failed(size, error)`, which raises (the error itself where it returns or is
     /// missing).
@@ -97,9 +85,6 @@ impl CupyAllocatorBase {
         visit.call(&self.current_device)?;
         visit.call(&self.current_stream)?;
         visit.call(&self.unowned_memory)?;
-        if let Some(lent_memory) = &self.lent_memory {
-            visit.call(lent_memory.memory_type())?;
-        }
         visit.call(&self.memory_pointer)?;
         visit.call(&self.history)
     }
@@ -121,15 +106,10 @@ impl CupyAllocatorBase {
             crate::streams::stream::let_go(py, stream);
             return possible.map(|_| None);
         }
-        let core = resource.alloc_core_outside_captures(py, size, stream)?;
-        let memory = match &self.lent_memory {
-            Some(lent_memory) => lent_memory.make(py, core, size)?,
-            None => {
-                let (ptr, device) = (core.ptr() as usize, core.device);
-                let owner = Bound::new(py, Buffer::new(core))?;
-                self.unowned_memory.call1(py, (ptr, size, owner, device))?
-            }
-        };
+        let buffer = resource.alloc_outside_captures(py, size, stream)?;
+        let (ptr, device) = buffer.address_and_device()?;
+        let owner = Bound::new(py, buffer)?;
+        let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
     }
 

@@ -45,12 +45,6 @@ impl ResourceBase {
     /// `size` bytes on `stream` as a Buffer, on a stream the caller found not capturing (the
     /// plug-ins check it their own way): `alloc` without its capture check.
     pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
-        self.alloc_core_outside_captures(py, size, stream).map(Buffer::new)
-    }
-
-    /// `alloc_outside_captures`'s allocation without its Python object: for a plug-in that
-    /// hands the memory to another library's own object.
-    pub(crate) fn alloc_core_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Core> {
         let interruptions = Interruptions::collect();
         // The GIL is released, and the caller's context put back, only around driver calls, at
         // the bottom of the stack (a cache hit makes none).
@@ -75,7 +69,7 @@ impl ResourceBase {
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
         // The memory's device is the pool's, whichever device's stream it is ordered on.
         let device = if self.kind == Kind::Device { self.device } else { stream.get().device };
-        Ok(Core::new(memory, stream, self.kind, device))
+        Ok(Buffer::new(Core::new(memory, stream, self.kind, device)))
     }
 
     fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
