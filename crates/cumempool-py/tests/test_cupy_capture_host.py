@@ -397,3 +397,29 @@ print((contexts.value - before[0]) / 10, (captures.value - before[1]) / 10)
 """,
     )
     assert words == ["1.0", "1.0"], words
+
+
+def test_a_pair_on_a_cupy_stream_of_its_own_asks_three_capture_questions(stand_in_libcuda):
+    # CuPy's stream is another library's, so whether it captures is asked at each step that
+    # needs the answer: the plug-in (a capture goes to the Python steps), then the cache at the
+    # allocation and at the free. On the null stream one question (the legacy stream's) serves
+    # the pair. benchmarks.md states these counts.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0)))))
+own = cm.Stream(0)
+same[0] = FakeStream()
+for handle in (own.handle, 0):
+    current[0] = handle
+    del_me = allocator(4096)  # the pool's block, then the cache's
+    del del_me
+    before = captures.value
+    for _ in range(10):
+        pair = allocator(4096)
+        del pair
+    print((captures.value - before) / 10)
+""",
+    )
+    assert words == ["3.0", "1.0"], words
