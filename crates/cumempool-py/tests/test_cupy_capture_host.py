@@ -379,47 +379,30 @@ print(pool.used_mem_current)
     assert words == ["4", "OutOfMemoryError", "0"], "the arrays held when the allocator ran out stayed alive"
 
 
-def test_a_call_on_the_null_stream_reads_the_current_context_once(stand_in_libcuda):
-    # Each allocation on CuPy's null stream asks whether a blocking capture is underway; with
-    # the device's context current (as CuPy leaves it) that is one read of the current context
-    # and one capture question, and a cache hit makes no other driver call.
+def test_a_cupy_pair_asks_three_capture_questions_on_its_own_stream_and_one_on_the_null_stream(stand_in_libcuda):
+    # CuPy's stream is another library's, so whether it captures is asked at each step that
+    # needs the answer: the plug-in (a capture goes to the Python steps), then the cache at the
+    # allocation and at the free. On CuPy's null stream one question serves the pair: whether a
+    # blocking capture is underway, which with the device's context current (as CuPy leaves it)
+    # is one read of the current context; a cache hit makes no other driver call.
+    # benchmarks.md states these counts.
     words = _with_fake_cupy(
         stand_in_libcuda,
         """
 contexts = ctypes.c_ulong.in_dll(lib, "context_queries")
 captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
 allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0)))))
-allocator(4096)  # the pool's block, then the cache's
-before = contexts.value, captures.value
-for _ in range(10):
-    allocator(4096)
-print((contexts.value - before[0]) / 10, (captures.value - before[1]) / 10)
-""",
-    )
-    assert words == ["1.0", "1.0"], words
-
-
-def test_a_pair_on_a_cupy_stream_of_its_own_asks_three_capture_questions(stand_in_libcuda):
-    # CuPy's stream is another library's, so whether it captures is asked at each step that
-    # needs the answer: the plug-in (a capture goes to the Python steps), then the cache at the
-    # allocation and at the free. On the null stream one question (the legacy stream's) serves
-    # the pair. benchmarks.md states these counts.
-    words = _with_fake_cupy(
-        stand_in_libcuda,
-        """
-captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
-allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0)))))
 own = cm.Stream(0)
 same[0] = FakeStream()
 for handle in (own.handle, 0):
     current[0] = handle
-    del_me = allocator(4096)  # the pool's block, then the cache's
-    del del_me
-    before = captures.value
+    allocator(4096)  # the pool's block, then the cache's
+    before = contexts.value, captures.value
     for _ in range(10):
-        pair = allocator(4096)
-        del pair
-    print((captures.value - before) / 10)
+        allocator(4096)
+    print((contexts.value - before[0]) / 10, (captures.value - before[1]) / 10)
 """,
     )
-    assert words == ["3.0", "1.0"], words
+    own_stream, null_stream = words[:2], words[2:]
+    assert own_stream[1] == "3.0", words
+    assert null_stream == ["1.0", "1.0"], words
