@@ -16,7 +16,8 @@ with torch.cuda.use_mem_pool) over the pool and over CachingResource(PoolResourc
 where PyTorch has the private hook, the plug-in over the cache for every thread (use_mem_pool
 serves the calling thread only, and autograd runs backward on a thread of its own). CuPy: its
 default MemoryPool, MemoryAsyncPool, and the plug-in (cumempool.cupy.Allocator) over the cache and
-over the pool.
+over the pool; and the default MemoryPool a second time, in a process of its own, whose ratio to
+the first is the run's noise (an A/A test) for the CuPy loop's ratios.
 
 Method. Each configuration runs in a fresh process (this script with --child; the backend variable
 is set before PyTorch starts), in interleaved rounds: round r runs every configuration once, in an
@@ -113,6 +114,8 @@ CONFIGS = [
     Config("torch-plugin-cache-all", "plug-in over the cache, all threads", "torch", optional=True),
     Config("torch-budget", "cumempool.budget (routing)", "torch", ASYNC_BACKEND),
     Config("cupy-default", "CuPy default MemoryPool", "cupy"),
+    # The baseline again, in a process of its own: its ratio is this run's noise (an A/A test).
+    Config("cupy-default-again", "CuPy default MemoryPool, again (noise)", "cupy"),
     Config("cupy-async", "CuPy MemoryAsyncPool", "cupy"),
     Config("cupy-plugin-cache", "plug-in over the cache", "cupy"),
     Config("cupy-plugin-pool", "plug-in over the pool", "cupy"),
@@ -367,7 +370,7 @@ def cupy_child(key: str, counts: Counts, result: dict):
         if key.startswith("cupy-budget-recording"):
             cm.record_history(True, stacks=None if key.endswith("nostacks") else "python")
         allocator = cupy.cuda.get_allocator()
-    elif key == "cupy-default":
+    elif key in ("cupy-default", "cupy-default-again"):
         memory_pool = cupy.cuda.MemoryPool()
         allocator = memory_pool.malloc
     elif key == "cupy-async":
@@ -638,6 +641,7 @@ def summarise(runs: dict, configs: list[Config]) -> dict:
                 figures = {"median": statistics.median(values) if values else None, "rounds": len(values)}
                 ratios = ratio_series(runs, config.key, base, pick)
                 figures["ratio"] = statistics.median(ratios) if ratios else None
+                figures["ratios"] = ratios
                 if config.key.startswith("torch-recipe"):
                     vs_async = ratio_series(runs, config.key, "torch-async", pick)
                     figures["ratio_vs_async"] = statistics.median(vs_async) if vs_async else None

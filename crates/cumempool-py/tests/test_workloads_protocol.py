@@ -26,6 +26,7 @@ def test_a_dry_run_goes_through_every_configuration(tmp_path):
         "torch-recipe-threshold",
         "torch-plugin-cache",
         "cupy-default",
+        "cupy-default-again",
         "cupy-plugin-cache",
     } <= keys
     assert document["rounds_run"] == 2 and document["status"] == 0 and not document["checks"]["mismatches"]
