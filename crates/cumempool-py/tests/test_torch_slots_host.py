@@ -148,3 +148,91 @@ def test_a_slot_is_free_again_once_its_pool_and_blocks_are_gone(stand_in_libcuda
     assert lines[6] == "full", "stop() let a pool still alive lose its slot"
     assert lines[7] == "full", "a slot was freed while a block it allocated lived"
     assert lines[8] == "True", "slots were not freed once their pools and blocks were gone"
+
+
+# A stand-in for the part of PyTorch `cumempool.torch` uses (test_torch_slots_host.py's), where, as
+# in PyTorch, a MemPool keeps only a raw pointer to its allocator (`_MemPool.__init__` takes a
+# `CUDAAllocator*`, torch/csrc/cuda/MemPool.cpp, and nothing keeps the Python
+# `CUDAPluggableAllocator` alive): here a weak reference, which fails loudly where PyTorch would
+# call through a dangling pointer. `CUDAPluggableAllocator.__init__` lets a second thread in
+# (a switch PyTorch's own `__init__`, which calls ctypes and the C++ side, allows at any
+# bytecode), waiting up to a second for it.
+DANGLING_TORCH = {
+    "__init__.py": "from . import cuda\n",
+    "cuda/__init__.py": textwrap.dedent(
+        """
+        import weakref
+        from . import memory
+
+        class MemPool:
+            def __init__(self, allocator):
+                self._allocator = weakref.ref(allocator)  # PyTorch: a raw pointer
+
+            def alloc(self, size):
+                allocator = self._allocator()
+                if allocator is None:
+                    raise RuntimeError("use after free: the pool's allocator was destroyed")
+                return allocator.alloc_fn(size, 0, None)
+        """
+    ),
+    "cuda/memory.py": textwrap.dedent(
+        """
+        import ctypes, threading
+
+        both_in = threading.Barrier(2)
+
+        class CUDAPluggableAllocator:
+            def __init__(self, path, alloc_fn_name, free_fn_name):
+                try:
+                    both_in.wait(timeout=1)
+                except threading.BrokenBarrierError:
+                    pass
+                lib = ctypes.CDLL(path)
+                self.alloc_fn = getattr(lib, alloc_fn_name)
+                self.alloc_fn.restype = ctypes.c_void_p
+                self.alloc_fn.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+
+            def allocator(self):
+                return self
+        """
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def dangling_torch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dangling_torch")
+    for name, text in DANGLING_TORCH.items():
+        path = root / "torch" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return f"import sys\nsys.path.insert(0, {str(root)!r})\nimport cumempool.torch as cmt\n"
+
+
+def test_pools_made_at_once_over_one_source_keep_their_allocator_alive(stand_in_libcuda, dangling_torch):
+    # Two threads make the first pools over one source at once: both share its slot. Each pool
+    # must be made over the one allocator the module keeps for the slot: PyTorch's MemPool keeps
+    # only a raw pointer to its allocator, so one made over a second allocator, which nothing
+    # keeps, would call a destroyed object.
+    lines = _run_after(
+        stand_in_libcuda,
+        dangling_torch,
+        """
+        import threading
+        source = cm.Statistics(cm.PoolResource(pool))
+        pools = []
+        threads = [threading.Thread(target=lambda: pools.append(cmt.mem_pool(source))) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        gc.collect()
+        for torch_pool in pools:
+            try:
+                print(bool(torch_pool.alloc(64)))
+            except RuntimeError as error:
+                print("dangling")
+        cmt.stop()
+        """,
+    )
+    assert lines == ["True", "True"], "a MemPool's allocator was destroyed while the pool lives"

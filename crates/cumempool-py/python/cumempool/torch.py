@@ -39,6 +39,7 @@ How it works: ``docs/internals-python.md``, "The torch plug-in".
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from . import _native
@@ -51,8 +52,11 @@ TORCH_SLOTS: int = _native.TORCH_SLOTS
 
 _served: Statistics | None = None
 _allocator = None
-# The pluggable allocator of each slot, made once per slot.
+# The pluggable allocator of each slot, made once per slot, under `_making`: PyTorch's `MemPool`
+# keeps only a raw pointer to its allocator, so the one stored here must be the one every pool of
+# the slot was made over (two made at once, the second stored, would free the first under its pool).
 _slot_allocators: dict[int, object] = {}
+_making = threading.Lock()
 # The slot binding `(slot, generation)` of each pool `mem_pool` made, while the pool lives.
 _bindings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # What `statistics()` without an argument reports: the last `mem_pool` binding, or `serve`'s.
@@ -80,23 +84,25 @@ def allocator():
     still reads it. Inside a ``MemPool``, PyTorch's caching allocator keeps recorded streams
     itself."""
     global _allocator
-    if _allocator is None:
-        import torch.cuda.memory
+    with _making:
+        if _allocator is None:
+            import torch.cuda.memory
 
-        _allocator = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, ALLOC_SYMBOL, FREE_SYMBOL)
-    return _allocator
+            _allocator = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, ALLOC_SYMBOL, FREE_SYMBOL)
+        return _allocator
 
 
 def _slot_allocator(slot: int):
     """The ``CUDAPluggableAllocator`` over slot ``slot``'s allocation function."""
-    found = _slot_allocators.get(slot)
-    if found is None:
-        import torch.cuda.memory
+    with _making:
+        found = _slot_allocators.get(slot)
+        if found is None:
+            import torch.cuda.memory
 
-        alloc = f"{ALLOC_SYMBOL}_{slot}"
-        found = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, alloc, FREE_SYMBOL)
-        _slot_allocators[slot] = found
-    return found
+            alloc = f"{ALLOC_SYMBOL}_{slot}"
+            found = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, alloc, FREE_SYMBOL)
+            _slot_allocators[slot] = found
+        return found
 
 
 def mem_pool(source: MemPool | Resource):
