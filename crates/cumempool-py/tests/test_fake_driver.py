@@ -504,3 +504,28 @@ except cm.ClosedError as error:
 """,
     )
     assert lines == ["NotPoolMemory", "None"], lines
+
+
+def test_the_torch_functions_put_back_the_callers_context_on_the_per_thread_stream(stand_in_libcuda):
+    # As test_the_torch_functions_put_back_the_callers_context_on_any_host, on
+    # CU_STREAM_PER_THREAD (2) too, a handle the plug-in serves: the question whether the calling
+    # thread's per-thread stream captures makes the primary context current, and the caller's is
+    # put back after it.
+    lines = _run_after(
+        stand_in_libcuda,
+        TORCH_FUNCTIONS,
+        """
+        cmt.serve(pool)
+        for handle in (None, 2):
+            cuda.cuCtxSetCurrent(mine)
+            p = lib.cumempool_torch_alloc(1 << 20, 0, handle)
+            print(bool(p), mine_current())
+            cuda.cuCtxSetCurrent(mine)
+            lib.cumempool_torch_free(p, 1 << 20, 0, handle)
+            print(cmt.statistics()["current_count"], mine_current())
+        cmt.stop()
+        """,
+    )
+    assert lines[:4] == ["True", "True", "0", "True"], "control: the legacy stream puts it back"
+    assert (lines[4], lines[6]) == ("True", "0"), "served and given back on the per-thread stream"
+    assert (lines[5], lines[7]) == ("True", "True"), "(after alloc, after free) on handle 2: the caller's context was not current"

@@ -145,7 +145,7 @@ impl CupyAllocatorBase {
 /// stream of the device captures would be refused by the driver, which would invalidate that
 /// capture: refused here first, asked in a way that leaves the capture intact.
 fn capture_possible(stream: &cumempool::Stream, device: i32) -> Outcome<bool> {
-    if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
+    if stream.is_capturing_keeping_context().unwrap_or(true) {
         return Ok(true);
     }
     if stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(device) {

@@ -289,7 +289,7 @@ fn allocate_outside_graphs(
     size: usize,
     stream: &cumempool::Stream,
 ) -> cumempool_alloc::Result<sys::CUdeviceptr> {
-    let capturing = stream.may_be_capturing() && stream.is_capturing()?;
+    let capturing = stream.is_capturing_keeping_context()?;
     let beside_a_capture = capturing
         || (stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(served.device));
     if !beside_a_capture {
@@ -423,7 +423,7 @@ pub unsafe extern "C" fn cumempool_torch_free(ptr: *mut c_void, size: isize, dev
 /// mutex and perhaps the GIL, as `cudaFree` is: a host function that needs the GIL, queued
 /// before, would wait for it.
 fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
-    if stream.may_be_capturing() && stream.is_capturing().unwrap_or(true) {
+    if stream.is_capturing_keeping_context().unwrap_or(true) {
         note_capturing(device, stream);
         return false;
     }

@@ -405,6 +405,37 @@ impl Stream {
         }
     }
 
+    /// Whether the driver would refuse work queued on this stream now for a capture underway on
+    /// another stream, and invalidate that capture: true for the legacy stream (and
+    /// [`Stream::legacy_for_per_thread`]'s, whose work goes there) while any blocking stream of
+    /// its context captures, or where the driver cannot say. Other streams are not refused for
+    /// another stream's capture: false, without a driver call. The question leaves any capture
+    /// intact and the caller's context current. For work a layer queues of its own accord (a
+    /// cache giving blocks back to make room), not at its caller's word.
+    pub fn is_blocked_by_a_capture(&self) -> bool {
+        match &self.0.context {
+            // The legacy stream itself, not the per-thread stream `asked_handle` names.
+            Some(context) if self.is_legacy() => context
+                .while_current(|| capture_info(self.as_raw()))
+                .map_or(true, |status| status != CaptureStatus::None),
+            _ => false,
+        }
+    }
+
+    /// [`Stream::is_capturing`], with the calling thread's current context (or none) current
+    /// again afterwards, as [`Stream::capture_status_keeping_context`] asks. Asks the driver
+    /// only when [`Stream::may_be_capturing`] is true.
+    ///
+    /// # Errors
+    /// As [`Stream::capture_status_keeping_context`].
+    #[inline]
+    pub fn is_capturing_keeping_context(&self) -> Result<bool> {
+        if !self.may_be_capturing() {
+            return Ok(false);
+        }
+        Ok(self.capture_status_keeping_context()? != CaptureStatus::None)
+    }
+
     /// Whether a capture is underway (active or invalidated) on this stream. Asks the driver
     /// only when [`Stream::may_be_capturing`] is true.
     ///
