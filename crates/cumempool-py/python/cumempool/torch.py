@@ -16,9 +16,10 @@ raises ``RuntimeError``.
 Routing alone needs no plug-in: with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` PyTorch
 allocates from the device's current pool, which ``cumempool.set_current_pool`` sets.
 
-Streams: a stream lent through ``torch.cuda.ExternalStream`` must live until the served
-resource's ``release()`` ran after its last tensor was freed (or to the end of the process);
-PyTorch's own streams need nothing.
+Streams: a stream lent through ``torch.cuda.ExternalStream`` must live until PyTorch gave back
+the segments allocated on it (``torch.cuda.empty_cache()``, or the pool gone) and the served
+resource's ``release()`` ran after that (or to the end of the process); PyTorch's own streams
+need nothing.
 
 Frees: PyTorch gives a segment back only once no tensor uses it, but a CUDA graph replayed on
 any stream may still read it, so the plug-in waits for the device before it gives memory back,
