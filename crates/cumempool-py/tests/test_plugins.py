@@ -343,3 +343,48 @@ def test_cupy_release_captured_keeps_an_array_the_capture_made(gpu):
         del y, eager
     allocator.release_captured()
     assert allocator.captured_bytes == 0
+
+
+def test_a_cache_keeps_pytorchs_legacy_stream_block_while_a_cupy_stream_captures(gpu):
+    # The host test test_an_allocation_beside_a_blocking_streams_capture_keeps_it_intact with the
+    # real libraries: PyTorch gives a segment back on its default stream, so the cache holds a
+    # block of the legacy stream; CuPy captures on a blocking stream of its own; an allocation
+    # that needs that block's room is refused (freeing it on the legacy stream would invalidate
+    # CuPy's capture), the capture ends intact, and the block goes back after it.
+    library("torch")
+    library("cupy")
+    code = """
+import torch, cupy, cumempool as cm, cumempool.torch as cmt
+MIB = 1 << 20
+pool = cm.MemPool(cm.Route.device(0))
+cache = cm.CachingResource(cm.Limit(cm.PoolResource(pool), 64 * MIB))
+mp = cmt.mem_pool(cache)
+with torch.cuda.use_mem_pool(mp):
+    t = torch.empty(40 * MIB, dtype=torch.uint8, device="cuda")
+del t
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+cached = cache.stats()["cached_blocks"]
+stream = cupy.cuda.Stream()  # a blocking stream
+x = cupy.zeros(16, dtype=cupy.float32)
+stream.synchronize()
+side = cm.Stream(0)
+stream.begin_capture()
+with stream:
+    x += 1  # in place: nothing allocated during the capture
+try:
+    cache.alloc(48 * MIB, side).close()
+    refused = "served"
+except cm.OutOfMemoryError:
+    refused = "refused"
+graph = stream.end_capture()
+cupy.cuda.runtime.deviceSynchronize()
+cache.alloc(48 * MIB, side).close()  # the block's room, once the capture is over
+side.synchronize()
+del mp
+torch.cuda.empty_cache()
+cache.release()
+cmt.stop()
+print(cached, refused, pool.used_mem_current)
+"""
+    assert run_in_new_process(code).split()[-3:] == ["1", "refused", "0"]

@@ -138,3 +138,37 @@ print(pool.used_mem_current, cmt.captured_bytes(), cmt.release_captured())
 """,
     )
     assert words == ["0", "0", "0"], "a destroyed stream kept the device's frees"
+
+
+def test_an_allocation_beside_a_blocking_streams_capture_keeps_it_intact(stand_in_libcuda):
+    # While a blocking stream captures (CuPy's streams, a per-thread stream), PyTorch's allocation
+    # on its default stream is made beside the capture, on the plug-in's side stream, so that the
+    # capture is left intact. A cache over a Limit that refuses it would give its cached blocks
+    # back to make room, each on the stream it was freed on: a block PyTorch freed on its default
+    # stream would go back on the legacy stream, which the driver refuses while a blocking stream
+    # captures, invalidating that capture (driver 580; the stand-in models it), and the refused
+    # block would be lost. The cache keeps that block instead, and the allocation that needed the
+    # room is refused for lack of memory.
+    words = _run(
+        stand_in_libcuda,
+        """
+cache = cm.CachingResource(cm.Limit(cm.PoolResource(pool), 2 * MIB))
+cmt.serve(cache)
+p = lib.cumempool_torch_alloc(MIB, 0, None)  # PyTorch's default stream
+lib.cumempool_torch_free(p, MIB, 0, None)    # a segment given back: cached, on the legacy stream
+print(cache.stats()["cached_blocks"])
+assert begin(2, 2) == 0  # this thread's per-thread stream (a blocking stream), relaxed mode
+small = lib.cumempool_torch_alloc(MIB // 2, 0, None)  # control: fits under the limit
+big = lib.cumempool_torch_alloc(MIB + MIB // 2, 0, None)  # needs the cached block's room
+print(bool(small), bool(big), end_capture(2))
+lib.cumempool_torch_free(small, MIB // 2, 0, None)
+if big:
+    lib.cumempool_torch_free(big, MIB + MIB // 2, 0, None)
+cache.release()
+print(cmt.captured_bytes(), pool.used_mem_current)
+cmt.stop()
+""",
+    )
+    assert words[:3] == ["1", "True", "False"], "the control served, the one needing room refused"
+    assert words[3] == "0", "the plug-in's allocation beside the capture invalidated it (901)"
+    assert words[4:] == ["0", "0"], "memory is left in the pool after every block was freed and released"

@@ -9,7 +9,7 @@
 
 use cumempool::sys::{self, CUresult, CUstreamCaptureMode};
 use cumempool::{Block, Error, MemPool, Placement, Route, Stream};
-use cumempool_alloc::{CachingResource, DeviceMemory, PoolResource, StreamOrderedResource, POOL_ALIGNMENT};
+use cumempool_alloc::{CachingResource, DeviceMemory, Limit, PoolResource, StreamOrderedResource, POOL_ALIGNMENT};
 use cumempool_tests::stand_in_driver::stand_in;
 
 /// `CU_STREAM_PER_THREAD`.
@@ -116,4 +116,33 @@ fn the_questions_keeping_the_context_see_a_per_thread_capture_and_leave_it_intac
     assert!(legacy.capture_status_keeping_context().is_err(), "a blocking stream captures");
     assert!(matches!(per_thread.capture_status_keeping_context(), Ok(cumempool::CaptureStatus::Active { .. })));
     assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "a question invalidated the capture");
+}
+
+/// A cache gives blocks back of its own accord: on `release`, and to make room when the layer
+/// below refuses an allocation for lack of memory. A block freed on the legacy stream would be
+/// freed there, which the driver refuses while a blocking stream captures, invalidating that
+/// capture (and the refused block would be lost). So it stays cached until the capture is over.
+#[test]
+fn a_cache_keeps_its_legacy_stream_blocks_while_a_blocking_stream_captures() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let cache = CachingResource::new(Limit::new(PoolResource::<DeviceMemory>::new(&pool).unwrap(), 1 << 20));
+    let legacy = Stream::legacy(&context);
+    let side = Stream::new(&context).unwrap();
+    let ptr = cache.allocate(512 << 10, POOL_ALIGNMENT, &legacy).unwrap();
+    // SAFETY: just allocated with these arguments, freed once.
+    unsafe { cache.deallocate(ptr, 512 << 10, POOL_ALIGNMENT, &legacy) }.unwrap();
+    let cached = pool.used_mem_current().unwrap();
+    assert!(cached >= 512 << 10, "the block is cached, still the pool's");
+    begin_per_thread_capture();
+    cache.release().unwrap();
+    let refused = cache.allocate(768 << 10, POOL_ALIGNMENT, &side);
+    assert!(refused.is_err_and(|error| error.is_out_of_memory()), "no room made from the legacy stream's block");
+    assert_eq!(pool.used_mem_current().unwrap(), cached, "the block stayed cached");
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    let ptr = cache.allocate(768 << 10, POOL_ALIGNMENT, &side).unwrap();
+    // SAFETY: just allocated with these arguments, freed once.
+    unsafe { cache.deallocate(ptr, 768 << 10, POOL_ALIGNMENT, &side) }.unwrap();
+    cache.release().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "every block went back once the capture was over");
 }

@@ -8,7 +8,7 @@ use super::lanes::{give_lists_if_missing, own_lane, Lane};
 use super::lock::lock;
 use super::padded::Padded;
 use super::size_class::{class_bytes, size_class, CLASSES};
-use super::slot::{gather_from_lanes, lanes_of, pop_shared, Taken, SLOTS};
+use super::slot::{gather_from_lanes, lanes_of, pop_shared, SlotState, Taken, SLOTS};
 use super::stats::CacheStats;
 use super::table::SlotTable;
 use super::timers::{nanos_of, Timers, LANE_SWEEP_INTERVAL};
@@ -160,7 +160,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     pub fn release(&self) -> Result<()> {
         let (taken, unreachable) = {
             let _registry = self.table.registry();
-            self.table.take_slots(0..SLOTS, |_| true, &self.bound)
+            self.table.take_slots(0..SLOTS, SlotState::may_give_back, &self.bound)
         };
         self.give_back(taken)?;
         unreachable.map_or(Ok(()), |why| Err(crate::Error::LanesUnreachable { reason: why.reason() }))
@@ -176,7 +176,7 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             let _registry = self.table.registry();
             self.table.find(stream.id().get()).map_or_else(
                 || (Vec::new(), None),
-                |index| self.table.take_slots(std::iter::once(index), |_| true, &self.bound),
+                |index| self.table.take_slots(std::iter::once(index), SlotState::may_give_back, &self.bound),
             )
         };
         self.give_back(taken)?;

@@ -11,7 +11,7 @@ use super::timers::Timers;
 /// Takes the slots whose stream only the cache still holds (nobody can queue work on it
 /// any more), except the slot `keep`. Only under the registry lock.
 pub(super) fn reclaim_unused(table: &SlotTable, bound: &Bound, keep: Option<usize>, taken: &mut Vec<Taken>) {
-    let unused = |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1);
+    let unused = |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1) && state.may_give_back();
     let candidates: Vec<usize> = table.slots_with_streams().filter(|&index| Some(index) != keep).collect();
     taken.extend(table.take_slots(candidates.into_iter(), unused, bound).0);
 }
@@ -49,7 +49,7 @@ pub(super) fn make_room(
             .filter(|&index| Some(index) != keep)
             .filter_map(|index| {
                 let state = lock(&table.slots[index].state);
-                state.stream.is_some().then(|| (table.last_used(&table.slots[index]), index))
+                (state.stream.is_some() && state.may_give_back()).then(|| (table.last_used(&table.slots[index]), index))
             })
             .min();
         // No victim, no sweep: a stream alone at the bound would otherwise pay a

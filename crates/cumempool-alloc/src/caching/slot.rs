@@ -51,6 +51,14 @@ pub(super) struct SlotState {
 }
 
 impl SlotState {
+    /// Whether the blocks may go below now. Not while they would be freed on the legacy stream
+    /// and the driver would refuse that for a blocking stream's capture, invalidating it
+    /// ([`Stream::is_blocked_by_a_capture`]): the cache gives them back of its own accord
+    /// (releasing, making room), at no time its user chose, so they stay cached until then.
+    pub(super) fn may_give_back(&self) -> bool {
+        self.stream.as_ref().is_none_or(|stream| !stream.is_blocked_by_a_capture())
+    }
+
     /// Takes the stream and every block the slot and `lanes` (its lanes' states) hold, if it has
     /// a stream; answers them with the bytes they accounted for in the bound (blocks and budget).
     pub(super) fn take_all<'a>(&mut self, lanes: impl Iterator<Item = &'a mut LaneState>) -> Option<(Taken, usize)> {

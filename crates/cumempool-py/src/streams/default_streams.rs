@@ -22,9 +22,7 @@ pub(crate) fn names_legacy(handle: usize) -> bool {
 /// invalidates that capture, and a question of the legacy stream answers with an error instead,
 /// leaving it intact. An answer that cannot be had counts as blocked.
 pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
-    legacy_stream(device).map_or(true, |legacy| {
-        legacy.capture_status_keeping_context().map_or(true, |status| status != cumempool::CaptureStatus::None)
-    })
+    legacy_stream(device).map_or(true, |legacy| legacy.is_blocked_by_a_capture())
 }
 
 /// The legacy stream of `device`'s primary context, made once per device: the plug-ins ask
