@@ -215,3 +215,30 @@ def test_pytorchs_routed_bytes_are_one_segment_of_the_snapshot(recording, monkey
     # The traces keep only what was recorded one by one.
     assert {event["addr"] for event in data["device_traces"][0]} == {0x7000}
     assert (0, 0) not in _history.recording.live, "the recorder's own record is left as it was"
+
+
+def test_recording_does_not_hang_when_the_collector_frees_a_recorded_allocation():
+    # `note_alloc`, `note_free` and `snapshot` make Python objects while they hold the history's
+    # lock; a collection set off there may free a recorded allocation whose holder sits in a
+    # reference cycle (a CuPy array kept by a traceback's frame), and its finalizer records the
+    # free: it must not wait for the lock its own thread holds. The default collector
+    # thresholds reach that within the first thousand allocations.
+    code = """
+    import cumempool as cm
+    from cumempool import _history
+    class Owner:  # a Buffer the CuPy plug-in hands CuPy
+        def __init__(self, ptr):
+            self.ptr, self.device = ptr, 0
+    cm.record_history(stacks=None)
+    for i in range(20000):
+        holder = _history.traced(Owner(0x1000 + 64 * i), "cupy", 0, 64, 0)
+        cycle = [holder]
+        cycle.append(cycle)  # the array caught in a reference cycle
+        del holder, cycle
+    print("done")
+    """
+    try:
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("recording hung: a collection inside the history lock ran note_free, which waits for that lock")
+    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr

@@ -13,6 +13,7 @@ Off, it costs the plug-ins one read of a module global per allocation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import threading
@@ -24,6 +25,26 @@ from dataclasses import dataclass
 from typing import Any
 
 _lock = threading.Lock()
+# Whether the calling thread holds `_lock` (in `_locked`).
+_holding = threading.local()
+# Frees not recorded yet, oldest first, with the recorder they belong to: a free is noted here
+# first and recorded under `_lock` by the next call that takes it. A free may be noted by a
+# finalizer inside a collection that a call holding `_lock` set off (by making an object), on
+# the same thread: waiting for the lock there would wait forever.
+_freed: deque[tuple[Any, ...]] = deque()
+
+
+@contextlib.contextmanager
+def _locked():
+    """`_lock`, held, with the frees noted before recorded first (so a free is recorded before
+    an allocation that reuses its address)."""
+    with _lock:
+        _holding.on = True
+        try:
+            _record_freed()
+            yield
+        finally:
+            _holding.on = False
 
 
 @dataclass
@@ -62,6 +83,7 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
     if not enabled:
         with _lock:
             recording = None
+            _freed.clear()
         return
     if stacks not in ("python", None):
         raise ValueError(f"stacks={stacks!r}: record 'python' stacks or None")
@@ -69,6 +91,7 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
         raise ValueError(f"max_entries must be a whole number of events more than 0, not {max_entries!r}")
     with _lock:
         recording = _Recorder(stacks == "python", max_entries)
+        _freed.clear()
 
 
 # This package's folder: its frames are left out of recorded stacks.
@@ -103,7 +126,7 @@ def note_alloc(library: str, device: int, address: int, size: int, stream: int) 
         {"action": action, "addr": address, "size": size, "stream": stream, "time_us": now, "frames": frames, "library": library}
         for action in ("segment_alloc", "alloc")
     ]
-    with _lock:
+    with _locked():
         if recording is not recorder:
             return  # recording stopped or started again meanwhile
         recorder.live[(device, address)] = _Live(library, size, stream, frames)
@@ -112,28 +135,44 @@ def note_alloc(library: str, device: int, address: int, size: int, stream: int) 
 
 def note_free(library: str, device: int, address: int, size: int, stream: int) -> None:
     """Records the free of an allocation a plug-in made: requested now, completed in stream
-    order (the viewer shows both)."""
+    order (the viewer shows both). Never waits for a lock the calling thread holds (a
+    finalizer run by a collection inside a recording call): the free is then recorded by the
+    next call."""
     recorder = recording
     if recorder is None:
         return
-    with _lock:
-        live = recorder.live.pop((device, address), None)
+    _freed.append((recorder, library, device, address, size, stream, _now()))
+    if not getattr(_holding, "on", False):
+        with _locked():
+            pass
+
+
+def _record_freed() -> None:
+    """Records the frees noted so far, under `_lock`; those of an earlier recording are let go
+    of."""
+    while _freed:
+        try:
+            recorder, library, device, address, size, stream, now = _freed.popleft()
+        except IndexError:
+            return  # another thread took the last one (a free noted on a thread not holding the lock)
+        current = recording
+        if current is None or recorder is not current:
+            continue
+        live = current.live.pop((device, address), None)
         if live is None:
-            return  # allocated before this recording began: its allocation is not in it either
-        trace = recorder.trace(device)
-        now = _now()
-        for action in ("free_requested", "free_completed", "segment_free"):
-            trace.append(
-                {
-                    "action": action,
-                    "addr": address,
-                    "size": size,
-                    "stream": stream,
-                    "time_us": now,
-                    "frames": live.frames,
-                    "library": library,
-                }
-            )
+            continue  # allocated before this recording began: its allocation is not in it either
+        current.trace(device).extend(
+            {
+                "action": action,
+                "addr": address,
+                "size": size,
+                "stream": stream,
+                "time_us": now,
+                "frames": live.frames,
+                "library": library,
+            }
+            for action in ("free_requested", "free_completed", "segment_free")
+        )
 
 
 def traced(owner: Any, library: str, device: int, size: int, stream: int) -> Any:
@@ -180,7 +219,7 @@ def snapshot() -> dict[str, Any]:
     from ._budget import usage
 
     recorder = recording
-    with _lock:
+    with _locked():
         live = dict(recorder.live) if recorder is not None else {}
         traces = {device: list(events) for device, events in recorder.traces.items()} if recorder is not None else {}
     held = usage()
