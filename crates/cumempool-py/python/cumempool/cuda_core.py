@@ -52,14 +52,19 @@ def _make_class() -> type:
 
         def deallocate(self, ptr, size, stream=None):
             # Freed on `stream`: the memory is free only once the work queued there is done
-            # (what cuda.core's Buffer.close(stream) promises). The buffer stays held until its
-            # close succeeds: one refused (StreamCapturingError, `stream` capturing a graph whose
-            # work uses the memory) must not free it at once, and a later deallocate frees it.
-            buffer = self._live.get(int(ptr))
+            # (what cuda.core's Buffer.close(stream) promises). Taken out of `_live` before the
+            # memory goes back: once it has, another thread may be handed the same address and
+            # hold it there. A close that is refused (StreamCapturingError, `stream` capturing a
+            # graph whose work uses the memory) frees nothing, so the buffer is held again and a
+            # later deallocate frees it.
+            buffer = self._live.pop(int(ptr), None)
             if buffer is None:
                 return
-            buffer.close(stream)
-            del self._live[int(ptr)]
+            try:
+                buffer.close(stream)
+            except BaseException:
+                self._live[int(ptr)] = buffer
+                raise
 
         @property
         def is_device_accessible(self) -> bool:
