@@ -12,6 +12,7 @@ import pytest
 
 import cumempool as cm
 from conftest import library
+from test_cupy_capture_host import _with_fake_cupy
 from test_resource_alloc_under_capture import run_on_stand_in
 
 MIB = 1 << 20
@@ -436,3 +437,193 @@ def test_a_failed_release_closes_the_budget_and_keeps_no_frames(stand_in_libcuda
         """,
     )
     assert words == ["True", "True", "again"], words
+
+
+FAKE_NUMBA = """
+import collections, sys, types
+numba = types.ModuleType("numba")
+numba_cuda = types.ModuleType("numba.cuda")
+cudadrv = types.ModuleType("numba.cuda.cudadrv")
+driver = types.ModuleType("numba.cuda.cudadrv.driver")
+driver.MemoryInfo = collections.namedtuple("MemoryInfo", "free total")
+class HostOnlyCUDAMemoryManager:
+    def __init__(self, context=None):
+        self.context = context
+class MemoryPointer:
+    def __init__(self, context, pointer, size, finalizer=None):
+        self.ptr, self.size, self.free = pointer.value, size, finalizer
+numba_state = {}
+def set_memory_manager(cls):
+    cls(context=None).interface_version
+    numba_state["manager"] = cls
+class Context:
+    # As numba.cuda.cudadrv.driver.Context.__init__: the manager is made once, with the context
+    # (Numba's first CUDA use), from the class set at that moment.
+    device = types.SimpleNamespace(id=0)
+    def __init__(self):
+        self.memory_manager = numba_state["manager"](context=self)
+numba_cuda.HostOnlyCUDAMemoryManager = HostOnlyCUDAMemoryManager
+numba_cuda.MemoryPointer = MemoryPointer
+numba_cuda.set_memory_manager = set_memory_manager
+numba.cuda, numba_cuda.cudadrv, cudadrv.driver = numba_cuda, cudadrv, driver
+sys.modules.update({"numba": numba, "numba.cuda": numba_cuda, "numba.cuda.cudadrv": cudadrv, "numba.cuda.cudadrv.driver": driver})
+os.environ.pop("NUMBA_CUDA_MEMORY_MANAGER", None)
+"""
+
+
+def test_numba_follows_the_budget_in_force_not_the_first_one(stand_in_libcuda):
+    # Numba fixes a context's manager when the context is made, once per device for the
+    # process: so the manager draws from the budget in force at each allocation. After the
+    # first budget is closed, a second one counts and caps what Numba allocates, and the closed
+    # budget's pool gets none of it.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        FAKE_NUMBA
+        + """
+first = cm.budget(devices={0: "1MiB"})
+context = Context()  # Numba's first CUDA use, under the first budget
+context.memory_manager.memalloc(4096).free()
+first.close()
+second = cm.budget(devices={0: "1MiB"})
+held = context.memory_manager.memalloc(4096)
+numba = cm.usage()[0]["libraries"].get("numba")
+print(numba["bytes"] if numba else "uncounted", first._devices[0].libraries["numba"].usage()["current_bytes"])
+held.free()
+second.close()
+""",
+    )
+    assert words == ["4096", "0"], "Numba drew from the closed budget's pool, outside the budget in force"
+
+
+# ---- budget(): a failure after the budget was put in force -------------------------------------
+
+
+def test_a_budget_that_raises_is_not_left_in_force(stand_in_libcuda):
+    # `budget()` makes the pools current before choosing PyTorch's backend, whose warning is an
+    # exception under `-W error` / `simplefilter("error")`: a call that raises leaves no budget
+    # in force (no pool current, no half-installed hook), so a later `budget()` is not refused.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+import warnings
+from cumempool import _budget
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:native"
+warnings.simplefilter("error")
+try:
+    cm.budget(devices={0: "1MiB"})
+    print("made")
+except UserWarning:
+    print("raised")
+print(_budget.active() is None)
+warnings.simplefilter("ignore")
+try:
+    cm.budget(devices={0: "1MiB"}).close()
+    print("again")
+except RuntimeError:
+    print("refused")
+""",
+    )
+    assert words == ["raised", "True", "again"], words
+
+
+# ---- the out-of-memory report belongs to the budget's own resources ----------------------------
+
+
+def test_an_allocator_of_the_programs_own_does_not_carry_the_budgets_report(stand_in_libcuda):
+    # A CuPy allocator the program made over its own Limit, while a budget is in force: its
+    # out-of-memory error carries no budget report (the budget did not refuse it, and "make
+    # the budget larger" would be wrong advice).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+class CupyOutOfMemory(Exception):
+    pass
+cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+budget = cm.budget(devices={0: "1MiB"})
+own = cmc.Allocator(cm.Limit(cm.PoolResource(cm.MemPool(cm.Route.device(0))), 4096))
+try:
+    own(8192)
+except CupyOutOfMemory as error:
+    print(error.report is None, "cumempool budget" in str(error))
+budget.close()
+""",
+    )
+    assert words == ["True", "False"], "the budget's report was put on an error of a resource outside the budget"
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+
+def _cli(stand_in_libcuda, tmp_path, *args):
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    argv = [str(script) if arg == "SCRIPT" else arg for arg in args]
+    return subprocess.run(
+        [sys.executable, "-m", "cumempool", "run", *argv], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path
+    )
+
+
+@pytest.mark.parametrize("size", ["99999999999999999999TiB", "9" * 400])
+def test_an_oversized_budget_is_refused_with_a_message_not_a_traceback(stand_in_libcuda, tmp_path, size):
+    # A size past what a device can address is refused with a message naming the command, not
+    # a traceback out of cumempool's internals (an OverflowError, before).
+    out = _cli(stand_in_libcuda, tmp_path, "--budget", size, "--", "SCRIPT")
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and "python -m cumempool run:" in out.stderr, out.stderr[-800:]
+
+
+def test_a_budget_given_beside_devices_is_checked_or_refused(stand_in_libcuda, tmp_path):
+    # `--budget` beside `--device` is refused (one budget for every device, or a size per
+    # device, not both), and so is a device named twice.
+    out = _cli(stand_in_libcuda, tmp_path, "--budget", "8 parsecs", "--device", "0=1MiB", "--", "SCRIPT")
+    assert out.returncode != 0, "an invalid --budget was ignored"
+    out = _cli(stand_in_libcuda, tmp_path, "--device", "0=1MiB", "--device", "0=2GiB", "--", "SCRIPT")
+    assert out.returncode != 0, "device 0 named twice: the second size silently won"
+
+
+def test_a_missing_script_is_reported_as_python_reports_it(stand_in_libcuda, tmp_path):
+    # As `python missing.py`: "can't open file ...", exit status 2, no traceback.
+    out = _cli(stand_in_libcuda, tmp_path, "--budget", "1MiB", "--", str(tmp_path / "missing.py"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-800:])
+
+
+def test_a_program_dying_of_cuda_cores_out_of_memory_gets_the_report(stand_in_libcuda, tmp_path):
+    # cuda.core raises `CUDAError("CUDA_ERROR_OUT_OF_MEMORY: ...")` (test_one_budget.py expects
+    # "CUDAError" for it), a class whose name does not say out-of-memory: the runner knows it
+    # by the driver's error name in its message, and prints the report.
+    script = tmp_path / "core_oom.py"
+    script.write_text("class CUDAError(Exception):\n    pass\nraise CUDAError('CUDA_ERROR_OUT_OF_MEMORY: out of memory')\n")
+    out = _cli(stand_in_libcuda, tmp_path, "--budget", "1MiB", "--", str(script))
+    assert out.returncode == 1 and "CUDA_ERROR_OUT_OF_MEMORY" in out.stderr, out.stderr[-800:]
+    assert "cumempool budget of device 0" in out.stderr, "no report for cuda.core's out-of-memory error"
+
+
+# ---- on the GPU: Numba used before the budget -------------------------------------------------
+
+NUMBA_BEFORE = """
+import warnings
+from numba import cuda
+import cumempool as cm
+first = cuda.device_array(16, dtype="uint8")  # Numba's first CUDA use: its context, its manager
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cm.budget(devices={0: "64MiB"})
+try:
+    big = cuda.device_array(128 << 20, dtype="uint8")
+    escaped = True
+except MemoryError:
+    escaped = False
+print(escaped, any("numba" in str(w.message).lower() for w in caught))
+"""
+
+
+def test_on_the_gpu_numba_used_before_the_budget_is_capped_or_warned_about(gpu, tmp_path):
+    # Numba fixes a context's memory manager when the context is made; `budget()` after that
+    # installs the manager for later contexts only, so Numba's allocations there stay outside
+    # the budget: a warning says so, as for PyTorch imported before the budget.
+    library("numba")
+    out = subprocess.run([sys.executable, "-c", NUMBA_BEFORE], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    escaped, warned = out.stdout.split()[-2:]
+    assert escaped == "False" or warned == "True", "Numba allocated past the budget and nothing said so"

@@ -65,6 +65,8 @@ def _devices(pairs: list[str], total: str | None) -> dict[int, int | str] | None
             number = -1
         if number < 0 or not size:
             raise SystemExit(f"--device takes N=SIZE, such as --device 0=8GiB; got {pair!r}")
+        if number in devices:
+            raise SystemExit(f"--device {number} is given twice: give each device once")
         devices[number] = size
     return devices
 
@@ -91,6 +93,13 @@ def run_program(program: list[str]) -> int:
         runpy.run_module(program[1], run_name="__main__", alter_sys=True)
         return 0
     path = program[0]
+    if not os.path.exists(path):
+        # As `python missing.py` says it, with its exit status.
+        print(
+            f"python -m cumempool run: can't open file {os.path.abspath(path)!r}: [Errno 2] No such file or directory",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     sys.argv = list(program)
     if not getattr(sys.flags, "safe_path", False):  # -P, Python 3.11 and newer
         sys.path[0] = os.path.dirname(os.path.realpath(path))
@@ -117,7 +126,22 @@ def _report_safely() -> str:
 
 
 def _is_out_of_memory(error: BaseException) -> bool:
-    return type(error).__name__.endswith("OutOfMemoryError")
+    """Whether `error`, or an error it was raised from or while handling, is an out-of-memory
+    error: PyTorch's, CuPy's, Numba's and cumempool's classes by name, cuda.core's `CUDAError`
+    (and any driver error) by the driver's name in its message."""
+    seen: set[int] = set()
+    found: BaseException | None = error
+    while found is not None and id(found) not in seen:
+        seen.add(id(found))
+        if type(found).__name__.endswith("OutOfMemoryError"):
+            return True
+        try:
+            if "CUDA_ERROR_OUT_OF_MEMORY" in str(found):
+                return True
+        except Exception:
+            pass  # an error whose message cannot be made
+        found = found.__cause__ or found.__context__
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("give the budget: --budget 8GiB, or --device N=SIZE for each device")
     try:
         _budget.budget(args.budget, devices=_devices(args.device, args.budget))
-    except (ValueError, TypeError, CumempoolError) as error:
+    except (ValueError, TypeError, OverflowError, CumempoolError) as error:
         raise SystemExit(f"python -m cumempool run: {error}") from None
     try:
         run_program(program)

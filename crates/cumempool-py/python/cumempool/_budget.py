@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.abc
 import os
 import re
+from fractions import Fraction
 import sys
 import threading
 import warnings
@@ -60,6 +61,8 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         if size <= 0:
             raise ValueError(f"a budget must be more than 0 bytes, not {size}")
+        if size > _MOST_BYTES:
+            raise ValueError(f"a budget of {size} bytes is more than a device can address (at most 2**64 - 1 bytes)")
         return size
     if not isinstance(size, str):
         raise TypeError(f"a size is an int of bytes or a string such as '8GiB', not {type(size).__name__}")
@@ -67,10 +70,17 @@ def parse_size(size: int | str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{size!r} is not a size: write a number of bytes, or one with a unit such as '8GiB', '512MiB' or '2GB'")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    # Exact (a float would round a 17-digit byte count and overflow a long one).
+    value = int(Fraction(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise ValueError(f"a budget must be more than 0 bytes, not {size!r}")
+    if value > _MOST_BYTES:
+        raise ValueError(f"{size!r} is more bytes than a device can address (at most 2**64 - 1)")
     return value
+
+
+# The most bytes a size can be: a pool's sizes are 64-bit.
+_MOST_BYTES = (1 << 64) - 1
 
 
 # The libraries whose plug-in draws through a cache: CuPy allocates a temporary per operation,
@@ -191,6 +201,10 @@ class Budget:
                 outside = self._outside[device] = PoolResource(current_pool(Route.device(device)))
             return outside
 
+    def gave(self, resource: Any) -> bool:
+        """Whether ``resource`` is one this budget gave a library to draw through."""
+        return any(top is resource for device in self._devices.values() for top in list(device.tops.values()))
+
     def _device(self, device: int) -> _Device:
         found = self._devices.get(device)
         if found is None:
@@ -239,6 +253,15 @@ def active() -> Budget | None:
     return _active
 
 
+def report_if_drawn_from(resource: Any, device: int) -> str | None:
+    """The report of ``device`` where ``resource`` is one the budget in force gave a library;
+    None for a resource of the program's own, which the budget did not refuse."""
+    budget_now = _active
+    if budget_now is None or not budget_now.gave(resource):
+        return None
+    return report(device)
+
+
 def budget(total: int | str | None = None, *, devices: dict[int, int | str] | None = None) -> Budget:
     """Puts every CUDA library of the process on one budget: ``total`` bytes on each device
     (``"8GiB"`` or an int), or the sizes ``devices`` names (``{0: "8GiB", 1: "4GiB"}``). Without
@@ -265,16 +288,28 @@ def budget(total: int | str | None = None, *, devices: dict[int, int | str] | No
             for device in made.values():
                 device.guard.restore()
             raise
-        _active = Budget(made)
-    _choose_torch_backend()
-    _after_import("cupy", _install_cupy)
-    _after_import("numba.cuda", _install_numba)
-    return _active
+        made_budget = _active = Budget(made)
+    try:
+        _choose_torch_backend()
+        _after_import("cupy", _install_cupy)
+        _after_import("numba.cuda", _install_numba)
+    except BaseException:
+        # A warning made an error (`-W error`), say: the budget is not left half in force.
+        made_budget.close()
+        raise
+    return made_budget
 
 
 def _limits(total: int | str | None, devices: dict[int, int | str] | None) -> dict[int, int]:
+    if devices and total is not None:
+        raise ValueError(f"give one budget for every device ({total!r}) or a size per device ({devices!r}), not both")
     if devices:
-        return {int(ordinal): parse_size(size) for ordinal, size in devices.items()}
+        limits: dict[int, int] = {}
+        for ordinal, size in devices.items():
+            if int(ordinal) in limits:
+                raise ValueError(f"device {int(ordinal)} is given a size twice: give each device once")
+            limits[int(ordinal)] = parse_size(size)
+        return limits
     if total is None:
         raise ValueError("give the budget: budget('8GiB'), or per device: budget(devices={0: '8GiB'})")
     size = parse_size(total)
@@ -373,7 +408,52 @@ def _install_numba(numba_cuda: Any) -> None:
         return
     from .numba import manager_for
 
-    numba_cuda.set_memory_manager(manager_for(lambda ordinal: budget_now.resource_or_outside("numba", ordinal)))
+    # Numba keeps the manager a context was made with for the context's life (one per device,
+    # for the process): so the manager asks for the budget in force at each allocation, and
+    # without one draws from the device's current pool, as Numba's allocations would.
+    numba_cuda.set_memory_manager(manager_for(_numba_resource))
+    made = _numba_contexts_made()
+    if made:
+        warnings.warn(
+            f"Numba made its context of device(s) {made} before the budget: a context keeps the memory "
+            "manager it was made with, so Numba's allocations there stay outside the budget "
+            "(start the budget before Numba's first CUDA use)",
+            stacklevel=2,
+        )
+
+
+def _numba_contexts_made() -> list[int]:
+    """The devices Numba has made its (primary) context of already; none where Numba's driver
+    object does not say (a Numba without these attributes)."""
+    try:
+        from numba.cuda.cudadrv import driver as numba_driver
+
+        # Numba's `Driver.devices` holds each device it opened, and a device's
+        # `primary_context` is set once Numba made its context (a plain attribute: reading it
+        # initialises nothing).
+        opened = dict(numba_driver.driver.__dict__.get("devices") or {})
+        return sorted(number for number, device in opened.items() if getattr(device, "primary_context", None) is not None)
+    except Exception:
+        return []
+
+
+def _numba_resource(ordinal: int) -> Any:
+    budget_now = _active
+    if budget_now is not None:
+        return budget_now.resource_or_outside("numba", ordinal)
+    from ._native import current_pool, current_pool_handle
+
+    route = Route.device(ordinal)
+    key = (ordinal, current_pool_handle(route))
+    with _lock:
+        found = _outside_any_budget.get(key)
+        if found is None:
+            found = _outside_any_budget[key] = PoolResource(current_pool(route))
+        return found
+
+
+# Numba's resource where no budget is in force, per device and current pool.
+_outside_any_budget: dict[tuple[int, int], Any] = {}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

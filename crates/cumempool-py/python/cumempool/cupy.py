@@ -149,7 +149,7 @@ class Allocator(_CupyAllocatorBase):
         except errors.OutOfMemoryError as caught:
             # Raised while the error is handled: a failure to build CuPy's class keeps it as its
             # context.
-            raise out_of_memory_error()(size, caught, _budget_report(self.resource.device)) from caught
+            raise out_of_memory_error()(size, caught, _budget_report(self.resource)) from caught
         finally:
             # The error's traceback holds this frame, which would hold the error: a cycle that
             # keeps the failed call's frames, and the caller's arrays in them, until the
@@ -191,11 +191,11 @@ class Allocator(_CupyAllocatorBase):
         return cupy.cuda.MemoryPointer(memory, 0)
 
 
-def _budget_report(device: int) -> str | None:
-    """The budget's report for ``device``, where a budget is in force."""
+def _budget_report(resource: Resource) -> str | None:
+    """The budget's report for ``resource``'s device, where the budget in force gave it."""
     from . import _budget
 
-    return _budget.report(device) if _budget.active() is not None else None
+    return _budget.report_if_drawn_from(resource, resource.device)
 
 
 class _Lease:

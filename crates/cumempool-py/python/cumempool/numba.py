@@ -69,10 +69,11 @@ def manager_for(resource_for: Callable[[int], Resource]) -> type:
 
         def memalloc(self, size: int) -> Any:
             device = self.context.device.id
+            resource = resource_for(device)
             try:
-                buffer = resource_for(device).alloc(size, None)
+                buffer = resource.alloc(size, None)
             except OutOfMemoryError as error:
-                _with_budget_report(error, device)
+                _with_budget_report(error, resource, device)
                 raise
             # The finalizer holds the buffer: closing it frees the memory on the legacy stream.
             finalizer: Callable[[], None] = buffer.close
@@ -109,13 +110,14 @@ def _recorded(buffer: Any, device: int, size: int) -> Callable[[], None]:
     return close
 
 
-def _with_budget_report(error: Exception, device: int) -> None:
-    """Adds the budget's report to an out-of-memory error, where a budget is in force."""
+def _with_budget_report(error: Exception, resource: Any, device: int) -> None:
+    """Adds the budget's report to an out-of-memory error, where the budget in force gave
+    ``resource``."""
     from . import _budget
 
-    if _budget.active() is None:
+    report = _budget.report_if_drawn_from(resource, device)
+    if report is None:
         return
-    report = _budget.report(device)
     error.report = report  # type: ignore[attr-defined]
     error.args = (f"{error.args[0] if error.args else error}\n{report}",) + tuple(error.args[1:])
 
