@@ -109,3 +109,28 @@ def test_a_library_under_its_per_thread_default_stream_allocates(gpu, variable, 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["4950"]
+
+
+DROP_DURING_CAPTURE = """
+import gc
+pool = cm.MemPool(cm.Route.device(0))
+cache = cm.CachingResource(cm.PoolResource(pool))
+cache.alloc(1 << 20, None).close()  # the legacy stream: cached there
+print(cache.stats()["cached_blocks"])
+assert begin(2, 2) == 0  # this thread's per-thread stream (blocking) captures, relaxed mode
+cache.release()  # the fix: skipped while the capture is underway
+print(cache.stats()["cached_blocks"])
+del cache  # the program lets go of the cache (or the collector does) during the capture
+gc.collect()
+graph = ctypes.c_void_p()
+print(end(2, ctypes.byref(graph)), pool.used_mem_current)
+"""
+
+
+def test_dropping_a_cache_during_a_blocking_capture_leaves_the_capture_intact(stand_in_libcuda):
+    # A cache let go of (by the program or the collector) while a blocking stream captures
+    # keeps its legacy-stream blocks allocated: freed there, the driver would refuse them and
+    # invalidate the capture (the stand-in models driver 580).
+    words = run_on_stand_in(stand_in_libcuda, DROP_DURING_CAPTURE)
+    assert words[:2] == ["1", "1"], "precondition: cached on the legacy stream, kept by release()"
+    assert words[2] == "0", f"the cache's drop invalidated the capture (cuStreamEndCapture answered {words[2]})"

@@ -146,3 +146,25 @@ fn a_cache_keeps_its_legacy_stream_blocks_while_a_blocking_stream_captures() {
     cache.release().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0, "every block went back once the capture was over");
 }
+
+/// A cache dropped while a blocking stream captures has no later moment to give its
+/// legacy-stream blocks back: it keeps them allocated (with a warning) rather than free them on
+/// the legacy stream, which the driver would refuse, invalidating the capture.
+#[test]
+fn a_cache_dropped_while_a_blocking_stream_captures_leaves_the_capture_intact() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let cache = CachingResource::new(PoolResource::<DeviceMemory>::new(&pool).unwrap());
+    let legacy = Stream::legacy(&context);
+    let ptr = cache.allocate(512 << 10, POOL_ALIGNMENT, &legacy).unwrap();
+    // SAFETY: just allocated with these arguments, freed once.
+    unsafe { cache.deallocate(ptr, 512 << 10, POOL_ALIGNMENT, &legacy) }.unwrap();
+    begin_per_thread_capture();
+    drop(cache);
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    assert!(pool.used_mem_current().unwrap() >= 512 << 10, "the block stayed allocated");
+    // SAFETY: the block the dropped cache kept, allocated on the legacy stream, freed once (the
+    // stand-in's counters are the process's: the other tests find them back at 0).
+    unsafe { cumempool::free_async(ptr, &legacy) }.unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}

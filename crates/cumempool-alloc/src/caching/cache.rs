@@ -151,7 +151,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
     }
 
     /// Frees every cached block to the resource below (each on the stream it was freed on) and
-    /// lets go of every stream.
+    /// lets go of every stream; blocks of the legacy stream stay cached while a blocking stream
+    /// captures ([`Stream::is_blocked_by_a_capture`]: freed there, they would invalidate that
+    /// capture).
     ///
     /// # Errors
     /// The first error of the resource below;
@@ -558,11 +560,18 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 impl<R: StreamOrderedResource> Drop for CachingResource<R> {
     /// Takes every block straight from the slots and lanes: `&mut self` means no thread is in
     /// any lane (their last use happened before this), so no claim or fence is needed, and
-    /// none can fail.
+    /// none can fail. Blocks of the legacy stream while a blocking stream captures
+    /// ([`SlotState::may_give_back`]) are kept allocated, with a warning: freed there, the
+    /// driver would refuse them and invalidate the capture, and nothing is left to free them
+    /// later.
     fn drop(&mut self) {
         let mut taken = Vec::new();
         for slot in self.table.slots.iter_mut() {
             let state = slot.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+            if !state.may_give_back() {
+                tracing::warn!("a cache dropped while a blocking stream captures keeps its legacy-stream blocks allocated (freeing them would invalidate that capture)");
+                continue;
+            }
             let lanes = slot.lanes.get_mut().into_iter().flat_map(|lanes| lanes.iter_mut());
             taken.extend(state.take_all(lanes.filter_map(Lane::state_if_idle)).map(|(contents, _)| contents));
         }

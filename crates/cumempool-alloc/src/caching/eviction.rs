@@ -11,7 +11,8 @@ use super::timers::Timers;
 /// Takes the slots whose stream only the cache still holds (nobody can queue work on it
 /// any more), except the slot `keep`. Only under the registry lock.
 pub(super) fn reclaim_unused(table: &SlotTable, bound: &Bound, keep: Option<usize>, taken: &mut Vec<Taken>) {
-    let unused = |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1) && state.may_give_back();
+    let unused =
+        |state: &SlotState| state.stream.as_ref().is_some_and(|s| s.handle_count() == 1) && state.may_give_back();
     let candidates: Vec<usize> = table.slots_with_streams().filter(|&index| Some(index) != keep).collect();
     taken.extend(table.take_slots(candidates.into_iter(), unused, bound).0);
 }

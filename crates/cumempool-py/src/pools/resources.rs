@@ -397,7 +397,7 @@ fn answer(py: Python<'_>, slot: &CallbackSlot, bytes: usize, attempt: u32) -> bo
 
 /// A cache over the resource below: blocks freed through it are kept per stream and serve
 /// later allocations on that stream. `max_cached` bounds the bytes of free blocks it keeps
-/// (default: 1 GiB); `release()` gives every cached block back.
+/// (default: 1 GiB); `release()` gives the cached blocks back.
 #[pyclass(extends = ResourceBase, frozen, module = "cumempool", name = "CachingResource")]
 pub struct Caching(Arc<Cache<Erased>>);
 
@@ -436,7 +436,9 @@ impl Caching {
     }
 
     /// Gives every cached block back to the resource below (and with them the cache's hold on
-    /// the streams other libraries lent).
+    /// the streams other libraries lent), except blocks of the legacy stream while a blocking
+    /// stream captures: freed there, they would invalidate that capture, so they stay cached
+    /// until it is over.
     fn release(&self, py: Python<'_>) -> Outcome<()> {
         let cache = self.0.clone();
         crate::sync::gil::detach(py, || cache.release())?;
