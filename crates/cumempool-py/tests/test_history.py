@@ -242,3 +242,36 @@ def test_recording_does_not_hang_when_the_collector_frees_a_recorded_allocation(
     except subprocess.TimeoutExpired:
         pytest.fail("recording hung: a collection inside the history lock ran note_free, which waits for that lock")
     assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr
+
+
+def test_starting_the_recording_again_does_not_hang_when_a_collection_frees_a_recorded_allocation():
+    # Starting the recording again makes a new recorder. A collection set off by making it (on
+    # Python 3.12+ a pending collection runs at the start of the next Python call, the
+    # recorder's `__init__`) may free a recorded allocation caught in a cycle, whose finalizer
+    # records the free: it must not wait for the lock `record_history` holds. The collection
+    # is run at that point by hand, so the test does not depend on the Python version.
+    code = """
+    import gc
+    import cumempool as cm
+    from cumempool import _history
+    class Owner:  # a Buffer the CuPy plug-in hands CuPy
+        def __init__(self, ptr):
+            self.ptr, self.device = ptr, 0
+    cm.record_history(stacks=None)
+    holder = _history.traced(Owner(0x1000), "cupy", 0, 64, 0)
+    cycle = [holder]
+    cycle.append(cycle)  # the array caught in a reference cycle
+    del holder, cycle
+    class Recorder(_history._Recorder):
+        def __init__(self, *args):
+            gc.collect()  # where CPython 3.12+ runs a pending collection: this call's start
+            super().__init__(*args)
+    _history._Recorder = Recorder
+    cm.record_history(stacks=None)  # "Starting again clears what was recorded"
+    print("done")
+    """
+    try:
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("record_history() hung: a finalizer run inside it waited for the history lock its thread held")
+    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr

@@ -38,13 +38,15 @@ _freed: deque[tuple[Any, ...]] = deque()
 def _locked():
     """`_lock`, held, with the frees noted before recorded first (so a free is recorded before
     an allocation that reuses its address)."""
-    with _lock:
-        _holding.on = True
-        try:
+    # Marked before the lock is taken, so no moment holding it is unmarked (a free noted while
+    # marked waits in `_freed` for `_record_freed` below).
+    _holding.on = True
+    try:
+        with _lock:
             _record_freed()
             yield
-        finally:
-            _holding.on = False
+    finally:
+        _holding.on = False
 
 
 @dataclass
@@ -81,7 +83,7 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
     Starting again clears what was recorded."""
     global recording
     if not enabled:
-        with _lock:
+        with _locked():
             recording = None
             _freed.clear()
         return
@@ -89,8 +91,10 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
         raise ValueError(f"stacks={stacks!r}: record 'python' stacks or None")
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
         raise ValueError(f"max_entries must be a whole number of events more than 0, not {max_entries!r}")
-    with _lock:
-        recording = _Recorder(stacks == "python", max_entries)
+    # Made before the lock: a collection its making sets off may record frees, which take it.
+    made = _Recorder(stacks == "python", max_entries)
+    with _locked():
+        recording = made
         _freed.clear()
 
 
