@@ -627,3 +627,58 @@ def test_on_the_gpu_numba_used_before_the_budget_is_capped_or_warned_about(gpu, 
     assert out.returncode == 0, out.stderr[-3000:]
     escaped, warned = out.stdout.split()[-2:]
     assert escaped == "False" or warned == "True", "Numba allocated past the budget and nothing said so"
+
+
+def test_no_warning_that_numba_is_outside_a_second_budget_it_follows(stand_in_libcuda):
+    # A context made under a first budget got the budgets' manager, which asks for the budget
+    # in force at every allocation: under a second budget Numba draws from it, and no warning
+    # says it stays outside (that is for a context made with another manager).
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        FAKE_NUMBA
+        + """
+import warnings
+driver.driver = types.SimpleNamespace(devices={})  # numba.cuda.cudadrv.driver.driver
+first = cm.budget(devices={0: "1MiB"})
+context = Context()  # Numba's first CUDA use, under the first budget
+# As Numba's Device.get_primary_context records it on the device Driver.devices holds.
+driver.driver.devices[0] = types.SimpleNamespace(primary_context=context)
+first.close()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    second = cm.budget(devices={0: "1MiB"})
+held = context.memory_manager.memalloc(4096)
+warned = any("Numba made its context" in str(w.message) for w in caught)
+print(cm.usage()[0]["libraries"]["numba"]["bytes"], warned)
+held.free()
+second.close()
+""",
+    )
+    assert words[0] == "4096", "precondition: Numba's context follows the second budget"
+    assert words[1] == "False", "a warning said Numba stays outside the budget it draws from"
+
+
+def test_numba_without_a_budget_draws_from_the_default_pool_and_keeps_no_pool_of_the_programs(stand_in_libcuda):
+    # After a budget closed, Numba's context keeps the budgets' manager: it draws from the
+    # device's default pool (the driver's, never destroyed), never from a pool the program made
+    # current meanwhile, which it would keep alive after the program let go of it.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        FAKE_NUMBA
+        + """
+from cumempool import _native
+route = cm.Route.device(0)
+first = cm.budget(devices={0: "1MiB"})
+context = Context()  # Numba's context: its manager is the budgets'
+first.close()
+# The stand-in driver has no default or current pools: these stand for the driver's answers.
+the_default, asked = cm.MemPool(route), []
+_native.default_pool = lambda route: asked.append("default") or the_default
+_native.current_pool = lambda route: asked.append("current") or cm.MemPool(route)
+_native.current_pool_handle = lambda route: asked.append("current") or 0
+for _ in range(3):
+    context.memory_manager.memalloc(4096).free()
+print(asked)
+""",
+    )
+    assert words == ["['default']"], f"asked for {words}: once for the default pool, kept, never the current one"

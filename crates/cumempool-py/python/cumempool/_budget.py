@@ -411,7 +411,9 @@ def _install_numba(numba_cuda: Any) -> None:
     # Numba keeps the manager a context was made with for the context's life (one per device,
     # for the process): so the manager asks for the budget in force at each allocation, and
     # without one draws from the device's current pool, as Numba's allocations would.
-    numba_cuda.set_memory_manager(manager_for(_numba_resource))
+    follows_the_budgets = manager_for(_numba_resource)
+    follows_the_budgets.serves_cumempool_budgets = True  # type: ignore[attr-defined]
+    numba_cuda.set_memory_manager(follows_the_budgets)
     made = _numba_contexts_made()
     if made:
         warnings.warn(
@@ -423,16 +425,22 @@ def _install_numba(numba_cuda: Any) -> None:
 
 
 def _numba_contexts_made() -> list[int]:
-    """The devices Numba has made its (primary) context of already; none where Numba's driver
-    object does not say (a Numba without these attributes)."""
+    """The devices Numba has made its (primary) context of already with a memory manager other
+    than the budgets' (a context made under an earlier budget follows the budget in force);
+    none where Numba's driver object does not say (a Numba without these attributes)."""
     try:
         from numba.cuda.cudadrv import driver as numba_driver
 
         # Numba's `Driver.devices` holds each device it opened, and a device's
         # `primary_context` is set once Numba made its context (a plain attribute: reading it
         # initialises nothing).
-        opened = dict(numba_driver.driver.__dict__.get("devices") or {})
-        return sorted(number for number, device in opened.items() if getattr(device, "primary_context", None) is not None)
+        opened = dict(vars(numba_driver.driver).get("devices") or {})
+        return sorted(
+            number
+            for number, device in opened.items()
+            if (context := getattr(device, "primary_context", None)) is not None
+            and not getattr(getattr(context, "memory_manager", None), "serves_cumempool_budgets", False)
+        )
     except Exception:
         return []
 
@@ -441,19 +449,19 @@ def _numba_resource(ordinal: int) -> Any:
     budget_now = _active
     if budget_now is not None:
         return budget_now.resource_or_outside("numba", ordinal)
-    from ._native import current_pool, current_pool_handle
-
-    route = Route.device(ordinal)
-    key = (ordinal, current_pool_handle(route))
+    # No budget in force (Numba's context was made under one that closed): the device's default
+    # pool, which the driver owns and no program destroys, as no pool was chosen for Numba.
     with _lock:
-        found = _outside_any_budget.get(key)
+        found = _outside_any_budget.get(ordinal)
         if found is None:
-            found = _outside_any_budget[key] = PoolResource(current_pool(route))
+            from ._native import default_pool
+
+            found = _outside_any_budget[ordinal] = PoolResource(default_pool(Route.device(ordinal)))
         return found
 
 
-# Numba's resource where no budget is in force, per device and current pool.
-_outside_any_budget: dict[tuple[int, int], Any] = {}
+# Numba's resource per device where no budget is in force.
+_outside_any_budget: dict[int, Any] = {}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
