@@ -560,10 +560,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 impl<R: StreamOrderedResource> Drop for CachingResource<R> {
     /// Takes every block straight from the slots and lanes: `&mut self` means no thread is in
     /// any lane (their last use happened before this), so no claim or fence is needed, and
-    /// none can fail. Blocks of the legacy stream while a blocking stream captures
-    /// ([`SlotState::may_give_back`]) are kept allocated, with a warning: freed there, the
-    /// driver would refuse them and invalidate the capture, and nothing is left to free them
-    /// later.
+    /// none can fail. Blocks of the legacy stream while a blocking stream captures are kept
+    /// allocated, with a warning: freed there, the driver would refuse them and invalidate the
+    /// capture, and nothing is left to free them later.
     fn drop(&mut self) {
         let mut taken = Vec::new();
         for slot in self.table.slots.iter_mut() {
