@@ -682,3 +682,20 @@ print(asked)
 """,
     )
     assert words == ["['default']"], f"asked for {words}: once for the default pool, kept, never the current one"
+
+
+def test_sizes_per_device_stand_in_for_the_budgets_on_their_devices(stand_in_libcuda):
+    # `--budget 1GiB --device 0=2GiB`: the budget covers its devices (every visible one here),
+    # and a device named has its own size in place of it; named alone, only that device.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+from cumempool import _budget
+os.environ.pop("LOCAL_RANK", None)
+count = cm.Device.count()
+both = _budget._limits("1MiB", {0: "2MiB"})
+print(both[0] == 2 << 20, all(both[d] == 1 << 20 for d in range(1, count)), len(both) == count)
+print(_budget._limits(None, {0: "2MiB"}))
+""",
+    )
+    assert words == ["True", "True", "True", "{0:", "2097152}"], words

@@ -264,9 +264,9 @@ def report_if_drawn_from(resource: Any, device: int) -> str | None:
 
 def budget(total: int | str | None = None, *, devices: dict[int, int | str] | None = None) -> Budget:
     """Puts every CUDA library of the process on one budget: ``total`` bytes on each device
-    (``"8GiB"`` or an int), or the sizes ``devices`` names (``{0: "8GiB", 1: "4GiB"}``). Without
-    ``devices``, the budget covers the device ``LOCAL_RANK`` names (one rank of ``torchrun``),
-    else every visible device. Call it before the libraries allocate (before PyTorch is
+    (``"8GiB"`` or an int), and the sizes ``devices`` names (``{0: "8GiB", 1: "4GiB"}``) for
+    their devices. ``total`` covers the device ``LOCAL_RANK`` names (one rank of ``torchrun``),
+    else every visible device; without ``total``, only the devices ``devices`` names. Call it before the libraries allocate (before PyTorch is
     imported, for PyTorch): what they allocated before stays outside the budget.
 
     A script that chose an allocator itself is not overridden: a ``PYTORCH_CUDA_ALLOC_CONF``
@@ -301,18 +301,24 @@ def budget(total: int | str | None = None, *, devices: dict[int, int | str] | No
 
 
 def _limits(total: int | str | None, devices: dict[int, int | str] | None) -> dict[int, int]:
-    if devices and total is not None:
-        raise ValueError(f"give one budget for every device ({total!r}) or a size per device ({devices!r}), not both")
-    if devices:
-        limits: dict[int, int] = {}
-        for ordinal, size in devices.items():
-            if int(ordinal) in limits:
-                raise ValueError(f"device {int(ordinal)} is given a size twice: give each device once")
-            limits[int(ordinal)] = parse_size(size)
-        return limits
-    if total is None:
+    """Each device's limit: ``total`` on the devices it covers alone (the ``LOCAL_RANK``
+    device, else every visible one), then each size ``devices`` names for its device, in place
+    of ``total``'s or beside it; without ``total``, only the devices named."""
+    if total is None and not devices:
         raise ValueError("give the budget: budget('8GiB'), or per device: budget(devices={0: '8GiB'})")
-    size = parse_size(total)
+    limits = {} if total is None else _each_device(parse_size(total))
+    named: set[int] = set()
+    for ordinal, size in (devices or {}).items():
+        if int(ordinal) in named:
+            raise ValueError(f"device {int(ordinal)} is given a size twice: give each device once")
+        named.add(int(ordinal))
+        limits[int(ordinal)] = parse_size(size)
+    return limits
+
+
+def _each_device(size: int) -> dict[int, int]:
+    """``size`` on the device ``LOCAL_RANK`` names (one rank of ``torchrun``), else on every
+    visible device."""
     from ._native import Device
     from .errors import InvalidDeviceError
 
