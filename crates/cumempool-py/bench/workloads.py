@@ -17,7 +17,10 @@ where PyTorch has the private hook, the plug-in over the cache for every thread 
 serves the calling thread only, and autograd runs backward on a thread of its own). CuPy: its
 default MemoryPool, MemoryAsyncPool, and the plug-in (cumempool.cupy.Allocator) over the cache and
 over the pool; and the default MemoryPool a second time, in a process of its own, whose ratio to
-the first is the run's noise (an A/A test) for the CuPy loop's ratios.
+the first is the run's noise (an A/A test) for the CuPy loop's ratios. Once per run, the CuPy loop
+also runs with its allocators alternated block by block in one process (the default MemoryPool,
+another MemoryPool, the plug-in over the cache, the budget's plug-in), so that each ratio compares
+blocks milliseconds apart in the same process (--no-interleaved leaves it out).
 
 Method. Each configuration runs in a fresh process (this script with --child; the backend variable
 is set before PyTorch starts), in interleaved rounds: round r runs every configuration once, in an
@@ -124,7 +127,18 @@ CONFIGS = [
     Config("cupy-budget-recording-nostacks", "cumempool.budget, recording, no stacks", "cupy"),
 ]
 PAIRS = Config("pairs", "alloc+free pairs", "cumempool")
-BY_KEY = {c.key: c for c in [*CONFIGS, PAIRS]}
+# The CuPy loop with its allocators alternated block by block inside one process: each cycle runs
+# one block on each, so a ratio compares blocks a few milliseconds apart, on the same process's
+# placement and clocks (the fresh processes of the rounds differ by more than the allocators do).
+INTERLEAVED = Config("cupy-interleaved", "CuPy loop, allocators alternated in one process", "cupy", optional=True)
+INTERLEAVED_CYCLES = {"full": 40, "quick": 8}
+INTERLEAVED_ROWS = (
+    "default MemoryPool",
+    "default MemoryPool, another (A/A)",
+    "plug-in over the cache",
+    "cumempool.budget (plug-in)",
+)
+BY_KEY = {c.key: c for c in [*CONFIGS, PAIRS, INTERLEAVED]}
 BASELINE = {"torch": "torch-native", "cupy": "cupy-default"}
 WORKLOADS = {"torch": ("step", "burst", "graph"), "cupy": ("loop",)}
 # Relative tolerance of each workload's checksum across configurations and rounds.
@@ -424,6 +438,63 @@ def cupy_child(key: str, counts: Counts, result: dict):
             budget.close()
 
 
+def interleaved_child(counts: Counts, cycles: int, result: dict):
+    """The CuPy loop on each of INTERLEAVED_ROWS in turn, a block of `counts.loop_block`
+    iterations each, for `cycles` cycles (the first warms up), in an order rotated each cycle:
+    the seconds per iteration of every block, by row and cycle."""
+    import cupy
+
+    import cumempool as cm
+    import cumempool.cupy as cmc
+
+    result["environment"] = environment(cm, cupy=cupy.__version__)
+    budget = cm.budget(devices={0: CAP})
+    try:
+        pool = cm.MemPool(cm.Route.device(0), max_size=CAP)
+        allocators = dict(
+            zip(
+                INTERLEAVED_ROWS,
+                (
+                    cupy.cuda.MemoryPool().malloc,
+                    cupy.cuda.MemoryPool().malloc,
+                    cmc.Allocator(cm.CachingResource(cm.PoolResource(pool))),
+                    cupy.cuda.get_allocator(),  # what the budget installed for CuPy
+                ),
+                strict=True,
+            )
+        )
+        seconds: dict[str, list[float]] = {row: [] for row in INTERLEAVED_ROWS}
+        checksums: dict[str, float] = {}
+        with cupy.cuda.using_allocator(allocators[INTERLEAVED_ROWS[0]]):
+            x = cupy.arange(LOOP_ELEMENTS, dtype=cupy.float32) / LOOP_ELEMENTS
+        stream = cupy.cuda.get_current_stream()
+        for cycle in range(cycles + 1):
+            shift = cycle % len(INTERLEAVED_ROWS)
+            for row in INTERLEAVED_ROWS[shift:] + INTERLEAVED_ROWS[:shift]:
+                with cupy.cuda.using_allocator(allocators[row]):
+                    total = cupy.zeros((), dtype=cupy.float64)
+                    stream.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(counts.loop_block):
+                        y = ((x * 2.0 + 1.0) ** 2 - x) / (x + 1.0)
+                        total += y.sum(dtype=cupy.float64)
+                    del y
+                    stream.synchronize()
+                    if cycle:  # the first cycle warms up (and compiles)
+                        seconds[row].append((time.perf_counter() - start) / counts.loop_block)
+                    checksums[row] = float(total)
+                    del total
+        del x
+        stream.synchronize()
+        result["interleaved"] = {"block_iterations": counts.loop_block, "cycles": cycles, "seconds": seconds}
+        first = checksums[INTERLEAVED_ROWS[0]]
+        differ = {row: value for row, value in checksums.items() if abs(value - first) > LOOP_RTOL * abs(first)}
+        if differ:
+            result["errors"]["interleaved"] = f"the rows' sums differ from {first!r}: {differ!r}"
+    finally:
+        budget.close()
+
+
 def pairs_child(counts: Counts, result: dict):
     """The pair ratios: a Python pool pair against the same pairs looped in Rust, the cache pair
     (and the CuPy plug-in's pair over the cache) against CuPy's default MemoryPool pair. Each
@@ -505,9 +576,17 @@ def environment(cm, **versions) -> dict:
 def dry_child(key: str, counts: Counts, result: dict, skew: str | None):
     """Made-up figures in the shape a real child writes (no GPU, no library imported)."""
     config = BY_KEY[key]
-    factor = 1.0 + 0.01 * [c.key for c in CONFIGS + [PAIRS]].index(key)
+    factor = 1.0 + 0.01 * [c.key for c in CONFIGS + [PAIRS, INTERLEAVED]].index(key)
     checksum = {"step": 0.75, "graph": 0.74, "burst": 3.0 * sum(burst_sizes()), "loop": 1234.5}
     result["environment"] = {"device": "(dry run)", "driver": "-", "python": sys.version.split()[0], "cumempool": "-"}
+    if key == INTERLEAVED.key:
+        cycles = INTERLEAVED_CYCLES["quick" if counts is QUICK else "full"]
+        result["interleaved"] = {
+            "block_iterations": counts.loop_block,
+            "cycles": cycles,
+            "seconds": {row: [1e-4 * (1.0 + 0.01 * i)] * cycles for i, row in enumerate(INTERLEAVED_ROWS)},
+        }
+        return
     if key == "pairs":
         seconds = {
             "pool pair": 1.3e-6,
@@ -537,6 +616,8 @@ def child_main(args) -> int:
             dry_child(args.child, counts, result, args.dry_run_skew)
         elif args.child == "pairs":
             pairs_child(counts, result)
+        elif args.child == INTERLEAVED.key:
+            interleaved_child(counts, INTERLEAVED_CYCLES["quick" if args.quick else "full"], result)
         elif BY_KEY[args.child].library == "torch":
             torch_child(args.child, counts, result)
         else:
@@ -744,6 +825,51 @@ def cupy_table(summary: dict, configs: list[Config]) -> list[str]:
     ]
 
 
+def interleaved_figures(interleaved: dict | None) -> dict:
+    """Per row of the alternated CuPy loop: the median seconds per iteration, and the median,
+    first and third quartiles of its per-cycle ratio to the default MemoryPool's block."""
+    if not interleaved or "interleaved" not in interleaved:
+        return {}
+    seconds = interleaved["interleaved"]["seconds"]
+    base = seconds.get(INTERLEAVED_ROWS[0], [])
+    found = {}
+    for row, values in seconds.items():
+        ratios = sorted(v / b for v, b in zip(values, base, strict=False) if b)
+        if not values or not ratios:
+            continue
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        found[row] = {
+            "median_s": statistics.median(values),
+            "ratio": statistics.median(ratios),
+            "q1": quartiles[0],
+            "q3": quartiles[2],
+        }
+    return found
+
+
+def interleaved_table(figures: dict, interleaved: dict | None) -> list[str]:
+    if not figures:
+        failure = (interleaved or {}).get("failure") or next(iter((interleaved or {}).get("errors", {}).values()), None)
+        return (
+            []
+            if interleaved is None
+            else [
+                f"CuPy loop, allocators alternated in one process: not measured ({str(failure).splitlines()[0] if failure else 'no result'})"
+            ]
+        )
+    meta = interleaved["interleaved"]
+    lines = [
+        f"CuPy loop, allocators alternated block by block in one process ({meta['cycles']} cycles of "
+        f"{meta['block_iterations']}-iteration blocks); x = median per-cycle ratio to the default MemoryPool's block",
+        f"  {'configuration':<38}{'us/iter':>9}{'x':>8}   interquartile x",
+    ]
+    for row in INTERLEAVED_ROWS:
+        if row in figures:
+            f = figures[row]
+            lines.append(f"  {row:<38}{f['median_s'] * 1e6:9.2f}{f['ratio']:8.3f}   {f['q1']:.3f}-{f['q3']:.3f}")
+    return lines
+
+
 def pair_figures(pairs: dict | None) -> dict:
     """Medians (seconds) of each pair row and the per-round ratios the targets use."""
     if not pairs or "pairs" not in pairs:
@@ -793,8 +919,9 @@ def pair_table(figures: dict, pairs: dict | None) -> list[str]:
     return lines
 
 
-def targets(summary: dict, figures: dict) -> list[dict]:
+def targets(summary: dict, figures: dict, alternated: dict | None = None) -> list[dict]:
     """The issue's targets, each a measurement against its limit (value None: not measured)."""
+    alternated = alternated or {}
 
     def get(key, name, field="ratio"):
         return summary.get(key, {}).get(name, {}).get(field)
@@ -819,6 +946,16 @@ def targets(summary: dict, figures: dict) -> list[dict]:
         ("CuPy plug-in over the cache loop <= 0.90x default MemoryPool", get("cupy-plugin-cache", "loop.median_s"), 0.90),
         ("budget: PyTorch step <= 1.03x torch native", get("torch-budget", "step.median_s"), 1.03),
         ("budget: CuPy loop <= 1.0x default MemoryPool", get("cupy-budget", "loop.median_s"), 1.00),
+        (
+            "budget: CuPy loop, alternated in one process, <= 1.0x",
+            alternated.get("cumempool.budget (plug-in)", {}).get("ratio"),
+            1.00,
+        ),
+        (
+            "CuPy plug-in over the cache loop, alternated in one process, <= 0.90x",
+            alternated.get("plug-in over the cache", {}).get("ratio"),
+            0.90,
+        ),
         ("Python pool pair <= 1.15x the Rust loop", figures.get("pool/rust"), 1.15),
         ("cache pair <= 0.30x CuPy default MemoryPool pair", figures.get("cache/cupy"), 0.30),
     ]
@@ -864,7 +1001,7 @@ def parent_main(args) -> int:
         say(line)
     if args.dry_run:
         print("DRY RUN: children write made-up figures; no GPU or library is used")
-        for config in [*configs, PAIRS]:
+        for config in [*configs, PAIRS, INTERLEAVED]:
             setting = f"{BACKEND_VARIABLE}={config.backend}" if config.backend else f"{BACKEND_VARIABLE} unset"
             print(f"  {config.key:<24} {config.label:<38} {setting}{'  (optional)' if config.optional else ''}")
     started = time.monotonic()
@@ -875,6 +1012,11 @@ def parent_main(args) -> int:
         say("alloc+free pairs ...")
         pairs = run_child(PAIRS, args, timeout)
         failures += problems_of(pairs, None, say)
+    interleaved = None
+    if not args.no_interleaved and any(c.library == "cupy" for c in configs):
+        say("the CuPy loop, allocators alternated in one process ...")
+        interleaved = run_child(INTERLEAVED, args, timeout)
+        failures += problems_of(interleaved, None, say)
     rounds_run, round_seconds = 0, 0.0
     for round_ in range(rounds):
         elapsed = time.monotonic() - started
@@ -917,8 +1059,10 @@ def parent_main(args) -> int:
         lines += torch_table(summary, configs, runs)
     if any(c.library == "cupy" for c in configs):
         lines += cupy_table(summary, configs)
+    alternated = interleaved_figures(interleaved)
+    lines += interleaved_table(alternated, interleaved)
     lines += pair_table(figures, pairs)
-    found_targets = targets(summary, figures)
+    found_targets = targets(summary, figures, alternated)
     lines.append("targets (measurements, not tests)")
     for t in found_targets:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
@@ -965,6 +1109,8 @@ def parent_main(args) -> int:
             ],
             "pairs": pairs,
             "pair_figures": figures,
+            "interleaved": interleaved,
+            "interleaved_figures": alternated,
             "targets": found_targets,
             "checks": {"agreed": agreed, "mismatches": mismatches},
             "failures": failures,
@@ -986,6 +1132,9 @@ def main() -> int:
         "--only", metavar="KEYS", help="comma-separated parts of configuration keys to run (e.g. torch-native,cupy)"
     )
     parser.add_argument("--no-pairs", action="store_true", help="leave out the alloc+free pair ratios")
+    parser.add_argument(
+        "--no-interleaved", action="store_true", help="leave out the CuPy loop with its allocators alternated in one process"
+    )
     parser.add_argument("--dry-run", action="store_true", help="run the parent/child protocol with made-up figures (no GPU)")
     parser.add_argument("--dry-run-skew", metavar="KEY", help=argparse.SUPPRESS)  # a wrong checksum, for the protocol's test
     parser.add_argument("--child", choices=sorted(BY_KEY), help=argparse.SUPPRESS)

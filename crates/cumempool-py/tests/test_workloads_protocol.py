@@ -36,6 +36,11 @@ def test_a_dry_run_goes_through_every_configuration(tmp_path):
     assert recipe["step.median_s"]["ratio_vs_async"] is not None
     assert all(t["pass"] is not None for t in document["targets"]), document["targets"]
     assert "PASS" in out.stdout and "result: ok" in out.stdout
+    # The CuPy loop with its allocators alternated in one process: its table, figures and targets.
+    assert "allocators alternated block by block in one process" in out.stdout
+    alternated = document["interleaved_figures"]
+    assert alternated["default MemoryPool"]["ratio"] == 1.0 and "cumempool.budget (plug-in)" in alternated
+    assert any("alternated in one process" in t["target"] and t["pass"] is not None for t in document["targets"])
 
 
 def test_a_checksum_that_differs_fails_the_run():
