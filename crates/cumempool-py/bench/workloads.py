@@ -368,6 +368,18 @@ def torch_child(key: str, counts: Counts, result: dict):
         alloc.close()
 
 
+def loop_block(cupy, x, total, iterations: int, stream) -> float:
+    """`iterations` of the CuPy loop of temporaries, summed into `total` in place: seconds per
+    iteration, `stream` synchronised at the end."""
+    start = time.perf_counter()
+    for _ in range(iterations):
+        y = ((x * 2.0 + 1.0) ** 2 - x) / (x + 1.0)
+        total += y.sum(dtype=cupy.float64)
+    del y
+    stream.synchronize()
+    return (time.perf_counter() - start) / iterations
+
+
 def cupy_child(key: str, counts: Counts, result: dict):
     import cupy
 
@@ -400,14 +412,9 @@ def cupy_child(key: str, counts: Counts, result: dict):
             stream = cupy.cuda.get_current_stream()
             spent, sampled = [], 0
             for block in range(counts.loop_blocks + 1):  # the first warms up (and compiles)
-                start = time.perf_counter()
-                for _ in range(counts.loop_block):
-                    y = ((x * 2.0 + 1.0) ** 2 - x) / (x + 1.0)
-                    total += y.sum(dtype=cupy.float64)
-                del y
-                stream.synchronize()
+                seconds = loop_block(cupy, x, total, counts.loop_block, stream)
                 if block:
-                    spent.append((time.perf_counter() - start) / counts.loop_block)
+                    spent.append(seconds)
                 if memory_pool is not None:
                     sampled = max(sampled, memory_pool.total_bytes())
             checksum = float(total)
@@ -474,14 +481,9 @@ def interleaved_child(counts: Counts, cycles: int, result: dict):
                 with cupy.cuda.using_allocator(allocators[row]):
                     total = cupy.zeros((), dtype=cupy.float64)
                     stream.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(counts.loop_block):
-                        y = ((x * 2.0 + 1.0) ** 2 - x) / (x + 1.0)
-                        total += y.sum(dtype=cupy.float64)
-                    del y
-                    stream.synchronize()
+                    spent = loop_block(cupy, x, total, counts.loop_block, stream)
                     if cycle:  # the first cycle warms up (and compiles)
-                        seconds[row].append((time.perf_counter() - start) / counts.loop_block)
+                        seconds[row].append(spent)
                     checksums[row] = float(total)
                     del total
         del x
