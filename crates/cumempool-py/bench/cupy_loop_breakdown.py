@@ -12,13 +12,18 @@ per allocation costs the loop.
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import cupy
 
 import cumempool as cm
 import cumempool.cupy as cmc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import loop_block  # noqa: E402 (beside this script)
 
 ELEMENTS = 1 << 20
 
@@ -44,14 +49,9 @@ def run(allocate, iterations: int, rounds: int) -> tuple[float, float, float]:
             per_round = []
             for r in range(rounds + 1):  # the first warms up
                 calls[0], calls[1] = 0, 0.0
-                start = time.perf_counter()
-                for _ in range(iterations):
-                    y = ((x * 2.0 + 1.0) ** 2 - x) / (x + 1.0)
-                    total += y.sum(dtype=cupy.float64)
-                del y
-                stream.synchronize()
+                seconds = loop_block(cupy, x, total, iterations, stream)
                 if r:
-                    per_round.append(((time.perf_counter() - start) / iterations, calls[0] / iterations, calls[1] / iterations))
+                    per_round.append((seconds, calls[0] / iterations, calls[1] / iterations))
             del x, total
         medians.append(per_round)
     plain = statistics.median(p[0] for p in medians[0])
