@@ -11,7 +11,10 @@ import textwrap
 import pytest
 
 import cumempool as cm
+import cumempool._native as native
 from conftest import library
+from cumempool import _budget
+from cumempool.errors import InvalidDeviceError
 from test_cupy_capture_host import _with_fake_cupy
 from test_resource_alloc_under_capture import run_on_stand_in
 
@@ -574,8 +577,8 @@ def test_an_oversized_budget_is_refused_with_a_message_not_a_traceback(stand_in_
 
 
 def test_a_budget_given_beside_devices_is_checked_or_refused(stand_in_libcuda, tmp_path):
-    # `--budget` beside `--device` is refused (one budget for every device, or a size per
-    # device, not both), and so is a device named twice.
+    # `--budget` beside `--device` is parsed (an invalid size is refused, never ignored), and a
+    # device named twice is refused.
     out = _cli(stand_in_libcuda, tmp_path, "--budget", "8 parsecs", "--device", "0=1MiB", "--", "SCRIPT")
     assert out.returncode != 0, "an invalid --budget was ignored"
     out = _cli(stand_in_libcuda, tmp_path, "--device", "0=1MiB", "--device", "0=2GiB", "--", "SCRIPT")
@@ -699,3 +702,119 @@ print(_budget._limits(None, {0: "2MiB"}))
 """,
     )
     assert words == ["True", "True", "True", "{0:", "2097152}"], words
+
+
+# ---- `--budget` beside `--device`: every combination, with two devices standing in -------------
+
+
+class _Devices:
+    """Stands in for `cumempool._native.Device` where only the count is asked."""
+
+    visible = 2
+
+    @staticmethod
+    def count():
+        return _Devices.visible
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    # `_each_device` imports `Device` from `._native` at each call: a module attribute.
+    monkeypatch.setattr(native, "Device", _Devices)
+    _Devices.visible = 2
+    return monkeypatch
+
+
+# ---- `_limits`: every combination ------------------------------------------------------------
+
+
+def test_total_only_devices_only_and_both(two_devices):
+    two_devices.delenv("LOCAL_RANK", raising=False)
+    assert _budget._limits("1MiB", None) == {0: MIB, 1: MIB}
+    assert _budget._limits(None, {1: "2MiB"}) == {1: 2 * MIB}
+    assert _budget._limits("1MiB", {1: "2MiB"}) == {0: MIB, 1: 2 * MIB}
+    assert _budget._limits("1MiB", {}) == {0: MIB, 1: MIB}
+    with pytest.raises(ValueError, match="give the budget"):
+        _budget._limits(None, {})
+
+
+def test_a_device_named_twice_is_refused_whatever_the_key_type(two_devices):
+    two_devices.delenv("LOCAL_RANK", raising=False)
+    for devices in ({0: "1MiB", "0": "2MiB"}, {"00": "1MiB", 0: "2MiB"}, {" 1": "1MiB", 1: "2MiB"}):
+        with pytest.raises(ValueError, match="given a size twice"):
+            _budget._limits("1MiB", devices)
+        with pytest.raises(ValueError, match="given a size twice"):
+            _budget._limits(None, devices)
+
+
+def test_under_local_rank_a_named_device_is_added_beside_the_ranks_device(two_devices):
+    # Under torchrun, rank 0 given `--budget 8GiB --device 1=4GiB` has a budget on device 1 too
+    # (docs/python.md: "a budget of its own on another"); rank 1's replaces its size.
+    two_devices.setenv("LOCAL_RANK", "0")
+    assert _budget._limits("8GiB", {1: "4GiB"}) == {0: 8 << 30, 1: 4 << 30}
+    two_devices.setenv("LOCAL_RANK", "1")
+    assert _budget._limits("8GiB", {1: "4GiB"}) == {1: 4 << 30}
+
+
+def test_an_invalid_local_rank_fails_both_but_not_devices_alone(two_devices):
+    two_devices.setenv("LOCAL_RANK", "x")
+    assert _budget._limits(None, {0: "1MiB"}) == {0: MIB}
+    with pytest.raises(ValueError, match="LOCAL_RANK='x'"):
+        _budget._limits("1MiB", {0: "1MiB"})
+
+
+def test_a_local_rank_past_the_devices_beside_device_advises_leaving_the_budget_out(two_devices):
+    # `--budget 8GiB --device 0=8GiB` with LOCAL_RANK=5 on a 2-GPU process: --budget names no
+    # device, and the way on is to give the sizes per device alone, which the message says for
+    # the command and for budget(devices=...).
+    two_devices.setenv("LOCAL_RANK", "5")
+    with pytest.raises(InvalidDeviceError) as refused:
+        _budget._limits("8GiB", {0: "8GiB"})
+    message = str(refused.value)
+    assert "without --budget" in message and "budget(devices=" in message, message
+
+
+def test_budget_beside_device_through_the_command_on_the_stand_in(stand_in_libcuda, tmp_path):
+    # The command itself: both given, device 0's size wins; a named device past the visible
+    # count is refused with the command's prefix, no traceback.
+    script = tmp_path / "s.py"
+    script.write_text("from cumempool import _budget\nprint(_budget.active().devices)\n")
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    env.pop("LOCAL_RANK", None)
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "cumempool", "run", *args, "--", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+
+    out = cli("--budget", "1MiB", "--device", "0=2MiB")
+    assert out.returncode == 0 and out.stdout.strip() == "{0: 2097152}", out.stderr[-600:]
+    out = cli("--budget", "1MiB", "--device", "1=2MiB")
+    assert out.returncode != 0 and "python -m cumempool run:" in out.stderr and "Traceback" not in out.stderr
+    out = cli("--budget", "1MiB", "--device", "0=2MiB", "--device", "00=3MiB")
+    assert out.returncode != 0 and "given twice" in out.stderr
+
+
+def test_a_failed_budget_leaves_no_route_changed_on_the_stand_in(stand_in_libcuda):
+    # `--budget` covers device 0, `--device 1=` names a device the stand-in lacks: device 0's
+    # pool was made current first; the failure puts the previous pool back.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        from cumempool import _budget
+        os.environ.pop("LOCAL_RANK", None)
+        before = cm.current_pool(cm.Route.device(0))
+        try:
+            cm.budget("1MiB", devices={1: "2MiB"})
+            print("made")
+        except cm.CumempoolError:
+            print("refused")
+        print(cm.current_pool(cm.Route.device(0)).handle == before.handle, _budget.active() is None)
+        """,
+    )
+    assert words == ["refused", "True", "True"], words

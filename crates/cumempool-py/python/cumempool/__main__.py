@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="N=SIZE",
-        help="the limit of device N (repeatable), in place of --budget's; without --budget, only the devices named have a budget",
+        help="the limit of device N (repeatable): in place of --budget's on a device it covers, beside it on another; without --budget, only the devices named have a budget",
     )
     run.add_argument("--report", action="store_true", help="print who held what under the budget when the program ends")
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py args..., or -- -m module args...")

@@ -337,7 +337,8 @@ def _each_device(size: int) -> dict[int, int]:
     if count == 1:
         return {0: size}  # one GPU per rank (CUDA_VISIBLE_DEVICES set per rank): the rank's is device 0
     raise InvalidDeviceError(
-        f"LOCAL_RANK={rank} names no device: this process sees {count}; give the device with --device N=SIZE"
+        f"LOCAL_RANK={rank} names no device: this process sees {count}; give each device's size alone, "
+        "without a budget for every device (--device N=SIZE without --budget; budget(devices={N: size}))"
     )
 
 
