@@ -849,6 +849,13 @@ def interleaved_figures(interleaved: dict | None) -> dict:
     return found
 
 
+def _first_and_last(text: str) -> str:
+    """A failure in one line: its first line, and its last where they differ (a traceback's
+    cause)."""
+    lines = text.strip().splitlines() or [""]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
 def interleaved_table(figures: dict, interleaved: dict | None) -> list[str]:
     if not figures:
         failure = (interleaved or {}).get("failure") or next(iter((interleaved or {}).get("errors", {}).values()), None)
@@ -856,7 +863,7 @@ def interleaved_table(figures: dict, interleaved: dict | None) -> list[str]:
             []
             if interleaved is None
             else [
-                f"CuPy loop, allocators alternated in one process: not measured ({str(failure).splitlines()[0] if failure else 'no result'})"
+                f"CuPy loop, allocators alternated in one process: not measured ({_first_and_last(str(failure)) if failure else 'no result'})"
             ]
         )
     meta = interleaved["interleaved"]

@@ -2,11 +2,14 @@
 still runs in a process of its own and writes a result file, and the parent builds the tables,
 the targets, the checks and the JSON from them; a checksum that differs fails the run."""
 
+import importlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "bench" / "workloads.py"
 
@@ -83,3 +86,55 @@ def test_the_pairs_child_runs_without_the_benchmark_hooks_and_says_what_it_skipp
     assert not written["errors"], written["errors"]
     assert set(written["pairs"]["seconds"]) == {"pool pair", "cache pair"}, written["pairs"]
     assert "bench-hooks" in written["rust_pairs_skipped"]
+
+
+@pytest.fixture
+def workloads(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    return importlib.import_module("workloads")
+
+
+def test_the_alternated_figures_are_the_median_per_cycle_ratio_and_quartiles(workloads):
+    rows = workloads.INTERLEAVED_ROWS
+    seconds = {rows[0]: [1.0, 2.0, 4.0, 1.0], rows[2]: [2.0, 2.0, 8.0, 1.0]}
+    figures = workloads.interleaved_figures({"interleaved": {"seconds": seconds}})
+    assert figures[rows[0]]["ratio"] == 1.0
+    assert figures[rows[2]]["ratio"] == 1.5  # ratios 2, 1, 2, 1: per cycle, not of medians
+    assert figures[rows[2]]["median_s"] == 2.0
+    one = workloads.interleaved_figures({"interleaved": {"seconds": {rows[0]: [1.0], rows[3]: [0.9]}}})
+    assert one[rows[3]]["q1"] == one[rows[3]]["q3"] == pytest.approx(0.9)
+
+
+def test_the_alternated_loop_is_an_optional_configuration(workloads):
+    assert workloads.BY_KEY[workloads.INTERLEAVED.key].optional
+
+
+def test_the_table_line_of_a_failed_alternated_child_says_why(workloads):
+    # A child that raised writes its traceback as errors["child"] (exit 0, so no "failure"):
+    # the table's one line names the cause, the traceback's last line.
+    child = {
+        "config": "cupy-interleaved",
+        "workloads": {},
+        "errors": {"child": 'Traceback (most recent call last):\n  File "w.py", line 1\nRuntimeError: boom\n'},
+        "skipped": None,
+    }
+    lines = workloads.interleaved_table(workloads.interleaved_figures(child), child)
+    assert len(lines) == 1 and "boom" in lines[0], lines
+
+
+def test_a_failed_alternated_child_does_not_fail_the_run(workloads, monkeypatch, capsys):
+    # The parent with a dry run of the rounds and an alternated child that failed (its process
+    # died): reported as an optional configuration's failure, the run still ok.
+    real = workloads.run_child
+
+    def run_child(config, args, timeout):
+        if config.key == workloads.INTERLEAVED.key:
+            return {"config": config.key, "workloads": {}, "errors": {}, "failure": "exit status -11, no result:\nSegfault"}
+        return real(config, args, timeout)
+
+    monkeypatch.setattr(workloads, "run_child", run_child)
+    monkeypatch.setattr(sys, "argv", ["workloads.py", "--dry-run", "--rounds", "1", "--only", "cupy-default", "--no-pairs"])
+    status = workloads.main()
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "FAILED (optional configuration) cupy-interleaved" in out and "not measured (exit status -11" in out, out
