@@ -217,31 +217,47 @@ def test_pytorchs_routed_bytes_are_one_segment_of_the_snapshot(recording, monkey
     assert (0, 0) not in _history.recording.live, "the recorder's own record is left as it was"
 
 
+# Recorded allocations whose holders sit in reference cycles (a CuPy array kept by a traceback's
+# frame): `traced_in_a_cycle(i)` records one and lets go of it, for the collector to free.
+TRACED_CYCLES = """
+import gc
+import cumempool as cm
+from cumempool import _history
+class Owner:  # a Buffer the CuPy plug-in hands CuPy
+    def __init__(self, ptr):
+        self.ptr, self.device = ptr, 0
+def traced_in_a_cycle(i):
+    holder = _history.traced(Owner(0x1000 + 64 * i), "cupy", 0, 64, 0)
+    cycle = [holder]
+    cycle.append(cycle)
+cm.record_history(stacks=None)
+"""
+
+
+def _without_hanging(code: str, timeout: float, what: str) -> None:
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", TRACED_CYCLES + textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} hung: a finalizer run inside it waited for the history lock its thread held")
+    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr
+
+
 def test_recording_does_not_hang_when_the_collector_frees_a_recorded_allocation():
     # `note_alloc`, `note_free` and `snapshot` make Python objects while they hold the history's
-    # lock; a collection set off there may free a recorded allocation whose holder sits in a
-    # reference cycle (a CuPy array kept by a traceback's frame), and its finalizer records the
-    # free: it must not wait for the lock its own thread holds. The default collector
-    # thresholds reach that within the first thousand allocations.
-    code = """
-    import cumempool as cm
-    from cumempool import _history
-    class Owner:  # a Buffer the CuPy plug-in hands CuPy
-        def __init__(self, ptr):
-            self.ptr, self.device = ptr, 0
-    cm.record_history(stacks=None)
+    # lock; a collection set off there may free a recorded allocation caught in a cycle, and its
+    # finalizer records the free: it must not wait for the lock its own thread holds. The
+    # default collector thresholds reach that within the first thousand allocations.
+    _without_hanging(
+        """
     for i in range(20000):
-        holder = _history.traced(Owner(0x1000 + 64 * i), "cupy", 0, 64, 0)
-        cycle = [holder]
-        cycle.append(cycle)  # the array caught in a reference cycle
-        del holder, cycle
+        traced_in_a_cycle(i)
     print("done")
-    """
-    try:
-        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("recording hung: a collection inside the history lock ran note_free, which waits for that lock")
-    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr
+    """,
+        60,
+        "recording",
+    )
 
 
 def test_starting_the_recording_again_does_not_hang_when_a_collection_frees_a_recorded_allocation():
@@ -250,18 +266,9 @@ def test_starting_the_recording_again_does_not_hang_when_a_collection_frees_a_re
     # recorder's `__init__`) may free a recorded allocation caught in a cycle, whose finalizer
     # records the free: it must not wait for the lock `record_history` holds. The collection
     # is run at that point by hand, so the test does not depend on the Python version.
-    code = """
-    import gc
-    import cumempool as cm
-    from cumempool import _history
-    class Owner:  # a Buffer the CuPy plug-in hands CuPy
-        def __init__(self, ptr):
-            self.ptr, self.device = ptr, 0
-    cm.record_history(stacks=None)
-    holder = _history.traced(Owner(0x1000), "cupy", 0, 64, 0)
-    cycle = [holder]
-    cycle.append(cycle)  # the array caught in a reference cycle
-    del holder, cycle
+    _without_hanging(
+        """
+    traced_in_a_cycle(0)
     class Recorder(_history._Recorder):
         def __init__(self, *args):
             gc.collect()  # where CPython 3.12+ runs a pending collection: this call's start
@@ -269,9 +276,7 @@ def test_starting_the_recording_again_does_not_hang_when_a_collection_frees_a_re
     _history._Recorder = Recorder
     cm.record_history(stacks=None)  # "Starting again clears what was recorded"
     print("done")
-    """
-    try:
-        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail("record_history() hung: a finalizer run inside it waited for the history lock its thread held")
-    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stderr
+    """,
+        30,
+        "record_history()",
+    )
