@@ -52,11 +52,11 @@ FREE_SYMBOL = "cumempool_torch_free"
 TORCH_SLOTS: int = _native.TORCH_SLOTS
 
 _served: Statistics | None = None
-_allocator = None
-# The pluggable allocator of each slot, made once per slot, under `_making`: PyTorch's `MemPool`
-# keeps only a raw pointer to its allocator, so the one stored here must be the one every pool of
-# the slot was made over (two made at once, the second stored, would free the first under its pool).
-_slot_allocators: dict[int, object] = {}
+# The pluggable allocator over each allocation function (`serve`'s, each slot's), made once, under
+# `_making`: PyTorch's `MemPool` keeps only a raw pointer to its allocator, so the one stored here
+# must be the one every pool over the function was made over (two made at once, the second
+# stored, would free the first under its pool).
+_pluggable_allocators: dict[str, object] = {}
 _making = threading.Lock()
 # The slot binding `(slot, generation)` of each pool `mem_pool` made, while the pool lives.
 _bindings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -84,25 +84,24 @@ def allocator():
     process groups rely on) would do nothing and memory could be reused while another stream
     still reads it. Inside a ``MemPool``, PyTorch's caching allocator keeps recorded streams
     itself."""
-    global _allocator
-    with _making:
-        if _allocator is None:
-            import torch.cuda.memory
-
-            _allocator = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, ALLOC_SYMBOL, FREE_SYMBOL)
-        return _allocator
+    return _pluggable(ALLOC_SYMBOL)
 
 
 def _slot_allocator(slot: int):
     """The ``CUDAPluggableAllocator`` over slot ``slot``'s allocation function."""
+    return _pluggable(f"{ALLOC_SYMBOL}_{slot}")
+
+
+def _pluggable(alloc_symbol: str):
+    """The ``CUDAPluggableAllocator`` over the exported allocation function ``alloc_symbol`` and
+    the free function, made once."""
     with _making:
-        found = _slot_allocators.get(slot)
+        found = _pluggable_allocators.get(alloc_symbol)
         if found is None:
             import torch.cuda.memory
 
-            alloc = f"{ALLOC_SYMBOL}_{slot}"
-            found = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, alloc, FREE_SYMBOL)
-            _slot_allocators[slot] = found
+            found = torch.cuda.memory.CUDAPluggableAllocator(_native.__file__, alloc_symbol, FREE_SYMBOL)
+            _pluggable_allocators[alloc_symbol] = found
         return found
 
 
