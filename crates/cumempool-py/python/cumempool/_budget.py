@@ -26,11 +26,11 @@ from __future__ import annotations
 import importlib.abc
 import os
 import re
-from fractions import Fraction
 import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable
 
 from ._native import CachingResource, MemPool, OnOutOfMemory, PoolResource, Route, RouteGuard, Statistics, set_current_pool
@@ -266,8 +266,9 @@ def budget(total: int | str | None = None, *, devices: dict[int, int | str] | No
     """Puts every CUDA library of the process on one budget: ``total`` bytes on each device
     (``"8GiB"`` or an int), and the sizes ``devices`` names (``{0: "8GiB", 1: "4GiB"}``) for
     their devices. ``total`` covers the device ``LOCAL_RANK`` names (one rank of ``torchrun``),
-    else every visible device; without ``total``, only the devices ``devices`` names. Call it before the libraries allocate (before PyTorch is
-    imported, for PyTorch): what they allocated before stays outside the budget.
+    else every visible device; without ``total``, only the devices ``devices`` names. Call it
+    before the libraries allocate (before PyTorch is imported, for PyTorch): what they
+    allocated before stays outside the budget.
 
     A script that chose an allocator itself is not overridden: a ``PYTORCH_CUDA_ALLOC_CONF``
     naming another backend, ``NUMBA_CUDA_MEMORY_MANAGER``, or a CuPy allocator other than
@@ -417,7 +418,7 @@ def _install_numba(numba_cuda: Any) -> None:
 
     # Numba keeps the manager a context was made with for the context's life (one per device,
     # for the process): so the manager asks for the budget in force at each allocation, and
-    # without one draws from the device's current pool, as Numba's allocations would.
+    # without one draws from the device's default pool (`_numba_resource`).
     follows_the_budgets = manager_for(_numba_resource)
     follows_the_budgets.serves_cumempool_budgets = True  # type: ignore[attr-defined]
     numba_cuda.set_memory_manager(follows_the_budgets)
