@@ -561,6 +561,7 @@ def _cli(stand_in_libcuda, tmp_path, *args):
     script = tmp_path / "script.py"
     script.write_text("print('ran')\n")
     env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    env.pop("LOCAL_RANK", None)
     argv = [str(script) if arg == "SCRIPT" else arg for arg in args]
     return subprocess.run(
         [sys.executable, "-m", "cumempool", "run", *argv], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path
@@ -779,18 +780,9 @@ def test_budget_beside_device_through_the_command_on_the_stand_in(stand_in_libcu
     # count is refused with the command's prefix, no traceback.
     script = tmp_path / "s.py"
     script.write_text("from cumempool import _budget\nprint(_budget.active().devices)\n")
-    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
-    env.pop("LOCAL_RANK", None)
 
     def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "cumempool", "run", *args, "--", str(script)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-            cwd=tmp_path,
-        )
+        return _cli(stand_in_libcuda, tmp_path, *args, "--", str(script))
 
     out = cli("--budget", "1MiB", "--device", "0=2MiB")
     assert out.returncode == 0 and out.stdout.strip() == "{0: 2097152}", out.stderr[-600:]
