@@ -73,9 +73,10 @@ def libcuda():
         pytest.skip(f"no libcuda: {error}")
 
 
-def run_in_new_process(code: str) -> str:
-    """Runs `code` in a new Python process; its stdout, stripped, after asserting it exited 0."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def run_in_new_process(code: str, args: list[str] = ()) -> str:
+    """Runs `code` in a new Python process (`sys.argv[1:]` being `args`); its stdout, stripped,
+    after asserting it exited 0."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -97,6 +97,40 @@ def test_the_native_library_exports_the_torch_functions():
     assert library.cumempool_torch_alloc(1 << 20, 0, None) is None
 
 
+def test_torch_use_mem_pool_enters_pytorchs_scope_with_backward_on_the_calling_thread(monkeypatch):
+    # A stand-in for the two PyTorch context managers it composes, recording what they saw.
+    import contextlib
+    import types
+
+    import cumempool.torch as cmt
+
+    seen = []
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        seen.append(("pool", pool, device))
+        yield
+        seen.append(("pool done",))
+
+    @contextlib.contextmanager
+    def set_multithreading_enabled(mode):
+        seen.append(("multithreading", mode))
+        yield
+        seen.append(("multithreading done",))
+
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(use_mem_pool=use_mem_pool)
+    grad_mode = types.ModuleType("torch.autograd.grad_mode")
+    grad_mode.set_multithreading_enabled = set_multithreading_enabled
+    autograd = types.ModuleType("torch.autograd")
+    autograd.grad_mode = grad_mode
+    for name, module in (("torch", torch), ("torch.autograd", autograd), ("torch.autograd.grad_mode", grad_mode)):
+        monkeypatch.setitem(sys.modules, name, module)
+    with cmt.use_mem_pool("a pool", 1):
+        assert seen == [("pool", "a pool", 1), ("multithreading", False)]
+    assert seen[2:] == [("multithreading done",), ("pool done",)]
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 CORE_ERRORS = ROOT / "crates" / "cumempool" / "src" / "error.rs"
 BINDING_ERRORS = ROOT / "crates" / "cumempool-py" / "src" / "errors.rs"

@@ -30,6 +30,68 @@ def test_torch_mem_pool_serves_tensors_and_reports_statistics(gpu):
         cmt.stop()
 
 
+def test_torch_use_mem_pool_serves_the_backward_pass_too(gpu):
+    # torch.cuda.use_mem_pool serves the calling thread, and autograd runs a CUDA backward pass
+    # on a thread of its own: the gradients came from PyTorch's native allocator. Under
+    # cumempool.torch.use_mem_pool every byte PyTorch reserves for the step is the plug-in's.
+    # Each scope in a process of its own, so nothing is reserved before the step.
+    library("torch")
+    code = """
+import sys, threading, torch, cumempool as cm, cumempool.torch as cmt
+mp = cmt.mem_pool(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0), max_size=1 << 30))))
+scope = cmt.use_mem_pool if sys.argv[1] == "cumempool" else torch.cuda.use_mem_pool
+threads = set()
+with scope(mp):
+    w = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+    loss = (w @ w).relu().sum()
+    loss.grad_fn.register_hook(lambda *_: threads.add(threading.get_ident()))
+    loss.backward()
+    torch.cuda.synchronize()
+    reserved, served = torch.cuda.memory_reserved(), cmt.statistics(mp)["current_bytes"]
+print(threads == {threading.get_ident()}, reserved, served, torch._C._is_multithreading_enabled())
+"""
+    same_thread, reserved, served, restored = run_in_new_process(code, args=["cumempool"]).split()
+    assert same_thread == "True", "the backward pass ran on another thread"
+    assert int(served) >= 3 * (16 << 20) and int(reserved) == int(served), "PyTorch reserved memory the plug-in did not serve"
+    assert restored == "True", "multithreaded backward was left off after the block"
+    # Without it (why it exists): the backward pass ran on autograd's thread, outside the pool.
+    same_thread, reserved, served, _ = run_in_new_process(code, args=["torch"]).split()
+    assert same_thread == "False" and int(reserved) > int(served)
+
+
+def test_torch_use_mem_pool_warm_ups_then_a_capture(gpu):
+    # The recipe the docs give: warm up inside cumempool.torch.use_mem_pool (backward on this
+    # thread), then capture with backward kept on this thread, whose cuBLAS handles the warm-ups
+    # made; replays compute what the eager steps did. Its own process: a failed capture poisons
+    # the context.
+    library("torch")
+    code = """
+import torch, cumempool as cm, cumempool.torch as cmt
+from torch.autograd.grad_mode import set_multithreading_enabled
+mp = cmt.mem_pool(cm.CachingResource(cm.PoolResource(cm.MemPool(cm.Route.device(0), max_size=1 << 30))))
+torch.manual_seed(0)
+side = torch.cuda.Stream()
+with cmt.use_mem_pool(mp):
+    model = torch.nn.Linear(256, 256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(x).square().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = model.weight.grad.clone()
+model.zero_grad(set_to_none=True)
+graph = torch.cuda.CUDAGraph()
+with set_multithreading_enabled(False), torch.cuda.graph(graph, pool=mp.id):
+    model(x).square().sum().backward()
+graph.replay()
+torch.cuda.synchronize()
+print(torch.allclose(model.weight.grad, eager, rtol=1e-4, atol=1e-5))
+"""
+    assert run_in_new_process(code) == "True"
+
+
 def test_torch_segments_made_in_a_capture_are_ordinary_memory_eager_tensors_can_use(gpu):
     # PyTorch keeps a segment the plug-in gives and may hand a block of it to an eager tensor
     # of the same pool after the capture: it must be the pool's ordinary memory, under its cap,

@@ -5,9 +5,15 @@ resource (a cache, say), through the C functions this package's native library e
 >>> import torch, cumempool as cm, cumempool.torch as cmt
 >>> pool = cm.MemPool(cm.Route.device(0), max_size=1 << 30)
 >>> torch_pool = cmt.mem_pool(cm.CachingResource(cm.PoolResource(pool)))
->>> with torch.cuda.use_mem_pool(torch_pool):
+>>> with cmt.use_mem_pool(torch_pool):   # torch.cuda.use_mem_pool, backward pass included
 ...     x = torch.empty(1 << 20, device="cuda")
 >>> cmt.statistics()   # what the plug-in served: PyTorch's own counters do not see it
+
+Threads: ``torch.cuda.use_mem_pool`` serves the calling thread only, and autograd runs a CUDA
+backward pass on a thread of its own, whose tensors then come from PyTorch's native allocator.
+:func:`use_mem_pool` also runs the backward passes begun inside it on the calling thread
+(``torch.autograd.grad_mode.set_multithreading_enabled(False)``, a public PyTorch interface), so
+that the whole training step draws from the pool. Other threads are not served.
 
 Each pool :func:`mem_pool` makes keeps its source. Up to ``TORCH_SLOTS`` (64) pools over
 distinct sources live at once (pools over the same source share one); past that, :func:`mem_pool`
@@ -40,6 +46,7 @@ How it works: ``docs/internals-python.md``, "The torch plug-in".
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -124,6 +131,26 @@ def mem_pool(source: MemPool | Resource):
     _bindings[pool] = (slot, generation)
     _last = (slot, generation)
     return pool
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool, device=None):
+    """``torch.cuda.use_mem_pool(pool, device)`` that serves the backward pass too: inside it,
+    autograd runs each backward pass on the calling thread
+    (``torch.autograd.grad_mode.set_multithreading_enabled(False)``), so the gradients and every
+    temporary of the backward pass come from ``pool`` rather than from PyTorch's native
+    allocator. ``pool`` is any ``torch.cuda.MemPool`` (:func:`mem_pool` makes one over a cumempool
+    source). Like PyTorch's, it serves the calling thread only; a backward pass on several
+    devices at once then runs them one after another.
+
+    A CUDA graph captured after warm-ups inside it must run its backward pass on this thread
+    too (``with set_multithreading_enabled(False), torch.cuda.graph(g, pool=pool.id)``): cuBLAS
+    handles are made per thread, on first use, and making one during a capture fails."""
+    import torch
+    from torch.autograd.grad_mode import set_multithreading_enabled
+
+    with torch.cuda.use_mem_pool(pool, device), set_multithreading_enabled(False):
+        yield
 
 
 def statistics(pool=None) -> dict:
