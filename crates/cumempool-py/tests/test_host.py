@@ -97,38 +97,75 @@ def test_the_native_library_exports_the_torch_functions():
     assert library.cumempool_torch_alloc(1 << 20, 0, None) is None
 
 
-def test_torch_use_mem_pool_enters_pytorchs_scope_with_backward_on_the_calling_thread(monkeypatch):
-    # A stand-in for the two PyTorch context managers it composes, recording what they saw.
-    import contextlib
-    import types
+class _StandInTorch:
+    """The two PyTorch context managers `cumempool.torch.use_mem_pool` composes, recording what
+    they saw: `set_multithreading_enabled`, as PyTorch's, sets its thread's flag when made and
+    puts it back on exit; `use_mem_pool` raises on entry for the pool named "refused"."""
 
+    def __init__(self, monkeypatch):
+        import contextlib
+        import types
+
+        self.seen = []
+        seen = self.seen
+
+        @contextlib.contextmanager
+        def use_mem_pool(pool, device=None):
+            if pool == "refused":
+                raise RuntimeError("beginAllocateToPool: already recording to this pool")
+            seen.append(("pool", pool, device))
+            try:
+                yield
+            finally:
+                seen.append(("pool done",))
+
+        class set_multithreading_enabled:
+            def __init__(self, mode):
+                seen.append(("multithreading", mode))
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                seen.append(("multithreading done",))
+
+        torch = types.ModuleType("torch")
+        torch.cuda = types.SimpleNamespace(use_mem_pool=use_mem_pool)
+        grad_mode = types.ModuleType("torch.autograd.grad_mode")
+        grad_mode.set_multithreading_enabled = set_multithreading_enabled
+        autograd = types.ModuleType("torch.autograd")
+        autograd.grad_mode = grad_mode
+        for name, module in (("torch", torch), ("torch.autograd", autograd), ("torch.autograd.grad_mode", grad_mode)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_torch_use_mem_pool_enters_pytorchs_scope_with_backward_on_the_calling_thread(monkeypatch):
     import cumempool.torch as cmt
 
-    seen = []
-
-    @contextlib.contextmanager
-    def use_mem_pool(pool, device=None):
-        seen.append(("pool", pool, device))
-        yield
-        seen.append(("pool done",))
-
-    @contextlib.contextmanager
-    def set_multithreading_enabled(mode):
-        seen.append(("multithreading", mode))
-        yield
-        seen.append(("multithreading done",))
-
-    torch = types.ModuleType("torch")
-    torch.cuda = types.SimpleNamespace(use_mem_pool=use_mem_pool)
-    grad_mode = types.ModuleType("torch.autograd.grad_mode")
-    grad_mode.set_multithreading_enabled = set_multithreading_enabled
-    autograd = types.ModuleType("torch.autograd")
-    autograd.grad_mode = grad_mode
-    for name, module in (("torch", torch), ("torch.autograd", autograd), ("torch.autograd.grad_mode", grad_mode)):
-        monkeypatch.setitem(sys.modules, name, module)
+    torch = _StandInTorch(monkeypatch)
     with cmt.use_mem_pool("a pool", 1):
-        assert seen == [("pool", "a pool", 1), ("multithreading", False)]
-    assert seen[2:] == [("multithreading done",), ("pool done",)]
+        assert torch.seen == [("pool", "a pool", 1), ("multithreading", False)]
+    assert torch.seen[2:] == [("multithreading done",), ("pool done",)]
+
+
+def test_torch_use_mem_pool_puts_both_back_when_its_block_raises(monkeypatch):
+    import cumempool.torch as cmt
+
+    torch = _StandInTorch(monkeypatch)
+    with pytest.raises(KeyError, match="from the block"), cmt.use_mem_pool("a pool"):
+        raise KeyError("from the block")
+    assert torch.seen == [("pool", "a pool", None), ("multithreading", False), ("multithreading done",), ("pool done",)]
+
+
+def test_torch_use_mem_pool_refused_by_pytorch_leaves_multithreading_alone(monkeypatch):
+    # PyTorch's switch changes its thread's flag when made: made before PyTorch's scope refused
+    # the pool, it would have left the backward pass on the calling thread for good.
+    import cumempool.torch as cmt
+
+    torch = _StandInTorch(monkeypatch)
+    with pytest.raises(RuntimeError, match="already recording"), cmt.use_mem_pool("refused"):
+        pass
+    assert torch.seen == []
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -49,10 +49,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from . import _native
 from ._native import MemPool, Resource, Statistics
 from ._sources import resource_of
+
+if TYPE_CHECKING:
+    import torch
 
 ALLOC_SYMBOL = "cumempool_torch_alloc"
 FREE_SYMBOL = "cumempool_torch_free"
@@ -134,21 +139,27 @@ def mem_pool(source: MemPool | Resource):
 
 
 @contextlib.contextmanager
-def use_mem_pool(pool, device=None):
+def use_mem_pool(pool: torch.cuda.MemPool, device: int | torch.device | None = None) -> Iterator[None]:
     """``torch.cuda.use_mem_pool(pool, device)`` that serves the backward pass too: inside it,
     autograd runs each backward pass on the calling thread
-    (``torch.autograd.grad_mode.set_multithreading_enabled(False)``), so the gradients and every
-    temporary of the backward pass come from ``pool`` rather than from PyTorch's native
-    allocator. ``pool`` is any ``torch.cuda.MemPool`` (:func:`mem_pool` makes one over a cumempool
-    source). Like PyTorch's, it serves the calling thread only; a backward pass on several
-    devices at once then runs them one after another.
+    (``torch.autograd.grad_mode.set_multithreading_enabled(False)``), where ``pool`` serves the
+    allocations on ``device`` (the current device by default), the backward pass's gradients and
+    temporaries among them, rather than PyTorch's native allocator. ``pool`` is any
+    ``torch.cuda.MemPool`` (:func:`mem_pool` makes one over a cumempool source).
 
-    A CUDA graph captured after warm-ups inside it must run its backward pass on this thread
-    too (``with set_multithreading_enabled(False), torch.cuda.graph(g, pool=pool.id)``): cuBLAS
+    Not served, as with PyTorch's: other threads, and other devices (a backward pass over
+    several devices runs them one after another on this thread, each other device from PyTorch's
+    allocator). Reentrant backward passes nested deeper than autograd's recursion limit move to
+    autograd's thread pool, which is not served either.
+
+    A CUDA graph captured after warm-ups inside it is captured outside the block (PyTorch
+    refuses a capture into another pool inside it) with its backward pass on this thread too
+    (``with set_multithreading_enabled(False), torch.cuda.graph(g, pool=pool.id)``): cuBLAS
     handles are made per thread, on first use, and making one during a capture fails."""
     import torch
     from torch.autograd.grad_mode import set_multithreading_enabled
 
+    # PyTorch's scope first: the switch is set when made, so it is made only once the scope holds.
     with torch.cuda.use_mem_pool(pool, device), set_multithreading_enabled(False):
         yield
 
