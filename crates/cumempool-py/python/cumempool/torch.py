@@ -57,7 +57,7 @@ from ._native import MemPool, Resource, Statistics
 from ._sources import resource_of
 
 if TYPE_CHECKING:
-    import torch
+    import torch as _torch  # private: the module does not import PyTorch until it is used
 
 ALLOC_SYMBOL = "cumempool_torch_alloc"
 FREE_SYMBOL = "cumempool_torch_free"
@@ -139,7 +139,7 @@ def mem_pool(source: MemPool | Resource):
 
 
 @contextlib.contextmanager
-def use_mem_pool(pool: torch.cuda.MemPool, device: int | torch.device | None = None) -> Iterator[None]:
+def use_mem_pool(pool: _torch.cuda.MemPool, device: int | _torch.device | None = None) -> Iterator[None]:
     """``torch.cuda.use_mem_pool(pool, device)`` that serves the backward pass too: inside it,
     autograd runs each backward pass on the calling thread
     (``torch.autograd.grad_mode.set_multithreading_enabled(False)``), where ``pool`` serves the
