@@ -303,6 +303,13 @@ impl Pool {
     /// As [`Pool::alloc`], without its refusal of a capturing stream.
     #[inline]
     pub fn alloc_raw(&self, bytes: usize, stream: &Stream) -> Result<sys::CUdeviceptr> {
+        if stream.is_legacy() {
+            // The driver refuses the legacy stream's work while a blocking stream of its context
+            // captures, and invalidates that capture: refused here first (`ensure_not_capturing`
+            // asks).
+            stream.ensure_not_capturing(ALLOC_RAW_BESIDE_A_CAPTURE)?;
+            return self.alloc_on(bytes, stream);
+        }
         if !stream.may_be_capturing() {
             return self.alloc_on(bytes, stream);
         }
@@ -521,6 +528,8 @@ impl Pool {
 /// What [`Pool::alloc`] and [`Pool::alloc_owned`] say on a capturing stream.
 const ALLOC_WHILE_CAPTURING: &str =
     "allocating a buffer with Pool::alloc (allocate inside a capture with Capture::alloc)";
+const ALLOC_RAW_BESIDE_A_CAPTURE: &str =
+    "allocating on the legacy stream with Pool::alloc_raw (use a non-blocking stream beside a capture)";
 
 /// An owned pool, destroyed when it and every buffer and route holding it are gone.
 ///

@@ -87,7 +87,7 @@ fn an_ordering_with_the_per_thread_stream_is_refused_while_it_captures() {
 }
 
 #[test]
-fn a_free_one_threads_capture_deferred_waits_for_that_thread() {
+fn a_free_one_threads_capture_deferred_waits_for_that_capture() {
     let Some((_serial, context)) = stand_in() else { return };
     let pool = MemPool::new(Route::device(0)).unwrap();
     let per_thread = Stream::legacy_for_per_thread(&context);
@@ -95,12 +95,13 @@ fn a_free_one_threads_capture_deferred_waits_for_that_thread() {
     let used = pool.used_mem_current().unwrap();
     begin_per_thread_capture();
     drop(buffer); // deferred: this thread's per-thread stream captures
-                  // Another thread, whose per-thread stream does not capture, uses the stream: it must not run
-                  // this thread's free on the legacy stream, which would invalidate the capture.
+                  // Another thread, whose own per-thread stream does not capture, uses the stream: its work
+                  // goes to the legacy stream, which this thread's capture (a blocking stream) blocks. It is
+                  // refused, and does not run the free there, which would invalidate the capture.
     let other = per_thread.clone();
-    std::thread::spawn(move || other.ensure_not_capturing("using the stream on another thread").unwrap())
-        .join()
-        .unwrap();
+    let refused =
+        std::thread::spawn(move || other.ensure_not_capturing("using the stream on another thread")).join().unwrap();
+    assert!(matches!(refused, Err(Error::StreamCapturing { .. })), "{refused:?}");
     assert_eq!(pool.used_mem_current().unwrap(), used, "still deferred");
     assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
     per_thread.ensure_not_capturing("using the stream after the capture").unwrap();

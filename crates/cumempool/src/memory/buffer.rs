@@ -668,11 +668,20 @@ pub unsafe fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
 /// As [`free_async`].
 #[inline]
 unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc<Owner>>) -> Result<FreeAction> {
-    let status = if stream.may_be_capturing() { stream.capture_status()? } else { CaptureStatus::None };
+    let legacy = stream.is_legacy();
+    if legacy && stream.is_blocked_by_a_capture() {
+        // The driver would refuse the free and invalidate that capture; nothing of it can be in
+        // the capture (the legacy stream is never captured), so it waits for the capture's end.
+        stream.defer_legacy_free(DeferredFree { ptr, pool: pool.cloned() });
+        return Ok(FreeAction::Defer);
+    }
+    // Not blocked, the legacy stream's own work is not captured either (it never captures, and
+    // no allocation is made on it during a capture).
+    let status = if !legacy && stream.may_be_capturing() { stream.capture_status()? } else { CaptureStatus::None };
     let action = capture_registry::decide(ptr, status);
     match action {
         FreeAction::Free => {
-            if status == CaptureStatus::None && stream.may_be_capturing() {
+            if status == CaptureStatus::None && (legacy || stream.may_be_capturing()) {
                 stream.run_deferred_frees();
             }
             stream.bind()?;
@@ -680,7 +689,7 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
             // capture, recorded as the graph's free node).
             unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }?;
         }
-        FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned(), thread: None }),
+        FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned() }),
     }
     Ok(action)
 }

@@ -13,9 +13,6 @@ use std::sync::Arc;
 pub(crate) struct DeferredFree {
     pub(crate) ptr: sys::CUdeviceptr,
     pub(crate) pool: Option<Arc<Owner>>,
-    /// For [`Stream::legacy_for_per_thread`](crate::Stream::legacy_for_per_thread)'s stream, the thread whose per-thread stream's
-    /// capture deferred it: only that thread can see that capture end.
-    pub(crate) thread: Option<std::thread::ThreadId>,
 }
 
 /// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as

@@ -151,6 +151,13 @@ impl Stream {
     /// The legacy default stream (`0`) of `context`. Creating it calls no driver function;
     /// work queued on it makes `context` current first, so it is always that context's legacy
     /// stream, whichever thread uses it.
+    ///
+    /// The driver refuses legacy-stream work while any blocking stream of the context captures
+    /// (a capture other code began, on any thread), and invalidates that capture. So every
+    /// capture-aware operation on this stream asks first (one driver question, about 0.1 us): an
+    /// allocation, a fill, a copy or an ordering is refused with [`Error::StreamCapturing`], and
+    /// a free waits, kept with the context's legacy stream, until the next use of that stream
+    /// finds nothing blocking it (or [`Stream::run_orphaned_frees`]).
     pub fn legacy(context: &Context) -> Self {
         Self::from_parts(std::ptr::null_mut(), Some(context.clone()), false)
     }
@@ -162,11 +169,12 @@ impl Stream {
     ///
     /// A per-thread stream can be captured (CuPy's `Stream.ptds.begin_capture()`), and the
     /// driver refuses legacy-stream work while a blocking stream of its context captures,
-    /// invalidating that capture. So this stream's capture status is the calling thread's
-    /// per-thread stream's, asked at every capture-aware use ([`Stream::may_be_capturing`] is
-    /// always true): every operation of this crate on it is refused while that stream captures,
-    /// the capture left intact. Other blocking streams of the context are not asked (no driver
-    /// call lists them): use non-blocking streams beside a capture.
+    /// invalidating that capture. So, as for [`Stream::legacy`], every capture-aware use asks the
+    /// legacy stream itself, whose answer covers every blocking stream of the context, each
+    /// thread's per-thread stream included ([`Stream::is_blocked_by_a_capture`]): an operation is
+    /// refused while one captures, and a free waits for the capture's end, the capture left
+    /// intact. Its capture status ([`Stream::capture_status`]) is the calling thread's per-thread
+    /// stream's.
     pub fn legacy_for_per_thread(context: &Context) -> Self {
         let id = StreamId::next();
         Self(Arc::new(StreamInner {
@@ -276,7 +284,7 @@ impl Stream {
     /// Whether the handle means the legacy stream of the current context (`0` or
     /// `CU_STREAM_LEGACY`).
     #[inline]
-    fn is_legacy(&self) -> bool {
+    pub(crate) fn is_legacy(&self) -> bool {
         matches!(self.as_raw() as usize, 0 | LEGACY_HANDLE)
     }
 
@@ -457,9 +465,13 @@ impl Stream {
     ///
     /// # Errors
     /// [`Error::StreamCapturing`]; the driver's refusal to say whether the stream captures.
+    ///
+    /// The legacy stream (and [`Stream::legacy_for_per_thread`]'s) is asked every time: the
+    /// driver refuses its work while any blocking stream of its context captures, a capture begun
+    /// by any code, and invalidates that capture ([`Stream::is_blocked_by_a_capture`]).
     #[inline]
     pub fn ensure_not_capturing(&self, operation: &'static str) -> Result<()> {
-        if !self.may_be_capturing() {
+        if !self.may_be_capturing() && !self.is_legacy() {
             return Ok(());
         }
         self.ensure_not_capturing_slow(operation)
@@ -467,6 +479,15 @@ impl Stream {
 
     #[cold]
     fn ensure_not_capturing_slow(&self, operation: &'static str) -> Result<()> {
+        if self.is_legacy() {
+            // One question covers every blocking stream of the context, the calling thread's
+            // per-thread stream (legacy_for_per_thread's) among them.
+            if self.is_blocked_by_a_capture() {
+                return Err(Error::StreamCapturing { operation, capture: None });
+            }
+            self.run_deferred_frees();
+            return Ok(());
+        }
         match self.capture_status()? {
             CaptureStatus::None => {
                 self.run_deferred_frees();
@@ -480,11 +501,22 @@ impl Stream {
     /// this stream once it no longer captures, ordered after the stream's pre-capture work. A
     /// free node recorded now could not free memory the graph did not allocate, and would
     /// corrupt the capture.
-    pub(crate) fn defer_free(&self, mut free: DeferredFree) {
-        if self.0.for_per_thread {
-            free.thread = Some(std::thread::current().id());
-        }
+    pub(crate) fn defer_free(&self, free: DeferredFree) {
         self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner).push(free);
+    }
+
+    /// Keeps a free on the legacy stream that a blocking stream's capture refuses for now: run by
+    /// the next use of any `Stream` of this context's legacy stream ([`Stream::legacy`]'s or
+    /// [`Stream::legacy_for_per_thread`]'s, which share the driver stream) once nothing blocks
+    /// it, or by [`Stream::run_orphaned_frees`].
+    pub(crate) fn defer_legacy_free(&self, free: DeferredFree) {
+        adopt(Orphan {
+            raw: DriverHandle(self.as_raw()),
+            context: self.0.context.clone(),
+            frees: vec![free],
+            owned: false,
+            _keep_alive: Vec::new(),
+        });
     }
 
     /// The frees waiting for the capture to end, taken from the list.
@@ -492,30 +524,39 @@ impl Stream {
         std::mem::take(&mut *self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Runs the deferred frees (call only when the stream does not capture), and those that
-    /// earlier `Stream` values of the same driver stream left behind when they dropped during a
-    /// capture. Failures are logged: like a buffer's drop, nobody is left to hand them to.
+    /// Runs the deferred frees, and those that earlier `Stream` values of the same driver stream
+    /// left behind when they dropped during a capture. Call it only when the stream does not
+    /// capture and, for the legacy stream (and [`Stream::legacy_for_per_thread`]'s), when
+    /// [`Stream::is_blocked_by_a_capture`] answered false: then no blocking stream of the
+    /// context captures, every thread's per-thread stream included, so every free kept for a
+    /// capture may run. Failures are logged: like a buffer's drop, nobody is left to hand them
+    /// to.
     pub(crate) fn run_deferred_frees(&self) {
-        if self.0.for_per_thread {
-            // The caller saw the calling thread's per-thread stream not capturing: only the frees
-            // that thread's capture deferred may run; other threads' may still capture. (Such a
-            // stream leaves no orphans: see the drop.)
-            let mine = Some(std::thread::current().id());
-            let frees = {
-                let mut deferred = self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner);
-                let (mine, others) = std::mem::take(&mut *deferred).into_iter().partition(|free| free.thread == mine);
-                *deferred = others;
-                mine
-            };
-            return run_frees(self.as_raw(), frees);
+        let frees = self.take_deferred_frees();
+        let orphans = take_orphans(self.as_raw(), self.context().map(Context::as_raw));
+        if frees.is_empty() && orphans.is_empty() {
+            return;
         }
-        run_frees(self.as_raw(), self.take_deferred_frees());
-        for mut orphan in take_orphans(self.as_raw(), self.context().map(Context::as_raw)) {
-            run_frees(self.as_raw(), std::mem::take(&mut orphan.frees));
-            if orphan.owned {
-                // This value borrows the leaked stream: its drop destroys it, not this call.
-                adopt(orphan);
+        let raw = self.as_raw();
+        let run = || {
+            run_frees(raw, frees);
+            for mut orphan in orphans {
+                run_frees(raw, std::mem::take(&mut orphan.frees));
+                if orphan.owned {
+                    // This value borrows the leaked stream: its drop destroys it, not this call.
+                    adopt(orphan);
+                }
             }
+            Ok::<(), Error>(())
+        };
+        // The legacy handle names the legacy stream of whichever context is current: its own,
+        // for the frees, and the caller's again after.
+        let ran = match &self.0.context {
+            Some(context) if self.is_legacy() => context.while_current(run),
+            _ => run(),
+        };
+        if let Err(error) = ran {
+            tracing::warn!(%error, "making the legacy stream's context current for its deferred frees failed");
         }
     }
 
@@ -537,7 +578,19 @@ impl Stream {
             };
             match ended {
                 Ok(true) => {
-                    run_frees(raw, orphan.frees);
+                    // In the stream's context: a legacy handle names the current context's stream.
+                    match &orphan.context {
+                        Some(context) => {
+                            let frees = orphan.frees;
+                            if let Err(error) = context.while_current(|| {
+                                run_frees(raw, frees);
+                                Ok::<(), Error>(())
+                            }) {
+                                tracing::warn!(%error, "making a dropped stream's context current for its frees failed");
+                            }
+                        }
+                        None => run_frees(raw, orphan.frees),
+                    }
                     if orphan.owned {
                         destroy_leaked(raw, orphan.context.as_ref());
                     }
@@ -672,7 +725,11 @@ impl Drop for StreamInner {
         // over by now; one begun by other code is asked about below.
         let context = self.context.clone();
         let destroy = || -> Result<()> {
-            let capturing = may_capture && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
+            // The legacy stream is asked too: its work is refused while a blocking stream of its
+            // context captures (the question leaves that capture intact).
+            let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
+            let capturing =
+                (may_capture || legacy) && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
             if capturing {
                 // Code that lent the stream still captures on it (or a capture's private stream
                 // could not be ended, or the driver cannot say): a free now would be recorded
@@ -705,30 +762,31 @@ impl Drop for StreamInner {
     }
 }
 
-/// The frees left on [`Stream::legacy_for_per_thread`]'s stream when its last value drops: those
-/// the calling thread deferred run if its per-thread stream no longer captures; the others, which
-/// only their own threads could see the capture end of, are kept (leaked) with a warning. Legacy
-/// work while a thread's per-thread stream captures would invalidate that capture, and no other
-/// thread can tell when it ends.
+/// The frees left on [`Stream::legacy_for_per_thread`]'s stream when its last value drops. They
+/// run on the legacy stream, whose work the driver refuses while any blocking stream of the
+/// context captures (any thread's per-thread stream included), invalidating that capture: so
+/// they run now only if the legacy stream is not blocked, and otherwise wait, with the stream's
+/// context, for the next use of a legacy stream of that context (or
+/// [`Stream::run_orphaned_frees`]).
 fn drop_per_thread_frees(frees: Vec<DeferredFree>, context: Option<&Context>) {
     if frees.is_empty() {
         return;
     }
-    let me = Some(std::thread::current().id());
-    let (mine, others): (Vec<_>, Vec<_>) = frees.into_iter().partition(|free| free.thread == me);
-    if !others.is_empty() {
-        tracing::warn!(count = others.len(), "frees another thread's per-thread capture deferred are kept: the stream they wait on was dropped before that thread used it again");
-        std::mem::forget(others);
-    }
     let Some(context) = context else {
-        return std::mem::forget(mine);
+        return std::mem::forget(frees);
     };
+    let legacy = std::ptr::null_mut();
     let ran = context.while_current(|| {
-        if capture_info(PER_THREAD_HANDLE as sys::CUstream)? == CaptureStatus::None {
-            run_frees(std::ptr::null_mut(), mine);
+        if capture_info(legacy).is_ok_and(|status| status == CaptureStatus::None) {
+            run_frees(legacy, frees);
         } else {
-            tracing::warn!("frees deferred by this thread's per-thread capture are kept: the stream was dropped during the capture");
-            std::mem::forget(mine);
+            adopt(Orphan {
+                raw: DriverHandle(legacy),
+                context: Some(context.clone()),
+                frees,
+                owned: false,
+                _keep_alive: Vec::new(),
+            });
         }
         Ok::<(), Error>(())
     });
@@ -778,8 +836,8 @@ mod tests {
     fn frees_deferred_by_a_capture_wait_in_their_stream_with_their_pool_until_taken_once() {
         let stream = Stream::from_parts(0x3000 as sys::CUstream, None, false);
         let pool = Arc::new(Owner::new(0x4000 as sys::CUmemoryPool, false));
-        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()), thread: None });
-        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None, thread: None });
+        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()) });
+        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None });
         assert_eq!(Arc::strong_count(&pool), 2, "the deferred free keeps its pool alive");
         let taken = stream.take_deferred_frees();
         assert_eq!(taken.iter().map(|f| f.ptr).collect::<Vec<_>>(), [0x10, 0x20], "clones share the list, in order");
@@ -801,7 +859,7 @@ mod tests {
         let lender: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
         // SAFETY: never given to a driver that exists.
         let stream = unsafe { Stream::borrow_raw_keeping(raw, None, lender.clone()) }.unwrap();
-        stream.defer_free(DeferredFree { ptr: 0x30, pool: Some(pool.clone()), thread: None });
+        stream.defer_free(DeferredFree { ptr: 0x30, pool: Some(pool.clone()) });
         drop(stream);
         assert_eq!(Arc::strong_count(&pool), 2, "the free (and its pool) outlive the stream's last value");
         assert_eq!(Arc::strong_count(&lender), 2, "so does the lender's handle, which keeps the stream valid");
