@@ -62,6 +62,7 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<pools::resources::Caching>()?;
     module.add_class::<plugins::cupy_allocator::CupyAllocatorBase>()?;
     module.add_function(wrap_pyfunction!(streams::capture_mode::_in_relaxed_capture_mode, module)?)?;
+    module.add_function(wrap_pyfunction!(streams::device_wait::_wait_for_device, module)?)?;
     module.add_function(wrap_pyfunction!(pools::current_pools::default_pool, module)?)?;
     module.add_function(wrap_pyfunction!(pools::current_pools::current_pool, module)?)?;
     module.add_function(wrap_pyfunction!(pools::current_pools::current_pool_handle, module)?)?;

@@ -78,13 +78,15 @@ temporary = allocator(8192)
 del temporary  # a temporary the capture let go of
 assert end_capture(captured) == 0
 allocator.release_captured()
-print(pool.used_mem_current, allocator.captured_bytes, synced)
+log = (ctypes.c_char * 65536).in_dll(lib, "call_log").raw[: ctypes.c_int.in_dll(lib, "call_log_len").value]
+waits = [line for line in log.decode().splitlines() if line.startswith("ctxsync")]
+print(pool.used_mem_current, allocator.captured_bytes, len(waits), waits[-1].endswith(" 0"))
 del escaped
 allocator.release_captured()
 print(pool.used_mem_current, allocator.captured_bytes)
 """,
     )
-    assert words == ["4096", "4096", "[0]", "0", "0"], "an array's memory was freed under it, or unsynchronised"
+    assert words == ["4096", "4096", "1", "True", "0", "0"], "an array's memory was freed under it, or unsynchronised"
 
 
 def test_a_global_mode_capture_survives_the_plug_ins_side_stream(stand_in_libcuda):
@@ -406,3 +408,124 @@ for handle in (own.handle, 0):
     own_stream, null_stream = words[:2], words[2:]
     assert own_stream[1] == "3.0", words
     assert null_stream == ["1.0", "1.0"], words
+
+
+@pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])
+@pytest.mark.parametrize("source", ["pool", "cm.CachingResource(cm.PoolResource(pool), max_cached=1024)"])
+def test_an_array_freed_on_a_default_stream_leaves_another_threads_blocking_capture_intact(
+    stand_in_libcuda, default_stream, source
+):
+    # An array made on CuPy's null (or per-thread) stream before another thread begins
+    # capturing its per-thread stream (a blocking stream), let go of while that capture runs:
+    # its free goes to the legacy stream, which the capture blocks. It waits for the capture's
+    # end, and runs at the next use of the legacy stream.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        f"current[0] = {default_stream}\npool = cm.MemPool(cm.Route.device(0))\nallocator = cmc.Allocator({source})\n"
+        + """
+import threading
+array = allocator(4096)
+started, done, ended = threading.Event(), threading.Event(), []
+def capturing_thread():
+    assert begin(2, 0) == 0
+    started.set()
+    done.wait()
+    graph = ctypes.c_void_p()
+    ended.append(end(2, ctypes.byref(graph)))
+thread = threading.Thread(target=capturing_thread)
+thread.start()
+started.wait()
+del array
+done.set()
+thread.join()
+del allocator
+pool.alloc(16, None).close()  # the next use of the legacy stream, whichever Stream names it
+print(ended[0], pool.used_mem_current)
+""",
+    )
+    assert words == ["0", "0"], f"the free invalidated the other thread's capture, or was lost: {words}"
+
+
+@pytest.mark.parametrize("recording", [False, True], ids=["native call", "recording (Python steps)"])
+@pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])
+def test_an_allocation_on_a_default_stream_beside_a_blocking_capture_is_refused_intact(
+    stand_in_libcuda, recording, default_stream
+):
+    # Both paths of the call (the native one, and the Python steps recording takes) go through
+    # the core's question of the legacy stream: refused, the other thread's capture intact.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        f"current[0] = {default_stream}\nRECORDING = {recording}\n"
+        + """
+import threading
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
+if RECORDING:
+    cm.record_history(True)
+started, done, ended = threading.Event(), threading.Event(), []
+def capturing_thread():
+    assert begin(2, 0) == 0
+    started.set()
+    done.wait()
+    graph = ctypes.c_void_p()
+    ended.append(end(2, ctypes.byref(graph)))
+thread = threading.Thread(target=capturing_thread)
+thread.start()
+started.wait()
+try:
+    allocator(4096)
+    print("allocated")
+except cm.StreamCapturingError:
+    print("refused")
+finally:
+    done.set()
+    thread.join()
+print(ended[0])
+""",
+    )
+    assert words == ["refused", "0"], words
+
+
+def test_release_captured_refuses_while_a_capture_it_could_invalidate_runs(stand_in_libcuda):
+    # The wait for the device (cuCtxSynchronize) invalidates any capture of the context: while a
+    # stream this allocator served a capture on still captures, or a blocking stream of the
+    # device does (the per-thread stream here), release_captured refuses and keeps the memory.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+class OwnStream(FakeStream):  # a CuPy stream object of its own: its handle stays its own
+    def __init__(self, handle):
+        object.__setattr__(self, "handle_", handle)
+    @property
+    def ptr(self):
+        return self.handle_
+    def is_capturing(self):
+        status = ctypes.c_int()
+        assert capture_info(ctypes.c_void_p(self.ptr), ctypes.byref(status), *[None] * 5) == 0
+        return status.value != 0
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(pool)
+captured = capture()
+same[0] = OwnStream(captured.handle)
+kept = allocator(4096)  # served to the capture, kept for its graph
+same[0] = None
+try:
+    allocator.release_captured()
+    print("released")
+except cm.StreamCapturingError:
+    print("refused")
+print(end_capture(captured), allocator.captured_bytes)
+assert begin(2, 2) == 0  # the per-thread stream, blocking, relaxed mode
+try:
+    allocator.release_captured()
+    print("released")
+except cm.StreamCapturingError:
+    print("refused")
+graph = ctypes.c_void_p()
+print(end(2, ctypes.byref(graph)), allocator.captured_bytes)
+del kept
+allocator.release_captured()
+print(allocator.captured_bytes)
+""",
+    )
+    assert words == ["refused", "0", "4096", "refused", "0", "4096", "0"], words

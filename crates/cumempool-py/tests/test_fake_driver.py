@@ -217,7 +217,7 @@ def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys
         import sys, types
         import cumempool.cupy as cmc
         class Stream:
-            ptr = 0
+            ptr = 2  # the per-thread stream: the Python steps would ask it whether it captures
             def is_capturing(self):
                 raise AssertionError("the Python steps ran")
         cupy = types.ModuleType("cupy")

@@ -47,6 +47,7 @@ __all__ = [
     "torch_captured_bytes",
     "TORCH_SLOTS",
     "_in_relaxed_capture_mode",
+    "_wait_for_device",
     "_CupyAllocatorBase",
 ]
 
@@ -366,6 +367,7 @@ TORCH_SLOTS: Final[int]
 _T = TypeVar("_T")
 
 def _in_relaxed_capture_mode(call: Callable[[], _T]) -> _T: ...
+def _wait_for_device(device: int) -> None: ...
 
 @disjoint_base
 class _CupyAllocatorBase:

@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Callable
 
 from . import _history, errors
-from ._native import Buffer, MemPool, Resource, Stream, _CupyAllocatorBase, _in_relaxed_capture_mode
+from ._native import Buffer, MemPool, Resource, Stream, _CupyAllocatorBase, _in_relaxed_capture_mode, _wait_for_device
 from ._sources import resource_of
 from .errors import InvalidDeviceError
 
@@ -96,6 +96,9 @@ class Allocator(_CupyAllocatorBase):
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
         self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []
+        # CuPy's streams seen capturing, asked again before the device is waited for (a capture
+        # does not survive that wait); let go of once seen not capturing.
+        self._capturing: list[Any] = []
         self._side: Stream | None = None
         # What serves CuPy on another device (the budget's fallback), else refused.
         self._elsewhere: Callable[[int], Any] | None = None
@@ -115,10 +118,19 @@ class Allocator(_CupyAllocatorBase):
         once every graph captured with it is gone (no launch may follow), and while no stream of
         the device captures (the device is synchronised first, which a capture refuses, so that
         launches queued before and the work on arrays the graphs made are done with it); memory an array still holds (one a capture made and the caller
-        kept) stays kept until a later call finds it let go of."""
-        import cupy
+        kept) stays kept until a later call finds it let go of.
 
-        cupy.cuda.Device(self.resource.device).synchronize()
+        While a stream this allocator saw capturing still captures, or any blocking stream of the
+        device does (CuPy's streams are blocking by default), it raises
+        :class:`cumempool.StreamCapturingError` and keeps everything: the wait would invalidate
+        that capture."""
+        if any(stream.is_capturing() for stream in self._capturing):
+            raise errors.StreamCapturingError(
+                "release_captured waits for the device, and a stream this allocator served a capture "
+                "on still captures, which the wait would invalidate: call it after the capture ends"
+            )
+        _wait_for_device(self.resource.device)
+        self._capturing = []
         held, self._captured = self._captured, []
         for buffer, lease in held:
             if lease() is None:
@@ -176,14 +188,18 @@ class Allocator(_CupyAllocatorBase):
                 f"device {current}: give each device an Allocator of its own resource"
             )
         stream = cupy.cuda.get_current_stream()
-        is_capturing = getattr(stream, "is_capturing", None)
+        handle = getattr(stream, "ptr", None)
+        # The legacy stream never captures, and asked while a blocking stream captures it answers
+        # with an error: the core's allocation on it asks the driver the right question.
+        is_capturing = None if handle in (0, 1) else getattr(stream, "is_capturing", None)
         owner: Buffer | _Lease
         if is_capturing is not None and is_capturing():
+            if not any(seen is stream for seen in self._capturing):
+                self._capturing.append(stream)
             owner = self._for_a_capture(size)
         else:
             # A default stream (null, legacy, per-thread) by its handle, which names the current
             # device's, as the native call serves it.
-            handle = getattr(stream, "ptr", None)
             owner = self.resource.alloc(size, handle if handle in (0, 1, 2) else stream)
             if _history.recording is not None:
                 owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)

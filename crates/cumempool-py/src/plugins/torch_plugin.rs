@@ -14,6 +14,7 @@ use crate::errors::{Failure, Outcome};
 use crate::memory::dyn_resource::{Erased, Resource};
 use crate::pools::resources::ResourceBase;
 use crate::pools::MemPool;
+use crate::streams::device_wait::wait_for_device;
 use cumempool::sys;
 use cumempool_alloc::Statistics;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -435,14 +436,6 @@ fn device_is_idle_for_a_free(stream: &cumempool::Stream, device: i32) -> bool {
         tracing::debug!(%error, device, "the wait before a plug-in free was refused: the free is kept");
     }
     waited.is_ok()
-}
-
-/// Waits for every launch queued on `device` (its primary context), in relaxed capture mode,
-/// the caller's context kept. A capture underway on the device would be invalidated: callers
-/// ask `capture_known_underway` first.
-fn wait_for_device(device: i32) -> cumempool::Result<()> {
-    let context = crate::streams::primary_contexts::primary_context(device)?;
-    cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
 }
 
 /// Streams the plug-in saw capturing, with their device, kept for the process: a capture that
