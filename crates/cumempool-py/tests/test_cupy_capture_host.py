@@ -58,6 +58,23 @@ import cumempool.cupy as cmc
 """
 
 
+# Another thread begins capturing its per-thread stream (a blocking stream, global mode) and
+# waits for `done`; `ended` gets its capture's end.
+ANOTHER_THREAD_CAPTURES = """
+import threading
+started, done, ended = threading.Event(), threading.Event(), []
+def capturing_thread():
+    assert begin(2, 0) == 0
+    started.set()
+    done.wait()
+    graph = ctypes.c_void_p()
+    ended.append(end(2, ctypes.byref(graph)))
+thread = threading.Thread(target=capturing_thread)
+thread.start()
+started.wait()
+"""
+
+
 def _with_fake_cupy(stand_in_libcuda, code):
     """Runs `code` on the stand-in driver after FAKE_CUPY; its stdout words."""
     return run_on_stand_in(stand_in_libcuda, FAKE_CUPY + code)
@@ -109,38 +126,33 @@ for source in (pool, cm.CachingResource(cm.PoolResource(pool))):
     assert words == ["0", "12288", "0", "12288"], "the plug-in invalidated a global-mode capture"
 
 
+@pytest.mark.parametrize("recording", [False, True], ids=["native call", "recording (Python steps)"])
 @pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])
-def test_on_a_default_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda, default_stream):
+def test_on_a_default_stream_a_blocking_capture_elsewhere_is_left_intact(stand_in_libcuda, default_stream, recording):
     # Another thread captures its per-thread stream (blocking, global mode) while CuPy
     # allocates on its null stream, or on its per-thread default stream (both queue on the
-    # legacy stream): the driver would refuse that allocation and invalidate the capture. The
-    # plug-in asks first, harmlessly, and refuses.
+    # legacy stream): the driver would refuse that allocation and invalidate the capture. Both
+    # paths of the call (the native one, and the Python steps recording takes) ask first,
+    # harmlessly, and refuse with StreamCapturingError.
     words = _with_fake_cupy(
         stand_in_libcuda,
-        f"current[0] = {default_stream}\n"
+        f"current[0] = {default_stream}\nRECORDING = {recording}\n"
         + """
-import threading
 pool = cm.MemPool(cm.Route.device(0))
 allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
-started, done, ended = threading.Event(), threading.Event(), []
-def capturing_thread():
-    assert begin(2, 0) == 0
-    started.set()
-    done.wait()
-    ended.append(end_capture_of(2))
-def end_capture_of(handle):
-    graph = ctypes.c_void_p()
-    return end(handle, ctypes.byref(graph))
-thread = threading.Thread(target=capturing_thread)
-thread.start()
-started.wait()
+if RECORDING:
+    cm.record_history(True)
+"""
+        + ANOTHER_THREAD_CAPTURES
+        + """
 try:
     allocator(4096)
     print("allocated")
-except Exception as error:
+except cm.StreamCapturingError:
     print("refused")
-done.set()
-thread.join()
+finally:
+    done.set()
+    thread.join()
 print(ended[0], pool.used_mem_current)
 """,
     )
@@ -423,18 +435,10 @@ def test_an_array_freed_on_a_default_stream_leaves_another_threads_blocking_capt
         stand_in_libcuda,
         f"current[0] = {default_stream}\npool = cm.MemPool(cm.Route.device(0))\nallocator = cmc.Allocator({source})\n"
         + """
-import threading
 array = allocator(4096)
-started, done, ended = threading.Event(), threading.Event(), []
-def capturing_thread():
-    assert begin(2, 0) == 0
-    started.set()
-    done.wait()
-    graph = ctypes.c_void_p()
-    ended.append(end(2, ctypes.byref(graph)))
-thread = threading.Thread(target=capturing_thread)
-thread.start()
-started.wait()
+"""
+        + ANOTHER_THREAD_CAPTURES
+        + """
 del array
 done.set()
 thread.join()
@@ -444,46 +448,6 @@ print(ended[0], pool.used_mem_current)
 """,
     )
     assert words == ["0", "0"], f"the free invalidated the other thread's capture, or was lost: {words}"
-
-
-@pytest.mark.parametrize("recording", [False, True], ids=["native call", "recording (Python steps)"])
-@pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])
-def test_an_allocation_on_a_default_stream_beside_a_blocking_capture_is_refused_intact(
-    stand_in_libcuda, recording, default_stream
-):
-    # Both paths of the call (the native one, and the Python steps recording takes) go through
-    # the core's question of the legacy stream: refused, the other thread's capture intact.
-    words = _with_fake_cupy(
-        stand_in_libcuda,
-        f"current[0] = {default_stream}\nRECORDING = {recording}\n"
-        + """
-import threading
-pool = cm.MemPool(cm.Route.device(0))
-allocator = cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))
-if RECORDING:
-    cm.record_history(True)
-started, done, ended = threading.Event(), threading.Event(), []
-def capturing_thread():
-    assert begin(2, 0) == 0
-    started.set()
-    done.wait()
-    graph = ctypes.c_void_p()
-    ended.append(end(2, ctypes.byref(graph)))
-thread = threading.Thread(target=capturing_thread)
-thread.start()
-started.wait()
-try:
-    allocator(4096)
-    print("allocated")
-except cm.StreamCapturingError:
-    print("refused")
-finally:
-    done.set()
-    thread.join()
-print(ended[0])
-""",
-    )
-    assert words == ["refused", "0"], words
 
 
 def test_release_captured_refuses_while_a_capture_it_could_invalidate_runs(stand_in_libcuda):
