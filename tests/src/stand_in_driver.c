@@ -171,7 +171,11 @@ static CUresult ctx_synchronize(CUcontext c) {
     log_call("ctxsync", c, 0, r);
     return r;
 }
+/* A sticky error (an earlier launch's fault, say): while set, every capture question and stream
+   wait answers it, as the driver answers every call of a context that faulted. */
+int sticky_error;
 static CUresult stream_wait(Stream *s) {
+    if (sticky_error) return sticky_error;
     CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0;
     if (!r && fail_next_waits & 2) { fail_next_waits &= ~2; r = 999; }
     log_call("sync", s, 0, r);
@@ -282,6 +286,7 @@ static CUresult graph_destroy(void *graph) { free(graph); return 0; }
 unsigned long capture_queries;
 static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void *b, void *c, void *d) {
     __atomic_fetch_add(&capture_queries, 1, __ATOMIC_RELAXED);
+    if (sticky_error) return sticky_error;
     /* Asked of the legacy stream while a blocking stream captures, the driver answers with the
        implicit-dependency error and leaves the capture intact. */
     if ((uintptr_t)s <= 1) {

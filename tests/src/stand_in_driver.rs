@@ -162,6 +162,19 @@ pub fn set_switch(name: &str) {
     }
 }
 
+/// Makes every capture question and stream wait answer `code` until it is set back to 0, as the
+/// driver answers every call of a context an earlier launch faulted (a sticky error). Only after
+/// [`stand_in`] answered a context.
+pub fn set_sticky_error(code: i32) {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: as in `call_log`; `sticky_error` is an `int` the stand-in reads.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let symbol = library.get::<*mut i32>(b"sticky_error\0").unwrap();
+        **symbol = code;
+    }
+}
+
 /// Makes the next `cuMemcpyAsync`, on whatever stream, begin a relaxed capture on `stream` right
 /// after it is queued, as another thread's capture of a stream it lent would. Only after
 /// [`stand_in`] answered a context.

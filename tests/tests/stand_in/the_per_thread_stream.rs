@@ -169,3 +169,76 @@ fn a_cache_dropped_while_a_blocking_stream_captures_leaves_the_capture_intact() 
     unsafe { cumempool::free_async(ptr, &legacy) }.unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0);
 }
+
+/// A free deferred on a `Stream` of the `CU_STREAM_LEGACY` handle waits with the context's legacy
+/// stream, whatever handle names it: the next use of `Stream::legacy` (handle 0) runs it.
+#[test]
+fn a_free_deferred_on_the_cu_stream_legacy_handle_runs_at_the_next_use_of_the_legacy_stream() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    // SAFETY: CU_STREAM_LEGACY with its context, valid for the context's life.
+    let named_legacy = unsafe { Stream::borrow_raw(1 as sys::CUstream, Some(&context)) }.unwrap();
+    let buffer = pool.alloc(4096, &named_legacy).unwrap();
+    begin_per_thread_capture();
+    drop(buffer); // deferred: a blocking stream captures
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    Stream::legacy(&context).synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "the legacy stream's next use left the free waiting");
+}
+
+/// A failure of the legacy stream's question other than a capture's (a sticky error of an
+/// earlier launch) is the driver's error, not a capture: no capture is reported, and no free is
+/// kept waiting for one.
+#[test]
+fn a_sticky_error_on_the_legacy_stream_is_the_drivers_not_a_capture() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let legacy = Stream::legacy(&context);
+    let buffer = pool.alloc(4096, &legacy).unwrap();
+    cumempool_tests::stand_in_driver::set_sticky_error(700);
+    let waited = legacy.synchronize();
+    drop(buffer); // its free fails with the error, and is not kept for a capture's end
+    cumempool_tests::stand_in_driver::set_sticky_error(0);
+    let waiting = Stream::run_orphaned_frees();
+    assert!(matches!(&waited, Err(error) if error.cuda_code() == Some(700)), "{waited:?}");
+    assert_eq!(waiting, 0, "a free was kept for a capture that is not underway");
+}
+
+/// Graph memory (`alloc_raw` during a capture that has ended) freed on the legacy stream while a
+/// blocking stream captures is forgotten as a captured allocation, as a free outside a capture
+/// forgets it, when its free is deferred.
+#[test]
+fn a_deferred_legacy_free_of_graph_memory_forgets_its_address() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let side = Stream::new(&context).unwrap();
+    cumempool_tests::begin_foreign_capture(&side);
+    let ptr = pool.alloc_raw(4096, &side).unwrap();
+    assert_eq!(cumempool_tests::end_foreign_capture(&side), CUresult::CUDA_SUCCESS);
+    assert!(cumempool::is_captured_allocation(ptr));
+    let legacy = Stream::legacy(&context);
+    begin_per_thread_capture();
+    // SAFETY: allocated above, freed once, unused after.
+    unsafe { cumempool::free_async(ptr, &legacy) }.unwrap();
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    legacy.synchronize().unwrap(); // runs the deferred free
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+    assert!(!cumempool::is_captured_allocation(ptr), "freed, yet still remembered as captured");
+}
+
+/// The ordering primitives queue work on the legacy stream too: beside a blocking stream's
+/// capture they are refused before the driver, which would invalidate that capture.
+#[test]
+fn an_ordering_of_the_legacy_stream_is_refused_beside_a_blocking_capture() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let side = Stream::new(&context).unwrap();
+    begin_per_thread_capture();
+    let waited = legacy.order_after(&side);
+    let recorded = side.order_after(&legacy);
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    for refused in [waited, recorded] {
+        assert!(matches!(refused, Err(Error::StreamCapturing { .. })), "{refused:?}");
+    }
+    legacy.order_after(&side).unwrap();
+}

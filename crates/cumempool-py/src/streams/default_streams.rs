@@ -27,7 +27,7 @@ pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
 
 /// The legacy stream of `device`'s primary context, made once per device: the plug-ins ask
 /// it at every allocation on a default stream.
-fn legacy_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
+pub(crate) fn legacy_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
     once_per_device(&LEGACY_STREAMS, device, || Ok(cumempool::Stream::legacy(&primary_context(device)?)))
 }
 

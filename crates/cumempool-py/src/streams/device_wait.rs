@@ -4,7 +4,6 @@
 //! known, and each caller asks first about the captures it alone can see.
 
 use crate::errors::Outcome;
-use crate::streams::default_streams::legacy_stream_blocked;
 use crate::streams::primary_contexts::primary_context;
 use pyo3::prelude::*;
 
@@ -23,7 +22,8 @@ pub(crate) fn wait_for_device(device: i32) -> cumempool::Result<()> {
 /// default, and so is every thread's per-thread stream).
 #[pyfunction]
 pub fn _wait_for_device(py: Python<'_>, device: i32) -> Outcome<()> {
-    if legacy_stream_blocked(device) {
+    let legacy = crate::streams::default_streams::legacy_stream(device)?;
+    if legacy.blocked_by_a_capture()? {
         return Err(cumempool::Error::StreamCapturing { operation: RELEASE_CAPTURED, capture: None }.into());
     }
     crate::sync::gil::detach(py, || wait_for_device(device))?;

@@ -669,9 +669,11 @@ pub unsafe fn free_async(ptr: sys::CUdeviceptr, stream: &Stream) -> Result<()> {
 #[inline]
 unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc<Owner>>) -> Result<FreeAction> {
     let legacy = stream.is_legacy();
-    if legacy && stream.is_blocked_by_a_capture() {
+    if legacy && stream.blocked_by_a_capture()? {
         // The driver would refuse the free and invalidate that capture; nothing of it can be in
         // the capture (the legacy stream is never captured), so it waits for the capture's end.
+        // Graph memory of an ended capture is forgotten as such now, as a free outside does.
+        capture_registry::decide(ptr, CaptureStatus::None);
         stream.defer_legacy_free(DeferredFree { ptr, pool: pool.cloned() });
         return Ok(FreeAction::Defer);
     }

@@ -47,8 +47,14 @@ impl Event {
     }
 
     /// Records the event at the current end of `stream`.
+    ///
+    /// # Errors
+    /// [`Error::StreamCapturing`](crate::Error::StreamCapturing) on the legacy stream while a
+    /// blocking stream of its context captures (the driver would invalidate that capture); the
+    /// driver's answer.
     #[inline]
     pub fn record(&self, stream: &Stream) -> Result<()> {
+        stream.refuse_blocked_legacy("recording an event (Event::record)")?;
         stream.bind()?;
         if stream.may_be_capturing() {
             self.may_be_captured.store(true, Relaxed);
@@ -126,8 +132,14 @@ impl Drop for Event {
 impl Stream {
     /// Makes later work on this stream wait for `event`.
     ///
+    /// # Errors
+    /// [`Error::StreamCapturing`](crate::Error::StreamCapturing) for the legacy stream while a
+    /// blocking stream of its context captures (the driver would invalidate that capture); the
+    /// driver's answer.
+    ///
     /// See [cuStreamWaitEvent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html).
     pub fn wait(&self, event: &Event) -> Result<()> {
+        self.refuse_blocked_legacy("making a stream wait for an event (Stream::wait)")?;
         self.bind()?;
         // Waiting on an event recorded during a capture joins that capture.
         if event.may_be_captured.load(Relaxed) {

@@ -60,6 +60,11 @@ pub(crate) fn take_orphans_where(mut matches: impl FnMut(&Orphan) -> bool) -> Ve
     taken
 }
 
+/// Whether any orphan waits (one relaxed load): a hot path's check before it takes any.
+pub(crate) fn any_orphans() -> bool {
+    ORPHAN_COUNT.load(Relaxed) != 0
+}
+
 /// The orphans of the driver stream `raw` (in `context`, where both sides know it: an ordinary
 /// stream's handle names one stream whatever the context, and the legacy handles never capture).
 pub(crate) fn take_orphans(raw: sys::CUstream, context: Option<sys::CUcontext>) -> Vec<Orphan> {

@@ -9,7 +9,9 @@ use crate::error::{Error, Result};
 use crate::streams::capture_mode;
 use crate::streams::capture_state::{capture_info, refuse_host_wait_on_capturing_thread, CaptureStatus};
 use crate::streams::deferred_frees::{run_frees, DeferredFree};
-use crate::streams::orphans::{adopt, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan};
+use crate::streams::orphans::{
+    adopt, any_orphans, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan,
+};
 use cumempool_sys as sys;
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -421,13 +423,39 @@ impl Stream {
     /// intact and the caller's context current. For work a layer queues of its own accord (a
     /// cache giving blocks back to make room), not at its caller's word.
     pub fn is_blocked_by_a_capture(&self) -> bool {
-        match &self.0.context {
-            // The legacy stream itself, not the per-thread stream `asked_handle` names.
-            Some(context) if self.is_legacy() => context
-                .while_current(|| capture_info(self.as_raw()))
-                .map_or(true, |status| status != CaptureStatus::None),
-            _ => false,
+        self.blocked_by_a_capture().unwrap_or(true)
+    }
+
+    /// The legacy stream's answer behind [`Stream::is_blocked_by_a_capture`], for work queued
+    /// at its caller's word, which a failure should reach: `true` while a blocking stream of its context
+    /// captures (the driver answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, the capture left
+    /// intact), `false` when nothing blocks it or for any other stream (no driver call), and
+    /// any other failure (a sticky error of an earlier launch, say) as itself, not as a capture.
+    ///
+    /// # Errors
+    /// The driver's refusal to answer, other than for a capture.
+    pub fn blocked_by_a_capture(&self) -> Result<bool> {
+        let Some(context) = self.0.context.as_ref().filter(|_| self.is_legacy()) else {
+            return Ok(false);
+        };
+        // The legacy stream itself, not the per-thread stream `asked_handle` names.
+        match context.while_current(|| capture_info(self.as_raw())) {
+            Ok(status) => Ok(status != CaptureStatus::None),
+            Err(error) if error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) => Ok(true),
+            Err(error) => Err(error),
         }
+    }
+
+    /// Refuses `operation` on the legacy stream while a blocking stream of its context captures
+    /// ([`Stream::blocked_by_a_capture`]); one comparison for any other stream. For the
+    /// primitives that queue work without [`Stream::ensure_not_capturing`] (an event's record, a
+    /// wait), which may join captures on ordinary streams by design.
+    #[inline]
+    pub(crate) fn refuse_blocked_legacy(&self, operation: &'static str) -> Result<()> {
+        if self.is_legacy() && self.blocked_by_a_capture()? {
+            return Err(Error::StreamCapturing { operation, capture: None });
+        }
+        Ok(())
     }
 
     /// [`Stream::is_capturing`], with the calling thread's current context (or none) current
@@ -482,7 +510,7 @@ impl Stream {
         if self.is_legacy() {
             // One question covers every blocking stream of the context, the calling thread's
             // per-thread stream (legacy_for_per_thread's) among them.
-            if self.is_blocked_by_a_capture() {
+            if self.blocked_by_a_capture()? {
                 return Err(Error::StreamCapturing { operation, capture: None });
             }
             self.run_deferred_frees();
@@ -511,12 +539,21 @@ impl Stream {
     /// it, or by [`Stream::run_orphaned_frees`].
     pub(crate) fn defer_legacy_free(&self, free: DeferredFree) {
         adopt(Orphan {
-            raw: DriverHandle(self.as_raw()),
+            raw: DriverHandle(self.orphan_key()),
             context: self.0.context.clone(),
             frees: vec![free],
             owned: false,
             _keep_alive: Vec::new(),
         });
+    }
+
+    /// The handle the frees this stream left behind are kept under: `0` for every handle of the
+    /// legacy stream (`0`, `CU_STREAM_LEGACY`, the per-thread stream's), which all queue there.
+    fn orphan_key(&self) -> sys::CUstream {
+        if self.is_legacy() {
+            return std::ptr::null_mut();
+        }
+        self.as_raw()
     }
 
     /// The frees waiting for the capture to end, taken from the list.
@@ -532,13 +569,15 @@ impl Stream {
     /// capture may run. Failures are logged: like a buffer's drop, nobody is left to hand them
     /// to.
     pub(crate) fn run_deferred_frees(&self) {
-        let frees = self.take_deferred_frees();
-        let orphans = take_orphans(self.as_raw(), self.context().map(Context::as_raw));
-        if frees.is_empty() && orphans.is_empty() {
+        let none_kept = self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
+        if none_kept && !any_orphans() {
             return;
         }
         let raw = self.as_raw();
+        // Taken once the context is current: where it cannot be made current, they stay kept.
         let run = || {
+            let frees = self.take_deferred_frees();
+            let orphans = take_orphans(self.orphan_key(), self.context().map(Context::as_raw));
             run_frees(raw, frees);
             for mut orphan in orphans {
                 run_frees(raw, std::mem::take(&mut orphan.frees));
