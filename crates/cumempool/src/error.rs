@@ -361,7 +361,12 @@ pub enum Error {
 }
 
 fn capture_text(capture: Option<u64>) -> String {
-    capture.map_or_else(|| "(id unknown)".to_owned(), |id| id.to_string())
+    // The id is unknown where the legacy stream was refused for another stream's capture: the
+    // driver names neither.
+    capture.map_or_else(
+        || "(id unknown: on the legacy stream, any blocking stream of its context capturing)".to_owned(),
+        |id| id.to_string(),
+    )
 }
 
 fn exportable_text(handle_types: Option<HandleTypes>) -> String {
@@ -740,6 +745,6 @@ mod tests {
         assert!(text.starts_with("copying to the host: stream capture 12 is underway"), "{text}");
         assert!(text.contains("left intact") && text.contains("Stream::capture"), "{text}");
         let unknown = Error::StreamCapturing { operation: "filling", capture: None }.to_string();
-        assert!(unknown.contains("capture (id unknown)"), "{unknown}");
+        assert!(unknown.contains("capture (id unknown: on the legacy stream, any blocking stream"), "{unknown}");
     }
 }
