@@ -49,6 +49,9 @@ int capture_on_next_record;
 int end_capture_before_next_waitevent;
 int fail_next_waits;
 int null_next_alloc;
+/* The next free on the legacy stream is refused as if a blocking stream began capturing just
+   before it (after the library asked): CUDA_ERROR_STREAM_CAPTURE_IMPLICIT. */
+int refuse_next_legacy_free;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -128,6 +131,7 @@ static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
 static CUresult free_async(uint64_t p, Stream *s) {
     if ((uintptr_t)s <= 1 && !current) return INVALID_CONTEXT;
     if (legacy_refused(s)) return IMPLICIT;
+    if ((uintptr_t)s <= 1 && refuse_next_legacy_free) { refuse_next_legacy_free = 0; return IMPLICIT; }
     if (s && (uintptr_t)s > 2 && s->capturing) return 1; /* memory from before the capture */
     log_call("free", (void *)(uintptr_t)p, s, 0);
     size_t *block = (size_t *)(uintptr_t)p - 1;

@@ -147,7 +147,9 @@ pub fn call_log() -> String {
 /// joins nothing and orders nothing) or `fail_next_waits` (the next `cuEventSynchronize`, and
 /// the next `cuStreamSynchronize` or `cuStreamQuery`, that would succeed fail instead) or
 /// `null_next_alloc` (the next `cuMemAllocFromPoolAsync` answers success with address 0, as a
-/// misbehaving driver would). A stream that waits for an
+/// misbehaving driver would) or `refuse_next_legacy_free` (the next `cuMemFreeAsync` on the
+/// legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, as when a blocking stream began
+/// capturing after the library asked). A stream that waits for an
 /// event recorded in a capture joins that capture; the capture's end then ends it too, and
 /// reports the capture invalidated (unjoined). A capturing stream that waits for an event
 /// recorded outside any capture is refused with CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and its

@@ -242,3 +242,19 @@ fn an_ordering_of_the_legacy_stream_is_refused_beside_a_blocking_capture() {
     }
     legacy.order_after(&side).unwrap();
 }
+
+/// A blocking stream that begins capturing between the legacy stream's question and the free
+/// (the driver then refuses the free): the free is not lost, it waits for the next use of the
+/// legacy stream.
+#[test]
+fn a_legacy_free_refused_for_a_capture_begun_after_the_question_waits() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let legacy = Stream::legacy(&context);
+    let buffer = pool.alloc(4096, &legacy).unwrap();
+    cumempool_tests::stand_in_driver::set_switch("refuse_next_legacy_free");
+    drop(buffer);
+    assert_eq!(pool.used_mem_current().unwrap(), 4096, "kept, not freed");
+    legacy.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "the legacy stream's next use freed it");
+}

@@ -689,7 +689,16 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
             stream.bind()?;
             // SAFETY: a live allocation, freed once, ordered on its stream (or, during its own
             // capture, recorded as the graph's free node).
-            unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) }?;
+            match unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) } {
+                // A blocking stream began capturing since the question: the free waits after all.
+                Err(error)
+                    if legacy && error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) =>
+                {
+                    stream.defer_legacy_free(DeferredFree { ptr, pool: pool.cloned() });
+                    return Ok(FreeAction::Defer);
+                }
+                answer => answer?,
+            }
         }
         FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned() }),
     }

@@ -16,10 +16,14 @@ pub(crate) struct DeferredFree {
 }
 
 /// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
-/// mapped once their unmapping has run.
-pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
+/// mapped once their unmapping has run. Answers the frees the legacy stream refused for a
+/// capture a blocking stream began since it was asked (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`):
+/// still live, for the caller to keep waiting.
+#[must_use = "the frees a capture refused are still live: keep them"]
+pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<DeferredFree> {
+    let mut refused = Vec::new();
     if frees.is_empty() {
-        return;
+        return refused;
     }
     let mut imported = Vec::new();
     for free in frees {
@@ -27,6 +31,9 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
         match unsafe { driver_call!(cuMemFreeAsync(free.ptr, stream)) } {
             Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free.ptr),
             Ok(()) => {}
+            Err(error) if error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) => {
+                refused.push(free);
+            }
             Err(error) => tracing::warn!(%error, ptr = free.ptr, "a free deferred by a capture failed"),
         }
     }
@@ -39,4 +46,5 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) {
             Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
         }
     }
+    refused
 }

@@ -578,9 +578,9 @@ impl Stream {
         let run = || {
             let frees = self.take_deferred_frees();
             let orphans = take_orphans(self.orphan_key(), self.context().map(Context::as_raw));
-            run_frees(raw, frees);
+            run_frees_keeping_refused(raw, self.context(), frees);
             for mut orphan in orphans {
-                run_frees(raw, std::mem::take(&mut orphan.frees));
+                run_frees_keeping_refused(raw, self.context(), std::mem::take(&mut orphan.frees));
                 if orphan.owned {
                     // This value borrows the leaked stream: its drop destroys it, not this call.
                     adopt(orphan);
@@ -622,13 +622,13 @@ impl Stream {
                         Some(context) => {
                             let frees = orphan.frees;
                             if let Err(error) = context.while_current(|| {
-                                run_frees(raw, frees);
+                                run_frees_keeping_refused(raw, Some(context), frees);
                                 Ok::<(), Error>(())
                             }) {
                                 tracing::warn!(%error, "making a dropped stream's context current for its frees failed");
                             }
                         }
-                        None => run_frees(raw, orphan.frees),
+                        None => run_frees_keeping_refused(raw, None, orphan.frees),
                     }
                     if orphan.owned {
                         destroy_leaked(raw, orphan.context.as_ref());
@@ -783,7 +783,7 @@ impl Drop for StreamInner {
                 }
                 return Ok(());
             }
-            run_frees(raw, frees);
+            run_frees_keeping_refused(raw, context.as_ref(), frees);
             drop(keep_alive);
             if owned {
                 // SAFETY: an owned stream, destroyed once.
@@ -799,6 +799,26 @@ impl Drop for StreamInner {
             tracing::warn!(%error, "destroying a stream failed");
         }
     }
+}
+
+/// [`run_frees`] on `raw` in `context` (current), keeping the frees the legacy stream refused
+/// for a capture begun since it was asked: they wait with the context's legacy stream again.
+fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, frees: Vec<DeferredFree>) {
+    let refused = run_frees(raw, frees);
+    if refused.is_empty() {
+        return;
+    }
+    tracing::warn!(
+        count = refused.len(),
+        "a capture began before deferred frees reached the legacy stream: they wait again"
+    );
+    adopt(Orphan {
+        raw: DriverHandle(std::ptr::null_mut()),
+        context: context.cloned(),
+        frees: refused,
+        owned: false,
+        _keep_alive: Vec::new(),
+    });
 }
 
 /// The frees left on [`Stream::legacy_for_per_thread`]'s stream when its last value drops. They
@@ -817,7 +837,7 @@ fn drop_per_thread_frees(frees: Vec<DeferredFree>, context: Option<&Context>) {
     let legacy = std::ptr::null_mut();
     let ran = context.while_current(|| {
         if capture_info(legacy).is_ok_and(|status| status == CaptureStatus::None) {
-            run_frees(legacy, frees);
+            run_frees_keeping_refused(legacy, Some(context), frees);
         } else {
             adopt(Orphan {
                 raw: DriverHandle(legacy),
