@@ -300,7 +300,7 @@ fn passed(after: &mut FreedAfter, context: &Context, settle: Settle) -> Result<b
 /// [`passed`], without the retry of a captured event.
 fn passed_once(after: &mut FreedAfter, context: &Context, settle: Settle) -> cumempool::Result<bool> {
     if let FreedAfter::CaptureEnd(stream) = after {
-        if stream.is_capturing()? {
+        if stream.is_capturing()? || stream.blocked_by_a_capture()? {
             return Ok(false);
         }
         match event_after(stream, context)? {
@@ -645,7 +645,9 @@ unsafe impl StreamOrderedResource for Arena {
         if live(&self.lock()).is_none() {
             return Err(Error::NotFromArena { ptr });
         }
-        let after = if self.may_be_capturing(stream) && self.is_capturing(stream)? {
+        // The legacy stream beside a blocking stream's capture takes no event now (the driver
+        // would refuse it and invalidate that capture): the span waits for the capture's end.
+        let after = if (self.may_be_capturing(stream) && self.is_capturing(stream)?) || stream.blocked_by_a_capture()? {
             Some(FreedAfter::CaptureEnd(stream.clone()))
         } else {
             // The span stays live if this fails: the caller's free failed, nothing is reused.

@@ -258,3 +258,24 @@ fn a_legacy_free_refused_for_a_capture_begun_after_the_question_waits() {
     legacy.synchronize().unwrap();
     assert_eq!(pool.used_mem_current().unwrap(), 0, "the legacy stream's next use freed it");
 }
+
+/// An arena's span freed on the legacy stream while a blocking stream captures takes no event
+/// there (the driver would refuse it and invalidate that capture): it waits for the capture's end,
+/// then for the legacy stream, and is reused after.
+#[test]
+fn an_arena_free_on_the_legacy_stream_waits_for_a_blocking_capture() {
+    use cumempool_alloc::Arena;
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let arena = Arena::builder(0, 8 << 20).chunk_size(2 << 20).build().unwrap();
+    let ptr = arena.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap();
+    begin_per_thread_capture();
+    // SAFETY: allocated above with these arguments, freed once, unused after.
+    let freed = unsafe { arena.deallocate(ptr, 4096, POOL_ALIGNMENT, &legacy) };
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    freed.unwrap();
+    let stats = arena.stats();
+    assert_eq!((stats.in_use, stats.pending_frees), (0, 1), "freed, waiting for the stream");
+    let again = arena.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap();
+    assert_eq!(again, ptr, "the span was reused once the capture ended");
+}
