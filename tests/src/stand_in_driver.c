@@ -52,6 +52,9 @@ int null_next_alloc;
 /* The next free on the legacy stream is refused as if a blocking stream began capturing just
    before it (after the library asked): CUDA_ERROR_STREAM_CAPTURE_IMPLICIT. */
 int refuse_next_legacy_free;
+/* The next cuEventCreate begins a relaxed capture of the calling thread's per-thread stream, as
+   a blocking stream's capture begun right after the library asked the legacy stream. */
+int capture_per_thread_at_next_event_create;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -140,8 +143,13 @@ static CUresult free_async(uint64_t p, Stream *s) {
 /* An event is the capturing stream its last record was on, or null. Querying or waiting for an
    event recorded in a capture answers CUDA_ERROR_CAPTURED_EVENT. */
 enum { CAPTURED_EVENT = 907 };
+static CUresult begin_capture(Stream *s, int mode);
 static CUresult event_create(void **e, unsigned flags) {
     if (!current) return INVALID_CONTEXT;
+    if (capture_per_thread_at_next_event_create) {
+        capture_per_thread_at_next_event_create = 0;
+        begin_capture((Stream *)2, RELAXED);
+    }
     *e = calloc(1, sizeof(Stream *)); log_call("eventcreate", *e, 0, 0);
     return 0;
 }

@@ -149,7 +149,8 @@ pub fn call_log() -> String {
 /// `null_next_alloc` (the next `cuMemAllocFromPoolAsync` answers success with address 0, as a
 /// misbehaving driver would) or `refuse_next_legacy_free` (the next `cuMemFreeAsync` on the
 /// legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, as when a blocking stream began
-/// capturing after the library asked). A stream that waits for an
+/// capturing after the library asked) or `capture_per_thread_at_next_event_create` (the next
+/// `cuEventCreate` begins a relaxed capture of the calling thread's per-thread stream first). A stream that waits for an
 /// event recorded in a capture joins that capture; the capture's end then ends it too, and
 /// reports the capture invalidated (unjoined). A capturing stream that waits for an event
 /// recorded outside any capture is refused with CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and its
@@ -182,6 +183,19 @@ pub fn set_sticky_error(code: i32) {
 /// [`stand_in`] answered a context.
 pub fn capture_at_next_copy(stream: &cumempool::Stream) {
     capture_after(b"capture_at_next_memcpy\0", stream);
+}
+
+/// As [`capture_at_next_launch`], of the calling thread's per-thread stream (a blocking stream,
+/// whose capture blocks the legacy stream).
+pub fn capture_per_thread_at_next_launch() {
+    let path = LIBRARY.get().expect("the stand-in driver is loaded: call stand_in() first");
+    // SAFETY: as in `call_log`; `capture_at_next_launch` is a stream pointer the stand-in reads
+    // and clears, here the per-thread handle.
+    unsafe {
+        let library = libloading::Library::new(path).unwrap();
+        let symbol = library.get::<*mut *mut std::ffi::c_void>(b"capture_at_next_launch\0").unwrap();
+        **symbol = 2 as *mut std::ffi::c_void;
+    }
 }
 
 /// As [`capture_at_next_copy`], after the next `cuGraphLaunch`.

@@ -650,8 +650,15 @@ unsafe impl StreamOrderedResource for Arena {
         let after = if (self.may_be_capturing(stream) && self.is_capturing(stream)?) || stream.blocked_by_a_capture()? {
             Some(FreedAfter::CaptureEnd(stream.clone()))
         } else {
-            // The span stays live if this fails: the caller's free failed, nothing is reused.
-            event_after(stream, &self.context)?
+            match event_after(stream, &self.context) {
+                // A blocking stream began capturing since the question: the legacy stream's
+                // event waits for that capture's end.
+                Err(cumempool::Error::StreamCapturing { .. }) if stream.is_blocked_by_a_capture() => {
+                    Some(FreedAfter::CaptureEnd(stream.clone()))
+                }
+                // The span stays live if this fails: the caller's free failed, nothing is reused.
+                recorded => recorded?,
+            }
         };
         let mut state = self.lock();
         let Some((offset, len)) = live(&state).and_then(|o| state.live.remove(&o).map(|len| (o, len))) else {

@@ -722,8 +722,11 @@ impl GraphExec<'_> {
                 // recorded outside its capture, and invalidates that capture. The launch is
                 // waited for on the host instead, which orders every later use of the streams'
                 // memory after it; the launch ran, so that is no error.
-                let began_capturing =
-                    after.may_be_capturing() && !matches!(after.capture_status(), Ok(CaptureStatus::None));
+                // The legacy stream is never captured, but a blocking stream's capture begun since
+                // refuses its wait just the same.
+                let began_capturing = (after.may_be_capturing()
+                    && !matches!(after.capture_status(), Ok(CaptureStatus::None)))
+                    || after.is_blocked_by_a_capture();
                 let refused = if began_capturing { None } else { after.wait(&self.done).err() };
                 if began_capturing || refused.is_some() {
                     // `after` is not ordered after the launch, and its next free (even of a

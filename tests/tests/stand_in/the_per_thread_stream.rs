@@ -279,3 +279,40 @@ fn an_arena_free_on_the_legacy_stream_waits_for_a_blocking_capture() {
     let again = arena.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap();
     assert_eq!(again, ptr, "the span was reused once the capture ended");
 }
+
+/// A launch on the legacy stream that ran, where a blocking stream began capturing right after
+/// it: as for an ordinary stream that begins capturing then, the launch is waited for on the host
+/// and is no error (a caller retrying it would run the graph twice).
+#[test]
+fn a_launch_on_the_legacy_stream_that_ran_is_no_error_when_a_blocking_capture_begins() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let side = Stream::new(&context).unwrap();
+    let mut buffer = pool.alloc(4096, &side).unwrap();
+    let graph =
+        Stream::new(&context).unwrap().capture(|capture| capture.fill(&capture.buffer(&mut buffer)?, 1)).unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    cumempool_tests::stand_in_driver::capture_per_thread_at_next_launch();
+    let launched = exec.launch(&legacy);
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    assert!(launched.is_ok(), "the launch ran and was waited for, yet: {launched:?}");
+}
+
+/// An arena span freed on the legacy stream when a blocking stream begins capturing between the
+/// question and the event: the span waits for the capture's end, as a pool's free does, instead
+/// of failing with the span live for ever.
+#[test]
+fn an_arena_free_racing_a_blocking_capture_waits_for_it() {
+    use cumempool_alloc::Arena;
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let arena = Arena::builder(0, 8 << 20).chunk_size(2 << 20).build().unwrap();
+    let ptr = arena.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap();
+    cumempool_tests::stand_in_driver::set_switch("capture_per_thread_at_next_event_create");
+    // SAFETY: allocated above with these arguments, freed once, unused after.
+    let freed = unsafe { arena.deallocate(ptr, 4096, POOL_ALIGNMENT, &legacy) };
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    freed.unwrap();
+    assert_eq!(arena.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap(), ptr, "reused after the capture");
+}

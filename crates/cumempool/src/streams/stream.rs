@@ -610,7 +610,16 @@ impl Stream {
         let mut waiting = 0;
         for orphan in take_orphans_where(|_| true) {
             let raw = orphan.raw.0;
-            let ended = || capture_info(raw).map(|status| status == CaptureStatus::None);
+            // A legacy stream a blocking stream's capture blocks answers IMPLICIT: still waiting.
+            let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
+            let ended = || match capture_info(raw) {
+                Err(error)
+                    if legacy && error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) =>
+                {
+                    Ok(false)
+                }
+                answer => answer.map(|status| status == CaptureStatus::None),
+            };
             let ended = match &orphan.context {
                 Some(context) => context.while_current(ended),
                 None => ended(),
