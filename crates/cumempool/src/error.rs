@@ -418,6 +418,14 @@ impl Error {
         self.cuda_code() == Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY.0)
     }
 
+    /// Whether the driver refused legacy-stream work (or answered the legacy stream's capture
+    /// question) because a blocking stream of its context captures:
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`. That capture was left intact by a question, and
+    /// invalidated by refused work.
+    pub(crate) fn is_refused_for_a_blocking_capture(&self) -> bool {
+        self.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0)
+    }
+
     /// Builds the error for a failed driver call, with the driver's name for the code.
     #[cold]
     pub(crate) fn driver(code: sys::CUresult, function: &'static str) -> Self {

@@ -691,9 +691,7 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
             // capture, recorded as the graph's free node).
             match unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) } {
                 // A blocking stream began capturing since the question: the free waits after all.
-                Err(error)
-                    if legacy && error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) =>
-                {
+                Err(error) if legacy && error.is_refused_for_a_blocking_capture() => {
                     stream.defer_legacy_free(DeferredFree { ptr, pool: pool.cloned() });
                     return Ok(FreeAction::Defer);
                 }

@@ -31,9 +31,7 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
         match unsafe { driver_call!(cuMemFreeAsync(free.ptr, stream)) } {
             Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free.ptr),
             Ok(()) => {}
-            Err(error) if error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) => {
-                refused.push(free);
-            }
+            Err(error) if error.is_refused_for_a_blocking_capture() => refused.push(free),
             Err(error) => tracing::warn!(%error, ptr = free.ptr, "a free deferred by a capture failed"),
         }
     }

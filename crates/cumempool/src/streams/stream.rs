@@ -88,6 +88,11 @@ impl StreamId {
 
 /// `CU_STREAM_LEGACY`: the legacy default stream of the current context, like `0`.
 const LEGACY_HANDLE: usize = 0x1;
+
+/// Whether `raw` names the legacy stream of the current context (`0` or `CU_STREAM_LEGACY`).
+fn is_legacy_handle(raw: sys::CUstream) -> bool {
+    matches!(raw as usize, 0 | LEGACY_HANDLE)
+}
 /// `CU_STREAM_PER_THREAD`: a different stream on each thread.
 const PER_THREAD_HANDLE: usize = 0x2;
 
@@ -99,8 +104,7 @@ impl Stream {
     fn with_keep_alive(raw: sys::CUstream, context: Option<Context>, owned: bool, keep_alive: KeepAlive) -> Self {
         // A borrowed ordinary stream is reachable by the code that lent it, which may capture
         // it; a stream created here, or the legacy stream (which cannot be captured), is not.
-        let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
-        let capture_possible = !owned && !legacy;
+        let capture_possible = !owned && !is_legacy_handle(raw);
         let id = StreamId::next();
         let marked_id = id.get() | if capture_possible { Self::CAPTURE_MARK } else { 0 };
         Self(Arc::new(StreamInner {
@@ -287,7 +291,7 @@ impl Stream {
     /// `CU_STREAM_LEGACY`).
     #[inline]
     pub(crate) fn is_legacy(&self) -> bool {
-        matches!(self.as_raw() as usize, 0 | LEGACY_HANDLE)
+        is_legacy_handle(self.as_raw())
     }
 
     /// Whether this handle destroys the stream (false for [`Stream::legacy`] and
@@ -426,11 +430,12 @@ impl Stream {
         self.blocked_by_a_capture().unwrap_or(true)
     }
 
-    /// The legacy stream's answer behind [`Stream::is_blocked_by_a_capture`], for work queued
-    /// at its caller's word, which a failure should reach: `true` while a blocking stream of its context
-    /// captures (the driver answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, the capture left
-    /// intact), `false` when nothing blocks it or for any other stream (no driver call), and
-    /// any other failure (a sticky error of an earlier launch, say) as itself, not as a capture.
+    /// The legacy stream's answer behind [`Stream::is_blocked_by_a_capture`], for work queued at
+    /// its caller's word, which a failure should reach: `true` while a blocking stream of its
+    /// context captures (the driver answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, the capture
+    /// left intact), `false` when nothing blocks it or for any other stream (no driver call),
+    /// and any other failure (a sticky error of an earlier launch, say) as itself, not as a
+    /// capture.
     ///
     /// # Errors
     /// The driver's refusal to answer, other than for a capture.
@@ -441,7 +446,7 @@ impl Stream {
         // The legacy stream itself, not the per-thread stream `asked_handle` names.
         match context.while_current(|| capture_info(self.as_raw())) {
             Ok(status) => Ok(status != CaptureStatus::None),
-            Err(error) if error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) => Ok(true),
+            Err(error) if error.is_refused_for_a_blocking_capture() => Ok(true),
             Err(error) => Err(error),
         }
     }
@@ -510,9 +515,7 @@ impl Stream {
         if self.is_legacy() {
             // One question covers every blocking stream of the context, the calling thread's
             // per-thread stream (legacy_for_per_thread's) among them.
-            if self.blocked_by_a_capture()? {
-                return Err(Error::StreamCapturing { operation, capture: None });
-            }
+            self.refuse_blocked_legacy(operation)?;
             self.run_deferred_frees();
             return Ok(());
         }
@@ -611,13 +614,8 @@ impl Stream {
         for orphan in take_orphans_where(|_| true) {
             let raw = orphan.raw.0;
             // A legacy stream a blocking stream's capture blocks answers IMPLICIT: still waiting.
-            let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
             let ended = || match capture_info(raw) {
-                Err(error)
-                    if legacy && error.cuda_code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT.0) =>
-                {
-                    Ok(false)
-                }
+                Err(error) if is_legacy_handle(raw) && error.is_refused_for_a_blocking_capture() => Ok(false),
                 answer => answer.map(|status| status == CaptureStatus::None),
             };
             let ended = match &orphan.context {
@@ -775,9 +773,8 @@ impl Drop for StreamInner {
         let destroy = || -> Result<()> {
             // The legacy stream is asked too: its work is refused while a blocking stream of its
             // context captures (the question leaves that capture intact).
-            let legacy = matches!(raw as usize, 0 | LEGACY_HANDLE);
-            let capturing =
-                (may_capture || legacy) && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
+            let capturing = (may_capture || is_legacy_handle(raw))
+                && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
             if capturing {
                 // Code that lent the stream still captures on it (or a capture's private stream
                 // could not be ended, or the driver cannot say): a free now would be recorded
