@@ -752,7 +752,10 @@ impl Drop for StreamInner {
         let may_capture = *self.marked_id.get_mut() & Stream::CAPTURE_MARK != 0;
         let mut frees = std::mem::take(self.deferred_frees.get_mut().unwrap_or_else(PoisonError::into_inner));
         if self.for_per_thread {
-            return drop_per_thread_frees(frees, self.context.as_ref());
+            // Like the legacy stream, it keeps no frees of its own: those its blocking captures
+            // refuse wait with the context's legacy stream (`defer_legacy_free`).
+            debug_assert!(frees.is_empty(), "a legacy stream's frees wait with its context's");
+            return;
         }
         let mut keep_alive = vec![std::mem::replace(&mut self._keep_alive, KeepAlive(None))];
         if may_capture {
@@ -771,10 +774,7 @@ impl Drop for StreamInner {
         // over by now; one begun by other code is asked about below.
         let context = self.context.clone();
         let destroy = || -> Result<()> {
-            // The legacy stream is asked too: its work is refused while a blocking stream of its
-            // context captures (the question leaves that capture intact).
-            let capturing = (may_capture || is_legacy_handle(raw))
-                && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
+            let capturing = may_capture && capture_info(raw).map_or(true, |status| status != CaptureStatus::None);
             if capturing {
                 // Code that lent the stream still captures on it (or a capture's private stream
                 // could not be ended, or the driver cannot say): a free now would be recorded
@@ -825,39 +825,6 @@ fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, free
         owned: false,
         _keep_alive: Vec::new(),
     });
-}
-
-/// The frees left on [`Stream::legacy_for_per_thread`]'s stream when its last value drops. They
-/// run on the legacy stream, whose work the driver refuses while any blocking stream of the
-/// context captures (any thread's per-thread stream included), invalidating that capture: so
-/// they run now only if the legacy stream is not blocked, and otherwise wait, with the stream's
-/// context, for the next use of a legacy stream of that context (or
-/// [`Stream::run_orphaned_frees`]).
-fn drop_per_thread_frees(frees: Vec<DeferredFree>, context: Option<&Context>) {
-    if frees.is_empty() {
-        return;
-    }
-    let Some(context) = context else {
-        return std::mem::forget(frees);
-    };
-    let legacy = std::ptr::null_mut();
-    let ran = context.while_current(|| {
-        if capture_info(legacy).is_ok_and(|status| status == CaptureStatus::None) {
-            run_frees_keeping_refused(legacy, Some(context), frees);
-        } else {
-            adopt(Orphan {
-                raw: DriverHandle(legacy),
-                context: Some(context.clone()),
-                frees,
-                owned: false,
-                _keep_alive: Vec::new(),
-            });
-        }
-        Ok::<(), Error>(())
-    });
-    if let Err(error) = ran {
-        tracing::warn!(%error, "running the frees of a dropped per-thread stream failed");
-    }
 }
 
 #[cfg(test)]
