@@ -32,6 +32,11 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
 
     /// Frees memory in stream order on `stream`.
     ///
+    /// On the legacy stream while a blocking stream of its context captures, the free must wait
+    /// for the capture's end rather than reach the driver, which would refuse it and invalidate
+    /// that capture: [`cumempool::free_async`] and [`Arena`](crate::Arena) do. A dropped
+    /// [`CachingResource`](crate::CachingResource) relies on it for its legacy-stream blocks.
+    ///
     /// # Safety
     /// `ptr` must come from `allocate` on this resource with the same `bytes` and `align`, be
     /// freed once, and no work may use it after the free in the order of `stream`.
