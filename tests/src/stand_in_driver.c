@@ -40,6 +40,8 @@ static int legacy_refused(Stream *s) {
     return refused;
 }
 static size_t live_bytes;
+/* Set in the size header of an imported mapping's block (see `pointer_import`). */
+#define MAPPING ((size_t)1 << 63)
 static CUresult generic(void) { return 0; }
 /* A log of the calls that order work, and one-shot switches (see stand_in_driver.rs). */
 char call_log[1 << 16];
@@ -55,6 +57,10 @@ int refuse_next_legacy_free;
 /* The next cuEventCreate begins a relaxed capture of the calling thread's per-thread stream, as
    a blocking stream's capture begun right after the library asked the legacy stream. */
 int capture_per_thread_at_next_event_create;
+/* The next free on the legacy stream that goes through begins a relaxed capture of the calling
+   thread's per-thread stream right after it, as a blocking stream's capture begun between the
+   library's last free of a batch and what it does next. */
+int capture_per_thread_after_next_legacy_free;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -110,7 +116,15 @@ static CUresult stream_destroy(Stream *s) {
     pthread_mutex_unlock(&lock);
     return 0;
 }
-static CUresult pool_create(void **pool, const void *props) { *pool = malloc(8); return 0; }
+/* A pool made here remembers the export handle types it was created with (CUmemPoolProps'
+   second field); one imported from a shareable handle has none, as it cannot be exported again. */
+typedef struct Pool { uint32_t handle_types; } Pool;
+enum { INVALID_VALUE = 1, POSIX_FILE_DESCRIPTOR = 1 };
+static CUresult pool_create(Pool **pool, const uint32_t *props) {
+    *pool = calloc(1, sizeof **pool);
+    (*pool)->handle_types = props[1];
+    return 0;
+}
 static CUresult pool_attribute(void *pool, int attribute, void *value) {
     if (attribute >= 4) *(uint64_t *)value = live_bytes; else *(int *)value = 0;
     return 0;
@@ -131,6 +145,7 @@ static CUresult alloc_from_pool(uint64_t *p, size_t n, void *pool, Stream *s) {
     size_t *block = malloc(sizeof(size_t) + (n ? n : 1));
     *block = n; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1); return 0;
 }
+static CUresult begin_capture(Stream *s, int mode);
 static CUresult free_async(uint64_t p, Stream *s) {
     if ((uintptr_t)s <= 1 && !current) return INVALID_CONTEXT;
     if (legacy_refused(s)) return IMPLICIT;
@@ -138,7 +153,13 @@ static CUresult free_async(uint64_t p, Stream *s) {
     if (s && (uintptr_t)s > 2 && s->capturing) return 1; /* memory from before the capture */
     log_call("free", (void *)(uintptr_t)p, s, 0);
     size_t *block = (size_t *)(uintptr_t)p - 1;
-    live_bytes -= *block; free(block); return 0;
+    live_bytes -= *block & ~MAPPING;
+    if (!(*block & MAPPING)) free(block);
+    if ((uintptr_t)s <= 1 && capture_per_thread_after_next_legacy_free) {
+        capture_per_thread_after_next_legacy_free = 0;
+        begin_capture((Stream *)2, RELAXED);
+    }
+    return 0;
 }
 /* An event is the capturing stream its last record was on, or null. Querying or waiting for an
    event recorded in a capture answers CUDA_ERROR_CAPTURED_EVENT. */
@@ -186,9 +207,11 @@ static CUresult ctx_synchronize(CUcontext c) {
 /* A sticky error (an earlier launch's fault, say): while set, every capture question and stream
    wait answers it, as the driver answers every call of a context that faulted. */
 int sticky_error;
+/* A wait on the legacy stream is legacy-stream work: refused while a blocking stream captures,
+   and that capture invalidated (`legacy_refused`). */
 static CUresult stream_wait(Stream *s) {
     if (sticky_error) return sticky_error;
-    CUresult r = forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0;
+    CUresult r = legacy_refused(s) ? IMPLICIT : forbidden((uintptr_t)s > 2 ? s : 0) ? UNSUPPORTED : 0;
     if (!r && fail_next_waits & 2) { fail_next_waits &= ~2; r = 999; }
     log_call("sync", s, 0, r);
     return r;
@@ -270,6 +293,44 @@ static CUresult export_shareable(void *handle, uint64_t memory, int type, uint64
     *(int *)handle = open("/dev/null", O_RDONLY | O_CLOEXEC);
     return 0;
 }
+/* Sharing a pool within the process: a pool created with POSIX_FILE_DESCRIPTOR exports a new
+   descriptor of /dev/null, and any open descriptor imports as a new pool. An allocation's export
+   data is its address and size; importing it maps a fresh block of that size, laid out and
+   counted as `alloc_from_pool`'s, which `free_async` unmaps. So a re-import is mapped at another
+   address, where the driver maps the same one; and any allocation exports, shared pool or not.
+   An unmapped block is never freed, so no later import is mapped at its address: a mapping the
+   library could not wait for stays marked as mapped there, and must not reach into later tests. */
+static CUresult pool_export(void *handle, Pool *pool, int type, uint64_t flags) {
+    if (type != POSIX_FILE_DESCRIPTOR || !pool || !(pool->handle_types & POSIX_FILE_DESCRIPTOR)) return INVALID_VALUE;
+    *(int *)handle = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    return 0;
+}
+static CUresult pool_import(Pool **pool, void *handle, int type, uint64_t flags) {
+    if (type != POSIX_FILE_DESCRIPTOR || fcntl((int)(intptr_t)handle, F_GETFD) == -1) return INVALID_VALUE;
+    *pool = calloc(1, sizeof **pool);
+    return 0;
+}
+static CUresult pointer_export(uint64_t data[8], uint64_t p) {
+    memset(data, 0, 64);
+    data[0] = p;
+    data[1] = ((size_t *)(uintptr_t)p)[-1] & ~MAPPING;
+    return 0;
+}
+static CUresult pointer_import(uint64_t *p, Pool *pool, const uint64_t data[8]) {
+    size_t n = data[1];
+    if (!data[0] || !n) return INVALID_VALUE;
+    size_t *block = malloc(sizeof(size_t) + n);
+    *block = n | MAPPING; live_bytes += n; *p = (uint64_t)(uintptr_t)(block + 1);
+    return 0;
+}
+/* The mapped range of an allocation's start (CU_POINTER_ATTRIBUTE_RANGE_START_ADDR and
+   RANGE_SIZE), read from its block; other attributes are left unwritten, as any unmodelled call. */
+enum { RANGE_START_ADDR = 11, RANGE_SIZE = 12 };
+static CUresult pointer_attribute(void *value, int attribute, uint64_t p) {
+    if (attribute == RANGE_START_ADDR) *(uint64_t *)value = p;
+    if (attribute == RANGE_SIZE) *(size_t *)value = ((size_t *)(uintptr_t)p)[-1] & ~MAPPING;
+    return 0;
+}
 static CUresult begin_capture(Stream *s, int mode) {
     s = resolve(s);
     pthread_mutex_lock(&lock);
@@ -334,6 +395,9 @@ static const struct { const char *name; void *fn; } table[] = {
     {"cuMemAddressFree", address_free}, {"cuMemExportToShareableHandle", export_shareable},
     {"cuGraphLaunch", graph_launch}, {"cuGraphInstantiateWithFlags", graph_instantiate},
     {"cuGraphExecDestroy", graph_exec_destroy},
+    {"cuMemPoolExportToShareableHandle", pool_export}, {"cuMemPoolImportFromShareableHandle", pool_import},
+    {"cuMemPoolExportPointer", pointer_export}, {"cuMemPoolImportPointer", pointer_import},
+    {"cuPointerGetAttribute", pointer_attribute},
     {"cuMemcpyAsync", memcpy_async}, {"cuMemsetD8Async", memset_async}, {"cuEventRecord", event_record}, {"cuStreamWaitEvent", wait_event},
 };
 /* CUDA 12.0 added cuGetProcAddress_v2: an older driver lacks the symbol, which is how a loader

@@ -14,7 +14,12 @@
 //! allocations are heap blocks, counted; so are the streams alive ([`live_streams`]), and the
 //! last destroyed stream's handle goes to the next new stream, as the driver's often does.
 //! Virtual memory has 2 MiB granules and one range of addresses, never dereferenced; exporting
-//! physical memory as a file descriptor hands out a new descriptor of `/dev/null`. Every function
+//! physical memory as a file descriptor hands out a new descriptor of `/dev/null`. A pool made
+//! with the file-descriptor handle type exports as such a descriptor, and any open descriptor
+//! imports as a new pool; an allocation exports as its address and size, and imports as a fresh
+//! block of that size (the driver would map the exporter's memory), whose range
+//! `cuPointerGetAttribute` answers. A wait on the legacy stream while a blocking stream captures
+//! is refused with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT and invalidates that capture. Every function
 //! the stand-in does not model answers success. The Python tests run on the same stand-in
 //! (the `stand_in_libcuda` fixture of crates/cumempool-py/tests/conftest.py).
 //!
@@ -150,7 +155,10 @@ pub fn call_log() -> String {
 /// misbehaving driver would) or `refuse_next_legacy_free` (the next `cuMemFreeAsync` on the
 /// legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, as when a blocking stream began
 /// capturing after the library asked) or `capture_per_thread_at_next_event_create` (the next
-/// `cuEventCreate` begins a relaxed capture of the calling thread's per-thread stream first). A stream that waits for an
+/// `cuEventCreate` begins a relaxed capture of the calling thread's per-thread stream first) or
+/// `capture_per_thread_after_next_legacy_free` (right after the next `cuMemFreeAsync` on the
+/// legacy stream that succeeds, a relaxed capture of the calling thread's per-thread stream
+/// begins, as another library's capture beginning mid-batch would). A stream that waits for an
 /// event recorded in a capture joins that capture; the capture's end then ends it too, and
 /// reports the capture invalidated (unjoined). A capturing stream that waits for an event
 /// recorded outside any capture is refused with CUDA_ERROR_STREAM_CAPTURE_ISOLATION, and its

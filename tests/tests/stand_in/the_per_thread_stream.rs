@@ -17,7 +17,7 @@ const PER_THREAD: usize = 2;
 
 /// Begins a thread-local capture of the calling thread's per-thread stream, as CuPy's
 /// `Stream.ptds.begin_capture()` does.
-fn begin_per_thread_capture() {
+pub(crate) fn begin_per_thread_capture() {
     let begin = sys::driver().unwrap().cuStreamBeginCapture().unwrap();
     // SAFETY: the calling thread's per-thread stream, which always exists; not capturing.
     let begun = unsafe { begin(PER_THREAD as sys::CUstream, CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) };
@@ -25,7 +25,7 @@ fn begin_per_thread_capture() {
 }
 
 /// Ends that capture: the driver's answer (CUDA_SUCCESS unless something invalidated it).
-fn end_per_thread_capture() -> CUresult {
+pub(crate) fn end_per_thread_capture() -> CUresult {
     let driver = sys::driver().unwrap();
     let mut graph = std::ptr::null_mut();
     // SAFETY: the capture begun on this thread; a valid out-pointer.

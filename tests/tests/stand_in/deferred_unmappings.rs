@@ -1,0 +1,61 @@
+//! An imported allocation's buffer on the legacy stream, dropped while a blocking stream
+//! captures: its free (the unmapping) waits for the capture's end. The mapping may be forgotten,
+//! and the allocation imported again, only once a host wait saw the unmapping run (the driver
+//! maps a re-import at the same address); that wait, on the legacy stream, must never be made
+//! while a blocking stream captures, which it would invalidate.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::the_per_thread_stream::{begin_per_thread_capture, end_per_thread_capture};
+use cumempool::sys::CUresult;
+use cumempool::{Buffer, Error, HandleTypes, MemPool, Route, SharedAllocation, Stream};
+use cumempool_tests::stand_in_driver::{set_switch, stand_in};
+
+const LEN: usize = 4096;
+
+/// A pool of this process shared with itself: the exporter's allocation on `stream`, its export
+/// data, and the pool imported from the exporter's descriptor.
+fn shared_with_itself(stream: &Stream) -> (Buffer<'_>, SharedAllocation, MemPool) {
+    let exporter =
+        MemPool::builder(Route::device(0)).export_handle_types(HandleTypes::POSIX_FILE_DESCRIPTOR).build().unwrap();
+    let allocation = exporter.alloc(LEN, stream).unwrap();
+    let imported = MemPool::import_fd(exporter.export_fd().unwrap()).unwrap();
+    let shared = allocation.export().unwrap();
+    (allocation, shared, imported)
+}
+
+/// The unmapping's free goes through, then a blocking stream begins capturing before the wait
+/// for it: the wait is not made, the capture is left intact, and the allocation stays
+/// unimportable rather than mapped again under a pending unmapping.
+#[test]
+fn a_deferred_unmapping_is_not_waited_for_beside_a_blocking_capture_begun_after_its_free() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let (_allocation, shared, imported) = shared_with_itself(&legacy);
+    let mapping = imported.import_pointer(&shared, &legacy).unwrap();
+    let mapped = imported.used_mem_current().unwrap();
+    begin_per_thread_capture();
+    drop(mapping); // deferred: a blocking stream captures
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the first capture was left intact");
+    set_switch("capture_per_thread_after_next_legacy_free");
+    assert_eq!(Stream::run_orphaned_frees(), 0, "the deferred free ran");
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the wait for the unmapping invalidated the capture");
+    assert_eq!(imported.used_mem_current().unwrap(), mapped - LEN as u64, "unmapped");
+    let again = imported.import_pointer(&shared, &legacy);
+    assert!(matches!(again, Err(Error::AlreadyImported { .. })), "not waited for, yet importable again: {again:?}");
+}
+
+/// With nothing capturing once the free went through, the unmapping is waited for and the
+/// allocation can be imported again.
+#[test]
+fn a_deferred_unmapping_is_waited_for_and_forgotten_once_the_capture_is_over() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let (_allocation, shared, imported) = shared_with_itself(&legacy);
+    let mapping = imported.import_pointer(&shared, &legacy).unwrap();
+    begin_per_thread_capture();
+    drop(mapping); // deferred: a blocking stream captures
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    assert_eq!(Stream::run_orphaned_frees(), 0, "the deferred free ran");
+    let again = imported.import_pointer(&shared, &legacy).unwrap();
+    assert_eq!(again.len(), LEN, "importable again once its unmapping was waited for");
+}
