@@ -59,6 +59,10 @@ unsafe impl<K: MemoryKind> StreamOrderedResource for PoolResource<K> {
         // SAFETY: the caller's promise covers cuMemFreeAsync's.
         Ok(unsafe { cumempool::free_async(ptr, stream) }?)
     }
+
+    fn frees_legacy_after_blocking_captures(&self) -> bool {
+        true
+    }
 }
 
 /// A resource that allocates from the *current* pool of a route, looked up at each allocation,
@@ -112,5 +116,9 @@ unsafe impl<K: MemoryKind> StreamOrderedResource for CurrentPoolResource<K> {
         }
         // SAFETY: cuMemFreeAsync frees into whichever pool the memory came from.
         Ok(unsafe { cumempool::free_async(ptr, stream) }?)
+    }
+
+    fn frees_legacy_after_blocking_captures(&self) -> bool {
+        true
     }
 }

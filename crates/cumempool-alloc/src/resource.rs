@@ -32,15 +32,26 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
 
     /// Frees memory in stream order on `stream`.
     ///
-    /// On the legacy stream while a blocking stream of its context captures, the free must wait
-    /// for the capture's end rather than reach the driver, which would refuse it and invalidate
-    /// that capture: [`cumempool::free_async`] and [`Arena`](crate::Arena) do. A dropped
-    /// [`CachingResource`](crate::CachingResource) relies on it for its legacy-stream blocks.
-    ///
     /// # Safety
     /// `ptr` must come from `allocate` on this resource with the same `bytes` and `align`, be
     /// freed once, and no work may use it after the free in the order of `stream`.
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()>;
+
+    /// Whether [`deallocate`](Self::deallocate) on the legacy stream, while a blocking stream of
+    /// its context captures, leaves the free waiting for that capture's end and owes nothing to
+    /// the resource's own drop: then a [`CachingResource`](crate::CachingResource) dropped
+    /// during such a capture gives its legacy-stream blocks to this resource; otherwise it keeps
+    /// them allocated, with a warning. The driver itself would refuse such a free and invalidate
+    /// the capture.
+    ///
+    /// The default answers false. [`PoolResource`](crate::PoolResource) and
+    /// [`CurrentPoolResource`](crate::CurrentPoolResource) answer true (their free is
+    /// [`cumempool::free_async`], which waits, keeping nothing of theirs); adaptors forward.
+    /// An [`Arena`](crate::Arena) answers false: its free waits too, but a pending free keeps
+    /// its whole range mapped when it is dropped right after a cache that owns it.
+    fn frees_legacy_after_blocking_captures(&self) -> bool {
+        false
+    }
 
     /// Whether a capture is underway on `stream` (active or invalidated): work queued on it now
     /// is recorded into a graph rather than run. Asked only where
@@ -113,7 +124,7 @@ impl<R: StreamOrderedResource + ?Sized> CaptureMark for R {
     }
 }
 
-/// The capture checks of a resource that wraps another, forwarded to it: `|this| expr` names the
+/// The capture checks (and the legacy frees' promise) of a resource that wraps another, forwarded to it: `|this| expr` names the
 /// resource below, given the wrapper as `this`.
 macro_rules! forward_capture_checks {
     (|$this:ident| $below:expr) => {
@@ -126,6 +137,11 @@ macro_rules! forward_capture_checks {
         fn marked_stream_id(&self, stream: &cumempool::Stream) -> std::num::NonZeroU64 {
             let $this = self;
             $below.marked_stream_id(stream)
+        }
+
+        fn frees_legacy_after_blocking_captures(&self) -> bool {
+            let $this = self;
+            $below.frees_legacy_after_blocking_captures()
         }
     };
 }

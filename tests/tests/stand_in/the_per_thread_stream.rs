@@ -168,6 +168,71 @@ fn a_cache_dropped_while_a_blocking_stream_captures_leaves_the_capture_intact_an
     assert_eq!(pool.used_mem_current().unwrap(), 0, "the block was freed once the capture was over");
 }
 
+/// A cache that owns an arena, dropped while a blocking stream captures: the arena's free would
+/// wait for the capture's end, and the arena, dropped right after, would then keep its whole
+/// range mapped for that pending free. The cache keeps such blocks instead, and the arena
+/// releases everything.
+#[test]
+fn a_cache_owning_an_arena_dropped_beside_a_blocking_capture_leaves_the_arena_free_to_release_its_range() {
+    use cumempool_alloc::Arena;
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let arena = Arena::builder(0, 8 << 20).chunk_size(2 << 20).build().unwrap();
+    let cache = CachingResource::new(arena);
+    let ptr = cache.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap();
+    // SAFETY: just allocated with these arguments, freed once.
+    unsafe { cache.deallocate(ptr, 4096, POOL_ALIGNMENT, &legacy) }.unwrap();
+    let start = cumempool_tests::stand_in_driver::call_log().len();
+    begin_per_thread_capture();
+    drop(cache);
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the capture was left intact");
+    let log = cumempool_tests::stand_in_driver::call_log()[start..].to_owned();
+    assert!(log.lines().any(|call| call.starts_with("addressfree ")), "the arena's range was never released:\n{log}");
+}
+
+/// A resource whose free reaches the driver at once, on the legacy stream while a blocking
+/// stream captures, would have the free refused and the capture invalidated: a cache dropped
+/// then never hands it such blocks.
+#[test]
+fn a_cache_dropped_beside_a_blocking_capture_hands_no_legacy_block_to_a_resource_that_frees_at_once() {
+    /// Frees straight through the driver, as a user's resource may.
+    struct FreesAtOnce(cumempool::Pool);
+    // SAFETY: the pool's memory, freed by cuMemFreeAsync.
+    unsafe impl StreamOrderedResource for FreesAtOnce {
+        type Kind = DeviceMemory;
+        fn allocate(&self, bytes: usize, _align: usize, stream: &Stream) -> cumempool_alloc::Result<sys::CUdeviceptr> {
+            Ok(self.0.alloc_raw(bytes, stream)?)
+        }
+        unsafe fn deallocate(
+            &self,
+            ptr: sys::CUdeviceptr,
+            _bytes: usize,
+            _align: usize,
+            stream: &Stream,
+        ) -> cumempool_alloc::Result<()> {
+            stream.bind()?;
+            let free = sys::driver().unwrap().cuMemFreeAsync().unwrap();
+            // SAFETY: the caller's promise.
+            let _ = unsafe { free(ptr, stream.as_raw()) };
+            Ok(())
+        }
+    }
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let cache = CachingResource::new(FreesAtOnce((*pool).clone()));
+    let legacy = Stream::legacy(&context);
+    let ptr = cache.allocate(4096, POOL_ALIGNMENT, &legacy).unwrap();
+    // SAFETY: just allocated with these arguments, freed once.
+    unsafe { cache.deallocate(ptr, 4096, POOL_ALIGNMENT, &legacy) }.unwrap();
+    begin_per_thread_capture();
+    drop(cache);
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "dropping the cache invalidated the capture");
+    // SAFETY: the block the dropped cache kept, allocated on the legacy stream, freed once (the
+    // stand-in's counters are the process's: the other tests find them back at 0).
+    unsafe { cumempool::free_async(ptr, &legacy) }.unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), 0);
+}
+
 /// A free deferred on a `Stream` of the `CU_STREAM_LEGACY` handle waits with the context's legacy
 /// stream, whatever handle names it: the next use of `Stream::legacy` (handle 0) runs it.
 #[test]

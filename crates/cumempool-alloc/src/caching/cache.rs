@@ -560,13 +560,20 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 impl<R: StreamOrderedResource> Drop for CachingResource<R> {
     /// Takes every block straight from the slots and lanes: `&mut self` means no thread is in
     /// any lane (their last use happened before this), so no claim or fence is needed, and
-    /// none can fail. Blocks of the legacy stream go below even while a blocking stream
-    /// captures: nothing is left to give them back later, and the resource below orders such a
-    /// free after the capture (its contract, [`StreamOrderedResource::deallocate`]).
+    /// none can fail. Blocks of the legacy stream while a blocking stream captures go below only
+    /// if the resource there lets such a free wait for the capture's end
+    /// ([`StreamOrderedResource::frees_legacy_after_blocking_captures`]): nothing is left to
+    /// give them back later. Otherwise they are kept allocated, with a warning: freed there,
+    /// the driver would refuse them and invalidate the capture.
     fn drop(&mut self) {
         let mut taken = Vec::new();
+        let below_waits = self.inner.frees_legacy_after_blocking_captures();
         for slot in self.table.slots.iter_mut() {
             let state = slot.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+            if !below_waits && !state.may_give_back() {
+                tracing::warn!("a cache dropped while a blocking stream captures keeps its legacy-stream blocks allocated (freeing them would invalidate that capture)");
+                continue;
+            }
             let lanes = slot.lanes.get_mut().into_iter().flat_map(|lanes| lanes.iter_mut());
             taken.extend(state.take_all(lanes.filter_map(Lane::state_if_idle)).map(|(contents, _)| contents));
         }

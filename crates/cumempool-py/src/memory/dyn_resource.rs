@@ -21,6 +21,9 @@ pub trait Resource: Send + Sync {
         bytes: usize,
         stream: &cumempool::Stream,
     ) -> cumempool_alloc::Result<()>;
+
+    /// [`StreamOrderedResource::frees_legacy_after_blocking_captures`].
+    fn frees_legacy_after_blocking_captures(&self) -> bool;
 }
 
 impl<R: StreamOrderedResource> Resource for R {
@@ -38,6 +41,10 @@ impl<R: StreamOrderedResource> Resource for R {
     ) -> cumempool_alloc::Result<()> {
         // SAFETY: forwarded under the caller's promise.
         unsafe { StreamOrderedResource::deallocate(self, ptr, bytes, POOL_ALIGNMENT, stream) }
+    }
+
+    fn frees_legacy_after_blocking_captures(&self) -> bool {
+        StreamOrderedResource::frees_legacy_after_blocking_captures(self)
     }
 }
 
@@ -71,5 +78,9 @@ unsafe impl StreamOrderedResource for Erased {
     ) -> cumempool_alloc::Result<()> {
         // SAFETY: forwarded under the caller's promise.
         unsafe { self.0.deallocate(ptr, bytes, stream) }
+    }
+
+    fn frees_legacy_after_blocking_captures(&self) -> bool {
+        self.0.frees_legacy_after_blocking_captures()
     }
 }

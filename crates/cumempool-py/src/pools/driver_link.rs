@@ -46,4 +46,8 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
             })
         })
     }
+
+    fn frees_legacy_after_blocking_captures(&self) -> bool {
+        self.0.frees_legacy_after_blocking_captures()
+    }
 }
