@@ -24,10 +24,12 @@ fn shared_with_itself(stream: &Stream) -> (Buffer<'_>, SharedAllocation, MemPool
 }
 
 /// The unmapping's free goes through, then a blocking stream begins capturing before the wait
-/// for it: the wait is not made, the capture is left intact, and the allocation stays
-/// unimportable rather than mapped again under a pending unmapping.
+/// for it: the wait is not made, the capture is left intact, and the allocation is not mapped
+/// again under a pending unmapping. The wait is owed: the legacy stream's next use, once
+/// nothing blocks it, makes it, and the allocation can be imported again (a mapping left marked
+/// for good would also refuse another allocation the driver maps at that address).
 #[test]
-fn a_deferred_unmapping_is_not_waited_for_beside_a_blocking_capture_begun_after_its_free() {
+fn a_deferred_unmapping_is_waited_for_at_the_legacy_streams_next_use_after_a_blocking_capture_begun_after_its_free() {
     let Some((_serial, context)) = stand_in() else { return };
     let legacy = Stream::legacy(&context);
     let (_allocation, shared, imported) = shared_with_itself(&legacy);
@@ -42,6 +44,9 @@ fn a_deferred_unmapping_is_not_waited_for_beside_a_blocking_capture_begun_after_
     assert_eq!(imported.used_mem_current().unwrap(), mapped - LEN as u64, "unmapped");
     let again = imported.import_pointer(&shared, &legacy);
     assert!(matches!(again, Err(Error::AlreadyImported { .. })), "not waited for, yet importable again: {again:?}");
+    legacy.synchronize().unwrap();
+    let again = imported.import_pointer(&shared, &legacy).unwrap();
+    assert_eq!(again.len(), LEN, "importable again once the owed wait was made");
 }
 
 /// With nothing capturing once the free went through, the unmapping is waited for and the

@@ -674,7 +674,7 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
         // the capture (the legacy stream is never captured), so it waits for the capture's end.
         // Graph memory of an ended capture is forgotten as such now, as a free outside does.
         capture_registry::decide(ptr, CaptureStatus::None);
-        stream.defer_legacy_free(DeferredFree { ptr, pool: pool.cloned() });
+        stream.defer_legacy_free(DeferredFree::new(ptr, pool));
         return Ok(FreeAction::Defer);
     }
     // Not blocked, the legacy stream's own work is not captured either (it never captures, and
@@ -692,13 +692,13 @@ unsafe fn free_ordered(ptr: sys::CUdeviceptr, stream: &Stream, pool: Option<&Arc
             match unsafe { driver_call!(cuMemFreeAsync(ptr, stream.as_raw())) } {
                 // A blocking stream began capturing since the question: the free waits after all.
                 Err(error) if legacy && error.is_refused_for_a_blocking_capture() => {
-                    stream.defer_legacy_free(DeferredFree { ptr, pool: pool.cloned() });
+                    stream.defer_legacy_free(DeferredFree::new(ptr, pool));
                     return Ok(FreeAction::Defer);
                 }
                 answer => answer?,
             }
         }
-        FreeAction::Defer => stream.defer_free(DeferredFree { ptr, pool: pool.cloned() }),
+        FreeAction::Defer => stream.defer_free(DeferredFree::new(ptr, pool)),
     }
     Ok(action)
 }

@@ -14,14 +14,24 @@ use std::sync::Arc;
 pub(crate) struct DeferredFree {
     pub(crate) ptr: sys::CUdeviceptr,
     pub(crate) pool: Option<Arc<Owner>>,
+    /// Set once the free of an imported allocation has run on the legacy stream and only the
+    /// host wait for its unmapping is owed: a blocking stream's capture forbade the wait then.
+    pub(crate) unmapped: bool,
+}
+
+impl DeferredFree {
+    /// The free of `ptr`, not run yet, keeping `pool` alive until it runs.
+    pub(crate) fn new(ptr: sys::CUdeviceptr, pool: Option<&Arc<Owner>>) -> Self {
+        Self { ptr, pool: pool.cloned(), unmapped: false }
+    }
 }
 
 /// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
-/// mapped once their unmapping has run, and stay marked as mapped (never imported again) where
-/// a capture beside `stream` forbids waiting for it. Answers the frees the legacy stream refused
-/// for a capture a blocking stream began since it was asked (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`):
-/// still live, for the caller to keep waiting.
-#[must_use = "the frees a capture refused are still live: keep them"]
+/// mapped once a host wait saw their unmapping run. Answers what must keep waiting with the
+/// legacy stream: the frees it refused for a capture a blocking stream began since it was
+/// asked (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`), still live, and the unmappings whose wait
+/// such a capture forbids, owed.
+#[must_use = "the frees a capture refused are still live, and owed waits still owed: keep them"]
 pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<DeferredFree> {
     let mut refused = Vec::new();
     if frees.is_empty() {
@@ -29,9 +39,13 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
     }
     let mut imported = Vec::new();
     for free in frees {
+        if free.unmapped {
+            imported.push(free);
+            continue;
+        }
         // SAFETY: a live stream-ordered allocation its buffer gave up when dropped, freed once.
         match unsafe { driver_call!(cuMemFreeAsync(free.ptr, stream)) } {
-            Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free.ptr),
+            Ok(()) if free.pool.as_ref().is_some_and(|pool| pool.imported) => imported.push(free),
             Ok(()) => {}
             Err(error) if error.is_refused_for_a_blocking_capture() => refused.push(free),
             Err(error) => tracing::warn!(%error, ptr = free.ptr, "a free deferred by a capture failed"),
@@ -41,37 +55,53 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
         return refused;
     }
     // Invariant: a mapping is forgotten only once a wait saw its unmapping run, and the wait is
-    // made only while nothing captures on or beside `stream`: the driver refuses a wait on the
-    // legacy stream while a blocking stream captures, and invalidates that capture. One may have
-    // begun during the batch (a refused free says so) or after its last free (the question says
-    // so). Unwaited, the mappings stay marked as mapped: never imported again.
-    let beside = if refused.is_empty() { captured_beside(stream) } else { Ok(true) };
+    // made only when the question found nothing capturing on or beside `stream`: the driver
+    // refuses a wait on the legacy stream while a blocking stream captures, and invalidates that
+    // capture. One may have begun during the batch (a refused free says so, and only the legacy
+    // stream refuses for it) or after its last free (the question says so). Then the wait is
+    // owed, kept with the legacy stream's frees; a capture on `stream` itself leaves the
+    // mappings marked as mapped for good.
+    let beside = if refused.is_empty() { capture_beside(stream) } else { Ok(Beside::BlockingCapture) };
     let waited = match beside {
-        Ok(true) => {
+        Ok(Beside::BlockingCapture) => {
+            refused.extend(imported.into_iter().map(|free| DeferredFree { unmapped: true, ..free }));
+            return refused;
+        }
+        Ok(Beside::OwnCapture) => {
             tracing::warn!(
                 count = imported.len(),
-                "a capture began beside the stream of deferred unmappings, which a wait would invalidate; they are not waited for and stay unimportable"
+                "the stream of deferred unmappings captures again, which a wait would invalidate; they are not waited for and stay unimportable"
             );
             return refused;
         }
-        Ok(false) => refuse_host_wait_on_capturing_thread("waiting for deferred unmappings")
+        Ok(Beside::Nothing) => refuse_host_wait_on_capturing_thread("waiting for deferred unmappings")
             // SAFETY: a live stream, with no capture on it or beside it.
             .and_then(|()| capture_mode::relaxed(|| unsafe { driver_call!(cuStreamSynchronize(stream)) })),
         Err(error) => Err(error),
     };
     match waited {
-        Ok(()) => imported.into_iter().for_each(crate::bare_pools::pool_owner::forget_mapping),
+        Ok(()) => imported.into_iter().for_each(|free| crate::bare_pools::pool_owner::forget_mapping(free.ptr)),
         Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
     }
     refused
 }
 
-/// Whether a capture is underway on `stream` or, for the legacy stream, on a blocking stream of
-/// its context (the driver's question then answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`).
-fn captured_beside(stream: sys::CUstream) -> Result<bool> {
+/// What captures on or beside a stream.
+enum Beside {
+    Nothing,
+    /// The stream itself captures.
+    OwnCapture,
+    /// For the legacy stream: a blocking stream of its context captures (the driver's question
+    /// answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`).
+    BlockingCapture,
+}
+
+/// What captures on or beside `stream`, asked of the driver.
+fn capture_beside(stream: sys::CUstream) -> Result<Beside> {
     match capture_info(stream) {
-        Ok(status) => Ok(status != CaptureStatus::None),
-        Err(error) if error.is_refused_for_a_blocking_capture() => Ok(true),
+        Ok(CaptureStatus::None) => Ok(Beside::Nothing),
+        Ok(_) => Ok(Beside::OwnCapture),
+        Err(error) if error.is_refused_for_a_blocking_capture() => Ok(Beside::BlockingCapture),
         Err(error) => Err(error),
     }
 }

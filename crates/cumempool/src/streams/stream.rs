@@ -808,7 +808,8 @@ impl Drop for StreamInner {
 }
 
 /// [`run_frees`] on `raw` in `context` (current), keeping the frees the legacy stream refused
-/// for a capture begun since it was asked: they wait with the context's legacy stream again.
+/// for a capture begun since it was asked, and the waits for unmappings such a capture forbade:
+/// they wait with the context's legacy stream again.
 fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, frees: Vec<DeferredFree>) {
     let refused = run_frees(raw, frees);
     if refused.is_empty() {
@@ -816,7 +817,7 @@ fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, free
     }
     tracing::warn!(
         count = refused.len(),
-        "a capture began before deferred frees reached the legacy stream: they wait again"
+        "a capture began before deferred frees (or the wait for imported memory's unmappings) reached the legacy stream: they wait again"
     );
     adopt(Orphan {
         raw: DriverHandle(std::ptr::null_mut()),
@@ -868,8 +869,8 @@ mod tests {
     fn frees_deferred_by_a_capture_wait_in_their_stream_with_their_pool_until_taken_once() {
         let stream = Stream::from_parts(0x3000 as sys::CUstream, None, false);
         let pool = Arc::new(Owner::new(0x4000 as sys::CUmemoryPool, false));
-        stream.defer_free(DeferredFree { ptr: 0x10, pool: Some(pool.clone()) });
-        stream.clone().defer_free(DeferredFree { ptr: 0x20, pool: None });
+        stream.defer_free(DeferredFree::new(0x10, Some(&pool)));
+        stream.clone().defer_free(DeferredFree::new(0x20, None));
         assert_eq!(Arc::strong_count(&pool), 2, "the deferred free keeps its pool alive");
         let taken = stream.take_deferred_frees();
         assert_eq!(taken.iter().map(|f| f.ptr).collect::<Vec<_>>(), [0x10, 0x20], "clones share the list, in order");
@@ -891,7 +892,7 @@ mod tests {
         let lender: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
         // SAFETY: never given to a driver that exists.
         let stream = unsafe { Stream::borrow_raw_keeping(raw, None, lender.clone()) }.unwrap();
-        stream.defer_free(DeferredFree { ptr: 0x30, pool: Some(pool.clone()) });
+        stream.defer_free(DeferredFree::new(0x30, Some(&pool)));
         drop(stream);
         assert_eq!(Arc::strong_count(&pool), 2, "the free (and its pool) outlive the stream's last value");
         assert_eq!(Arc::strong_count(&lender), 2, "so does the lender's handle, which keeps the stream valid");
