@@ -287,12 +287,15 @@ impl Pool {
             }
         });
         if let Err(error) = checked {
+            // Claimed, so no other import maps it meanwhile; released before the free, whose
+            // use of the stream may run deferred frees that forget other mappings.
+            drop(imports);
             // SAFETY: the fresh mapping is not handed out (it was claimed above, so no other
             // buffer maps it); freeing it unmaps it.
             let unmapped =
                 unsafe { crate::memory::buffer::free_async(ptr, stream) }.and_then(|()| stream.synchronize());
             match unmapped {
-                Ok(()) => imports.forget(ptr),
+                Ok(()) => crate::bare_pools::pool_owner::forget_mapping(ptr),
                 Err(unmap) => tracing::warn!(%unmap, ptr, "unmapping a refused import failed"),
             }
             return Err(error);

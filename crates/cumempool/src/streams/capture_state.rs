@@ -30,6 +30,15 @@ impl Drop for ThreadCapture {
     }
 }
 
+/// `CU_STREAM_LEGACY`: the legacy default stream of the current context, like `0`.
+pub(crate) const LEGACY_HANDLE: usize = 0x1;
+
+/// Whether `raw` names the legacy stream of the current context (`0` or `CU_STREAM_LEGACY`):
+/// the stream the driver refuses work on while a blocking stream of the context captures.
+pub(crate) fn is_legacy_handle(raw: sys::CUstream) -> bool {
+    matches!(raw as usize, 0 | LEGACY_HANDLE)
+}
+
 /// Refuses a host wait or query on a thread where a [`Stream::capture`](crate::Stream::capture) is underway, whatever
 /// the stream: in thread-local mode the driver answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED for
 /// `cuStreamSynchronize`, `cuStreamQuery` and `cuEventSynchronize` even on a stream that does

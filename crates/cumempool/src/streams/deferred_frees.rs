@@ -3,9 +3,11 @@
 
 use crate::bare_pools::pool_owner::Owner;
 use crate::driver::driver_call;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::streams::capture_mode;
-use crate::streams::capture_state::{capture_info, refuse_host_wait_on_capturing_thread, CaptureStatus};
+use crate::streams::capture_state::{
+    capture_info, is_legacy_handle, refuse_host_wait_on_capturing_thread, CaptureStatus,
+};
 use cumempool_sys as sys;
 use std::sync::Arc;
 
@@ -59,8 +61,9 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
     // refuses a wait on the legacy stream while a blocking stream captures, and invalidates that
     // capture. One may have begun during the batch (a refused free says so, and only the legacy
     // stream refuses for it) or after its last free (the question says so). Then the wait is
-    // owed, kept with the legacy stream's frees; a capture on `stream` itself leaves the
-    // mappings marked as mapped for good.
+    // owed, kept with the legacy stream's frees, as it is when a capture on the calling thread
+    // refuses the wait for now; a capture on `stream` itself leaves the mappings marked as
+    // mapped for good.
     let beside = if refused.is_empty() { capture_beside(stream) } else { Ok(Beside::BlockingCapture) };
     let waited = match beside {
         Ok(Beside::BlockingCapture) => {
@@ -81,9 +84,20 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
     };
     match waited {
         Ok(()) => imported.into_iter().for_each(|free| crate::bare_pools::pool_owner::forget_mapping(free.ptr)),
+        // Refused for now, on the legacy stream: owed, under the key its frees wait with.
+        Err(error) if is_legacy_handle(stream) && refused_for_now(&error) => {
+            refused.extend(imported.into_iter().map(|free| DeferredFree { unmapped: true, ..free }));
+        }
         Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
     }
     refused
+}
+
+/// Whether a capture refused a host wait, which a later attempt may make: one on the calling
+/// thread ([`Error::StreamCapturing`]) or, on the legacy stream, a blocking stream's begun since
+/// the question.
+fn refused_for_now(error: &Error) -> bool {
+    matches!(error, Error::StreamCapturing { .. }) || error.is_refused_for_a_blocking_capture()
 }
 
 /// What captures on or beside a stream.

@@ -7,7 +7,9 @@ use crate::driver::handle::DriverHandle;
 use crate::driver::{driver_answer, driver_call};
 use crate::error::{Error, Result};
 use crate::streams::capture_mode;
-use crate::streams::capture_state::{capture_info, refuse_host_wait_on_capturing_thread, CaptureStatus};
+use crate::streams::capture_state::{
+    capture_info, is_legacy_handle, refuse_host_wait_on_capturing_thread, CaptureStatus, LEGACY_HANDLE,
+};
 use crate::streams::deferred_frees::{run_frees, DeferredFree};
 use crate::streams::orphans::{
     adopt, any_orphans, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan,
@@ -86,13 +88,6 @@ impl StreamId {
     }
 }
 
-/// `CU_STREAM_LEGACY`: the legacy default stream of the current context, like `0`.
-const LEGACY_HANDLE: usize = 0x1;
-
-/// Whether `raw` names the legacy stream of the current context (`0` or `CU_STREAM_LEGACY`).
-fn is_legacy_handle(raw: sys::CUstream) -> bool {
-    matches!(raw as usize, 0 | LEGACY_HANDLE)
-}
 /// `CU_STREAM_PER_THREAD`: a different stream on each thread.
 const PER_THREAD_HANDLE: usize = 0x2;
 
@@ -628,14 +623,16 @@ impl Stream {
                     match &orphan.context {
                         Some(context) => {
                             let frees = orphan.frees;
-                            if let Err(error) = context.while_current(|| {
-                                run_frees_keeping_refused(raw, Some(context), frees);
-                                Ok::<(), Error>(())
-                            }) {
-                                tracing::warn!(%error, "making a dropped stream's context current for its frees failed");
+                            match context
+                                .while_current(|| Ok::<_, Error>(run_frees_keeping_refused(raw, Some(context), frees)))
+                            {
+                                Ok(kept) => waiting += kept,
+                                Err(error) => {
+                                    tracing::warn!(%error, "making a dropped stream's context current for its frees failed");
+                                }
                             }
                         }
-                        None => run_frees_keeping_refused(raw, None, orphan.frees),
+                        None => waiting += run_frees_keeping_refused(raw, None, orphan.frees),
                     }
                     if orphan.owned {
                         destroy_leaked(raw, orphan.context.as_ref());
@@ -809,14 +806,15 @@ impl Drop for StreamInner {
 
 /// [`run_frees`] on `raw` in `context` (current), keeping the frees the legacy stream refused
 /// for a capture begun since it was asked, and the waits for unmappings such a capture forbade:
-/// they wait with the context's legacy stream again.
-fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, frees: Vec<DeferredFree>) {
+/// they wait with the context's legacy stream again. Answers how many.
+fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, frees: Vec<DeferredFree>) -> usize {
     let refused = run_frees(raw, frees);
-    if refused.is_empty() {
-        return;
+    let kept = refused.len();
+    if kept == 0 {
+        return 0;
     }
     tracing::warn!(
-        count = refused.len(),
+        count = kept,
         "a capture began before deferred frees (or the wait for imported memory's unmappings) reached the legacy stream: they wait again"
     );
     adopt(Orphan {
@@ -826,6 +824,7 @@ fn run_frees_keeping_refused(raw: sys::CUstream, context: Option<&Context>, free
         owned: false,
         _keep_alive: Vec::new(),
     });
+    kept
 }
 
 #[cfg(test)]
