@@ -146,3 +146,42 @@ fn owed_waits_are_counted_as_waiting() {
     legacy.synchronize().unwrap();
     assert_eq!(Stream::run_orphaned_frees(), 0);
 }
+
+/// An imported buffer dropped inside another stream's capture closure: its free runs (nothing
+/// blocks the legacy stream), but the capture on the calling thread refuses the wait for the
+/// unmapping. The wait is owed, and the legacy stream's next use makes it.
+#[test]
+fn an_unmapping_whose_wait_the_calling_threads_capture_refuses_is_owed() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let legacy = Stream::legacy(&context);
+    let (_allocation, shared, imported) = shared_with_itself(&legacy);
+    let mapped = imported.used_mem_current().unwrap();
+    let mut mapping = Some(imported.import_pointer(&shared, &legacy).unwrap());
+    let graph = Stream::new(&context).unwrap().capture(|_| {
+        drop(mapping.take());
+        Ok(())
+    });
+    assert!(graph.is_ok(), "{:?}", graph.err());
+    assert_eq!(imported.used_mem_current().unwrap(), mapped, "unmapped");
+    legacy.synchronize().unwrap();
+    let again = imported.import_pointer(&shared, &legacy);
+    assert!(again.is_ok(), "the wait for the unmapping was lost: {again:?}");
+}
+
+/// The same on a stream of its own: the wait is owed with that stream's deferred frees, and its
+/// next use makes it.
+#[test]
+fn an_unmapping_on_its_own_stream_whose_wait_the_calling_threads_capture_refuses_is_owed() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let (_allocation, shared, imported) = shared_with_itself(&stream);
+    let mut mapping = Some(imported.import_pointer(&shared, &stream).unwrap());
+    let graph = Stream::new(&context).unwrap().capture(|_| {
+        drop(mapping.take());
+        Ok(())
+    });
+    assert!(graph.is_ok(), "{:?}", graph.err());
+    stream.synchronize().unwrap();
+    let again = imported.import_pointer(&shared, &stream);
+    assert!(again.is_ok(), "the wait for the unmapping was lost: {again:?}");
+}

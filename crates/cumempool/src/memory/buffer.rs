@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::memory::block::{Block, Placement};
 use crate::memory::capture_registry::{self, FreeAction};
 use crate::streams::capture_state::CaptureStatus;
-use crate::streams::deferred_frees::DeferredFree;
+use crate::streams::deferred_frees::{refused_for_now, DeferredFree};
 use crate::streams::event::Event;
 use crate::streams::stream::Stream;
 use crate::values::export_handles::HandleTypes;
@@ -466,6 +466,17 @@ impl<S: Borrow<Stream>> Drop for BufferOn<S> {
             // imported again (the driver would hand back the same address).
             match self.on().synchronize() {
                 Ok(()) => crate::bare_pools::pool_owner::forget_mapping(self.ptr),
+                // A capture refused the wait for now: owed, with the stream's deferred frees.
+                Err(error) if refused_for_now(&error) => {
+                    let owed = DeferredFree::owed_wait(self.ptr, self.pool.as_ref());
+                    if self.on().is_legacy() {
+                        self.on().defer_legacy_free(owed);
+                    } else {
+                        // Marked, so that its next capture-aware use runs its deferred frees.
+                        self.on().note_capture_possible();
+                        self.on().defer_free(owed);
+                    }
+                }
                 Err(error) => {
                     tracing::warn!(%error, ptr = self.ptr, "waiting for an unmapping failed; the allocation stays unimportable")
                 }

@@ -26,6 +26,11 @@ impl DeferredFree {
     pub(crate) fn new(ptr: sys::CUdeviceptr, pool: Option<&Arc<Owner>>) -> Self {
         Self { ptr, pool: pool.cloned(), unmapped: false }
     }
+
+    /// The wait for the unmapping of imported `ptr`, whose free has run, keeping `pool` alive.
+    pub(crate) fn owed_wait(ptr: sys::CUdeviceptr, pool: Option<&Arc<Owner>>) -> Self {
+        Self { ptr, pool: pool.cloned(), unmapped: true }
+    }
 }
 
 /// `cuMemFreeAsync` of each deferred free on `stream`; imported allocations are forgotten as
@@ -96,7 +101,7 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
 /// Whether a capture refused a host wait, which a later attempt may make: one on the calling
 /// thread ([`Error::StreamCapturing`]) or, on the legacy stream, a blocking stream's begun since
 /// the question.
-fn refused_for_now(error: &Error) -> bool {
+pub(crate) fn refused_for_now(error: &Error) -> bool {
     matches!(error, Error::StreamCapturing { .. }) || error.is_refused_for_a_blocking_capture()
 }
 
