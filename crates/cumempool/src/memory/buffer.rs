@@ -468,7 +468,7 @@ impl<S: Borrow<Stream>> Drop for BufferOn<S> {
                 Ok(()) => crate::bare_pools::pool_owner::forget_mapping(self.ptr),
                 // A capture refused the wait for now: owed, with the stream's deferred frees.
                 Err(error) if refused_for_now(&error) => {
-                    let owed = DeferredFree::owed_wait(self.ptr, self.pool.as_ref());
+                    let owed = DeferredFree::new(self.ptr, self.pool.as_ref()).into_owed_wait();
                     if self.on().is_legacy() {
                         self.on().defer_legacy_free(owed);
                     } else {

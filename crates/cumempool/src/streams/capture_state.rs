@@ -108,3 +108,24 @@ pub(crate) fn capture_info(stream: sys::CUstream) -> Result<CaptureStatus> {
     }?;
     CaptureStatus::from_raw(status, id)
 }
+
+/// What captures on or beside a stream.
+pub(crate) enum Beside {
+    Nothing,
+    /// The stream itself captures.
+    OwnCapture,
+    /// For the legacy stream: a blocking stream of its context captures (the driver's question
+    /// answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`).
+    BlockingCapture,
+}
+
+/// What captures on or beside `stream`, asked of the driver (in the current context, which a
+/// legacy handle names).
+pub(crate) fn capture_beside(stream: sys::CUstream) -> Result<Beside> {
+    match capture_info(stream) {
+        Ok(CaptureStatus::None) => Ok(Beside::Nothing),
+        Ok(_) => Ok(Beside::OwnCapture),
+        Err(error) if error.is_refused_for_a_blocking_capture() => Ok(Beside::BlockingCapture),
+        Err(error) => Err(error),
+    }
+}

@@ -3,11 +3,9 @@
 
 use crate::bare_pools::pool_owner::Owner;
 use crate::driver::driver_call;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::streams::capture_mode;
-use crate::streams::capture_state::{
-    capture_info, is_legacy_handle, refuse_host_wait_on_capturing_thread, CaptureStatus,
-};
+use crate::streams::capture_state::{capture_beside, is_legacy_handle, refuse_host_wait_on_capturing_thread, Beside};
 use cumempool_sys as sys;
 use std::sync::Arc;
 
@@ -27,9 +25,9 @@ impl DeferredFree {
         Self { ptr, pool: pool.cloned(), unmapped: false }
     }
 
-    /// The wait for the unmapping of imported `ptr`, whose free has run, keeping `pool` alive.
-    pub(crate) fn owed_wait(ptr: sys::CUdeviceptr, pool: Option<&Arc<Owner>>) -> Self {
-        Self { ptr, pool: pool.cloned(), unmapped: true }
+    /// This free of imported memory, run: only the wait for its unmapping is owed.
+    pub(crate) fn into_owed_wait(self) -> Self {
+        Self { unmapped: true, ..self }
     }
 }
 
@@ -72,7 +70,7 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
     let beside = if refused.is_empty() { capture_beside(stream) } else { Ok(Beside::BlockingCapture) };
     let waited = match beside {
         Ok(Beside::BlockingCapture) => {
-            refused.extend(imported.into_iter().map(|free| DeferredFree { unmapped: true, ..free }));
+            refused.extend(imported.into_iter().map(DeferredFree::into_owed_wait));
             return refused;
         }
         Ok(Beside::OwnCapture) => {
@@ -91,7 +89,7 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
         Ok(()) => imported.into_iter().for_each(|free| crate::bare_pools::pool_owner::forget_mapping(free.ptr)),
         // Refused for now, on the legacy stream: owed, under the key its frees wait with.
         Err(error) if is_legacy_handle(stream) && refused_for_now(&error) => {
-            refused.extend(imported.into_iter().map(|free| DeferredFree { unmapped: true, ..free }));
+            refused.extend(imported.into_iter().map(DeferredFree::into_owed_wait));
         }
         Err(error) => tracing::warn!(%error, "waiting for deferred unmappings failed; they stay unimportable"),
     }
@@ -103,24 +101,4 @@ pub(crate) fn run_frees(stream: sys::CUstream, frees: Vec<DeferredFree>) -> Vec<
 /// the question.
 pub(crate) fn refused_for_now(error: &Error) -> bool {
     matches!(error, Error::StreamCapturing { .. }) || error.is_refused_for_a_blocking_capture()
-}
-
-/// What captures on or beside a stream.
-enum Beside {
-    Nothing,
-    /// The stream itself captures.
-    OwnCapture,
-    /// For the legacy stream: a blocking stream of its context captures (the driver's question
-    /// answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`).
-    BlockingCapture,
-}
-
-/// What captures on or beside `stream`, asked of the driver.
-fn capture_beside(stream: sys::CUstream) -> Result<Beside> {
-    match capture_info(stream) {
-        Ok(CaptureStatus::None) => Ok(Beside::Nothing),
-        Ok(_) => Ok(Beside::OwnCapture),
-        Err(error) if error.is_refused_for_a_blocking_capture() => Ok(Beside::BlockingCapture),
-        Err(error) => Err(error),
-    }
 }

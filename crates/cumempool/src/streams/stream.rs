@@ -8,7 +8,8 @@ use crate::driver::{driver_answer, driver_call};
 use crate::error::{Error, Result};
 use crate::streams::capture_mode;
 use crate::streams::capture_state::{
-    capture_info, is_legacy_handle, refuse_host_wait_on_capturing_thread, CaptureStatus, LEGACY_HANDLE,
+    capture_beside, capture_info, is_legacy_handle, refuse_host_wait_on_capturing_thread, Beside, CaptureStatus,
+    LEGACY_HANDLE,
 };
 use crate::streams::deferred_frees::{run_frees, DeferredFree};
 use crate::streams::orphans::{
@@ -439,11 +440,8 @@ impl Stream {
             return Ok(false);
         };
         // The legacy stream itself, not the per-thread stream `asked_handle` names.
-        match context.while_current(|| capture_info(self.as_raw())) {
-            Ok(status) => Ok(status != CaptureStatus::None),
-            Err(error) if error.is_refused_for_a_blocking_capture() => Ok(true),
-            Err(error) => Err(error),
-        }
+        let beside = context.while_current(|| capture_beside(self.as_raw()))?;
+        Ok(!matches!(beside, Beside::Nothing))
     }
 
     /// Refuses `operation` on the legacy stream while a blocking stream of its context captures
