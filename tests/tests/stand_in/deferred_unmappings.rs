@@ -7,7 +7,7 @@
 
 use crate::the_per_thread_stream::{begin_per_thread_capture, end_per_thread_capture};
 use cumempool::sys::CUresult;
-use cumempool::{Buffer, Error, HandleTypes, MemPool, Route, SharedAllocation, Stream};
+use cumempool::{Buffer, Context, Error, HandleTypes, MemPool, Route, SharedAllocation, Stream};
 use cumempool_tests::stand_in_driver::{set_switch, stand_in};
 
 const LEN: usize = 4096;
@@ -23,6 +23,28 @@ fn shared_with_itself(stream: &Stream) -> (Buffer<'_>, SharedAllocation, MemPool
     (allocation, shared, imported)
 }
 
+/// Makes the wait for `mapping`'s unmapping owed: dropped during a blocking capture, its
+/// deferred free runs while another blocking capture begins, which then ends; neither capture
+/// is invalidated.
+fn owe_the_wait_for(mapping: Buffer<'_>) {
+    begin_per_thread_capture();
+    drop(mapping); // deferred: a blocking stream captures
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the first capture was left intact");
+    set_switch("capture_per_thread_after_next_legacy_free");
+    assert_eq!(Stream::run_orphaned_frees(), 1, "the deferred free ran, its wait is owed");
+    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the wait for the unmapping invalidated the capture");
+}
+
+/// Runs `work` inside the capture of a new stream of `context`, so that the calling thread
+/// captures; the capture must succeed.
+fn inside_another_streams_capture(context: &Context, work: impl FnOnce()) {
+    let graph = Stream::new(context).unwrap().capture(|_| {
+        work();
+        Ok(())
+    });
+    assert!(graph.is_ok(), "{:?}", graph.err());
+}
+
 /// The unmapping's free goes through, then a blocking stream begins capturing before the wait
 /// for it: the wait is not made, the capture is left intact, and the allocation is not mapped
 /// again under a pending unmapping. The wait is owed: the legacy stream's next use, once
@@ -35,12 +57,7 @@ fn a_deferred_unmapping_is_waited_for_at_the_legacy_streams_next_use_after_a_blo
     let (_allocation, shared, imported) = shared_with_itself(&legacy);
     let mapping = imported.import_pointer(&shared, &legacy).unwrap();
     let mapped = imported.used_mem_current().unwrap();
-    begin_per_thread_capture();
-    drop(mapping); // deferred: a blocking stream captures
-    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the first capture was left intact");
-    set_switch("capture_per_thread_after_next_legacy_free");
-    assert_eq!(Stream::run_orphaned_frees(), 1, "the deferred free ran, its wait is owed");
-    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS, "the wait for the unmapping invalidated the capture");
+    owe_the_wait_for(mapping);
     assert_eq!(imported.used_mem_current().unwrap(), mapped - LEN as u64, "unmapped");
     let again = imported.import_pointer(&shared, &legacy);
     assert!(matches!(again, Err(Error::AlreadyImported { .. })), "not waited for, yet importable again: {again:?}");
@@ -63,17 +80,6 @@ fn a_deferred_unmapping_is_waited_for_and_forgotten_once_the_capture_is_over() {
     assert_eq!(Stream::run_orphaned_frees(), 0, "the deferred free ran");
     let again = imported.import_pointer(&shared, &legacy).unwrap();
     assert_eq!(again.len(), LEN, "importable again once its unmapping was waited for");
-}
-
-/// Makes the wait for `mapping`'s unmapping owed: dropped during a blocking capture, its
-/// deferred free runs while another blocking capture begins, which then ends.
-fn owe_the_wait_for(mapping: Buffer<'_>) {
-    begin_per_thread_capture();
-    drop(mapping);
-    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS);
-    set_switch("capture_per_thread_after_next_legacy_free");
-    let _ = Stream::run_orphaned_frees();
-    assert_eq!(end_per_thread_capture(), CUresult::CUDA_SUCCESS);
 }
 
 /// An import refused for a length the driver did not map gives its fresh mapping back on the
@@ -117,11 +123,9 @@ fn an_owed_wait_refused_for_now_stays_owed() {
     let (_allocation, shared, imported) = shared_with_itself(&legacy);
     owe_the_wait_for(imported.import_pointer(&shared, &legacy).unwrap());
     let mut inside = None;
-    let graph = Stream::new(&context).unwrap().capture(|_| {
+    inside_another_streams_capture(&context, || {
         inside = Some(legacy.ensure_not_capturing("using the legacy stream inside a capture closure"));
-        Ok(())
     });
-    assert!(graph.is_ok(), "{:?}", graph.err());
     assert!(matches!(inside, Some(Ok(()))), "{inside:?}");
     legacy.synchronize().unwrap();
     let again = imported.import_pointer(&shared, &legacy);
@@ -156,12 +160,8 @@ fn an_unmapping_whose_wait_the_calling_threads_capture_refuses_is_owed() {
     let legacy = Stream::legacy(&context);
     let (_allocation, shared, imported) = shared_with_itself(&legacy);
     let mapped = imported.used_mem_current().unwrap();
-    let mut mapping = Some(imported.import_pointer(&shared, &legacy).unwrap());
-    let graph = Stream::new(&context).unwrap().capture(|_| {
-        drop(mapping.take());
-        Ok(())
-    });
-    assert!(graph.is_ok(), "{:?}", graph.err());
+    let mapping = imported.import_pointer(&shared, &legacy).unwrap();
+    inside_another_streams_capture(&context, || drop(mapping));
     assert_eq!(imported.used_mem_current().unwrap(), mapped, "unmapped");
     legacy.synchronize().unwrap();
     let again = imported.import_pointer(&shared, &legacy);
@@ -175,12 +175,8 @@ fn an_unmapping_on_its_own_stream_whose_wait_the_calling_threads_capture_refuses
     let Some((_serial, context)) = stand_in() else { return };
     let stream = Stream::new(&context).unwrap();
     let (_allocation, shared, imported) = shared_with_itself(&stream);
-    let mut mapping = Some(imported.import_pointer(&shared, &stream).unwrap());
-    let graph = Stream::new(&context).unwrap().capture(|_| {
-        drop(mapping.take());
-        Ok(())
-    });
-    assert!(graph.is_ok(), "{:?}", graph.err());
+    let mapping = imported.import_pointer(&shared, &stream).unwrap();
+    inside_another_streams_capture(&context, || drop(mapping));
     stream.synchronize().unwrap();
     let again = imported.import_pointer(&shared, &stream);
     assert!(again.is_ok(), "the wait for the unmapping was lost: {again:?}");
