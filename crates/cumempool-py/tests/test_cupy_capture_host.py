@@ -493,3 +493,57 @@ print(allocator.captured_bytes)
 """,
     )
     assert words == ["refused", "0", "4096", "refused", "0", "4096", "0"], words
+
+
+def test_memory_kept_for_graphs_outlives_the_allocator_that_kept_it(stand_in_libcuda):
+    # An array a capture made holds only the allocator's lease, and the graph holds nothing of
+    # cumempool's: an allocator collected before `release_captured` (a temporary given to
+    # `cupy.cuda.using_allocator`) must not free what the array and the graph's launches use.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import gc
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(pool)
+captured = capture()
+escaped = allocator(4096)  # the graph's output, kept by the user
+graph_only = allocator(8192)
+del graph_only  # a temporary only the graph uses now
+assert end_capture(captured) == 0
+print(pool.used_mem_current)
+del allocator
+gc.collect()
+print(pool.used_mem_current)
+del escaped
+gc.collect()
+print(pool.used_mem_current)
+""",
+    )
+    assert words == ["12288", "12288", "12288"], "memory a graph or an array still uses was freed with its allocator"
+
+
+def test_a_closed_budget_keeps_the_memory_cupys_graphs_use(stand_in_libcuda):
+    # `Budget.close()` puts CuPy's previous allocator back, and the budget's allocator goes with
+    # the budget: the memory it kept for CuPy's graphs stays.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import gc
+cupy.cuda.get_allocator = lambda: None
+cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
+installed = []
+cupy.cuda.set_allocator = installed.append
+budget = cm.budget(1 << 30)
+captured = capture()
+escaped = installed[-1](4096)
+assert end_capture(captured) == 0
+pool = budget.pool(0)
+print(pool.used_mem_current)
+installed.clear()
+budget.close()
+del budget
+gc.collect()
+print(pool.used_mem_current)
+""",
+    )
+    assert words == ["4096", "4096"], "the budget's teardown freed memory a captured CuPy array still uses"

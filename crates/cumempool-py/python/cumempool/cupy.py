@@ -74,7 +74,9 @@ class Allocator(_CupyAllocatorBase):
     CUDA graphs (``stream.begin_capture()`` ... ``end_capture()``): memory asked for while
     CuPy's current stream captures comes from the resource too, counted and capped, and is kept
     for the graph (which uses those addresses at every launch) until you call
-    :meth:`release_captured` after the graphs that use it are gone."""
+    :meth:`release_captured` after the graphs that use it are gone. Memory an allocator let go
+    of before that still keeps (a temporary given to ``cupy.cuda.using_allocator``, a closed
+    budget's) stays allocated until the process ends: a graph may still launch on it."""
 
     # The call itself is native (`_CupyAllocatorBase.__call__`): the common case never enters
     # Python; the rest comes to `_serve_in_python`, and failures to `_failed`.
@@ -96,6 +98,10 @@ class Allocator(_CupyAllocatorBase):
         # Each buffer served to a capture, with a weak reference to the lease CuPy's memory
         # object holds it by: the buffer is given back only once the lease is gone too.
         self._captured: list[tuple[Buffer, weakref.ref[_Lease]]] = []
+        # A graph may launch, and an array made in its capture live, after this allocator is
+        # gone: what it still keeps for them then is kept until the process ends. The list is
+        # only ever changed in place, so the finalizer hands over what it holds at that time.
+        weakref.finalize(self, _KEPT_FOR_GRAPHS_OF_COLLECTED_ALLOCATORS.extend, self._captured)
         # CuPy's streams seen capturing, asked again before the device is waited for (a capture
         # does not survive that wait); let go of once seen not capturing.
         self._capturing: list[Any] = []
@@ -131,12 +137,12 @@ class Allocator(_CupyAllocatorBase):
             )
         _wait_for_device(self.resource.device)
         self._capturing = []
-        held, self._captured = self._captured, []
-        for buffer, lease in held:
+        # Removed one by one, in place: a buffer another thread's capture adds meanwhile stays.
+        for entry in list(self._captured):
+            buffer, lease = entry
             if lease() is None:
+                self._captured.remove(entry)
                 buffer.close()
-            else:
-                self._captured.append((buffer, lease))
 
     def _for_a_capture(self, size: int) -> _Lease:
         """Memory for a stream that captures: from the resource on a stream of the allocator's
@@ -214,13 +220,20 @@ def _budget_report(resource: Resource) -> str | None:
     return _budget.report_if_drawn_from(resource, resource.device)
 
 
+# What allocators collected before `release_captured` kept for graphs (which may still launch):
+# allocated until the process ends.
+_KEPT_FOR_GRAPHS_OF_COLLECTED_ALLOCATORS: list[tuple[Buffer, weakref.ref[_Lease]]] = []
+
+
 class _Lease:
     """What CuPy's memory object holds for memory served to a capture: the buffer stays with the
-    allocator (for the graph), and the lease's end tells :meth:`Allocator.release_captured` that
-    no array uses the memory any more."""
+    allocator too (for the graph), and the lease's end tells :meth:`Allocator.release_captured`
+    that no array uses the memory any more. The lease holds the buffer as well, so an array keeps
+    its memory whatever becomes of the allocator."""
 
-    __slots__ = ("ptr", "device", "__weakref__")
+    __slots__ = ("ptr", "device", "_buffer", "__weakref__")
 
     def __init__(self, buffer: Buffer):
         self.ptr = buffer.ptr
         self.device = buffer.device
+        self._buffer = buffer
