@@ -554,6 +554,47 @@ budget.close()
     assert words == ["True", "False"], "the budget's report was put on an error of a resource outside the budget"
 
 
+def test_the_report_names_the_largest_allocation_of_each_library_with_its_stack(stand_in_libcuda):
+    # Recorded with stacks, the out-of-memory report shows under each library its largest live
+    # allocation and where it was asked for; not recorded, it says how to have them.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import os
+os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
+class CupyOutOfMemory(Exception):
+    pass
+cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+cupy.cuda.get_allocator = lambda: None
+cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
+installed = []
+cupy.cuda.set_allocator = installed.append
+budget = cm.budget(devices={0: "1MiB"})
+allocate = installed[-1]
+def load_weights():
+    return allocate(512 << 10)
+def reports(n):
+    try:
+        allocate(n)
+    except CupyOutOfMemory as error:
+        return error.report.splitlines()
+small = allocate(4096)
+print("not", any("not recorded (cumempool.record_history()" in line for line in reports(1 << 20)))
+cm.record_history(stacks="python")
+weights = load_weights()
+lines = reports(1 << 20)
+at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["cupy"])
+print("largest", *lines[at + 1].split()[:8])
+cm.record_history(False)
+budget.close()
+""",
+    )
+    assert words[:2] == ["not", "True"], "the report did not say how to record the largest allocations"
+    largest, where = words[2:7], words[7:]
+    assert largest == ["largest", "largest", "live:", "512.0", "KiB"], words
+    assert where[0] == "at" and where[1].startswith("<string>:") and where[2:] == ["in", "load_weights"], words
+
+
 # ---- the command line ----------------------------------------------------------------------------
 
 

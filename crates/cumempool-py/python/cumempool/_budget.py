@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable
 
+from . import _history
 from ._native import CachingResource, MemPool, OnOutOfMemory, PoolResource, Route, RouteGuard, Statistics, set_current_pool
 
 _UNITS = {
@@ -638,8 +639,10 @@ def _allocator_backend(torch: Any) -> str | None:
 
 
 def report(device: int | None = None) -> str:
-    """What an out-of-memory error under the budget says: the limit, who holds what, reserved
-    against used, and what to do. For ``device`` (default: every device of the budget)."""
+    """What an out-of-memory error under the budget says: the limit, who holds what (with each
+    library's largest live allocation and its stack while :func:`record_history` records),
+    reserved against used, and what to do. For ``device`` (default: every device of the
+    budget)."""
     figures = usage()
     if not figures:
         return "no cumempool budget is in force"
@@ -652,6 +655,7 @@ def report(device: int | None = None) -> str:
         limit, used, reserved = of_device["limit"], of_device["used"], of_device["reserved"]
         lines.append(f"cumempool budget of device {ordinal}: {size_text(used)} of {size_text(limit)} in use ({used / limit:.0%})")
         holders = sorted(of_device["libraries"].items(), key=lambda item: -item[1]["bytes"])
+        largest = _history.largest_live(ordinal)
         for name, held in holders:
             if held["bytes"] == 0 and name == "unattributed":
                 continue
@@ -664,6 +668,13 @@ def report(device: int | None = None) -> str:
             elif name == "unattributed":
                 how = f" (drawn from the pool directly: {' or '.join(held['includes'])})"
             lines.append(f"  {name:<14} {size_text(held['bytes']):>10} ({held['share']:.0%}){count}{how}")
+            if largest is not None and name in largest:
+                allocation = largest[name]
+                lines.append(f"      largest live: {size_text(allocation.size)} {_history.where(allocation)}")
+        if largest is None:
+            lines.append(
+                "  largest allocations: not recorded (cumempool.record_history() records them, with their Python stacks)"
+            )
         if reserved > used:
             lines.append(
                 f"  reserved {size_text(reserved)} against {size_text(used)} used: {size_text(reserved - used)} held by the pool but free (fragmentation or freed blocks not yet reused)"

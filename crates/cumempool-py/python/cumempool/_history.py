@@ -201,6 +201,33 @@ class _Traced:
         self.buffer, self.ptr, self.device = buffer, buffer.ptr, buffer.device
 
 
+def largest_live(device: int) -> dict[str, _Live] | None:
+    """Each library's largest allocation recorded live on ``device`` (by its library), or None
+    when not recording."""
+    recorder = recording
+    if recorder is None:
+        return None
+    largest: dict[str, _Live] = {}
+    with _locked():
+        for (of_device, _), live in recorder.live.items():
+            if of_device != device:
+                continue
+            known = largest.get(live.library)
+            if known is None or live.size > known.size:
+                largest[live.library] = live
+    return largest
+
+
+def where(live: _Live, frames: int = 3) -> str:
+    """Where an allocation was asked for, innermost frame first: ``"train.py:42 in step <
+    train.py:80 in main"``, or what to do to know it."""
+    stack = live.frames[1:]  # after the frame that names the library (`_origin`)
+    if not stack:
+        return "no stack recorded (record_history(stacks='python') records it)"
+    shown = " < ".join(f"{os.path.basename(frame['filename'])}:{frame['line']} in {frame['name']}" for frame in stack[:frames])
+    return f"at {shown}" + (" < ..." if len(stack) > frames else "")
+
+
 def _now() -> int:
     return time.time_ns() // 1000
 
