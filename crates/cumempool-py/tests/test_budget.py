@@ -595,6 +595,59 @@ budget.close()
     assert where[0] == "at" and where[1].startswith("<string>:") and where[2:] == ["in", "load_weights"], words
 
 
+def test_cupy_under_the_budget_collects_garbage_before_it_runs_out(stand_in_libcuda):
+    # CuPy's own pool (SingleDeviceMemoryPool._try_malloc) frees its blocks, then runs
+    # gc.collect() and tries again before raising OutOfMemoryError: an array kept only by a
+    # reference cycle never makes a CuPy program run out. Under the budget the plug-in raises at
+    # once, so a program that fits with CuPy's pool dies under a budget of the same size.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import gc
+class CupyOutOfMemory(Exception):
+    def __init__(self, size, total, limit=0):
+        super().__init__(size)
+cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)  # the pool's maximum size, as the GPU's
+budget = cm.budget(devices={0: "1MiB"})
+allocator = cmc.Allocator(budget.resource("cupy", 0))
+class Node:
+    pass
+node = Node()
+node.self, node.array = node, allocator(768 << 10)  # an array only a cycle keeps
+del node
+gc.disable()  # the collector has not come round yet
+try:
+    kept = allocator(768 << 10)
+    print("allocated")
+except CupyOutOfMemory:
+    print("out-of-memory")
+budget.close()
+""",
+    )
+    assert words[-1] == "allocated", "CuPy ran out under the budget where its own pool collects the cycle and fits"
+
+
+def test_a_resource_drawn_for_torch_can_serve_the_torch_plug_in(stand_in_libcuda):
+    # `Budget.resource("torch", 0)` is for `cumempool.torch`, whose allocations run where no
+    # Python callback may: it must not wrap the pool in an OnOutOfMemory callback.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import cumempool.torch as cmt
+        budget = cm.budget(devices={0: "64MiB"})
+        try:
+            cmt.serve(budget.resource("torch", 0))
+            print("served")
+            cmt.stop()
+        except ValueError as error:
+            print("refused")
+        budget.close()
+        """,
+    )
+    assert words == ["served"], "the budget's resource for torch cannot be given to cumempool.torch"
+
+
 # ---- the command line ----------------------------------------------------------------------------
 
 

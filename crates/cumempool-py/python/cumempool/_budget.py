@@ -89,6 +89,9 @@ _MOST_BYTES = (1 << 64) - 1
 # cost a driver call each.
 _CACHED_LIBRARIES = frozenset({"cupy"})
 
+# The libraries whose plug-in refuses a resource that calls Python (`cumempool.torch`).
+_NO_PYTHON_CALLBACKS = frozenset({"torch"})
+
 # The most a library's cache keeps: free blocks that the libraries allocating through routing
 # cannot have until released. CuPy's temporaries cycle through a few blocks, so a small cache
 # serves them.
@@ -128,7 +131,7 @@ class _Device:
     plug-in library the resource it draws through (``tops``) and what counts it, right above
     the pool (``libraries``): what a library's cache holds (its free blocks, its size classes'
     rounding) is the library's, so the counts add up to the pool's use. A library without a
-    cache draws through a hook that has the caches give their blocks back when the pool is
+    cache (but PyTorch, whose plug-in takes no Python callback) draws through a hook that has the caches give their blocks back when the pool is
     full."""
 
     ordinal: int
@@ -147,6 +150,10 @@ class _Device:
                     # A cache gives its own blocks back when the pool below is full.
                     counted = Statistics(PoolResource(self.pool))
                     top = self.caches[library] = CachingResource(counted, max_cached=cache_bound(self.limit))
+                elif library in _NO_PYTHON_CALLBACKS:
+                    # Its plug-in allocates where no Python may run (PyTorch's allocator lock
+                    # held, maybe without the GIL): counted, with no hook.
+                    counted = top = Statistics(PoolResource(self.pool))
                 else:
                     counted = top = Statistics(OnOutOfMemory(PoolResource(self.pool), self._release_caches_once))
                 self.libraries[library] = counted
@@ -186,7 +193,9 @@ class Budget:
 
     def resource(self, library: str, device: int) -> Any:
         """The resource a plug-in library draws through on ``device``: the budget's pool,
-        counted for that library (through a cache for CuPy)."""
+        counted for that library (through a cache for CuPy; for ``"torch"``, one
+        ``cumempool.torch`` accepts, without the hook that has the caches give their blocks back
+        when the pool is full)."""
         return self._device(device).resource(library)
 
     def resource_or_outside(self, library: str, device: int) -> Any:

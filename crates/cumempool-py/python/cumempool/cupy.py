@@ -11,6 +11,7 @@ device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any, Callable
 
@@ -160,11 +161,19 @@ class Allocator(_CupyAllocatorBase):
         return lease
 
     def _failed(self, size: int, error: BaseException):
-        """Raises what a call of ``size`` bytes failed with: an out-of-memory as CuPy's class
-        (with the budget's report where a budget is in force), anything else as it is."""
+        """What a call of ``size`` bytes that failed with ``error`` comes to. Out of memory, it
+        is tried once more after a garbage collection, as CuPy's own pool does (an array only a
+        reference cycle keeps may hold the memory), and returns what that serves; else raises
+        CuPy's class (with the budget's report where a budget is in force). Anything else is
+        raised as it is."""
         try:
             raise error
         except errors.OutOfMemoryError as caught:
+            gc.collect()
+            try:
+                return self._serve_step_by_step(size)
+            except errors.OutOfMemoryError:
+                pass
             # Raised while the error is handled: a failure to build CuPy's class keeps it as its
             # context.
             raise out_of_memory_error()(size, caught, _budget_report(self.resource)) from caught
@@ -180,7 +189,7 @@ class Allocator(_CupyAllocatorBase):
         try:
             return self._serve_step_by_step(size)
         except errors.OutOfMemoryError as error:
-            self._failed(size, error)
+            return self._failed(size, error)
 
     def _serve_step_by_step(self, size: int):
         import cupy

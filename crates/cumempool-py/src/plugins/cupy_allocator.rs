@@ -55,8 +55,8 @@ impl CupyAllocatorBase {
     /// A `cupy.cuda.MemoryPointer` to `size` bytes on CuPy's current stream, owned by a
     /// `Buffer` that gives the memory back when CuPy lets go of it. Served natively where it
     /// can be, else by `self._serve_in_python(size)`; a failure of the native steps goes to
-    /// `self._failed(size, error)`, which raises (the error itself where it returns or is
-    /// missing).
+    /// `self._failed(size, error)`, which raises or returns a pointer served after all (the
+    /// error itself is raised where it returns None or is missing).
     fn __call__(slf: &Bound<'_, Self>, size: usize) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let this = slf.get();
@@ -68,10 +68,11 @@ impl CupyAllocatorBase {
                 Err(failure) => {
                     let error = PyErr::from(failure);
                     let Ok(failed) = slf.getattr(intern!(py, "_failed")) else { return Err(error) };
-                    return Err(match failed.call1((size, error.value(py))) {
-                        Ok(_) => error,
-                        Err(raised) => raised,
-                    });
+                    return match failed.call1((size, error.value(py))) {
+                        Ok(served) if !served.is_none() => Ok(served.unbind()),
+                        Ok(_) => Err(error),
+                        Err(raised) => Err(raised),
+                    };
                 }
             }
         }
