@@ -76,8 +76,7 @@ def test_pytorch_is_put_on_its_cudamallocasync_backend_unless_the_script_chose_a
         ("expandable_segments:True", "expandable_segments:True,backend:cudaMallocAsync"),
         ("backend:native", "backend:native"),
     ):
-        env = dict(os.environ)
-        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env = {name: value for name, value in os.environ.items() if name not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
         if before is not None:
             env["PYTORCH_CUDA_ALLOC_CONF"] = before
         out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, env=env, timeout=60)
@@ -646,6 +645,72 @@ def test_a_resource_drawn_for_torch_can_serve_the_torch_plug_in(stand_in_libcuda
         """,
     )
     assert words == ["served"], "the budget's resource for torch cannot be given to cumempool.torch"
+
+
+def _choose(env_extra, printed="PYTORCH_CUDA_ALLOC_CONF"):
+    """The budget's choice of PyTorch's backend in a process of its own, with ``env_extra`` set;
+    ``printed``, as it left it, is the output."""
+    code = (
+        "import os, warnings; warnings.simplefilter('always'); from cumempool import _budget; "
+        f"_budget._choose_torch_backend(); print(os.environ.get({printed!r}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_pytorch_alloc_conf_naming_another_backend_is_kept_with_a_warning():
+    # PyTorch 2.9+ reads PYTORCH_ALLOC_CONF (the device-generic name) as well as
+    # PYTORCH_CUDA_ALLOC_CONF. A backend chosen there is the script's choice: kept, warned about,
+    # as for PYTORCH_CUDA_ALLOC_CONF, and no backend is set beside it (which of the two wins
+    # depends on the PyTorch version).
+    out = _choose({"PYTORCH_ALLOC_CONF": "backend:native"})
+    assert out.returncode == 0, out.stderr
+    assert "budget does not cover" in out.stderr, (out.stdout, out.stderr)
+    assert out.stdout.strip() == "None", "PYTORCH_CUDA_ALLOC_CONF was set over the script's own choice"
+    # Without a backend there, the backend goes where PyTorch reads its settings.
+    out = _choose({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "PYTORCH_ALLOC_CONF")
+    assert out.returncode == 0 and "budget does not cover" not in out.stderr, out.stderr
+    assert out.stdout.strip() == "expandable_segments:True,backend:cudaMallocAsync", out.stdout
+
+
+FAKE_TORCH = """
+# As c10 does: the backend is read from the environment once, when PyTorch loads.
+import os, re, types
+_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+_found = re.search(r"backend\\s*:\\s*(\\w+)", _conf)
+_backend = _found.group(1) if _found else "native"
+cuda = types.SimpleNamespace(
+    is_initialized=lambda: True, memory=types.SimpleNamespace(get_allocator_backend=lambda: _backend)
+)
+"""
+
+
+def test_a_script_that_sets_the_allocator_conf_itself_is_warned_about(stand_in_libcuda, tmp_path):
+    # The common first lines of a training script: it overwrites what the budget set, PyTorch
+    # loads on its native allocator, and every tensor is outside the budget (and outside
+    # usage()), with no word said. docs/python.md: a script that chose an allocator itself keeps
+    # it "with a warning".
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    (tmp_path / "train.py").write_text(
+        "import os\nos.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n"
+        "import torch\nprint(torch.cuda.memory.get_allocator_backend())\n"
+    )
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("LOCAL_RANK", None)
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "cumempool", "run", "--budget", "1MiB", "--", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["native"], "precondition: PyTorch loaded outside the budget"
+    assert "budget" in out.stderr.lower(), "PyTorch escaped the budget and nothing said so"
 
 
 # ---- the command line ----------------------------------------------------------------------------

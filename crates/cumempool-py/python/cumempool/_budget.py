@@ -356,12 +356,37 @@ def _each_device(size: int) -> dict[int, int]:
 # ---- PyTorch: the cudaMallocAsync backend, chosen before import -------------------------------
 
 
+# Where PyTorch reads its allocator's settings: both names from 2.9 on (which one wins where
+# both are set has changed between versions, so the budget reads and writes both).
+_TORCH_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def _torch_settings() -> dict[str, str]:
+    """PyTorch's allocator settings in the environment, by variable."""
+    return {name: os.environ[name] for name in _TORCH_SETTINGS if os.environ.get(name)}
+
+
+def _backend_named(setting: str) -> str | None:
+    found = re.search(r"backend\s*:\s*(\w+)", setting)
+    return found.group(1) if found else None
+
+
+def _other_backend(settings: dict[str, str]) -> tuple[str, str] | None:
+    """The first variable that names a backend other than ``cudaMallocAsync``, and that backend."""
+    for name, setting in settings.items():
+        backend = _backend_named(setting)
+        if backend is not None and backend != "cudaMallocAsync":
+            return name, backend
+    return None
+
+
 def _choose_torch_backend() -> None:
-    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    backend = re.search(r"backend\s*:\s*(\w+)", setting)
-    if backend is not None and backend.group(1) != "cudaMallocAsync":
+    settings = _torch_settings()
+    other = _other_backend(settings)
+    if other is not None:
+        name, backend = other
         warnings.warn(
-            f"PYTORCH_CUDA_ALLOC_CONF={setting!r} chooses PyTorch's {backend.group(1)} allocator, which the "
+            f"{name}={settings[name]!r} chooses PyTorch's {backend} allocator, which the "
             "budget does not cover; leave the backend out (or name cudaMallocAsync) to put PyTorch on it",
             stacklevel=3,
         )
@@ -376,8 +401,30 @@ def _choose_torch_backend() -> None:
             stacklevel=3,
         )
         return
-    if backend is None:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [setting, "backend:cudaMallocAsync"]))
+    for name in settings or ("PYTORCH_CUDA_ALLOC_CONF",):
+        if _backend_named(settings.get(name, "")) is None:
+            os.environ[name] = ",".join(filter(None, [settings.get(name, ""), "backend:cudaMallocAsync"]))
+    # The program may change the settings before it imports torch (a training script's first
+    # lines often do): what PyTorch reads then is checked when it loads.
+    _after_import("torch", _check_torch_settings)
+
+
+def _check_torch_settings(_torch: Any) -> None:
+    """Warns, when PyTorch loads under a budget, where the settings it reads no longer put it on
+    the ``cudaMallocAsync`` backend (read from the environment, as PyTorch reads them, without
+    asking PyTorch anything)."""
+    if _active is None:
+        return
+    settings = _torch_settings()
+    other = _other_backend(settings)
+    if other is None and any(_backend_named(setting) == "cudaMallocAsync" for setting in settings.values()):
+        return
+    name = other[0] if other is not None else "PYTORCH_CUDA_ALLOC_CONF"
+    _warn_safely(
+        f"PyTorch loaded with {name}={settings.get(name, '')!r}, changed by the program after the budget was "
+        "made: PyTorch runs its own allocator, outside the budget and usage(); keep backend:cudaMallocAsync in "
+        "it to put PyTorch on the budget"
+    )
 
 
 # ---- CuPy and Numba: plug-ins installed when the library is imported ------------------------
