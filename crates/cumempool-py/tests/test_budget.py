@@ -15,8 +15,8 @@ import cumempool._native as native
 from conftest import library
 from cumempool import _budget
 from cumempool.errors import InvalidDeviceError
-from test_cupy_capture_host import _with_fake_cupy
-from test_resource_alloc_under_capture import run_on_stand_in
+from test_cupy_capture_host import FAKE_CUPY, _with_fake_cupy
+from test_resource_alloc_under_capture import STAND_IN_CAPTURE, run_on_stand_in
 
 MIB = 1 << 20
 
@@ -711,6 +711,113 @@ def test_a_script_that_sets_the_allocator_conf_itself_is_warned_about(stand_in_l
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["native"], "precondition: PyTorch loaded outside the budget"
     assert "budget" in out.stderr.lower(), "PyTorch escaped the budget and nothing said so"
+
+
+def test_torch_reading_its_cuda_variable_without_the_backend_is_warned_about(stand_in_libcuda, tmp_path):
+    # The environment had PYTORCH_ALLOC_CONF only, so the budget put the backend there alone; the
+    # script then sets PYTORCH_CUDA_ALLOC_CONF (which this PyTorch reads first, as FAKE_TORCH
+    # does) and PyTorch runs its native allocator: the other variable's cudaMallocAsync must not
+    # keep the warning back.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    (tmp_path / "train.py").write_text(
+        "import os\nos.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n"
+        "import torch\nprint(torch.cuda.memory.get_allocator_backend())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "LOCAL_RANK")}
+    env.update(CUMEMPOOL_LIBCUDA=stand_in_libcuda, PYTORCH_ALLOC_CONF="expandable_segments:True")
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "cumempool", "run", "--budget", "1MiB", "--", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["native"], "precondition: PyTorch loaded outside the budget"
+    assert "budget" in out.stderr.lower(), "PyTorch escaped the budget and nothing said so"
+
+
+def test_the_report_shows_no_allocation_from_outside_the_budget_as_the_budgets(stand_in_libcuda):
+    # The report's largest live allocations are the budget's own: not those of a CuPy allocator
+    # over the program's own pool on the same device.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+class CupyOutOfMemory(Exception):
+    pass
+cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
+cupy.cuda.get_allocator = lambda: None
+cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
+installed = []
+cupy.cuda.set_allocator = installed.append
+budget = cm.budget(devices={0: "1MiB"})
+allocate = installed[-1]
+own = cmc.Allocator(cm.MemPool(cm.Route.device(0)))  # the program's own pool, outside the budget
+cm.record_history(stacks="python")
+small = allocate(4096)
+def outside_the_budget():
+    return own(512 << 10)
+big = outside_the_budget()
+try:
+    allocate(2 << 20)
+except CupyOutOfMemory as error:
+    lines = error.report.splitlines()
+at = next(i for i, line in enumerate(lines) if line.split()[:1] == ["cupy"])
+print(*lines[at + 1].split()[:4])
+cm.record_history(False)
+budget.close()
+""",
+    )
+    assert words[2:4] != ["512.0", "KiB"], f"the report shows an allocation outside the budget as the budget's: {words}"
+
+
+def test_an_out_of_memory_report_made_where_the_recorder_lock_is_held_does_not_hang(stand_in_libcuda):
+    # Code a collection runs while this thread holds the recorder's lock (a finalizer, in a
+    # collection that a recording call set off by making an object) allocates through CuPy and
+    # runs out: the report must not wait for that lock, which this thread holds.
+    code = (
+        STAND_IN_CAPTURE
+        + FAKE_CUPY
+        + textwrap.dedent(
+            """
+        import faulthandler, gc
+        faulthandler.dump_traceback_later(10, exit=True)
+        from cumempool import _history
+        class CupyOutOfMemory(Exception):
+            pass
+        cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+        os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
+        cupy.cuda.get_allocator = lambda: None
+        cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
+        installed = []
+        cupy.cuda.set_allocator = installed.append
+        budget = cm.budget(devices={0: "1MiB"})
+        allocate = installed[-1]
+        cm.record_history(stacks=None)
+        outcome = []
+        def finalizer_like(phase, info):
+            # What a __del__ run by this collection would do.
+            if phase == "start" and _history._lock.locked() and not outcome:
+                outcome.append("ran")
+                try:
+                    allocate(2 << 20)
+                except CupyOutOfMemory:
+                    outcome.append("out-of-memory")
+        gc.callbacks.append(finalizer_like)
+        gc.set_threshold(1)
+        kept = [allocate(4096) for _ in range(20)]
+        gc.set_threshold(700)
+        gc.callbacks.remove(finalizer_like)
+        print(*outcome)
+        """
+        )
+    )
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["ran", "out-of-memory"], out.stdout + out.stderr[-3000:]
 
 
 # ---- the command line ----------------------------------------------------------------------------

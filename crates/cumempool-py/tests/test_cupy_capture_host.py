@@ -547,3 +547,45 @@ print(pool.used_mem_current)
 """,
     )
     assert words == ["4096", "4096"], "the budget's teardown freed memory a captured CuPy array still uses"
+
+
+def test_two_threads_releasing_captured_memory_at_once_do_not_fail(stand_in_libcuda):
+    # release_captured removes what it gives back one entry at a time, from a copy of the list:
+    # a call on another thread whose copy still holds an entry this one removed must neither
+    # fail nor close the buffer again. `Gate` stands in for the weak reference only to order
+    # the two threads (thread B stops right after taking its copy).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import threading
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(pool)
+captured = capture()
+leases = [allocator(256) for _ in range(4)]
+assert end_capture(captured) == 0
+del leases
+b_in_loop, a_done, failures = threading.Event(), threading.Event(), []
+class Gate:
+    def __init__(self, ref):
+        self.ref = ref
+    def __call__(self):
+        if threading.current_thread().name == "B" and not b_in_loop.is_set():
+            b_in_loop.set()
+            a_done.wait()
+        return self.ref()
+allocator._captured[:] = [(buffer, Gate(ref)) for buffer, ref in allocator._captured]
+def release():
+    try:
+        allocator.release_captured()
+    except Exception as error:
+        failures.append(type(error).__name__)
+b = threading.Thread(target=release, name="B")
+b.start()
+b_in_loop.wait()
+release()  # thread A
+a_done.set()
+b.join()
+print(failures or ["none"], pool.used_mem_current)
+""",
+    )
+    assert words == ["['none']", "0"], words

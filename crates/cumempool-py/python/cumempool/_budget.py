@@ -417,9 +417,11 @@ def _check_torch_settings(_torch: Any) -> None:
         return
     settings = _torch_settings()
     other = _other_backend(settings)
-    if other is None and any(_backend_named(setting) == "cudaMallocAsync" for setting in settings.values()):
+    # Which variable PyTorch reads first has changed between versions: each one set must name it.
+    if other is None and settings and all(_backend_named(setting) == "cudaMallocAsync" for setting in settings.values()):
         return
-    name = other[0] if other is not None else "PYTORCH_CUDA_ALLOC_CONF"
+    lacking = [name for name in _TORCH_SETTINGS if _backend_named(settings.get(name, "")) is None]
+    name = other[0] if other is not None else next((n for n in lacking if n in settings), "PYTORCH_CUDA_ALLOC_CONF")
     _warn_safely(
         f"PyTorch loaded with {name}={settings.get(name, '')!r}, changed by the program after the budget was "
         "made: PyTorch runs its own allocator, outside the budget and usage(); keep backend:cudaMallocAsync in "
@@ -711,7 +713,7 @@ def report(device: int | None = None) -> str:
         limit, used, reserved = of_device["limit"], of_device["used"], of_device["reserved"]
         lines.append(f"cumempool budget of device {ordinal}: {size_text(used)} of {size_text(limit)} in use ({used / limit:.0%})")
         holders = sorted(of_device["libraries"].items(), key=lambda item: -item[1]["bytes"])
-        largest = _history.largest_live(ordinal)
+        largest = _history.largest_live(ordinal, _active.gave if _active is not None else None)
         for name, held in holders:
             if held["bytes"] == 0 and name == "unattributed":
                 continue

@@ -55,6 +55,7 @@ class _Live:
     size: int
     stream: int
     frames: list[dict[str, Any]]
+    source: Any = None  # the resource it was drawn from, where the plug-in said
 
 
 class _Recorder:
@@ -118,7 +119,7 @@ def _frames(library: str) -> list[dict[str, Any]]:
     return frames
 
 
-def note_alloc(library: str, device: int, address: int, size: int, stream: int) -> None:
+def note_alloc(library: str, device: int, address: int, size: int, stream: int, source: Any = None) -> None:
     """Records an allocation a plug-in made (while recording)."""
     recorder = recording
     if recorder is None:
@@ -133,7 +134,7 @@ def note_alloc(library: str, device: int, address: int, size: int, stream: int) 
     with _locked():
         if recording is not recorder:
             return  # recording stopped or started again meanwhile
-        recorder.live[(device, address)] = _Live(library, size, stream, frames)
+        recorder.live[(device, address)] = _Live(library, size, stream, frames, source)
         recorder.trace(device).extend(events)
 
 
@@ -179,13 +180,13 @@ def _record_freed() -> None:
         )
 
 
-def traced(owner: Any, library: str, device: int, size: int, stream: int) -> Any:
+def traced(owner: Any, library: str, device: int, size: int, stream: int, source: Any = None) -> Any:
     """``owner`` (a Buffer a plug-in hands to its library) recorded: the allocation now, the
     free when the library lets go of what is returned. Returns ``owner`` itself when not
     recording."""
     if recording is None:
         return owner
-    note_alloc(library, device, owner.ptr, size, stream)
+    note_alloc(library, device, owner.ptr, size, stream, source)
     holder = _Traced(owner)
     weakref.finalize(holder, note_free, library, device, owner.ptr, size, stream)
     return holder
@@ -201,20 +202,24 @@ class _Traced:
         self.buffer, self.ptr, self.device = buffer, buffer.ptr, buffer.device
 
 
-def largest_live(device: int) -> dict[str, _Live] | None:
-    """Each library's largest allocation recorded live on ``device`` (by its library), or None
-    when not recording."""
+def largest_live(device: int, drawn_from: Any = None) -> dict[str, _Live] | None:
+    """Each library's largest allocation recorded live on ``device`` (by its library), of those
+    ``drawn_from(source)`` accepts, or None when not recording."""
     recorder = recording
     if recorder is None:
         return None
+    if getattr(_holding, "on", False):
+        entries = list(recorder.live.items())  # this thread holds _lock already: never wait on itself
+    else:
+        with _locked():
+            entries = list(recorder.live.items())
     largest: dict[str, _Live] = {}
-    with _locked():
-        for (of_device, _), live in recorder.live.items():
-            if of_device != device:
-                continue
-            known = largest.get(live.library)
-            if known is None or live.size > known.size:
-                largest[live.library] = live
+    for (of_device, _), live in entries:
+        if of_device != device or (drawn_from is not None and not drawn_from(live.source)):
+            continue
+        known = largest.get(live.library)
+        if known is None or live.size > known.size:
+            largest[live.library] = live
     return largest
 
 

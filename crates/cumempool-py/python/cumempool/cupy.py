@@ -142,7 +142,10 @@ class Allocator(_CupyAllocatorBase):
         for entry in list(self._captured):
             buffer, lease = entry
             if lease() is None:
-                self._captured.remove(entry)
+                try:
+                    self._captured.remove(entry)
+                except ValueError:
+                    continue  # another thread's release_captured took it
                 buffer.close()
 
     def _for_a_capture(self, size: int) -> _Lease:
@@ -217,7 +220,7 @@ class Allocator(_CupyAllocatorBase):
             # device's, as the native call serves it.
             owner = self.resource.alloc(size, handle if handle in (0, 1, 2) else stream)
             if _history.recording is not None:
-                owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr)
+                owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr, self.resource)
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)
         return cupy.cuda.MemoryPointer(memory, 0)
 

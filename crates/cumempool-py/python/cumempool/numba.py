@@ -78,7 +78,7 @@ def manager_for(resource_for: Callable[[int], Resource]) -> type:
             # The finalizer holds the buffer: closing it frees the memory on the legacy stream.
             finalizer: Callable[[], None] = buffer.close
             if _history.recording is not None:
-                finalizer = _recorded(buffer, device, size)
+                finalizer = _recorded(buffer, device, size, resource)
             return cuda.MemoryPointer(self.context, ctypes.c_void_p(buffer.ptr), size, finalizer=finalizer)
 
         def get_ipc_handle(self, memory: Any) -> Any:
@@ -98,10 +98,10 @@ def manager_for(resource_for: Callable[[int], Resource]) -> type:
     return CumempoolNumbaManager
 
 
-def _recorded(buffer: Any, device: int, size: int) -> Callable[[], None]:
+def _recorded(buffer: Any, device: int, size: int, source: Any = None) -> Callable[[], None]:
     """Records the allocation (legacy stream, handle 0) and returns the finalizer that records
     the free, then closes the buffer."""
-    _history.note_alloc("numba", device, buffer.ptr, size, 0)
+    _history.note_alloc("numba", device, buffer.ptr, size, 0, source)
 
     def close() -> None:
         _history.note_free("numba", device, buffer.ptr, size, 0)
