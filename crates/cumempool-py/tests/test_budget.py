@@ -553,23 +553,29 @@ budget.close()
     assert words == ["True", "False"], "the budget's report was put on an error of a resource outside the budget"
 
 
-def test_the_report_names_the_largest_allocation_of_each_library_with_its_stack(stand_in_libcuda):
-    # Recorded with stacks, the out-of-memory report shows under each library its largest live
-    # allocation and where it was asked for; not recorded, it says how to have them.
-    words = _with_fake_cupy(
-        stand_in_libcuda,
-        """
-import os
-os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
+# After FAKE_CUPY: a budget of 1 MiB over a pool of that size, and `allocate`, the CuPy allocator
+# the budget installed, whose out-of-memory is `CupyOutOfMemory`.
+BUDGETED_CUPY = """
 class CupyOutOfMemory(Exception):
     pass
 cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
+os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
 cupy.cuda.get_allocator = lambda: None
 cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
 installed = []
 cupy.cuda.set_allocator = installed.append
 budget = cm.budget(devices={0: "1MiB"})
 allocate = installed[-1]
+"""
+
+
+def test_the_report_names_the_largest_allocation_of_each_library_with_its_stack(stand_in_libcuda):
+    # Recorded with stacks, the out-of-memory report shows under each library its largest live
+    # allocation and where it was asked for; not recorded, it says how to have them.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        BUDGETED_CUPY
+        + """
 def load_weights():
     return allocate(512 << 10)
 def reports(n):
@@ -734,17 +740,8 @@ def test_the_report_shows_no_allocation_from_outside_the_budget_as_the_budgets(s
     # over the program's own pool on the same device.
     words = _with_fake_cupy(
         stand_in_libcuda,
-        """
-class CupyOutOfMemory(Exception):
-    pass
-cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
-os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
-cupy.cuda.get_allocator = lambda: None
-cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
-installed = []
-cupy.cuda.set_allocator = installed.append
-budget = cm.budget(devices={0: "1MiB"})
-allocate = installed[-1]
+        BUDGETED_CUPY
+        + """
 own = cmc.Allocator(cm.MemPool(cm.Route.device(0)))  # the program's own pool, outside the budget
 cm.record_history(stacks="python")
 small = allocate(4096)
@@ -764,50 +761,67 @@ budget.close()
     assert words[2:4] != ["512.0", "KiB"], f"the report shows an allocation outside the budget as the budget's: {words}"
 
 
+# A budget whose CuPy allocator (`allocate`) records (without stacks), and a collection hook
+# `finalizer_like(phase, info)` the test defines, called as a `__del__` run by a collection
+# would be: while a recording call of this thread may hold the recorder's lock. 20 allocations
+# with the collector set to run at nearly every object made; then `finish`, the test's code.
+UNDER_THE_RECORDER_LOCK = """
+import faulthandler, gc
+faulthandler.dump_traceback_later(10, exit=True)
+from cumempool import _history
+cm.record_history(stacks=None)
+%s
+gc.callbacks.append(finalizer_like)
+gc.set_threshold(1)
+kept = [allocate(4096) for _ in range(20)]
+gc.set_threshold(700)
+gc.callbacks.remove(finalizer_like)
+%s
+"""
+
+
+def _under_the_recorder_lock(stand_in_libcuda, hook, finish):
+    """The stdout words of UNDER_THE_RECORDER_LOCK with `hook` and `finish` (exit 0 asserted)."""
+    code = (
+        STAND_IN_CAPTURE + FAKE_CUPY + BUDGETED_CUPY + UNDER_THE_RECORDER_LOCK % (textwrap.dedent(hook), textwrap.dedent(finish))
+    )
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return out.stdout.split()
+
+
 def test_an_out_of_memory_report_made_where_the_recorder_lock_is_held_does_not_hang(stand_in_libcuda):
     # Code a collection runs while this thread holds the recorder's lock (a finalizer, in a
     # collection that a recording call set off by making an object) allocates through CuPy and
     # runs out: the report must not wait for that lock, which this thread holds.
-    code = (
-        STAND_IN_CAPTURE
-        + FAKE_CUPY
-        + textwrap.dedent(
-            """
-        import faulthandler, gc
-        faulthandler.dump_traceback_later(10, exit=True)
-        from cumempool import _history
-        class CupyOutOfMemory(Exception):
-            pass
-        cupy.cuda.memory.OutOfMemoryError = CupyOutOfMemory
-        os.environ["STAND_IN_POOL_LIMIT"] = str(1 << 20)
-        cupy.cuda.get_allocator = lambda: None
-        cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=None)
-        installed = []
-        cupy.cuda.set_allocator = installed.append
-        budget = cm.budget(devices={0: "1MiB"})
-        allocate = installed[-1]
-        cm.record_history(stacks=None)
-        outcome = []
-        def finalizer_like(phase, info):
-            # What a __del__ run by this collection would do.
-            if phase == "start" and _history._lock.locked() and not outcome:
-                outcome.append("ran")
-                try:
-                    allocate(2 << 20)
-                except CupyOutOfMemory:
-                    outcome.append("out-of-memory")
-        gc.callbacks.append(finalizer_like)
-        gc.set_threshold(1)
-        kept = [allocate(4096) for _ in range(20)]
-        gc.set_threshold(700)
-        gc.callbacks.remove(finalizer_like)
-        print(*outcome)
-        """
-        )
-    )
-    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0 and out.stdout.split() == ["ran", "out-of-memory"], out.stdout + out.stderr[-3000:]
+    hook = """
+    outcome = []
+    def finalizer_like(phase, info):
+        if phase == "start" and _history._lock.locked() and not outcome:
+            outcome.append("ran")
+            try:
+                allocate(2 << 20)
+            except CupyOutOfMemory:
+                outcome.append("out-of-memory")
+    """
+    assert _under_the_recorder_lock(stand_in_libcuda, hook, "print(*outcome)") == ["ran", "out-of-memory"]
+
+
+def test_an_allocation_made_where_the_recorder_lock_is_held_is_recorded_without_hanging(stand_in_libcuda):
+    # As above, with an allocation that succeeds: it is recorded by the next call that takes the
+    # lock, after whatever was noted before it, and the thread never waits on itself.
+    hook = """
+    made = []
+    def finalizer_like(phase, info):
+        if phase == "start" and _history._lock.locked() and not made:
+            made.append(allocate(12288))
+    """
+    finish = """
+    sizes = [segment["total_size"] for segment in cm.snapshot()["segments"]]
+    print(len(made), sizes.count(12288), sizes.count(4096))
+    """
+    assert _under_the_recorder_lock(stand_in_libcuda, hook, finish) == ["1", "1", "20"]
 
 
 # ---- the command line ----------------------------------------------------------------------------

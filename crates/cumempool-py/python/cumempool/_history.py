@@ -22,28 +22,28 @@ import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 _lock = threading.Lock()
 # Whether the calling thread holds `_lock` (in `_locked`).
 _holding = threading.local()
-# Frees not recorded yet, oldest first, with the recorder they belong to: a free is noted here
-# first and recorded under `_lock` by the next call that takes it. A free may be noted by a
-# finalizer inside a collection that a call holding `_lock` set off (by making an object), on
-# the same thread: waiting for the lock there would wait forever.
-_freed: deque[tuple[Any, ...]] = deque()
+# Records not made yet, oldest first, each with the recorder it belongs to and the step that
+# makes it: noted here, and made under `_lock` by the next call that takes it. Either may be
+# noted by a finalizer inside a collection that a call holding `_lock` set off (by making an
+# object), on the same thread: waiting for the lock there would wait forever.
+_pending: deque[tuple[_Recorder, Callable[[_Recorder], None]]] = deque()
 
 
 @contextlib.contextmanager
 def _locked():
-    """`_lock`, held, with the frees noted before recorded first (so a free is recorded before
-    an allocation that reuses its address)."""
-    # Marked before the lock is taken, so no moment holding it is unmarked (a free noted while
-    # marked waits in `_freed` for `_record_freed` below).
+    """`_lock`, held, with the records noted before made first (so a free is recorded before an
+    allocation that reuses its address)."""
+    # Marked before the lock is taken, so no moment holding it is unmarked (a record noted while
+    # marked waits in `_pending` for `_record_pending` below).
     _holding.on = True
     try:
         with _lock:
-            _record_freed()
+            _record_pending()
             yield
     finally:
         _holding.on = False
@@ -86,7 +86,7 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
     if not enabled:
         with _locked():
             recording = None
-            _freed.clear()
+            _pending.clear()
         return
     if stacks not in ("python", None):
         raise ValueError(f"stacks={stacks!r}: record 'python' stacks or None")
@@ -96,7 +96,7 @@ def record_history(enabled: bool = True, *, stacks: str | None = "python", max_e
     made = _Recorder(stacks == "python", max_entries)
     with _locked():
         recording = made
-        _freed.clear()
+        _pending.clear()
 
 
 # This package's folder: its frames are left out of recorded stacks.
@@ -120,7 +120,9 @@ def _frames(library: str) -> list[dict[str, Any]]:
 
 
 def note_alloc(library: str, device: int, address: int, size: int, stream: int, source: Any = None) -> None:
-    """Records an allocation a plug-in made (while recording)."""
+    """Records an allocation a plug-in made (while recording). Never waits for a lock the
+    calling thread holds (a finalizer run by a collection inside a recording call): the
+    allocation is then recorded by the next call."""
     recorder = recording
     if recorder is None:
         return
@@ -131,11 +133,13 @@ def note_alloc(library: str, device: int, address: int, size: int, stream: int, 
         {"action": action, "addr": address, "size": size, "stream": stream, "time_us": now, "frames": frames, "library": library}
         for action in ("segment_alloc", "alloc")
     ]
-    with _locked():
-        if recording is not recorder:
-            return  # recording stopped or started again meanwhile
-        recorder.live[(device, address)] = _Live(library, size, stream, frames, source)
-        recorder.trace(device).extend(events)
+    live = _Live(library, size, stream, frames, source)
+
+    def record(current: _Recorder) -> None:
+        current.live[(device, address)] = live
+        current.trace(device).extend(events)
+
+    _note(recorder, record)
 
 
 def note_free(library: str, device: int, address: int, size: int, stream: int) -> None:
@@ -146,26 +150,12 @@ def note_free(library: str, device: int, address: int, size: int, stream: int) -
     recorder = recording
     if recorder is None:
         return
-    _freed.append((recorder, library, device, address, size, stream, _now()))
-    if not getattr(_holding, "on", False):
-        with _locked():
-            pass
+    now = _now()
 
-
-def _record_freed() -> None:
-    """Records the frees noted so far, under `_lock`; those of an earlier recording are let go
-    of."""
-    while _freed:
-        try:
-            recorder, library, device, address, size, stream, now = _freed.popleft()
-        except IndexError:
-            return  # another thread took the last one (a free noted on a thread not holding the lock)
-        current = recording
-        if current is None or recorder is not current:
-            continue
+    def record(current: _Recorder) -> None:
         live = current.live.pop((device, address), None)
         if live is None:
-            continue  # allocated before this recording began: its allocation is not in it either
+            return  # allocated before this recording began: its allocation is not in it either
         current.trace(device).extend(
             {
                 "action": action,
@@ -178,6 +168,29 @@ def _record_freed() -> None:
             }
             for action in ("free_requested", "free_completed", "segment_free")
         )
+
+    _note(recorder, record)
+
+
+def _note(recorder: _Recorder, record: Callable[[_Recorder], None]) -> None:
+    """Has `record` made for `recorder`: now, under `_lock`, unless the calling thread holds it
+    already; then by the next call that takes it."""
+    _pending.append((recorder, record))
+    if not getattr(_holding, "on", False):
+        with _locked():
+            pass
+
+
+def _record_pending() -> None:
+    """Makes the records noted so far, under `_lock`; those of an earlier recording are let go
+    of."""
+    while _pending:
+        try:
+            recorder, record = _pending.popleft()
+        except IndexError:
+            return  # another thread took the last one (noted on a thread not holding the lock)
+        if recorder is recording:
+            record(recorder)
 
 
 def traced(owner: Any, library: str, device: int, size: int, stream: int, source: Any = None) -> Any:
