@@ -224,6 +224,31 @@ def test_on_the_gpu_a_program_dying_of_pytorch_out_of_memory_gets_the_report(gpu
     assert "cumempool budget of device 0" in out.stderr and "to go on:" in out.stderr, out.stderr[-2000:]
 
 
+def test_on_the_gpu_cupys_out_of_memory_names_its_largest_allocation_and_its_stack(gpu, tmp_path):
+    # The report names the library holding the most memory and, while recording with stacks,
+    # where its largest allocation was asked for: the script's function, file and line.
+    library("cupy")
+    script = tmp_path / "largest.py"
+    script.write_text(
+        "import cupy, cumempool\n"
+        "cumempool.record_history(stacks='python')\n"
+        "def load_weights():\n"
+        "    return cupy.empty(192 << 20, dtype=cupy.uint8)\n"
+        "weights = load_weights()\n"
+        "small = [cupy.empty(1 << 20, dtype=cupy.uint8) for _ in range(4)]\n"
+        "try:\n"
+        "    cupy.empty(128 << 20, dtype=cupy.uint8)\n"
+        "except cupy.cuda.memory.OutOfMemoryError as error:\n"
+        "    print(error.report)\n"
+    )
+    out = _run("run", "--budget", "256MiB", "--", str(script))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[0] == "cupy", out.stdout
+    assert lines[2].split()[:4] == ["largest", "live:", "192.0", "MiB"], out.stdout
+    assert lines[2].split()[4:] == ["at", "largest.py:4", "in", "load_weights", "<", "largest.py:5", "in", "<module>"], out.stdout
+
+
 # Review findings on the import hook, each run in a fresh process with a package of its own.
 HOOKED = """
 import importlib.util, sys, warnings

@@ -66,6 +66,20 @@ def test_stacks_none_records_the_library_only(recording):
     assert segment["blocks"][0]["frames"] == [{"filename": "<cupy>", "line": 0, "name": "cupy allocation (through cumempool)"}]
 
 
+def test_where_an_allocation_was_asked_for_is_the_callers_code_not_the_librarys():
+    def frame(filename, line, name):
+        return {"filename": filename, "line": line, "name": name}
+
+    library_frame = frame(os.path.join("site-packages", "cupy", "_creation", "basic.py"), 22, "empty")
+    stack = [_history._origin("cupy"), library_frame, frame("/job/train.py", 42, "step"), frame("/job/train.py", 80, "main")]
+    assert _history.where(_history._Live("cupy", 1, 0, stack)) == "at train.py:42 in step < train.py:80 in main"
+    only_the_library = [_history._origin("cupy"), library_frame]
+    assert _history.where(_history._Live("cupy", 1, 0, only_the_library)) == "at basic.py:22 in empty"
+    deep = [_history._origin("numba")] + [frame("/job/a.py", n, "f") for n in range(5)]
+    assert _history.where(_history._Live("numba", 1, 0, deep)).endswith("a.py:2 in f < ...")
+    assert "record_history(stacks='python')" in _history.where(_history._Live("cupy", 1, 0, [_history._origin("cupy")]))
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="stacks="):
         cm.record_history(stacks="native")

@@ -237,9 +237,14 @@ def largest_live(device: int, drawn_from: Any = None) -> dict[str, _Live] | None
 
 
 def where(live: _Live, frames: int = 3) -> str:
-    """Where an allocation was asked for, innermost frame first: ``"train.py:42 in step <
-    train.py:80 in main"``, or what to do to know it."""
+    """Where an allocation was asked for, innermost frame first, outside the allocating
+    library's own files: ``"train.py:42 in step < train.py:80 in main"``, or what to do to know
+    it."""
     stack = live.frames[1:]  # after the frame that names the library (`_origin`)
+    # The library's own frames (`cupy.empty` in cupy/_creation/basic.py) say less than the
+    # caller's: left out where any other frame is left.
+    inside = f"{os.sep}{live.library}{os.sep}"
+    stack = [frame for frame in stack if inside not in frame["filename"]] or stack
     if not stack:
         return "no stack recorded (record_history(stacks='python') records it)"
     shown = " < ".join(f"{os.path.basename(frame['filename'])}:{frame['line']} in {frame['name']}" for frame in stack[:frames])
