@@ -131,8 +131,8 @@ class _Device:
     plug-in library the resource it draws through (``tops``) and what counts it, right above
     the pool (``libraries``): what a library's cache holds (its free blocks, its size classes'
     rounding) is the library's, so the counts add up to the pool's use. A library without a
-    cache (but PyTorch, whose plug-in takes no Python callback) draws through a hook that has the caches give their blocks back when the pool is
-    full."""
+    cache (but PyTorch, whose plug-in takes no Python callback) draws through a hook that has the
+    caches give their blocks back when the pool is full."""
 
     ordinal: int
     limit: int
@@ -416,12 +416,12 @@ def _check_torch_settings(_torch: Any) -> None:
     if _active is None:
         return
     settings = _torch_settings()
-    other = _other_backend(settings)
     # Which variable PyTorch reads first has changed between versions: each one set must name it.
-    if other is None and settings and all(_backend_named(setting) == "cudaMallocAsync" for setting in settings.values()):
+    if settings and all(_backend_named(setting) == "cudaMallocAsync" for setting in settings.values()):
         return
-    lacking = [name for name in _TORCH_SETTINGS if _backend_named(settings.get(name, "")) is None]
-    name = other[0] if other is not None else next((n for n in lacking if n in settings), "PYTORCH_CUDA_ALLOC_CONF")
+    other = _other_backend(settings)
+    lacking = next((name for name, setting in settings.items() if _backend_named(setting) is None), "PYTORCH_CUDA_ALLOC_CONF")
+    name = other[0] if other is not None else lacking
     _warn_safely(
         f"PyTorch loaded with {name}={settings.get(name, '')!r}, changed by the program after the budget was "
         "made: PyTorch runs its own allocator, outside the budget and usage(); keep backend:cudaMallocAsync in "
