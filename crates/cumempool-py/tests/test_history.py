@@ -80,6 +80,28 @@ def test_where_an_allocation_was_asked_for_is_the_callers_code_not_the_librarys(
     assert "record_history(stacks='python')" in _history.where(_history._Live("cupy", 1, 0, [_history._origin("cupy")]))
 
 
+def test_where_an_allocation_was_asked_for_leaves_out_the_launchers_frames(tmp_path):
+    # Under `python -m cumempool run` (or any `python -m`), runpy's frames sit below the
+    # script's: they are the launcher's, not the caller's code. Found on the GPU, where the
+    # report of a script under `cumempool run` ended in `<frozen runpy>:88 in _run_code`.
+    (tmp_path / "launched.py").write_text(
+        textwrap.dedent(
+            """
+            import cumempool
+            from cumempool import _history
+            cumempool.record_history(stacks="python")
+            def load():
+                _history.note_alloc("cupy", 0, 0x1000, 4096, 0)
+            load()
+            print(_history.where(_history.largest_live(0)["cupy"]))
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, "-m", "launched"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "at launched.py:6 in load < launched.py:7 in <module>", out.stdout
+
+
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="stacks="):
         cm.record_history(stacks="native")

@@ -245,10 +245,18 @@ def where(live: _Live, frames: int = 3) -> str:
     # caller's: left out where any other frame is left.
     inside = f"{os.sep}{live.library}{os.sep}"
     stack = [frame for frame in stack if inside not in frame["filename"]] or stack
+    # Below the script, `python -m` (and `cumempool run`, whose own frames are never recorded)
+    # leaves runpy's frames: the launcher's, not the caller's code.
+    stack = [frame for frame in stack if not _launcher(frame["filename"])]
     if not stack:
         return "no stack recorded (record_history(stacks='python') records it)"
     shown = " < ".join(f"{os.path.basename(frame['filename'])}:{frame['line']} in {frame['name']}" for frame in stack[:frames])
     return f"at {shown}" + (" < ..." if len(stack) > frames else "")
+
+
+def _launcher(filename: str) -> bool:
+    """Whether a frame is runpy's, which runs a script or module for ``python -m``."""
+    return filename == "<frozen runpy>" or os.path.basename(filename) == "runpy.py"
 
 
 def _now() -> int:
