@@ -7,7 +7,6 @@ use crate::error::{check, nccl_error, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use crate::ordering::{self, refuse_inside_group, Ordered};
 use cumempool::{Context, Device, Stream};
-use std::cell::RefCell;
 use std::collections::HashSet;
 use std::ffi::{c_int, c_void};
 use std::io::{Read, Write};
@@ -419,14 +418,6 @@ impl Collective {
     }
 }
 
-/// Where the second half of a collective's ordering (its buffers' streams after it) goes.
-pub(crate) enum After<'g> {
-    /// Now: NCCL launched the collective when it was called.
-    Now,
-    /// At the end of the group whose list this is, when NCCL launches it.
-    GroupEnd(&'g RefCell<Vec<Ordered>>),
-}
-
 /// The collectives, one row each: the [`Communicator`] method's name and documentation, its
 /// buffers, its arguments between `count` and `stream`, the [`Collective`] they make, and the
 /// (send, receive) buffers it is queued with. Hands the rows to `$methods`, which writes one set
@@ -441,6 +432,8 @@ macro_rules! collectives {
             ///
             /// # Errors
             /// [`Error::DoesNotFit`], [`Error::WrongDevice`], [`Error::Aborted`];
+            /// [`Error::InvalidArgument`] with [`InvalidArgumentReason::OverlapNotInPlace`] where
+            /// `send` and `recv` overlap other than in NCCL's in-place layout;
             /// [`cumempool::Error::StreamCapturing`] while `stream` or a buffer's stream captures
             /// (collectives are not recorded into graphs); [`Error::InsideGroup`]; NCCL's refusal.
             fn all_reduce(send, recv; op: ReduceOp) => Collective::AllReduce(op), (send, recv);
@@ -535,23 +528,26 @@ impl Communicator {
             what,
             "queue it through the Group the closure was given (group.all_reduce(&comm, ...)), whose buffers outlive the group's launch",
         )?;
-        self.queue::<T>(collective, send, recv, count, stream, After::Now)
+        let prepared = self.prepare::<T>(collective, send, recv, count, stream)?;
+        let ordered = prepared.order_before()?;
+        let launched = prepared.launch();
+        // Ordered even when NCCL refused: what it may have queued is then covered too.
+        launched.and(ordered.after())
     }
 
     /// Checks `collective`'s buffers (`count` elements each, times the rank count where it
-    /// gathers or scatters; this rank's device), its peer, the communicator and the stream's
-    /// device; orders `stream` after the buffers' streams; queues it; and orders the buffers'
-    /// streams after it as `after` says.
-    pub(crate) fn queue<T: Element>(
+    /// gathers or scatters; this rank's device; overlapping only where NCCL runs it in place),
+    /// its peer, the communicator and the stream's device, and resolves NCCL's function:
+    /// everything but the ordering and the launch, so that a group can queue it for its end.
+    pub(crate) fn prepare<T: Element>(
         &self,
         collective: Collective,
         send: &dyn DeviceBuffer,
         recv: &dyn DeviceBuffer,
         count: usize,
         stream: &Stream,
-        after: After<'_>,
-    ) -> Result<()> {
-        let (what, function) = collective.names();
+    ) -> Result<Prepared<'_>> {
+        let (what, _) = collective.names();
         let (send_ranks, recv_ranks) = match collective {
             Collective::AllGather => (1, self.ranks()),
             Collective::ReduceScatter(_) => (self.ranks(), 1),
@@ -566,10 +562,24 @@ impl Communicator {
         bytes_of::<T>(what, count, send_ranks, send.byte_len())?;
         bytes_of::<T>(what, count, recv_ranks, recv.byte_len())?;
         let (s, r) = (self.check_buffer(what, send)?, self.check_buffer(what, recv)?);
-        let raw = self.usable()?;
+        self.usable()?;
         if stream.context().is_some_and(|c| c.device().ordinal() != self.device) {
             return Err(Error::WrongDevice { what, found: "a stream of another device".into(), device: self.device });
         }
+        // `bytes_of` has checked that these products fit the buffers, so they do not overflow.
+        let element = std::mem::size_of::<T>();
+        let (read, written) = (
+            Span { start: s as u64, len: count * element * send_ranks },
+            Span { start: r as u64, len: count * element * recv_ranks },
+        );
+        let accesses = match collective {
+            Collective::Send { .. } => Accesses { read: Some(read), written: None },
+            Collective::Recv { .. } => Accesses { read: None, written: Some(written) },
+            _ => {
+                refuse_overlap_unless_in_place(what, collective, read, written, self.rank, count * element)?;
+                Accesses { read: Some(read), written: Some(written) }
+            }
+        };
         let nccl = nccl()?;
         // Resolved before anything is queued, so a missing function orders nothing.
         let call = match collective {
@@ -580,16 +590,133 @@ impl Communicator {
             Collective::Send { .. } => Call::Send(nccl.ncclSend()?),
             Collective::Recv { .. } => Call::Recv(nccl.ncclRecv()?),
         };
-        stream.bind()?;
-        let ordered = ordering::before(what, stream, [send.stream(), recv.stream()])?;
-        let st: bindings::cudaStream_t = stream.as_raw().cast();
-        let dt = T::DATA_TYPE;
-        // SAFETY: both buffers were checked above for what the collective reads and writes, on
-        // this rank's device; their memory stays allocated until the collective has finished
-        // (their streams are ordered after it below, or at the group's end); a live
-        // communicator; a stream of its device.
+        Ok(Prepared {
+            comm: self,
+            collective,
+            call,
+            send: s,
+            recv: r,
+            count,
+            data_type: T::DATA_TYPE,
+            stream: stream.clone(),
+            buffer_streams: [send.stream().cloned(), recv.stream().cloned()],
+            accesses,
+        })
+    }
+}
+
+/// Bytes a collective reads or writes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Span {
+    pub(crate) start: u64,
+    pub(crate) len: usize,
+}
+
+impl Span {
+    fn overlaps(self, other: Span) -> bool {
+        let end = |span: Span| span.start.saturating_add(span.len as u64);
+        self.len > 0 && other.len > 0 && self.start < end(other) && other.start < end(self)
+    }
+}
+
+/// What a collective reads and what it writes, for a group's check that no two of its
+/// collectives touch the same bytes where either writes them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Accesses {
+    read: Option<Span>,
+    written: Option<Span>,
+}
+
+impl Accesses {
+    /// The bytes of `self` that `other` also touches, where either of them writes: `None` where
+    /// the two may run at once.
+    pub(crate) fn conflict(&self, other: &Accesses) -> Option<Span> {
+        let pairs = [(self.written, other.read), (self.written, other.written), (self.read, other.written)];
+        pairs.into_iter().find_map(|(mine, theirs)| match (mine, theirs) {
+            (Some(mine), Some(theirs)) if mine.overlaps(theirs) => Some(mine),
+            _ => None,
+        })
+    }
+}
+
+/// Refuses send and receive buffers that overlap other than the way NCCL runs `collective` in
+/// place: the same address for an all-reduce or a broadcast, `send == recv + rank * block` for an
+/// all-gather, `recv == send + rank * block` for a reduce-scatter (`block`: one rank's bytes).
+/// NCCL reads and writes any other overlap at once, in an order it does not define.
+fn refuse_overlap_unless_in_place(
+    what: &'static str,
+    collective: Collective,
+    read: Span,
+    written: Span,
+    rank: i32,
+    block: usize,
+) -> Result<()> {
+    if !read.overlaps(written) {
+        return Ok(());
+    }
+    let offset = u64::try_from(rank).unwrap_or(0).saturating_mul(block as u64);
+    let (in_place, layout) = match collective {
+        Collective::AllGather => {
+            (read.start == written.start.saturating_add(offset), "send = recv + rank * count elements")
+        }
+        Collective::ReduceScatter(_) => {
+            (written.start == read.start.saturating_add(offset), "recv = send + rank * count elements")
+        }
+        _ => (read.start == written.start, "the same buffer for send and recv"),
+    };
+    if in_place {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        what,
+        reason: InvalidArgumentReason::OverlapNotInPlace { send: read.start, recv: written.start, layout },
+    })
+}
+
+/// A collective checked by [`Communicator::prepare`], ready to be ordered and launched: at once
+/// outside a group, at its end inside one (a group borrows the buffers its pointers name for the
+/// whole group).
+#[derive(Debug)]
+pub(crate) struct Prepared<'c> {
+    comm: &'c Communicator,
+    collective: Collective,
+    call: Call,
+    send: *mut c_void,
+    recv: *mut c_void,
+    count: usize,
+    data_type: bindings::ncclDataType_t,
+    stream: Stream,
+    buffer_streams: [Option<Stream>; 2],
+    pub(crate) accesses: Accesses,
+}
+
+impl Prepared<'_> {
+    /// What it is called in messages.
+    pub(crate) fn what(&self) -> &'static str {
+        self.collective.names().0
+    }
+
+    /// The first half of its ordering: refuses a capture underway on its stream or a buffer's
+    /// (NCCL's kernels would be recorded into a graph that outlives the buffers), then makes its
+    /// stream wait for the buffers' streams. Asked right before the launch, so the work queued
+    /// on the buffers until then comes first.
+    pub(crate) fn order_before(&self) -> Result<Ordered> {
+        let [send, recv] = &self.buffer_streams;
+        ordering::before(self.what(), &self.stream, [send.as_ref(), recv.as_ref()])
+    }
+
+    /// Calls NCCL: launches it, or queues it for the group's end inside `ncclGroupStart`.
+    pub(crate) fn launch(&self) -> Result<()> {
+        let raw = self.comm.usable()?;
+        self.stream.bind()?;
+        let (s, r, count, dt) = (self.send, self.recv, self.count, self.data_type);
+        let st: bindings::cudaStream_t = self.stream.as_raw().cast();
+        // SAFETY: both buffers were checked by `prepare` for what the collective reads and
+        // writes, on this rank's device, and are borrowed until it has finished (by the caller
+        // outside a group, for `'env` inside one); their streams are ordered after it by the
+        // caller; a live communicator; a stream of its device.
         let result = unsafe {
-            match (call, collective) {
+            match (self.call, self.collective) {
                 (Call::AllReduce(f), Collective::AllReduce(op)) => f(s, r, count, dt, op.to_raw(), raw, st),
                 (Call::AllGather(f), _) => f(s, r, count, dt, raw, st),
                 (Call::ReduceScatter(f), Collective::ReduceScatter(op)) => f(s, r, count, dt, op.to_raw(), raw, st),
@@ -599,21 +726,12 @@ impl Communicator {
                 _ => ncclResult_t::ncclInternalError,
             }
         };
-        let queued = self.check(function, result);
-        // Ordered even when NCCL refused: what it may have queued is then covered too.
-        let ordered = match after {
-            After::Now => ordered.after(),
-            After::GroupEnd(pending) => {
-                pending.borrow_mut().push(ordered);
-                Ok(())
-            }
-        };
-        queued.and(ordered)
+        self.comm.check(self.collective.names().1, result)
     }
 }
 
 /// NCCL's function for a [`Collective`], resolved.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum Call {
     AllReduce(bindings::PFN_ncclAllReduce),
     AllGather(bindings::PFN_ncclAllGather),

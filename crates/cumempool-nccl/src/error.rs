@@ -132,6 +132,21 @@ pub enum Error {
         ranks: usize,
     },
 
+    /// A collective queued in a [`group`](crate::group()) touching bytes that another collective
+    /// of the group touches, where either writes them: NCCL runs a group's collectives at once,
+    /// in no order.
+    #[error("{what} touches {len} bytes at {address:#x} that {earlier}, queued earlier in the same group, also touches, and one of them writes them; NCCL runs a group's collectives at once: queue the second after the group, or use buffers that do not overlap")]
+    ConflictInGroup {
+        /// The collective refused.
+        what: &'static str,
+        /// The earlier collective of the group.
+        earlier: &'static str,
+        /// The first byte of the refused collective's span that both touch.
+        address: u64,
+        /// The length of that span.
+        len: usize,
+    },
+
     /// A communicator that was aborted (after a timeout or an asynchronous error).
     #[error("the communicator was aborted (after a failure or timeout) and cannot be used; create a new one")]
     Aborted,
@@ -199,6 +214,17 @@ pub enum InvalidArgumentReason {
     TooManyDevices {
         /// The number of devices given.
         count: usize,
+    },
+    /// Send and receive buffers that overlap other than in NCCL's in-place layout, where NCCL
+    /// would read bytes it is writing.
+    #[error("the send buffer at {send:#x} overlaps the receive buffer at {recv:#x} without being in place; NCCL runs it in place only with {layout}: pass that, or buffers that do not overlap")]
+    OverlapNotInPlace {
+        /// The send buffer's address.
+        send: u64,
+        /// The receive buffer's address.
+        recv: u64,
+        /// The in-place layout of this collective.
+        layout: &'static str,
     },
 }
 

@@ -18,10 +18,10 @@
 //! ```
 
 use crate::buffers::{DeviceBuffer, Element, ReduceOp};
-use crate::comm::{collectives, After, Collective, Communicator};
-use crate::error::{check, Result};
+use crate::comm::{collectives, Collective, Communicator, Prepared};
+use crate::error::{check, Error, Result};
 use crate::loader::nccl;
-use crate::ordering::{refuse_inside_group, InsideGroup, Ordered};
+use crate::ordering::{refuse_inside_group, InsideGroup};
 use cumempool::Stream;
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -31,15 +31,22 @@ use std::marker::PhantomData;
 /// Invariant in `'env`, so a borrow shorter than the group cannot be passed for it.
 #[derive(Debug)]
 pub struct Group<'env> {
-    /// Every collective queued, with the streams to order after it once NCCL has launched it.
-    pending: RefCell<Vec<Ordered>>,
+    /// Every collective queued, checked, in the order queued: NCCL is called for them only at
+    /// the group's end.
+    pending: RefCell<Vec<Prepared<'env>>>,
     env: PhantomData<&'env mut &'env ()>,
 }
 
-/// Runs `calls` between `ncclGroupStart` and `ncclGroupEnd`, so NCCL launches the collectives it
-/// queues (through the [`Group`] it is given) together at the end: needed for send/recv pairs
-/// and for driving several communicators from one thread. The group is ended even when `calls`
-/// fails or panics, and each buffer's stream is then ordered after its collective.
+/// Runs `calls`, then launches the collectives it queued (through the [`Group`] it is given)
+/// together, between `ncclGroupStart` and `ncclGroupEnd`: needed for send/recv pairs and for
+/// driving several communicators from one thread.
+///
+/// NCCL is called only once `calls` has returned, so each collective is ordered after all the
+/// work queued on its buffers' streams until then, and a stream that joined a capture inside
+/// `calls` is seen: then nothing is launched. Two collectives of one group run at once, so one
+/// that touches bytes an earlier one of the group touches, where either writes them, is
+/// refused when queued. What was queued is launched even when `calls` fails or panics, and
+/// each buffer's stream is then ordered after its collective.
 ///
 /// ```no_run
 /// # fn f(comms: &[cumempool_nccl::Communicator], buffers: &[cumempool::Buffer<'_>], streams: &[cumempool::Stream]) -> cumempool_nccl::Result<()> {
@@ -54,51 +61,61 @@ pub struct Group<'env> {
 /// ```
 ///
 /// # Errors
-/// [`Error::InsideGroup`](crate::Error::InsideGroup) inside another group's closure; the first
-/// failure of `calls`, else `ncclGroupEnd`'s, else the ordering's.
+/// [`Error::InsideGroup`] inside another group's closure; the first failure of `calls`; else
+/// [`cumempool::Error::StreamCapturing`] where a collective's stream or a buffer's stream
+/// captures at the end (nothing is launched), the first ordering's or NCCL's failure.
 pub fn group<'env, T>(calls: impl for<'g> FnOnce(&'g Group<'env>) -> Result<T>) -> Result<T> {
     refuse_inside_group("a group", "queue every collective in the outer group")?;
-    let nccl = nccl()?;
-    let (start, end) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?);
-    // SAFETY: no arguments; ended by `Ending` below.
-    check("ncclGroupStart", unsafe { start() }, None)?;
-    let mut ending = Ending { group: Group { pending: RefCell::new(Vec::new()), env: PhantomData }, end, ended: false };
+    let mut ending = Ending { group: Group { pending: RefCell::new(Vec::new()), env: PhantomData }, ended: false };
     let outcome = {
         let _inside = InsideGroup::enter();
         calls(&ending.group)
     };
-    let (ended, ordered) = ending.finish();
+    let launched = ending.finish();
     let value = outcome?;
-    ended?;
-    ordered.map(|()| value)
+    launched.map(|()| value)
 }
 
-/// Ends the group once, whether its closure returned or panicked (a group left open would
-/// launch its collectives at some later group's end, after their buffers were freed).
+/// Launches the group once, whether its closure returned or panicked (its collectives' peers
+/// may wait for them).
 struct Ending<'env> {
     group: Group<'env>,
-    end: crate::bindings::PFN_ncclGroupEnd,
     ended: bool,
 }
 
 impl Ending<'_> {
-    /// Ends the group and orders each buffer's stream after its collective: `ncclGroupEnd`'s
-    /// answer, and the first ordering's failure. Ordered even when the end failed, so whatever
-    /// NCCL launched is covered.
-    fn finish(&mut self) -> (Result<()>, Result<()>) {
+    /// Orders each collective after its buffers' streams, launches them all between
+    /// `ncclGroupStart` and `ncclGroupEnd`, and orders the buffers' streams after them. Nothing
+    /// reaches NCCL where a collective's ordering is refused (a capture underway) or fails.
+    fn finish(&mut self) -> Result<()> {
         self.ended = true;
         let pending = std::mem::take(&mut *self.group.pending.borrow_mut());
-        // SAFETY: ends the group `group` started, once (the flag above).
-        let ended = check("ncclGroupEnd", unsafe { (self.end)() }, None);
-        let mut ordered = Ok(());
-        for collective in pending {
-            if let Err(error) = collective.after() {
-                if ordered.is_ok() {
-                    ordered = Err(error);
-                }
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let nccl = nccl()?;
+        let (start, end) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?);
+        // The first half of every ordering before any launch: a refusal leaves NCCL untouched
+        // (waits already set up on streams that do not capture only order more than needed).
+        let ordered = pending.iter().map(Prepared::order_before).collect::<Result<Vec<_>>>()?;
+        // SAFETY: no arguments; ended right below, whatever the launches answer.
+        check("ncclGroupStart", unsafe { start() }, None)?;
+        let mut launched = Ok(());
+        for collective in &pending {
+            if let Err(error) = collective.launch() {
+                launched = launched.and(Err(error));
             }
         }
-        (ended, ordered)
+        // SAFETY: ends the group started above, once.
+        let ended = check("ncclGroupEnd", unsafe { end() }, None);
+        // Ordered even where NCCL refused: what it may have launched is covered too.
+        let mut after = Ok(());
+        for order in ordered {
+            if let Err(error) = order.after() {
+                after = after.and(Err(error));
+            }
+        }
+        launched.and(ended).and(after)
     }
 }
 
@@ -107,9 +124,8 @@ impl Drop for Ending<'_> {
         if self.ended {
             return;
         }
-        let (ended, ordered) = self.finish();
-        if let Err(error) = ended.and(ordered) {
-            tracing::warn!(%error, "ending a group whose closure panicked failed");
+        if let Err(error) = self.finish() {
+            tracing::warn!(%error, "launching the group of a closure that panicked failed");
         }
     }
 }
@@ -123,7 +139,20 @@ impl<'env> Group<'env> {
         count: usize,
         stream: &Stream,
     ) -> Result<()> {
-        comm.queue::<T>(collective, send, recv, count, stream, After::GroupEnd(&self.pending))
+        let prepared = comm.prepare::<T>(collective, send, recv, count, stream)?;
+        let mut pending = self.pending.borrow_mut();
+        for earlier in pending.iter() {
+            if let Some(span) = prepared.accesses.conflict(&earlier.accesses) {
+                return Err(Error::ConflictInGroup {
+                    what: prepared.what(),
+                    earlier: earlier.what(),
+                    address: span.start,
+                    len: span.len,
+                });
+            }
+        }
+        pending.push(prepared);
+        Ok(())
     }
 }
 

@@ -7,9 +7,10 @@
 //! that stream's order, comes after NCCL is done with the memory: an event each way, as
 //! `BufferOn::copy_from_async` orders a copy.
 //!
-//! Inside a group NCCL launches only at the outermost `ncclGroupEnd`, so the second half waits
-//! until then ([`crate::group()`] runs it); the group keeps the collective's stream alive until the
-//! launch.
+//! Inside a group both halves wait for the group's end ([`crate::group()`] runs them around
+//! the launch): the first, so that the work queued on a buffer's stream inside the closure comes
+//! before the collective, and a capture a stream joined inside it is seen; the second, since
+//! NCCL launches only at `ncclGroupEnd`.
 
 use crate::error::{Error, Result};
 use cumempool::Stream;

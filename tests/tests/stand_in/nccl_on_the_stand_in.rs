@@ -7,7 +7,7 @@
 
 use cumempool::{Error as CudaError, MemPool, Route, Stream};
 use cumempool_alloc::{Arena, StreamOrderedResource, POOL_ALIGNMENT};
-use cumempool_nccl::{group, Communicator, Error, ReduceOp, UniqueId};
+use cumempool_nccl::{group, Communicator, Error, InvalidArgumentReason, ReduceOp, UniqueId};
 use cumempool_tests::stand_in_driver::{call_log, set_switch, stand_in};
 
 /// The calls logged since `start`, each as its fields.
@@ -134,11 +134,12 @@ fn a_group_orders_its_buffers_streams_after_the_launch_at_its_end() {
     let (comm, pool) = one_rank();
     let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let buffer = pool.alloc(4096, &a).unwrap();
+    let received = pool.alloc(4096, &a).unwrap();
     let start = call_log().len();
     let mut inside = None;
     group(|g| {
         g.send::<u8>(&comm, &buffer, 4096, 0, &c)?;
-        g.recv::<u8>(&comm, &buffer, 4096, 0, &c)?;
+        g.recv::<u8>(&comm, &received, 4096, 0, &c)?;
         // The communicator's own methods launch at once, which a group does not: refused.
         inside = Some(comm.all_reduce::<u8>(&buffer, &buffer, 16, ReduceOp::Sum, &c));
         // A group inside a group would end before the outer one launches: refused.
@@ -183,6 +184,111 @@ fn a_group_whose_closure_panics_is_ended_and_ordered_all_the_same() {
     let start = call_log().len();
     comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
     assert_eq!(calls_since(start).iter().filter(|call| call[0] == "nccl").count(), 1);
+}
+
+/// A safe `order_after` inside the closure makes a collective's stream join a capture after the
+/// collective was queued: NCCL, called only at the group's end, would record it into the graph,
+/// which does not keep its buffers. The end sees the capture and launches nothing.
+#[test]
+fn a_group_launches_nothing_on_a_stream_that_joined_a_capture_inside_its_closure() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (origin, x, a) =
+        (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let buffer = pool.alloc(4096, &a).unwrap();
+    let start = call_log().len();
+    let mut grouped = None;
+    let _graph = origin.capture(|capture| {
+        grouped = Some(group(|g| {
+            g.all_reduce::<u8>(&comm, &buffer, &buffer, 4096, ReduceOp::Sum, &x)?; // x does not capture yet
+            x.order_after(capture.stream())?; // now it does
+            Ok(())
+        }));
+        Ok(())
+    });
+    let grouped = grouped.unwrap();
+    assert!(matches!(grouped, Err(Error::Cuda(CudaError::StreamCapturing { .. }))), "{grouped:?}");
+    assert!(calls_since(start).iter().all(|call| call[0] != "nccl"), "nothing reached NCCL");
+}
+
+/// Work queued inside the closure on a buffer the group's collective writes comes before the
+/// collective: NCCL is called at the end, after its stream waited for the buffer's stream then.
+#[test]
+fn a_group_orders_its_collectives_after_the_work_its_closure_queued_on_their_buffers() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (a, b, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let buffer = pool.alloc(4096, &a).unwrap();
+    let mut copy = pool.alloc(4096, &b).unwrap();
+    let start = call_log().len();
+    group(|g| {
+        g.all_reduce::<u8>(&comm, &buffer, &buffer, 4096, ReduceOp::Sum, &c)?; // NCCL writes `buffer`
+        copy.copy_from_async(&buffer)?; // reads `buffer` on b; `buffer`'s stream a waits for it
+        Ok(())
+    })
+    .unwrap();
+    let calls = calls_since(start);
+    let launch = calls.iter().position(|call| call[0] == "nccl").expect("launched");
+    let copied = calls.iter().position(|call| call[0] == "memcpy").expect("copied");
+    let a_after_copy = wait_for(&calls, copied, &name(&a), &name(&b)).expect("the buffer's stream waits for the copy");
+    let c_after_a = wait_for(&calls, a_after_copy, &name(&c), &name(&a));
+    assert!(c_after_a.is_some_and(|at| at < launch), "the collective waits for the copy: {calls:?}");
+}
+
+/// NCCL runs a group's collectives at once: one reading what another of the group writes (on
+/// another stream, or a send and a receive of one buffer) is refused when queued.
+#[test]
+fn a_group_refuses_a_collective_touching_bytes_another_of_it_writes() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let (a, c1, c2) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let (x, y, z) = (pool.alloc(4096, &a).unwrap(), pool.alloc(4096, &a).unwrap(), pool.alloc(4096, &a).unwrap());
+    let grouped = group(|g| {
+        g.all_reduce::<u8>(&comm, &x, &y, 4096, ReduceOp::Sum, &c1)?; // writes y
+        g.all_reduce::<u8>(&comm, &y, &z, 4096, ReduceOp::Sum, &c2) // reads y
+    });
+    assert!(
+        matches!(
+            grouped,
+            Err(Error::ConflictInGroup { what: "an all-reduce", earlier: "an all-reduce", len: 4096, .. })
+        ),
+        "{grouped:?}"
+    );
+    let grouped = group(|g| {
+        g.send::<u8>(&comm, &x, 4096, 0, &c1)?;
+        g.recv::<u8>(&comm, &x, 4096, 0, &c1)
+    });
+    assert!(matches!(grouped, Err(Error::ConflictInGroup { what: "a receive", earlier: "a send", .. })), "{grouped:?}");
+    // Reading one buffer twice, or writing disjoint ones, is fine.
+    group(|g| {
+        g.all_reduce::<u8>(&comm, &x, &y, 4096, ReduceOp::Sum, &c1)?;
+        g.all_reduce::<u8>(&comm, &x, &z, 4096, ReduceOp::Sum, &c2)
+    })
+    .unwrap();
+}
+
+/// NCCL's in-place all-gather sends from `recv + rank * count`, its in-place reduce-scatter
+/// receives into `send + rank * count`: the same buffer for both is in place on rank 0 only.
+#[test]
+fn send_and_receive_buffers_overlapping_other_than_in_place_are_refused() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let stream = Stream::new(&context).unwrap();
+    let rank_one = Communicator::init_rank(&UniqueId::new().unwrap(), 2, 1, 0).unwrap();
+    let buffer = pool.alloc(2048, &stream).unwrap();
+    let gathered = rank_one.all_gather::<u8>(&buffer, &buffer, 1024, &stream);
+    let scattered = rank_one.reduce_scatter::<u8>(&buffer, &buffer, 1024, ReduceOp::Sum, &stream);
+    for refused in [gathered, scattered] {
+        let Err(Error::InvalidArgument { reason: InvalidArgumentReason::OverlapNotInPlace { layout, .. }, .. }) =
+            &refused
+        else {
+            panic!("{refused:?}")
+        };
+        assert!(layout.contains("rank * count"), "{layout}");
+    }
+    let rank_zero = Communicator::init_rank(&UniqueId::new().unwrap(), 2, 0, 0).unwrap();
+    rank_zero.all_gather::<u8>(&buffer, &buffer, 1024, &stream).unwrap();
+    rank_zero.reduce_scatter::<u8>(&buffer, &buffer, 1024, ReduceOp::Sum, &stream).unwrap();
 }
 
 #[test]
