@@ -575,6 +575,8 @@ impl Communicator {
         let accesses = match collective {
             Collective::Send { .. } => Accesses { read: Some(read), written: None },
             Collective::Recv { .. } => Accesses { read: None, written: Some(written) },
+            // NCCL reads `send` on the root only.
+            Collective::Broadcast { root } if root != self.rank => Accesses { read: None, written: Some(written) },
             _ => {
                 refuse_overlap_unless_in_place(what, collective, read, written, self.rank, count * element)?;
                 Accesses { read: Some(read), written: Some(written) }
@@ -613,9 +615,19 @@ pub(crate) struct Span {
 }
 
 impl Span {
+    fn end(self) -> u64 {
+        self.start.saturating_add(self.len as u64)
+    }
+
     fn overlaps(self, other: Span) -> bool {
-        let end = |span: Span| span.start.saturating_add(span.len as u64);
-        self.len > 0 && other.len > 0 && self.start < end(other) && other.start < end(self)
+        self.len > 0 && other.len > 0 && self.start < other.end() && other.start < self.end()
+    }
+
+    /// The bytes both touch, where they overlap.
+    fn common(self, other: Span) -> Option<Span> {
+        let (start, end) = (self.start.max(other.start), self.end().min(other.end()));
+        let len = usize::try_from(end.checked_sub(start)?).ok()?;
+        (self.overlaps(other)).then_some(Span { start, len })
     }
 }
 
@@ -628,14 +640,11 @@ pub(crate) struct Accesses {
 }
 
 impl Accesses {
-    /// The bytes of `self` that `other` also touches, where either of them writes: `None` where
+    /// The bytes that `self` and `other` both touch, where either of them writes: `None` where
     /// the two may run at once.
     pub(crate) fn conflict(&self, other: &Accesses) -> Option<Span> {
         let pairs = [(self.written, other.read), (self.written, other.written), (self.read, other.written)];
-        pairs.into_iter().find_map(|(mine, theirs)| match (mine, theirs) {
-            (Some(mine), Some(theirs)) if mine.overlaps(theirs) => Some(mine),
-            _ => None,
-        })
+        pairs.into_iter().find_map(|(mine, theirs)| mine?.common(theirs?))
     }
 }
 
@@ -694,6 +703,11 @@ impl Prepared<'_> {
     /// What it is called in messages.
     pub(crate) fn what(&self) -> &'static str {
         self.collective.names().0
+    }
+
+    /// Whether its communicator can still be used (not aborted or destroyed).
+    pub(crate) fn usable(&self) -> Result<()> {
+        self.comm.usable().map(|_| ())
     }
 
     /// The first half of its ordering: refuses a capture underway on its stream or a buffer's

@@ -141,9 +141,9 @@ pub enum Error {
         what: &'static str,
         /// The earlier collective of the group.
         earlier: &'static str,
-        /// The first byte of the refused collective's span that both touch.
+        /// The first byte both touch.
         address: u64,
-        /// The length of that span.
+        /// How many bytes from there both touch.
         len: usize,
     },
 

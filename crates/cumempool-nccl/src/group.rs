@@ -45,8 +45,9 @@ pub struct Group<'env> {
 /// work queued on its buffers' streams until then, and a stream that joined a capture inside
 /// `calls` is seen: then nothing is launched. Two collectives of one group run at once, so one
 /// that touches bytes an earlier one of the group touches, where either writes them, is
-/// refused when queued. What was queued is launched even when `calls` fails or panics, and
-/// each buffer's stream is then ordered after its collective.
+/// refused when queued. A group is all or nothing, as NCCL makes its own groups: when `calls`
+/// fails or panics, nothing it queued is launched (half of a send/recv pair would wait for its
+/// other half for ever).
 ///
 /// ```no_run
 /// # fn f(comms: &[cumempool_nccl::Communicator], buffers: &[cumempool::Buffer<'_>], streams: &[cumempool::Stream]) -> cumempool_nccl::Result<()> {
@@ -61,35 +62,27 @@ pub struct Group<'env> {
 /// ```
 ///
 /// # Errors
-/// [`Error::InsideGroup`] inside another group's closure; the first failure of `calls`; else
-/// [`cumempool::Error::StreamCapturing`] where a collective's stream or a buffer's stream
-/// captures at the end (nothing is launched), the first ordering's or NCCL's failure.
+/// [`Error::InsideGroup`] inside another group's closure; the failure of `calls` (nothing is
+/// launched); [`cumempool::Error::StreamCapturing`] where a collective's stream or a buffer's
+/// stream captures at the end, or the first ordering's failure (nothing is launched then
+/// either); NCCL's refusal, or the ordering's after the launch.
 pub fn group<'env, T>(calls: impl for<'g> FnOnce(&'g Group<'env>) -> Result<T>) -> Result<T> {
     refuse_inside_group("a group", "queue every collective in the outer group")?;
-    let mut ending = Ending { group: Group { pending: RefCell::new(Vec::new()), env: PhantomData }, ended: false };
-    let outcome = {
+    let group = Group { pending: RefCell::new(Vec::new()), env: PhantomData };
+    let value = {
         let _inside = InsideGroup::enter();
-        calls(&ending.group)
+        calls(&group)?
     };
-    let launched = ending.finish();
-    let value = outcome?;
-    launched.map(|()| value)
+    group.launch()?;
+    Ok(value)
 }
 
-/// Launches the group once, whether its closure returned or panicked (its collectives' peers
-/// may wait for them).
-struct Ending<'env> {
-    group: Group<'env>,
-    ended: bool,
-}
-
-impl Ending<'_> {
+impl Group<'_> {
     /// Orders each collective after its buffers' streams, launches them all between
     /// `ncclGroupStart` and `ncclGroupEnd`, and orders the buffers' streams after them. Nothing
     /// reaches NCCL where a collective's ordering is refused (a capture underway) or fails.
-    fn finish(&mut self) -> Result<()> {
-        self.ended = true;
-        let pending = std::mem::take(&mut *self.group.pending.borrow_mut());
+    fn launch(self) -> Result<()> {
+        let pending = self.pending.into_inner();
         if pending.is_empty() {
             return Ok(());
         }
@@ -97,6 +90,9 @@ impl Ending<'_> {
         let (start, end) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?);
         // The first half of every ordering before any launch: a refusal leaves NCCL untouched
         // (waits already set up on streams that do not capture only order more than needed).
+        for collective in &pending {
+            collective.usable()?;
+        }
         let ordered = pending.iter().map(Prepared::order_before).collect::<Result<Vec<_>>>()?;
         // SAFETY: no arguments; ended right below, whatever the launches answer.
         check("ncclGroupStart", unsafe { start() }, None)?;
@@ -106,7 +102,8 @@ impl Ending<'_> {
                 launched = launched.and(Err(error));
             }
         }
-        // SAFETY: ends the group started above, once.
+        // SAFETY: ends the group started above, once. NCCL launches nothing of a group in which
+        // one of its calls failed.
         let ended = check("ncclGroupEnd", unsafe { end() }, None);
         // Ordered even where NCCL refused: what it may have launched is covered too.
         let mut after = Ok(());
@@ -116,17 +113,6 @@ impl Ending<'_> {
             }
         }
         launched.and(ended).and(after)
-    }
-}
-
-impl Drop for Ending<'_> {
-    fn drop(&mut self) {
-        if self.ended {
-            return;
-        }
-        if let Err(error) = self.finish() {
-            tracing::warn!(%error, "launching the group of a closure that panicked failed");
-        }
     }
 }
 

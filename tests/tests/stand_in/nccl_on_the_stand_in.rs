@@ -163,12 +163,15 @@ fn a_group_orders_its_buffers_streams_after_the_launch_at_its_end() {
     );
 }
 
+/// A group is all or nothing, as NCCL's are: a closure that panics or fails launches nothing it
+/// queued (half of a send/recv pair would wait for its other half for ever), and leaves the
+/// thread outside any group.
 #[test]
-fn a_group_whose_closure_panics_is_ended_and_ordered_all_the_same() {
+fn a_group_whose_closure_panics_or_fails_launches_nothing() {
     let Some((_serial, context)) = stand_in() else { return };
     let (comm, pool) = one_rank();
     let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
-    let buffer = pool.alloc(4096, &a).unwrap();
+    let (buffer, small) = (pool.alloc(4096, &a).unwrap(), pool.alloc(1024, &a).unwrap());
     let start = call_log().len();
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         group::<()>(|g| {
@@ -177,18 +180,24 @@ fn a_group_whose_closure_panics_is_ended_and_ordered_all_the_same() {
         })
     }));
     assert!(panicked.is_err());
+    let failed = group(|g| {
+        g.send::<u8>(&comm, &buffer, 4096, 0, &c)?;
+        g.recv::<u8>(&comm, &small, 4096, 0, &c) // does not fit
+    });
+    assert!(matches!(failed, Err(Error::DoesNotFit { .. })), "{failed:?}");
+    let refused = group(|g| {
+        g.send::<u8>(&comm, &buffer, 4096, 0, &c)?;
+        g.recv::<u8>(&comm, &buffer, 4096, 0, &c) // the bytes the send reads
+    });
+    assert!(matches!(refused, Err(Error::ConflictInGroup { .. })), "{refused:?}");
     let calls = calls_since(start);
-    let launch = calls.iter().position(|call| call[0] == "nccl").expect("launched at the group's end");
-    assert!(wait_for(&calls, launch, &name(&a), &name(&c)).is_some(), "{calls:?}");
+    assert!(calls.iter().all(|call| call[0] != "nccl"), "nothing reached NCCL: {calls:?}");
     // The thread is no longer inside a group: the communicator launches at once again.
     let start = call_log().len();
     comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
     assert_eq!(calls_since(start).iter().filter(|call| call[0] == "nccl").count(), 1);
 }
 
-/// A safe `order_after` inside the closure makes a collective's stream join a capture after the
-/// collective was queued: NCCL, called only at the group's end, would record it into the graph,
-/// which does not keep its buffers. The end sees the capture and launches nothing.
 #[test]
 fn a_group_launches_nothing_on_a_stream_that_joined_a_capture_inside_its_closure() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -259,10 +268,24 @@ fn a_group_refuses_a_collective_touching_bytes_another_of_it_writes() {
         g.recv::<u8>(&comm, &x, 4096, 0, &c1)
     });
     assert!(matches!(grouped, Err(Error::ConflictInGroup { what: "a receive", earlier: "a send", .. })), "{grouped:?}");
-    // Reading one buffer twice, or writing disjoint ones, is fine.
+    // The error names the bytes both touch.
+    let grouped = group(|g| {
+        g.all_reduce::<u8>(&comm, &x, &y, 1024, ReduceOp::Sum, &c1)?; // writes y's first KiB
+        g.all_reduce::<u8>(&comm, &y, &z, 4096, ReduceOp::Sum, &c2) // reads all of y
+    });
+    let Err(Error::ConflictInGroup { address, len, .. }) = grouped else { panic!("{grouped:?}") };
+    assert_eq!((address, len), (y.as_raw(), 1024));
+    // Reading one buffer twice, or writing disjoint ones, is fine; a broadcast's send is read on
+    // the root only.
     group(|g| {
         g.all_reduce::<u8>(&comm, &x, &y, 4096, ReduceOp::Sum, &c1)?;
         g.all_reduce::<u8>(&comm, &x, &z, 4096, ReduceOp::Sum, &c2)
+    })
+    .unwrap();
+    let rank_one = Communicator::init_rank(&UniqueId::new().unwrap(), 2, 1, 0).unwrap();
+    group(|g| {
+        g.broadcast::<u8>(&rank_one, &x, &y, 4096, 0, &c1)?; // x is not read on rank 1
+        g.all_reduce::<u8>(&comm, &z, &x, 4096, ReduceOp::Sum, &c2)
     })
     .unwrap();
 }
