@@ -257,7 +257,9 @@ fn a_sticky_error_on_the_legacy_stream_is_the_drivers_not_a_capture() {
     let Some((_serial, context)) = stand_in() else { return };
     let pool = MemPool::new(Route::device(0)).unwrap();
     let legacy = Stream::legacy(&context);
+    let live_before = pool.used_mem_current().unwrap();
     let buffer = pool.alloc(4096, &legacy).unwrap();
+    let ptr = buffer.as_raw();
     cumempool_tests::stand_in_driver::set_sticky_error(700);
     let waited = legacy.synchronize();
     drop(buffer); // its free fails with the error, and is not kept for a capture's end
@@ -265,6 +267,12 @@ fn a_sticky_error_on_the_legacy_stream_is_the_drivers_not_a_capture() {
     let waiting = Stream::run_orphaned_frees();
     assert!(matches!(&waited, Err(error) if error.cuda_code() == Some(700)), "{waited:?}");
     assert_eq!(waiting, 0, "a free was kept for a capture that is not underway");
+    // The stand-in counts live bytes over all pools, so the allocation the failed free left
+    // would show in the next test's pool: freed here, the error gone.
+    // SAFETY: allocated above; its free failed, so it is freed once, here, and unused after.
+    unsafe { cumempool::free_async(ptr, &legacy) }.unwrap();
+    legacy.synchronize().unwrap();
+    assert_eq!(pool.used_mem_current().unwrap(), live_before, "the test leaves no allocation behind");
 }
 
 /// Graph memory (`alloc_raw` during a capture that has ended) freed on the legacy stream while a
