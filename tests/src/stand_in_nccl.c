@@ -4,7 +4,8 @@
 
    A collective is logged as `nccl <stream>` when NCCL would launch it: at once outside a group,
    at the outermost ncclGroupEnd inside one (as NCCL does). Registrations are logged as
-   `register <address> <bytes>`; a communicator's creation as `ncclinit`. Inside a group,
+   `register <address> <bytes>`, deregistrations as `deregister <handle>` and `windowderegister
+   <window>`; a communicator's creation as `ncclinit`. Inside a group,
    ncclCommInitRank and ncclCommWindowRegister are deferred to the outermost ncclGroupEnd, as NCCL
    2.28 defers them: the window's handle would be written through the caller's out-pointer only
    then (logged as `windowdeferred <out-pointer>`, and `windowwritten <out-pointer>` when written). `fail_next_init` makes the next ncclCommInitRank fail with
@@ -93,7 +94,11 @@ ncclResult_t ncclCommRegister(void *c, void *buffer, size_t size, void **handle)
     *handle = malloc(1);
     return 0;
 }
-ncclResult_t ncclCommDeregister(void *c, void *handle) { free(handle); return 0; }
+ncclResult_t ncclCommDeregister(void *c, void *handle) {
+    stand_in_log("deregister", handle, 0, 0);
+    free(handle);
+    return 0;
+}
 /* Aligned as NCCL's VMM memory is (to its granularity), so that windows may be registered. */
 ncclResult_t ncclMemAlloc(void **ptr, size_t size) { return posix_memalign(ptr, 4096, size ? size : 1) ? 1 : 0; }
 ncclResult_t ncclMemFree(void *ptr) { stand_in_log("ncclmemfree", ptr, 0, 0); free(ptr); return 0; }
@@ -108,4 +113,8 @@ ncclResult_t ncclCommWindowRegister(void *c, void *buffer, size_t size, void **w
     *window = malloc(1);
     return 0;
 }
-ncclResult_t ncclCommWindowDeregister(void *c, void *window) { free(window); return 0; }
+ncclResult_t ncclCommWindowDeregister(void *c, void *window) {
+    stand_in_log("windowderegister", window, 0, 0);
+    free(window);
+    return 0;
+}

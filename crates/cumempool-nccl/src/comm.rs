@@ -254,6 +254,11 @@ impl Communicator {
         self.device
     }
 
+    /// The primary context of this rank's device.
+    pub(crate) fn context(&self) -> &Context {
+        &self.context
+    }
+
     /// The raw communicator, still owned by `self`.
     pub fn as_raw(&self) -> ncclComm_t {
         self.raw.0

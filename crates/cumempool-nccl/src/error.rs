@@ -147,6 +147,18 @@ pub enum Error {
         len: usize,
     },
 
+    /// A registration (or window) not deregistered because the collectives queued over its
+    /// memory could not be waited for first (a capture underway): deregistering under them would
+    /// unmap memory they use. It stays registered until NCCL releases the communicator.
+    #[error("{what}: the collectives queued over the memory could not be waited for ({cause}), so it stays registered until the communicator is destroyed or aborted; drop registrations where no capture is underway on the memory's stream (or, for an arena or memory without a stream, on its device)")]
+    NotDeregistered {
+        /// What was being done.
+        what: &'static str,
+        /// Why the wait failed (boxed: the error type stays small).
+        #[source]
+        cause: Box<cumempool::Error>,
+    },
+
     /// A communicator that was aborted (after a timeout or an asynchronous error).
     #[error("the communicator was aborted (after a failure or timeout) and cannot be used; create a new one")]
     Aborted,

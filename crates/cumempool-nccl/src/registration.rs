@@ -5,6 +5,13 @@
 //! it, and it is deregistered exactly once: [`Registration::deregister`] consumes it, and a
 //! second call does not compile.
 //!
+//! Deregistering first waits on the host for the collectives queued over the memory
+//! ([`QueuedOver`]): `ncclCommDeregister` tears down the mappings NCCL made for the memory at
+//! once, and `ncclCommWindowDeregister` works on a private stream that no user stream is ordered
+//! with, so a collective still running would touch unmapped memory. Where that wait is refused (a
+//! capture underway), the registration is kept, not deregistered: NCCL releases it with the
+//! communicator.
+//!
 //! ```no_run
 //! # fn f(comm: &cumempool_nccl::Communicator, memory: &cumempool_nccl::NcclMemory) -> cumempool_nccl::Result<()> {
 //! let registration = comm.register(memory)?;
@@ -27,18 +34,81 @@ use crate::error::{check, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use crate::ordering::refuse_inside_group;
 use cumempool::sys::CUdeviceptr;
+use cumempool::{Context, Stream};
 use cumempool_alloc::{Arena, MappingHold};
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-/// A buffer registered with a communicator (`ncclCommRegister`), deregistered when dropped.
+/// What a deregistration waits for on the host first, so that no collective queued over the
+/// memory still runs when NCCL tears its mappings down.
+///
+/// Invariant relied on: every collective queued over a buffer makes the buffer's stream wait for
+/// it (an event), or waits for it on the host where that ordering fails, when it is launched:
+/// before the collective call returns, or at its group's end (ordering.rs; record 27 of
+/// docs/decisions.md). So once the memory's stream has passed the work queued on it so far, so
+/// has every collective queued over the memory so far, whatever stream it ran on. (One queued
+/// inside a group whose closure drops the registration is launched only at the group's end, after
+/// the deregistration: NCCL then finds the memory unregistered, as if it never was.) The
+/// collective path pays nothing for this.
+#[derive(Clone, Copy, Debug)]
+enum QueuedOver<'a> {
+    /// The stream the memory names ([`DeviceBuffer::stream`]): one stream wait.
+    MemoryStream(&'a Stream),
+    /// Memory that names no stream: which streams used it is not known, so every stream of the
+    /// communicator's device is waited for.
+    Device,
+    /// A span of an [`ArenaRegistration`], which waits for the device once for all its spans
+    /// (the arena's allocations name streams the arena does not keep).
+    ArenaSpan,
+}
+
+impl<'a> QueuedOver<'a> {
+    fn memory(buffer: &'a (impl DeviceBuffer + ?Sized)) -> Self {
+        buffer.stream().map_or(Self::Device, Self::MemoryStream)
+    }
+
+    /// Waits on the host until every collective queued over the memory so far has finished.
+    ///
+    /// The waits are ones the library does not refuse for a capture elsewhere
+    /// ([`Stream::wait_before_release`], or the device's wait in relaxed capture mode): only a
+    /// capture that the wait cannot pass (the memory's stream captures; for the device's wait,
+    /// any stream of the device captures) refuses it.
+    ///
+    /// # Errors
+    /// [`Error::NotDeregistered`]: the caller must then keep the registration, not deregister it.
+    fn wait(self, comm: &Communicator, what: &'static str) -> Result<()> {
+        let waited = match self {
+            Self::MemoryStream(stream) => stream.wait_before_release(),
+            Self::Device => wait_for_device(comm.context()),
+            Self::ArenaSpan => Ok(()),
+        };
+        waited.map_err(|cause| Error::NotDeregistered { what, cause: Box::new(cause) })
+    }
+}
+
+/// Waits for every stream of `context`. `cuCtxSynchronize` is refused while any stream of the
+/// context captures, and invalidates that capture (docs/driver-behaviour.md): a capture of a
+/// blocking stream, which the legacy stream reports without harm to it, is asked about first and
+/// left intact; one of a non-blocking stream cannot be seen beforehand.
+fn wait_for_device(context: &Context) -> cumempool::Result<()> {
+    const WHAT: &str = "waiting for the device before deregistering memory whose streams are not known";
+    if Stream::legacy(context).blocked_by_a_capture()? {
+        return Err(cumempool::Error::StreamCapturing { operation: WHAT, capture: None });
+    }
+    cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
+}
+
+/// A buffer registered with a communicator (`ncclCommRegister`), deregistered when dropped,
+/// after a host wait for the collectives queued over it: its stream's work, or the device's for
+/// memory that names no stream.
 #[derive(Debug)]
-#[must_use = "dropping a registration deregisters it at once"]
+#[must_use = "dropping a registration deregisters it, after waiting for the collectives queued over it"]
 pub struct Registration<'a> {
     comm: &'a Communicator,
     handle: *mut c_void,
     ptr: CUdeviceptr,
     len: usize,
+    queued_over: QueuedOver<'a>,
     memory: PhantomData<&'a ()>,
 }
 
@@ -58,16 +128,24 @@ impl Registration<'_> {
         self.len == 0
     }
 
-    /// Deregisters now, reporting NCCL's answer (dropping only logs a failure).
+    /// Deregisters now, after a host wait for the collectives queued over the buffer, reporting
+    /// NCCL's answer (dropping only logs a failure).
+    ///
+    /// # Errors
+    /// [`Error::NotDeregistered`] where the wait was refused (the buffer's stream captures): the
+    /// buffer stays registered until the communicator is destroyed or aborted; NCCL's refusal.
     pub fn deregister(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
         this.deregister_raw()
     }
 
     fn deregister_raw(&self) -> Result<()> {
+        const WHAT: &str = "deregistering a buffer";
         let raw = self.comm.usable()?;
         let deregister = nccl()?.ncclCommDeregister()?;
-        // SAFETY: a handle ncclCommRegister gave for this communicator, deregistered once.
+        self.queued_over.wait(self.comm, WHAT)?;
+        // SAFETY: a handle ncclCommRegister gave for this communicator, deregistered once, after
+        // every collective queued over its memory has finished (the wait above).
         self.comm.check("ncclCommDeregister", unsafe { deregister(raw, self.handle) })
     }
 }
@@ -82,12 +160,14 @@ impl Drop for Registration<'_> {
     }
 }
 
-/// A symmetric window (`ncclCommWindowRegister`, NCCL 2.27+), deregistered when dropped.
+/// A symmetric window (`ncclCommWindowRegister`, NCCL 2.27+), deregistered when dropped, after a
+/// host wait for the collectives queued over its memory (as for [`Registration`]).
 #[derive(Debug)]
-#[must_use = "dropping a window deregisters it at once"]
+#[must_use = "dropping a window deregisters it, after waiting for the collectives queued over it"]
 pub struct Window<'a> {
     comm: &'a Communicator,
     window: ncclWindow_t,
+    queued_over: QueuedOver<'a>,
     memory: PhantomData<&'a ()>,
 }
 
@@ -97,16 +177,24 @@ impl Window<'_> {
         self.window
     }
 
-    /// Deregisters now, reporting NCCL's answer.
+    /// Deregisters now, after a host wait for the collectives queued over the window's memory,
+    /// reporting NCCL's answer.
+    ///
+    /// # Errors
+    /// As [`Registration::deregister`].
     pub fn deregister(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
         this.deregister_raw()
     }
 
     fn deregister_raw(&self) -> Result<()> {
+        const WHAT: &str = "deregistering a window";
         let raw = self.comm.usable()?;
         let deregister = nccl()?.ncclCommWindowDeregister()?;
-        // SAFETY: a window of this communicator, deregistered once.
+        // NCCL deregisters on a private stream that no user stream is ordered with: the host waits.
+        self.queued_over.wait(self.comm, WHAT)?;
+        // SAFETY: a window of this communicator, deregistered once, after every collective queued
+        // over its memory has finished (the wait above).
         self.comm.check("ncclCommWindowDeregister", unsafe { deregister(raw, self.window) })
     }
 }
@@ -124,13 +212,19 @@ impl Drop for Window<'_> {
 /// the arena from unmapping them (NCCL caches the mappings). Allocations inside those spans are
 /// covered without registering each; chunks the arena maps later are covered after
 /// [`ArenaRegistration::refresh`].
+///
+/// Dropping it waits on the host for the whole device (the streams of the arena's allocations are
+/// not known here) before deregistering the spans. That wait is refused while any stream of the
+/// device captures, and invalidates that capture; the spans then stay registered (NCCL releases
+/// them with the communicator) and mapped (the hold is kept, so the arena never unmaps them).
 #[derive(Debug)]
-#[must_use = "dropping a registration deregisters it at once"]
+#[must_use = "dropping a registration deregisters it, after waiting for the device"]
 pub struct ArenaRegistration<'a> {
     comm: &'a Communicator,
     arena: &'a Arena,
     spans: Vec<Registration<'a>>,
-    _hold: MappingHold<'a>,
+    /// `None` only once `Drop` has kept it for good.
+    hold: Option<MappingHold<'a>>,
 }
 
 impl ArenaRegistration<'_> {
@@ -152,10 +246,28 @@ impl ArenaRegistration<'_> {
         for (ptr, len) in self.arena.mapped_spans() {
             let registered: Vec<(CUdeviceptr, usize)> = self.spans.iter().map(|r| (r.ptr, r.len)).collect();
             for (start, len) in uncovered((ptr, len), &registered) {
-                self.spans.push(self.comm.register_raw(start, len)?);
+                self.spans.push(self.comm.register_raw(start, len, QueuedOver::ArenaSpan)?);
             }
         }
         Ok(self.spans.len() - before)
+    }
+}
+
+impl Drop for ArenaRegistration<'_> {
+    fn drop(&mut self) {
+        // Nothing registered, or an aborted communicator (which took its registrations with it):
+        // nothing to deregister, so nothing to wait for.
+        if self.spans.is_empty() || self.comm.usable().is_err() {
+            return;
+        }
+        if let Err(error) = QueuedOver::Device.wait(self.comm, "deregistering an arena") {
+            tracing::warn!(%error, spans = self.spans.len(), "an arena's spans stay registered and mapped");
+            // Kept registered, and mapped for the arena's life: a collective may still use them.
+            std::mem::forget(std::mem::take(&mut self.spans));
+            std::mem::forget(self.hold.take());
+        }
+        // Otherwise the spans are deregistered as the fields drop (each without another wait),
+        // then the hold ends.
     }
 }
 
@@ -184,7 +296,12 @@ fn uncovered((start, len): (CUdeviceptr, usize), covered: &[(CUdeviceptr, usize)
 }
 
 impl Communicator {
-    pub(crate) fn register_raw<'a>(&'a self, ptr: CUdeviceptr, len: usize) -> Result<Registration<'a>> {
+    fn register_raw<'a>(
+        &'a self,
+        ptr: CUdeviceptr,
+        len: usize,
+        queued_over: QueuedOver<'a>,
+    ) -> Result<Registration<'a>> {
         let raw = self.usable()?;
         if len == 0 {
             return Err(Error::InvalidArgument {
@@ -197,7 +314,7 @@ impl Communicator {
         // SAFETY: `len` bytes of this rank's device memory at `ptr` (the callers check), kept
         // alive by the registration's borrow; a valid out-pointer.
         self.check("ncclCommRegister", unsafe { register(raw, ptr as *mut c_void, len, &mut handle) })?;
-        Ok(Registration { comm: self, handle, ptr, len, memory: PhantomData })
+        Ok(Registration { comm: self, handle, ptr, len, queued_over, memory: PhantomData })
     }
 
     /// Registers `buffer` for zero-copy transfers (`ncclCommRegister`, NCCL 2.19+) until the
@@ -211,7 +328,7 @@ impl Communicator {
     /// [`Error::WrongDevice`]; [`Error::Load`] before NCCL 2.19; NCCL's refusal.
     pub fn register<'a>(&'a self, buffer: &'a impl DeviceBuffer) -> Result<Registration<'a>> {
         self.check_buffer("registering a buffer", buffer)?;
-        self.register_raw(buffer.device_ptr(), buffer.byte_len())
+        self.register_raw(buffer.device_ptr(), buffer.byte_len(), QueuedOver::memory(buffer))
     }
 
     /// Registers every span `arena` has mapped, once: every allocation inside them is covered.
@@ -228,7 +345,7 @@ impl Communicator {
             });
         }
         let hold = arena.hold_mappings();
-        let mut registration = ArenaRegistration { comm: self, arena, spans: Vec::new(), _hold: hold };
+        let mut registration = ArenaRegistration { comm: self, arena, spans: Vec::new(), hold: Some(hold) };
         registration.refresh()?;
         Ok(registration)
     }
@@ -255,7 +372,7 @@ impl Communicator {
         self.check("ncclCommWindowRegister", unsafe {
             register(raw, ptr, buffer.byte_len(), &mut window, window_flags(symmetric))
         })?;
-        Ok(Window { comm: self, window, memory: PhantomData })
+        Ok(Window { comm: self, window, queued_over: QueuedOver::memory(buffer), memory: PhantomData })
     }
 
     /// The address of `buffer` for a window: this rank's device memory, aligned as NCCL
@@ -301,7 +418,13 @@ pub fn register_windows<'a>(
     refuse_inside_group(WHAT, "register the windows before the group")?;
     let mut checked = Vec::with_capacity(ranks.len());
     for &(comm, buffer) in ranks {
-        checked.push((comm, comm.usable()?, comm.window_memory(WHAT, buffer)?, buffer.byte_len()));
+        checked.push((
+            comm,
+            comm.usable()?,
+            comm.window_memory(WHAT, buffer)?,
+            buffer.byte_len(),
+            QueuedOver::memory(buffer),
+        ));
     }
     let nccl = nccl()?;
     let (start, end, register) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?, nccl.ncclCommWindowRegister()?);
@@ -310,7 +433,7 @@ pub fn register_windows<'a>(
     // SAFETY: no arguments; ended below on every path.
     check("ncclGroupStart", unsafe { start() }, None)?;
     let mut first_error = None;
-    for ((comm, raw, ptr, len), handle) in checked.iter().zip(handles.iter_mut()) {
+    for ((comm, raw, ptr, len, _), handle) in checked.iter().zip(handles.iter_mut()) {
         // SAFETY: each rank's device memory (checked), alive for 'a; `handle` outlives the group's end.
         let answer = unsafe { register(*raw, *ptr, *len, handle, window_flags(symmetric)) };
         if let Err(error) = comm.check("ncclCommWindowRegister", answer) {
@@ -323,7 +446,7 @@ pub fn register_windows<'a>(
         .iter()
         .zip(handles)
         .filter(|(_, handle)| !handle.is_null())
-        .map(|((comm, ..), window)| Window { comm, window, memory: PhantomData })
+        .map(|(&(comm, .., queued_over), window)| Window { comm, window, queued_over, memory: PhantomData })
         .collect();
     match first_error.map_or(ended, Err) {
         Ok(()) if windows.len() == ranks.len() => Ok(windows),

@@ -1,8 +1,9 @@
 //! cumempool-nccl on a host without a GPU, through the stand-in libcuda and libnccl of
 //! `cumempool_tests::stand_in_driver` (one library, one call log): a collective is ordered with
 //! its buffers' streams (an event each way), a collective that a capture would record is
-//! refused, a failed `ncclCommInitRank` can be retried with the same id, and an arena's
-//! registration covers every mapped chunk after `refresh`.
+//! refused, a failed `ncclCommInitRank` can be retried with the same id, an arena's
+//! registration covers every mapped chunk after `refresh`, and a registration is deregistered
+//! only after the collectives queued over its memory.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use cumempool::{Error as CudaError, MemPool, Route, Stream};
@@ -403,4 +404,135 @@ fn a_communicator_with_collectives_queued_in_a_group_is_not_aborted_inside_it() 
     assert!(matches!(aborted, Err(Error::InsideGroup { what: "aborting a communicator", .. })), "{aborted:?}");
     assert!(matches!(waited, Err(Error::InsideGroup { .. })), "{waited:?}");
     comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
+}
+
+/// Where the first call of `kind` is, if any.
+fn first(calls: &[Vec<String>], kind: &str) -> Option<usize> {
+    calls.iter().position(|call| call[0] == kind)
+}
+
+/// `ncclCommDeregister` (and a window's deregistration) tears down peers' mappings at once: a
+/// collective still running over the memory would touch unmapped memory. The memory's stream,
+/// which every collective over it made wait for itself, is waited for first.
+#[test]
+fn dropping_a_registration_waits_for_the_collectives_queued_over_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
+    let registration = comm.register(&memory).unwrap();
+    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    drop(registration);
+    let calls = calls_since(start);
+    let deregistered = first(&calls, "deregister").expect("deregistered");
+    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&s) && call[3] == "0");
+    assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
+}
+
+#[test]
+fn dropping_a_window_waits_for_the_collectives_queued_over_it() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
+    let window = comm.register_window(&memory, true).unwrap();
+    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    drop(window);
+    let calls = calls_since(start);
+    let deregistered = first(&calls, "windowderegister").expect("deregistered");
+    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&s) && call[3] == "0");
+    assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
+}
+
+/// An arena's registration covers allocations whose streams it does not know, and memory given
+/// without a stream names none: the device is waited for.
+#[test]
+fn dropping_an_arena_registration_waits_for_the_collectives_queued_over_its_spans() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let arena = Arena::builder(0, 64 << 20).build().unwrap();
+    let block = arena.alloc(4096, &a).unwrap();
+    let registration = comm.register_arena(&arena).unwrap();
+    let slice = cumempool_nccl::DeviceSlice::of_arena(&arena, &block).unwrap();
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    drop(registration);
+    let calls = calls_since(start);
+    let deregistered = first(&calls, "deregister").expect("deregistered");
+    let waited = calls.iter().position(|call| call[0] == "ctxsync" && call[3] == "0");
+    assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
+    assert_eq!(calls.iter().filter(|call| call[0] == "ctxsync").count(), 1, "one wait for every span: {calls:?}");
+
+    // SAFETY: the arena allocation's memory, alive (borrowed by `block`) past the registration.
+    let streamless = unsafe { cumempool_nccl::DeviceSlice::from_raw(block.as_raw(), 4096, 0, None) };
+    let registration = comm.register(&streamless).unwrap();
+    comm.all_reduce::<u8>(&streamless, &streamless, 4096, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    drop(registration);
+    let calls = calls_since(start);
+    let deregistered = first(&calls, "deregister").expect("deregistered");
+    assert!(first(&calls, "ctxsync").is_some_and(|at| at < deregistered), "{calls:?}");
+}
+
+/// A host wait cannot wait for a stream that captures: the registration is then kept (NCCL
+/// releases it with the communicator) rather than deregistered under its collective. A capture
+/// on the thread that leaves the memory's stream alone does not stop the wait, and survives it.
+#[test]
+fn a_registration_whose_collectives_cannot_be_waited_for_in_a_capture_stays_registered() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (s, c, origin) =
+        (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
+
+    let registration = comm.register(&memory).unwrap();
+    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    let graph = origin.capture(|_| {
+        drop(registration);
+        Ok(())
+    });
+    assert!(graph.is_ok(), "the wait for a stream that does not capture leaves the capture intact: {:?}", graph.err());
+    let calls = calls_since(start);
+    let deregistered = first(&calls, "deregister").expect("deregistered");
+    assert!(calls[..deregistered].iter().any(|call| call[0] == "sync" && call[1] == name(&s)), "{calls:?}");
+
+    let registration = comm.register(&memory).unwrap();
+    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    let mut kept = None;
+    let _graph = origin.capture(|capture| {
+        s.order_after(capture.stream())?; // the memory's stream joins the capture
+        kept = Some(registration.deregister());
+        Ok(())
+    });
+    let kept = kept.unwrap();
+    assert!(matches!(kept, Err(Error::NotDeregistered { .. })), "{kept:?}");
+    let text = kept.unwrap_err().to_string();
+    assert!(text.contains("stays registered") && text.contains("capture"), "{text}");
+    assert!(first(&calls_since(start), "deregister").is_none(), "deregistered under the collective");
+}
+
+/// The device's wait is refused while a capture is underway in the context: the arena's spans
+/// stay registered and mapped (its trim still refuses) rather than deregistered under use.
+#[test]
+fn an_arena_registration_dropped_during_a_capture_keeps_its_spans_registered_and_mapped() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (a, origin) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let arena = Arena::builder(0, 64 << 20).build().unwrap();
+    let block = arena.alloc(4096, &a).unwrap();
+    let registration = comm.register_arena(&arena).unwrap();
+    let start = call_log().len();
+    let _graph = origin.capture(|_| {
+        drop(registration);
+        Ok(())
+    });
+    assert!(first(&calls_since(start), "deregister").is_none(), "deregistered without a wait");
+    drop(block);
+    let trimmed = arena.trim();
+    assert!(matches!(trimmed, Err(cumempool_alloc::Error::MappingsHeld { .. })), "{trimmed:?}");
 }
