@@ -10,7 +10,7 @@ use cumempool::{Context, Device, Stream};
 use std::collections::HashSet;
 use std::ffi::{c_int, c_void};
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -109,6 +109,17 @@ type UsedId = ([u8; UniqueId::LEN], i32);
 #[derive(Debug)]
 struct RawComm(ncclComm_t);
 
+/// Which communicator a rank belongs to, as far as this process can tell: the ranks one
+/// `init_all` call made, or those made here from one unique id, belong to one. Lets calls that
+/// take the ranks of one process together (`register_windows`) compare what must agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Membership {
+    /// The n-th `init_all` call of this process.
+    InitAll(u64),
+    /// `init_rank` from this id.
+    Id(UniqueId),
+}
+
 // SAFETY: an NCCL communicator may be used from any thread, one thread at a time; the
 // communicator that owns this is Send but not Sync.
 unsafe impl Send for RawComm {}
@@ -124,6 +135,7 @@ pub struct Communicator {
     size: i32,
     device: i32,
     context: Context,
+    membership: Membership,
     /// Set once aborted or destroyed: no later call reaches NCCL with it.
     gone: AtomicBool,
     not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
@@ -131,13 +143,14 @@ pub struct Communicator {
 
 impl Communicator {
     /// Owns `raw` (destroyed on drop from here on); rank, size and device are asked next.
-    fn wrap(raw: ncclComm_t, context: Context) -> Self {
+    fn wrap(raw: ncclComm_t, context: Context, membership: Membership) -> Self {
         Self {
             raw: RawComm(raw),
             rank: 0,
             size: 0,
             device: 0,
             context,
+            membership,
             gone: AtomicBool::new(false),
             not_sync: std::marker::PhantomData,
         }
@@ -185,9 +198,11 @@ impl Communicator {
         let mut raws: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `raws` has room for `count` communicators; the device list lives for the call.
         check("ncclCommInitAll", unsafe { init(raws.as_mut_ptr(), count, devices.as_ptr()) }, None)?;
+        static CALLS: AtomicU64 = AtomicU64::new(0);
+        let membership = Membership::InitAll(CALLS.fetch_add(1, Ordering::Relaxed));
         // Every communicator is owned before any query can fail, so a failure destroys them all.
         let mut comms: Vec<Self> =
-            raws.into_iter().zip(contexts).map(|(raw, context)| Self::wrap(raw, context)).collect();
+            raws.into_iter().zip(contexts).map(|(raw, context)| Self::wrap(raw, context, membership)).collect();
         for comm in &mut comms {
             comm.query()?;
         }
@@ -234,7 +249,7 @@ impl Communicator {
         let mut raw: ncclComm_t = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; the id is passed by value.
         check("ncclCommInitRank", unsafe { init(&mut raw, ranks, id.0, rank) }, None)?;
-        let mut comm = Self::wrap(raw, context);
+        let mut comm = Self::wrap(raw, context, Membership::Id(*id));
         comm.query()?;
         Ok(comm)
     }
@@ -252,6 +267,11 @@ impl Communicator {
     /// The device this rank runs on.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// Which communicator this is a rank of.
+    pub(crate) fn membership(&self) -> Membership {
+        self.membership
     }
 
     /// The primary context of this rank's device.

@@ -212,6 +212,21 @@ pub enum InvalidArgumentReason {
         /// The arena's first address.
         arena_base: u64,
     },
+    /// Windows of one communicator's ranks driven from this process, of unequal sizes: NCCL
+    /// requires the same size on every rank and does not check.
+    #[error("rank {rank}'s buffer has {bytes} bytes but rank {other_rank}'s has {other_bytes}; a window has the same size on every rank of its communicator, which NCCL does not check: register the same number of bytes on every rank (at most {smallest}, the smallest here)")]
+    UnequalWindowSizes {
+        /// The first rank given for the communicator.
+        rank: i32,
+        /// The size of its buffer.
+        bytes: usize,
+        /// The first rank of the same communicator whose buffer has another size.
+        other_rank: i32,
+        /// The size of that buffer.
+        other_bytes: usize,
+        /// The smallest buffer given for the communicator.
+        smallest: usize,
+    },
     /// An empty device list.
     #[error("no device was named; name each device once, at least one")]
     NoDevices,

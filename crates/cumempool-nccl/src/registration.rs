@@ -408,8 +408,10 @@ fn window_flags(symmetric: bool) -> i32 {
 ///
 /// # Errors
 /// As [`Communicator::register_window`], checked for every rank before NCCL is called;
-/// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure; the first of NCCL's refusals
-/// (the windows it did register are deregistered).
+/// [`InvalidArgumentReason::UnequalWindowSizes`] for buffers of unequal sizes on ranks of one
+/// communicator (NCCL requires one size and does not check); [`Error::InsideGroup`] inside
+/// [`group`](crate::group())'s closure; the first of NCCL's refusals (the windows it did register
+/// are deregistered).
 pub fn register_windows<'a>(
     ranks: &[(&'a Communicator, &'a dyn DeviceBuffer)],
     symmetric: bool,
@@ -426,6 +428,8 @@ pub fn register_windows<'a>(
             QueuedOver::memory(buffer),
         ));
     }
+    let sizes: Vec<(&Communicator, usize)> = checked.iter().map(|&(comm, _, _, len, _)| (comm, len)).collect();
+    refuse_unequal_sizes(WHAT, &sizes)?;
     let nccl = nccl()?;
     let (start, end, register) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?, nccl.ncclCommWindowRegister()?);
     // Written by NCCL at the group's end: sized before, never moved until then.
@@ -454,6 +458,34 @@ pub fn register_windows<'a>(
         Ok(()) => Err(Error::NoWindow { registered: windows.len(), ranks: ranks.len() }),
         Err(error) => Err(error),
     }
+}
+
+/// Refuses windows of unequal sizes among the ranks of one communicator in `ranks` (rank, bytes):
+/// NCCL requires the same size on every rank and does not check. Ranks of other communicators
+/// are compared only with their own.
+fn refuse_unequal_sizes(what: &'static str, ranks: &[(&Communicator, usize)]) -> Result<()> {
+    for (at, &(comm, bytes)) in ranks.iter().enumerate() {
+        let same = |(other, _): &&(&Communicator, usize)| other.membership() == comm.membership();
+        // Each communicator is compared once, from its first rank given.
+        if ranks[..at].iter().any(|rank| same(&rank)) {
+            continue;
+        }
+        let its_ranks = ranks.iter().filter(same);
+        if let Some(&(other, other_bytes)) = its_ranks.clone().find(|&&(_, b)| b != bytes) {
+            let smallest = its_ranks.map(|&(_, b)| b).min().unwrap_or(bytes);
+            return Err(Error::InvalidArgument {
+                what,
+                reason: InvalidArgumentReason::UnequalWindowSizes {
+                    rank: comm.rank(),
+                    bytes,
+                    other_rank: other.rank(),
+                    other_bytes,
+                    smallest,
+                },
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

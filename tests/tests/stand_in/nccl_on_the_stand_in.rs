@@ -536,3 +536,46 @@ fn an_arena_registration_dropped_during_a_capture_keeps_its_spans_registered_and
     let trimmed = arena.trim();
     assert!(matches!(trimmed, Err(cumempool_alloc::Error::MappingsHeld { .. })), "{trimmed:?}");
 }
+
+/// A window has the same size on every rank of its communicator, which NCCL requires and does not
+/// check; for ranks of one process the sizes are all here, and compared before NCCL.
+#[test]
+fn windows_of_unequal_sizes_on_ranks_of_one_process_are_refused() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let id = UniqueId::new().unwrap();
+    let (rank0, rank1) =
+        (Communicator::init_rank(&id, 2, 0, 0).unwrap(), Communicator::init_rank(&id, 2, 1, 0).unwrap());
+    let (small, big) = (
+        cumempool_nccl::NcclMemory::new(0, 1 << 12, &stream).unwrap(),
+        cumempool_nccl::NcclMemory::new(0, 1 << 20, &stream).unwrap(),
+    );
+    let start = call_log().len();
+    let windows = cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &big)], true).map(|w| w.len());
+    let expected = cumempool_nccl::InvalidArgumentReason::UnequalWindowSizes {
+        rank: 0,
+        bytes: 1 << 12,
+        other_rank: 1,
+        other_bytes: 1 << 20,
+        smallest: 1 << 12,
+    };
+    assert!(
+        matches!(&windows, Err(Error::InvalidArgument { what: "registering windows", reason }) if *reason == expected),
+        "4 KiB on rank 0, 1 MiB on rank 1: {windows:?}"
+    );
+    assert_eq!(
+        windows.unwrap_err().to_string(),
+        "registering windows: rank 0's buffer has 4096 bytes but rank 1's has 1048576; a window has the same size on \
+         every rank of its communicator, which NCCL does not check: register the same number of bytes on every rank \
+         (at most 4096, the smallest here)"
+    );
+    assert!(calls_since(start).iter().all(|call| !call[0].starts_with("window")), "nothing reached NCCL");
+
+    // Equal sizes are registered; so are ranks of two communicators, each with its own size.
+    let other = cumempool_nccl::NcclMemory::new(0, 1 << 12, &stream).unwrap();
+    let equal = cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &other)], true).map(|w| w.len());
+    assert_eq!(equal.unwrap(), 2);
+    let (lone, _pool) = one_rank();
+    let mixed = cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &other), (&lone, &big)], true);
+    assert_eq!(mixed.map(|w| w.len()).unwrap(), 3, "the one-rank communicator's window is its own size");
+}
