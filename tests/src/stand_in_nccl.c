@@ -9,7 +9,9 @@
    ncclCommInitRank and ncclCommWindowRegister are deferred to the outermost ncclGroupEnd, as NCCL
    2.28 defers them: the window's handle would be written through the caller's out-pointer only
    then (logged as `windowdeferred <out-pointer>`, and `windowwritten <out-pointer>` when written). `fail_next_init` makes the next ncclCommInitRank fail with
-   ncclSystemError, as a bootstrap that could not reach its root does. */
+   ncclSystemError, as a bootstrap that could not reach its root does; `fail_next_destroy` and
+   `fail_next_abort` make the next ncclCommDestroy or ncclCommAbort fail so, keeping the
+   communicator. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,8 +53,26 @@ ncclResult_t ncclCommInitRank(Comm **comm, int n, ncclUniqueId id, int rank) {
 ncclResult_t ncclCommUserRank(const Comm *c, int *rank) { *rank = c->rank; return 0; }
 ncclResult_t ncclCommCount(const Comm *c, int *count) { *count = c->size; return 0; }
 ncclResult_t ncclCommCuDevice(const Comm *c, int *device) { *device = c->device; return 0; }
-ncclResult_t ncclCommDestroy(Comm *c) { free(c); return 0; }
-ncclResult_t ncclCommAbort(Comm *c) { free(c); return 0; }
+/* Logged as `nccldestroy <comm>` and `ncclabort <comm>` with the answer; `fail_next_destroy` and
+   `fail_next_abort` make the next one fail with ncclSystemError, the communicator kept. */
+int fail_next_destroy;
+int fail_next_abort;
+ncclResult_t ncclCommDestroy(Comm *c) {
+    int failed = fail_next_destroy;
+    fail_next_destroy = 0;
+    stand_in_log("nccldestroy", c, 0, failed ? 2 : 0);
+    if (failed) return 2;
+    free(c);
+    return 0;
+}
+ncclResult_t ncclCommAbort(Comm *c) {
+    int failed = fail_next_abort;
+    fail_next_abort = 0;
+    stand_in_log("ncclabort", c, 0, failed ? 2 : 0);
+    if (failed) return 2;
+    free(c);
+    return 0;
+}
 ncclResult_t ncclCommGetAsyncError(Comm *c, ncclResult_t *state) { *state = 0; return 0; }
 
 /* A collective's launch on `stream`: now, or at the end of the group. */

@@ -136,8 +136,15 @@ pub struct Communicator {
     device: i32,
     context: Context,
     membership: Membership,
-    /// Set once aborted or destroyed: no later call reaches NCCL with it.
-    gone: AtomicBool,
+    /// Set once NCCL has released the communicator (`ncclCommDestroy` or `ncclCommAbort`
+    /// answered success), never before: no call reaches NCCL with it after that. Until then a
+    /// release that failed (NCCL refused, or the context could not be made current) is tried
+    /// again by the next `abort`, `destroy` or drop, and registrations are still deregistered.
+    released: AtomicBool,
+    /// Set when `abort` is first called, whatever NCCL answers: no new work is queued from then
+    /// on, and a drop that finds the communicator not released aborts it again rather than
+    /// destroying it (a destroy would wait for the operations the abort was to stop).
+    abort_asked: AtomicBool,
     not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
@@ -151,7 +158,8 @@ impl Communicator {
             device: 0,
             context,
             membership,
-            gone: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            abort_asked: AtomicBool::new(false),
             not_sync: std::marker::PhantomData,
         }
     }
@@ -284,8 +292,18 @@ impl Communicator {
         self.raw.0
     }
 
+    /// The communicator, for new work: refused once aborted (or an abort was asked) or destroyed.
     pub(crate) fn usable(&self) -> Result<ncclComm_t> {
-        if self.gone.load(Ordering::Acquire) {
+        if self.abort_asked.load(Ordering::Acquire) {
+            return Err(Error::Aborted);
+        }
+        self.held()
+    }
+
+    /// The communicator while NCCL still holds it, also after an abort that failed: what
+    /// deregistering needs (NCCL releases registrations only with the communicator).
+    pub(crate) fn held(&self) -> Result<ncclComm_t> {
+        if self.released.load(Ordering::Acquire) {
             return Err(Error::Aborted);
         }
         Ok(self.raw.0)
@@ -333,7 +351,8 @@ impl Communicator {
     ///
     /// # Errors
     /// [`Error::Timeout`] at the timeout; NCCL's asynchronous error; [`Error::Aborted`] for a
-    /// communicator aborted before. Either way this communicator is unusable afterwards.
+    /// communicator aborted before. Either way this communicator is unusable afterwards (where
+    /// the abort itself failed, which is logged, dropping the communicator aborts it again).
     /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure, where nothing has been
     /// launched yet (and an abort could not stop it).
     pub fn wait(&self, stream: &Stream, timeout: Duration) -> Result<()> {
@@ -365,7 +384,9 @@ impl Communicator {
     }
 
     /// Aborts the communicator (`ncclCommAbort`): its pending operations stop and it frees its
-    /// resources; every later call answers [`Error::Aborted`].
+    /// resources; every later call answers [`Error::Aborted`], also when the abort failed. A
+    /// failed abort leaves the communicator NCCL's: call `abort` again, or drop it, which aborts
+    /// it again; its registrations are still deregistered when dropped.
     ///
     /// # Errors
     /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure: NCCL would reclaim the
@@ -373,36 +394,61 @@ impl Communicator {
     /// there; NCCL's refusal.
     pub fn abort(&self) -> Result<()> {
         refuse_inside_group("aborting a communicator", AFTER_THE_GROUP)?;
-        if self.gone.swap(true, Ordering::AcqRel) {
+        self.abort_asked.store(true, Ordering::Release);
+        self.abort_raw()
+    }
+
+    /// `ncclCommAbort`, unless NCCL has released the communicator already.
+    fn abort_raw(&self) -> Result<()> {
+        if self.released.load(Ordering::Acquire) {
             return Ok(());
         }
         let abort = nccl()?.ncclCommAbort()?;
-        // SAFETY: a live communicator, aborted once (the flag above).
-        check("ncclCommAbort", unsafe { abort(self.raw.0) }, None)
+        // SAFETY: a communicator NCCL still holds: `released` is set only below, once NCCL
+        // answered success, and no other thread calls NCCL with it meanwhile (not `Sync`).
+        check("ncclCommAbort", unsafe { abort(self.raw.0) }, None)?;
+        self.released.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Destroys the communicator, reporting NCCL's answer (dropping it only logs a failure).
+    /// After an abort that failed, aborts it again instead.
+    ///
+    /// # Errors
+    /// The context's or NCCL's refusal. The communicator is then still NCCL's, and dropping it,
+    /// at the end of this call, tries once more (logging a second failure).
     pub fn destroy(self) -> Result<()> {
+        self.release()
+    }
+
+    /// Hands the communicator back to NCCL: aborts it again after an abort that failed, destroys
+    /// it otherwise; nothing once NCCL has released it.
+    fn release(&self) -> Result<()> {
+        if self.abort_asked.load(Ordering::Acquire) {
+            return self.abort_raw();
+        }
         self.destroy_raw()
     }
 
-    /// Destroys the communicator once: marks it gone first, so `Drop` after `destroy` (or a
-    /// failed destroy) does not call NCCL again.
+    /// `ncclCommDestroy` in the device's context, unless NCCL has released the communicator.
     fn destroy_raw(&self) -> Result<()> {
-        if self.gone.swap(true, Ordering::AcqRel) {
+        if self.released.load(Ordering::Acquire) {
             return Ok(());
         }
         self.context.make_current()?;
         let destroy = nccl()?.ncclCommDestroy()?;
-        // SAFETY: a live communicator, destroyed once (the flag above).
-        check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None)
+        // SAFETY: a communicator NCCL still holds: `released` is set only below, once NCCL
+        // answered success, and no other thread calls NCCL with it meanwhile (not `Sync`).
+        check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None)?;
+        self.released.store(true, Ordering::Release);
+        Ok(())
     }
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        if let Err(error) = self.destroy_raw() {
-            tracing::warn!(%error, rank = self.rank, "destroying a communicator failed");
+        if let Err(error) = self.release() {
+            tracing::warn!(%error, rank = self.rank, "releasing a communicator failed; it is leaked");
         }
     }
 }

@@ -141,7 +141,8 @@ impl Registration<'_> {
 
     fn deregister_raw(&self) -> Result<()> {
         const WHAT: &str = "deregistering a buffer";
-        let raw = self.comm.usable()?;
+        // Also after an abort that failed: NCCL still holds the registration.
+        let raw = self.comm.held()?;
         let deregister = nccl()?.ncclCommDeregister()?;
         self.queued_over.wait(self.comm, WHAT)?;
         // SAFETY: a handle ncclCommRegister gave for this communicator, deregistered once, after
@@ -189,7 +190,7 @@ impl Window<'_> {
 
     fn deregister_raw(&self) -> Result<()> {
         const WHAT: &str = "deregistering a window";
-        let raw = self.comm.usable()?;
+        let raw = self.comm.held()?;
         let deregister = nccl()?.ncclCommWindowDeregister()?;
         // NCCL deregisters on a private stream that no user stream is ordered with: the host waits.
         self.queued_over.wait(self.comm, WHAT)?;
@@ -257,7 +258,7 @@ impl Drop for ArenaRegistration<'_> {
     fn drop(&mut self) {
         // Nothing registered, or an aborted communicator (which took its registrations with it):
         // nothing to deregister, so nothing to wait for.
-        if self.spans.is_empty() || self.comm.usable().is_err() {
+        if self.spans.is_empty() || self.comm.held().is_err() {
             return;
         }
         if let Err(error) = QueuedOver::Device.wait(self.comm, "deregistering an arena") {

@@ -579,3 +579,53 @@ fn windows_of_unequal_sizes_on_ranks_of_one_process_are_refused() {
     let mixed = cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &other), (&lone, &big)], true);
     assert_eq!(mixed.map(|w| w.len()).unwrap(), 3, "the one-rank communicator's window is its own size");
 }
+
+/// The answers NCCL gave to the calls of `kind` in `calls`.
+fn answers(calls: &[Vec<String>], kind: &str) -> Vec<String> {
+    calls.iter().filter(|call| call[0] == kind).map(|call| call[3].clone()).collect()
+}
+
+/// A destroy or abort that failed leaves the communicator NCCL's: it is tried again (an abort by
+/// the next `abort` or the drop, a destroy by the drop), and the registrations of a communicator
+/// whose abort failed are still deregistered.
+#[test]
+fn a_failed_destroy_or_abort_is_tried_again_and_registrations_still_deregister() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let start = call_log().len();
+    set_switch("fail_next_destroy");
+    let failed = comm.destroy();
+    assert!(matches!(failed, Err(Error::Nccl { function: "ncclCommDestroy", .. })), "{failed:?}");
+    assert_eq!(answers(&calls_since(start), "nccldestroy"), ["2", "0"], "dropped after the failure, it is destroyed");
+
+    let (comm, _pool) = one_rank();
+    let stream = Stream::new(&context).unwrap();
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &stream).unwrap();
+    let registration = comm.register(&memory).unwrap();
+    let start = call_log().len();
+    set_switch("fail_next_abort");
+    let failed = comm.abort();
+    assert!(matches!(failed, Err(Error::Nccl { function: "ncclCommAbort", .. })), "{failed:?}");
+    let refused = comm.all_reduce::<u8>(&memory, &memory, 16, ReduceOp::Sum, &stream);
+    assert!(matches!(refused, Err(Error::Aborted)), "no new work once an abort was asked: {refused:?}");
+    drop(registration);
+    assert!(
+        first(&calls_since(start), "deregister").is_some(),
+        "NCCL still holds the communicator and its registration"
+    );
+    comm.abort().unwrap();
+    drop(comm);
+    let calls = calls_since(start);
+    assert_eq!(answers(&calls, "ncclabort"), ["2", "0"], "aborted again: {calls:?}");
+    assert!(answers(&calls, "nccldestroy").is_empty(), "released once: {calls:?}");
+
+    // Dropped after an abort that failed, it is aborted again, not destroyed.
+    let (comm, _pool) = one_rank();
+    let start = call_log().len();
+    set_switch("fail_next_abort");
+    assert!(comm.abort().is_err());
+    drop(comm);
+    let calls = calls_since(start);
+    assert_eq!(answers(&calls, "ncclabort"), ["2", "0"], "{calls:?}");
+    assert!(answers(&calls, "nccldestroy").is_empty(), "{calls:?}");
+}
