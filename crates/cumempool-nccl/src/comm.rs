@@ -145,8 +145,16 @@ pub struct Communicator {
     /// on, and a drop that finds the communicator not released aborts it again rather than
     /// destroying it (a destroy would wait for the operations the abort was to stop).
     abort_asked: AtomicBool,
+    /// The streams NCCL was called to launch this communicator's collectives on, each once,
+    /// since a deregistration last waited for all of them: what a deregistration of memory whose
+    /// own stream is not known waits for (registration.rs). Idle ones are dropped once there are
+    /// [`MOST_LAUNCH_STREAMS`].
+    launched_on: std::cell::RefCell<Vec<Stream>>,
     not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
 }
+
+/// How many launch streams a communicator remembers before it lets go of the idle ones.
+const MOST_LAUNCH_STREAMS: usize = 16;
 
 impl Communicator {
     /// Owns `raw` (destroyed on drop from here on); rank, size and device are asked next.
@@ -160,6 +168,7 @@ impl Communicator {
             membership,
             released: AtomicBool::new(false),
             abort_asked: AtomicBool::new(false),
+            launched_on: std::cell::RefCell::new(Vec::new()),
             not_sync: std::marker::PhantomData,
         }
     }
@@ -280,11 +289,6 @@ impl Communicator {
     /// Which communicator this is a rank of.
     pub(crate) fn membership(&self) -> Membership {
         self.membership
-    }
-
-    /// The primary context of this rank's device.
-    pub(crate) fn context(&self) -> &Context {
-        &self.context
     }
 
     /// The raw communicator, still owned by `self`.
@@ -572,6 +576,34 @@ macro_rules! communicator_methods {
 collectives!(communicator_methods);
 
 impl Communicator {
+    /// Remembers a stream NCCL is called to launch a collective on (before the call, so a call
+    /// NCCL answers with an error, which may have queued work, is covered too).
+    fn note_launch(&self, stream: &Stream) {
+        let mut launched_on = self.launched_on.borrow_mut();
+        if launched_on.iter().any(|known| known.same_as(stream)) {
+            return;
+        }
+        if launched_on.len() >= MOST_LAUNCH_STREAMS {
+            // A stream that has finished its work has finished every collective on it; one that
+            // cannot say (it captures now) is kept.
+            launched_on.retain(|known| !known.is_idle().unwrap_or(false));
+        }
+        launched_on.push(stream.clone());
+    }
+
+    /// Waits on the host until every collective launched on this communicator so far has
+    /// finished: each remembered stream's work. Refused, with nothing forgotten, where a
+    /// remembered stream captures (its wait is not one the capture allows).
+    pub(crate) fn wait_for_launches(&self) -> cumempool::Result<()> {
+        let launched_on = self.launched_on.borrow().clone();
+        for stream in &launched_on {
+            stream.wait_before_release()?;
+        }
+        // No launch can come between (the communicator is used from one thread at a time).
+        self.launched_on.borrow_mut().retain(|known| !launched_on.iter().any(|waited| waited.same_as(known)));
+        Ok(())
+    }
+
     fn ranks(&self) -> usize {
         usize::try_from(self.size).unwrap_or(0)
     }
@@ -794,6 +826,7 @@ impl Prepared<'_> {
     pub(crate) fn launch(&self) -> Result<()> {
         let raw = self.comm.usable()?;
         self.stream.bind()?;
+        self.comm.note_launch(&self.stream);
         let (s, r, count, dt) = (self.send, self.recv, self.count, self.data_type);
         let st: bindings::cudaStream_t = self.stream.as_raw().cast();
         // SAFETY: both buffers were checked by `prepare` for what the collective reads and

@@ -34,7 +34,7 @@ use crate::error::{check, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use crate::ordering::refuse_inside_group;
 use cumempool::sys::CUdeviceptr;
-use cumempool::{Context, Stream};
+use cumempool::Stream;
 use cumempool_alloc::{Arena, MappingHold};
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -54,53 +54,42 @@ use std::marker::PhantomData;
 enum QueuedOver<'a> {
     /// The stream the memory names ([`DeviceBuffer::stream`]): one stream wait.
     MemoryStream(&'a Stream),
-    /// Memory that names no stream: which streams used it is not known, so every stream of the
-    /// communicator's device is waited for.
-    Device,
-    /// A span of an [`ArenaRegistration`], which waits for the device once for all its spans
-    /// (the arena's allocations name streams the arena does not keep).
+    /// Memory that names no stream: which streams used it is not known, so every stream the
+    /// communicator launched collectives on is waited for (a registration is the communicator's,
+    /// and only its collectives use it).
+    Launches,
+    /// A span of an [`ArenaRegistration`], which waits for the communicator's launches once for
+    /// all its spans (the arena's allocations name streams the arena does not keep).
     ArenaSpan,
 }
 
 impl<'a> QueuedOver<'a> {
     fn memory(buffer: &'a (impl DeviceBuffer + ?Sized)) -> Self {
-        buffer.stream().map_or(Self::Device, Self::MemoryStream)
+        buffer.stream().map_or(Self::Launches, Self::MemoryStream)
     }
 
     /// Waits on the host until every collective queued over the memory so far has finished.
     ///
-    /// The waits are ones the library does not refuse for a capture elsewhere
-    /// ([`Stream::wait_before_release`], or the device's wait in relaxed capture mode): only a
-    /// capture that the wait cannot pass (the memory's stream captures; for the device's wait,
-    /// any stream of the device captures) refuses it.
+    /// The waits are stream waits the library does not refuse for a capture elsewhere
+    /// ([`Stream::wait_before_release`]; never the whole device's, which would invalidate a
+    /// capture underway on any stream of it): only a capture on a stream waited for refuses
+    /// them.
     ///
     /// # Errors
     /// [`Error::NotDeregistered`]: the caller must then keep the registration, not deregister it.
     fn wait(self, comm: &Communicator, what: &'static str) -> Result<()> {
         let waited = match self {
             Self::MemoryStream(stream) => stream.wait_before_release(),
-            Self::Device => wait_for_device(comm.context()),
+            Self::Launches => comm.wait_for_launches(),
             Self::ArenaSpan => Ok(()),
         };
         waited.map_err(|cause| Error::NotDeregistered { what, cause: Box::new(cause) })
     }
 }
 
-/// Waits for every stream of `context`. `cuCtxSynchronize` is refused while any stream of the
-/// context captures, and invalidates that capture (docs/driver-behaviour.md): a capture of a
-/// blocking stream, which the legacy stream reports without harm to it, is asked about first and
-/// left intact; one of a non-blocking stream cannot be seen beforehand.
-fn wait_for_device(context: &Context) -> cumempool::Result<()> {
-    const WHAT: &str = "waiting for the device before deregistering memory whose streams are not known";
-    if Stream::legacy(context).blocked_by_a_capture()? {
-        return Err(cumempool::Error::StreamCapturing { operation: WHAT, capture: None });
-    }
-    cumempool::in_relaxed_capture_mode(|| cumempool::keeping_current_context(|| context.synchronize()))
-}
-
 /// A buffer registered with a communicator (`ncclCommRegister`), deregistered when dropped,
-/// after a host wait for the collectives queued over it: its stream's work, or the device's for
-/// memory that names no stream.
+/// after a host wait for the collectives queued over it: its stream's work, or for memory that
+/// names no stream, the work of every stream the communicator launched collectives on.
 #[derive(Debug)]
 #[must_use = "dropping a registration deregisters it, after waiting for the collectives queued over it"]
 pub struct Registration<'a> {
@@ -214,12 +203,13 @@ impl Drop for Window<'_> {
 /// covered without registering each; chunks the arena maps later are covered after
 /// [`ArenaRegistration::refresh`].
 ///
-/// Dropping it waits on the host for the whole device (the streams of the arena's allocations are
-/// not known here) before deregistering the spans. That wait is refused while any stream of the
-/// device captures, and invalidates that capture; the spans then stay registered (NCCL releases
-/// them with the communicator) and mapped (the hold is kept, so the arena never unmaps them).
+/// Dropping it waits on the host for every stream the communicator launched collectives on (the
+/// streams of the arena's allocations are not known here) before deregistering the spans. That
+/// wait is refused while one of those streams captures; the spans then stay registered (NCCL
+/// releases them with the communicator) and mapped (the hold is kept, so the arena never unmaps
+/// them).
 #[derive(Debug)]
-#[must_use = "dropping a registration deregisters it, after waiting for the device"]
+#[must_use = "dropping a registration deregisters it, after waiting for the communicator's collectives"]
 pub struct ArenaRegistration<'a> {
     comm: &'a Communicator,
     arena: &'a Arena,
@@ -261,7 +251,7 @@ impl Drop for ArenaRegistration<'_> {
         if self.spans.is_empty() || self.comm.held().is_err() {
             return;
         }
-        if let Err(error) = QueuedOver::Device.wait(self.comm, "deregistering an arena") {
+        if let Err(error) = QueuedOver::Launches.wait(self.comm, "deregistering an arena") {
             tracing::warn!(%error, spans = self.spans.len(), "an arena's spans stay registered and mapped");
             // Kept registered, and mapped for the arena's life: a collective may still use them.
             std::mem::forget(std::mem::take(&mut self.spans));

@@ -447,7 +447,8 @@ fn dropping_a_window_waits_for_the_collectives_queued_over_it() {
 }
 
 /// An arena's registration covers allocations whose streams it does not know, and memory given
-/// without a stream names none: the device is waited for.
+/// without a stream names none: every stream the communicator launched collectives on is waited
+/// for, never the whole device (whose wait would invalidate any capture underway on it).
 #[test]
 fn dropping_an_arena_registration_waits_for_the_collectives_queued_over_its_spans() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -462,9 +463,10 @@ fn dropping_an_arena_registration_waits_for_the_collectives_queued_over_its_span
     drop(registration);
     let calls = calls_since(start);
     let deregistered = first(&calls, "deregister").expect("deregistered");
-    let waited = calls.iter().position(|call| call[0] == "ctxsync" && call[3] == "0");
+    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&c) && call[3] == "0");
     assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
-    assert_eq!(calls.iter().filter(|call| call[0] == "ctxsync").count(), 1, "one wait for every span: {calls:?}");
+    assert_eq!(calls.iter().filter(|call| call[0] == "sync").count(), 1, "one wait for every span: {calls:?}");
+    assert!(first(&calls, "ctxsync").is_none(), "never the whole device: {calls:?}");
 
     // SAFETY: the arena allocation's memory, alive (borrowed by `block`) past the registration.
     let streamless = unsafe { cumempool_nccl::DeviceSlice::from_raw(block.as_raw(), 4096, 0, None) };
@@ -474,7 +476,8 @@ fn dropping_an_arena_registration_waits_for_the_collectives_queued_over_its_span
     drop(registration);
     let calls = calls_since(start);
     let deregistered = first(&calls, "deregister").expect("deregistered");
-    assert!(first(&calls, "ctxsync").is_some_and(|at| at < deregistered), "{calls:?}");
+    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&c));
+    assert!(waited.is_some_and(|at| at < deregistered) && first(&calls, "ctxsync").is_none(), "{calls:?}");
 }
 
 /// A host wait cannot wait for a stream that captures: the registration is then kept (NCCL
@@ -516,18 +519,35 @@ fn a_registration_whose_collectives_cannot_be_waited_for_in_a_capture_stays_regi
     assert!(first(&calls_since(start), "deregister").is_none(), "deregistered under the collective");
 }
 
-/// The device's wait is refused while a capture is underway in the context: the arena's spans
-/// stay registered and mapped (its trim still refuses) rather than deregistered under use.
+/// An arena's registration dropped during a capture: a capture on a stream the communicator's
+/// collectives did not run on neither stops the deregistration nor is harmed by it (a wait for
+/// the whole device would have invalidated it); one that a collective's stream joined refuses
+/// the wait, and the spans stay registered and mapped (the arena's trim still refuses) rather
+/// than deregistered under use.
 #[test]
-fn an_arena_registration_dropped_during_a_capture_keeps_its_spans_registered_and_mapped() {
+fn an_arena_registration_dropped_during_a_capture_waits_only_for_its_communicators_streams() {
     let Some((_serial, context)) = stand_in() else { return };
     let (comm, _pool) = one_rank();
-    let (a, origin) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let (a, c, origin) =
+        (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let arena = Arena::builder(0, 64 << 20).build().unwrap();
     let block = arena.alloc(4096, &a).unwrap();
+    let slice = cumempool_nccl::DeviceSlice::of_arena(&arena, &block).unwrap();
     let registration = comm.register_arena(&arena).unwrap();
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
     let start = call_log().len();
-    let _graph = origin.capture(|_| {
+    let graph = origin.capture(|_| {
+        drop(registration);
+        Ok(())
+    });
+    assert!(graph.is_ok(), "the capture is left intact: {:?}", graph.err());
+    assert!(first(&calls_since(start), "deregister").is_some(), "deregistered after waiting for c");
+
+    let registration = comm.register_arena(&arena).unwrap();
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
+    let start = call_log().len();
+    let _graph = origin.capture(|capture| {
+        c.order_after(capture.stream())?; // the collective's stream joins the capture
         drop(registration);
         Ok(())
     });
