@@ -145,16 +145,13 @@ pub struct Communicator {
     /// on, and a drop that finds the communicator not released aborts it again rather than
     /// destroying it (a destroy would wait for the operations the abort was to stop).
     abort_asked: AtomicBool,
-    /// The streams NCCL was called to launch this communicator's collectives on, each once,
-    /// since a deregistration last waited for all of them: what a deregistration of memory whose
-    /// own stream is not known waits for (registration.rs). Idle ones are dropped once there are
-    /// [`MOST_LAUNCH_STREAMS`].
-    launched_on: std::cell::RefCell<Vec<Stream>>,
+    /// The launch fence: a private stream of this rank's context, made at the first launch and
+    /// ordered after every collective launched since (an event each), so that waiting for it
+    /// waits for them all. What a deregistration waits for (registration.rs): no capture of the
+    /// user's streams can refuse that wait, and it keeps none of their streams alive.
+    fence: std::cell::RefCell<Option<Stream>>,
     not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
 }
-
-/// How many launch streams a communicator remembers before it lets go of the idle ones.
-const MOST_LAUNCH_STREAMS: usize = 16;
 
 impl Communicator {
     /// Owns `raw` (destroyed on drop from here on); rank, size and device are asked next.
@@ -168,7 +165,7 @@ impl Communicator {
             membership,
             released: AtomicBool::new(false),
             abort_asked: AtomicBool::new(false),
-            launched_on: std::cell::RefCell::new(Vec::new()),
+            fence: std::cell::RefCell::new(None),
             not_sync: std::marker::PhantomData,
         }
     }
@@ -576,32 +573,45 @@ macro_rules! communicator_methods {
 collectives!(communicator_methods);
 
 impl Communicator {
-    /// Remembers a stream NCCL is called to launch a collective on (before the call, so a call
-    /// NCCL answers with an error, which may have queued work, is covered too).
-    fn note_launch(&self, stream: &Stream) {
-        let mut launched_on = self.launched_on.borrow_mut();
-        if launched_on.iter().any(|known| known.same_as(stream)) {
-            return;
+    /// Orders the launch fence after the collective just launched on `stream` (after NCCL's
+    /// call outside a group, after `ncclGroupEnd` inside one). Where that ordering cannot be
+    /// set up, the host waits for `stream` instead, so the fence still covers every launch.
+    ///
+    /// # Errors
+    /// The ordering's failure (the host waited in its place).
+    pub(crate) fn fence_after(&self, stream: &Stream) -> Result<()> {
+        let existing = self.fence.borrow().clone();
+        let fence = match existing {
+            Some(fence) => fence,
+            None => {
+                let made = Stream::new(&self.context);
+                match made {
+                    Ok(fence) => {
+                        *self.fence.borrow_mut() = Some(fence.clone());
+                        fence
+                    }
+                    Err(error) => return Err(self.wait_in_place_of_the_fence(stream, error.into())),
+                }
+            }
+        };
+        match fence.order_after(stream) {
+            Ok(()) => Ok(()),
+            Err(error) => Err(self.wait_in_place_of_the_fence(stream, error.into())),
         }
-        if launched_on.len() >= MOST_LAUNCH_STREAMS {
-            // A stream that has finished its work has finished every collective on it; one that
-            // cannot say (it captures now) is kept.
-            launched_on.retain(|known| !known.is_idle().unwrap_or(false));
+    }
+
+    fn wait_in_place_of_the_fence(&self, stream: &Stream, error: Error) -> Error {
+        if let Err(wait) = stream.wait_before_release() {
+            tracing::error!(%wait, %error, "a collective the launch fence could not be ordered after could not be waited for either; a deregistration may not wait for it");
         }
-        launched_on.push(stream.clone());
+        error
     }
 
     /// Waits on the host until every collective launched on this communicator so far has
-    /// finished: each remembered stream's work. Refused, with nothing forgotten, where a
-    /// remembered stream captures (its wait is not one the capture allows).
+    /// finished (the launch fence's work).
     pub(crate) fn wait_for_launches(&self) -> cumempool::Result<()> {
-        let launched_on = self.launched_on.borrow().clone();
-        for stream in &launched_on {
-            stream.wait_before_release()?;
-        }
-        // No launch can come between (the communicator is used from one thread at a time).
-        self.launched_on.borrow_mut().retain(|known| !launched_on.iter().any(|waited| waited.same_as(known)));
-        Ok(())
+        let fence = self.fence.borrow().clone();
+        fence.map_or(Ok(()), |fence| fence.wait_before_release())
     }
 
     fn ranks(&self) -> usize {
@@ -635,7 +645,9 @@ impl Communicator {
         let ordered = prepared.order_before()?;
         let launched = prepared.launch();
         // Ordered even when NCCL refused: what it may have queued is then covered too.
-        launched.and(ordered.after())
+        let after = ordered.after();
+        let fenced = prepared.fence();
+        launched.and(after).and(fenced)
     }
 
     /// Checks `collective`'s buffers (`count` elements each, times the rank count where it
@@ -808,6 +820,11 @@ impl Prepared<'_> {
         self.collective.names().0
     }
 
+    /// Orders its communicator's launch fence after it, once launched.
+    pub(crate) fn fence(&self) -> Result<()> {
+        self.comm.fence_after(&self.stream)
+    }
+
     /// Whether its communicator can still be used (not aborted or destroyed).
     pub(crate) fn usable(&self) -> Result<()> {
         self.comm.usable().map(|_| ())
@@ -826,7 +843,6 @@ impl Prepared<'_> {
     pub(crate) fn launch(&self) -> Result<()> {
         let raw = self.comm.usable()?;
         self.stream.bind()?;
-        self.comm.note_launch(&self.stream);
         let (s, r, count, dt) = (self.send, self.recv, self.count, self.data_type);
         let st: bindings::cudaStream_t = self.stream.as_raw().cast();
         // SAFETY: both buffers were checked by `prepare` for what the collective reads and

@@ -148,9 +148,10 @@ pub enum Error {
     },
 
     /// A registration (or window) not deregistered because the collectives queued over its
-    /// memory could not be waited for first (a capture underway): deregistering under them would
-    /// unmap memory they use. It stays registered until NCCL releases the communicator.
-    #[error("{what}: the collectives queued over the memory could not be waited for ({cause}), so it stays registered until the communicator is destroyed or aborted; drop registrations where no capture is underway on the memory's stream (or, for an arena or memory without a stream, on its device)")]
+    /// memory could not be waited for first (the driver refused the wait for the communicator's
+    /// launch fence): deregistering under them would unmap memory they use. It stays registered
+    /// until NCCL releases the communicator.
+    #[error("{what}: the collectives queued over the memory could not be waited for ({cause}), so it stays registered until the communicator is destroyed or aborted; keep the memory until then")]
     NotDeregistered {
         /// What was being done.
         what: &'static str,
@@ -224,8 +225,21 @@ pub enum InvalidArgumentReason {
         other_rank: i32,
         /// The size of that buffer.
         other_bytes: usize,
-        /// The smallest buffer given for the communicator.
+        /// The smaller of the two.
         smallest: usize,
+    },
+    /// Ranks of one communicator registering different numbers of windows in one group: NCCL
+    /// pairs each rank's `k`-th window with the others', and would wait for the missing ones.
+    #[error("rank {rank} registers {windows} windows but rank {other_rank} of the same communicator registers {other_windows}; give every rank the same number of windows")]
+    UnequalWindowCounts {
+        /// A rank given.
+        rank: i32,
+        /// How many windows it registers.
+        windows: usize,
+        /// Another rank of the same communicator.
+        other_rank: i32,
+        /// How many windows that one registers.
+        other_windows: usize,
     },
     /// An empty device list.
     #[error("no device was named; name each device once, at least one")]

@@ -107,8 +107,8 @@ impl Group<'_> {
         let ended = check("ncclGroupEnd", unsafe { end() }, None);
         // Ordered even where NCCL refused: what it may have launched is covered too.
         let mut after = Ok(());
-        for order in ordered {
-            if let Err(error) = order.after() {
+        for (order, collective) in ordered.into_iter().zip(&pending) {
+            if let Err(error) = order.after().and(collective.fence()) {
                 after = after.and(Err(error));
             }
         }

@@ -34,52 +34,40 @@ use crate::error::{check, Error, InvalidArgumentReason, Result};
 use crate::loader::nccl;
 use crate::ordering::refuse_inside_group;
 use cumempool::sys::CUdeviceptr;
-use cumempool::Stream;
 use cumempool_alloc::{Arena, MappingHold};
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
 /// What a deregistration waits for on the host first, so that no collective queued over the
-/// memory still runs when NCCL tears its mappings down.
-///
-/// Invariant relied on: every collective queued over a buffer makes the buffer's stream wait for
-/// it (an event), or waits for it on the host where that ordering fails, when it is launched:
-/// before the collective call returns, or at its group's end (ordering.rs; record 27 of
-/// docs/decisions.md). So once the memory's stream has passed the work queued on it so far, so
-/// has every collective queued over the memory so far, whatever stream it ran on. (One queued
-/// inside a group whose closure drops the registration is launched only at the group's end, after
-/// the deregistration: NCCL then finds the memory unregistered, as if it never was.) The
-/// collective path pays nothing for this.
+/// memory still runs when NCCL tears its mappings down: every collective the communicator has
+/// launched (a registration is the communicator's, and only its collectives use it), through the
+/// communicator's launch fence ([`Communicator::wait_for_launches`]), a private stream ordered
+/// after each launch. Its wait is one no capture on the user's streams refuses or invalidates
+/// (the fence never captures, and is not the legacy stream), and it keeps no stream of the
+/// user's alive. A collective queued inside a group whose closure drops the registration is
+/// launched only at the group's end, after the deregistration: NCCL then finds the memory
+/// unregistered, as if it never was.
 #[derive(Clone, Copy, Debug)]
-enum QueuedOver<'a> {
-    /// The stream the memory names ([`DeviceBuffer::stream`]): one stream wait.
-    MemoryStream(&'a Stream),
-    /// Memory that names no stream: which streams used it is not known, so every stream the
-    /// communicator launched collectives on is waited for (a registration is the communicator's,
-    /// and only its collectives use it).
+enum QueuedOver {
+    /// A registration of its own: waits for the communicator's launches.
     Launches,
     /// A span of an [`ArenaRegistration`], which waits for the communicator's launches once for
-    /// all its spans (the arena's allocations name streams the arena does not keep).
+    /// all its spans.
     ArenaSpan,
 }
 
-impl<'a> QueuedOver<'a> {
-    fn memory(buffer: &'a (impl DeviceBuffer + ?Sized)) -> Self {
-        buffer.stream().map_or(Self::Launches, Self::MemoryStream)
+impl QueuedOver {
+    fn memory(_buffer: &(impl DeviceBuffer + ?Sized)) -> Self {
+        Self::Launches
     }
 
-    /// Waits on the host until every collective queued over the memory so far has finished.
-    ///
-    /// The waits are stream waits the library does not refuse for a capture elsewhere
-    /// ([`Stream::wait_before_release`]; never the whole device's, which would invalidate a
-    /// capture underway on any stream of it): only a capture on a stream waited for refuses
-    /// them.
+    /// Waits on the host until every collective launched on `comm` so far has finished.
     ///
     /// # Errors
-    /// [`Error::NotDeregistered`]: the caller must then keep the registration, not deregister it.
+    /// [`Error::NotDeregistered`] where the driver refuses the wait: the caller must then keep
+    /// the registration, not deregister it.
     fn wait(self, comm: &Communicator, what: &'static str) -> Result<()> {
         let waited = match self {
-            Self::MemoryStream(stream) => stream.wait_before_release(),
             Self::Launches => comm.wait_for_launches(),
             Self::ArenaSpan => Ok(()),
         };
@@ -88,8 +76,7 @@ impl<'a> QueuedOver<'a> {
 }
 
 /// A buffer registered with a communicator (`ncclCommRegister`), deregistered when dropped,
-/// after a host wait for the collectives queued over it: its stream's work, or for memory that
-/// names no stream, the work of every stream the communicator launched collectives on.
+/// after a host wait for the collectives the communicator launched (its launch fence).
 #[derive(Debug)]
 #[must_use = "dropping a registration deregisters it, after waiting for the collectives queued over it"]
 pub struct Registration<'a> {
@@ -97,7 +84,7 @@ pub struct Registration<'a> {
     handle: *mut c_void,
     ptr: CUdeviceptr,
     len: usize,
-    queued_over: QueuedOver<'a>,
+    queued_over: QueuedOver,
     memory: PhantomData<&'a ()>,
 }
 
@@ -121,7 +108,7 @@ impl Registration<'_> {
     /// NCCL's answer (dropping only logs a failure).
     ///
     /// # Errors
-    /// [`Error::NotDeregistered`] where the wait was refused (the buffer's stream captures): the
+    /// [`Error::NotDeregistered`] where the driver refused the wait for the launch fence: the
     /// buffer stays registered until the communicator is destroyed or aborted; NCCL's refusal.
     pub fn deregister(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
@@ -157,7 +144,7 @@ impl Drop for Registration<'_> {
 pub struct Window<'a> {
     comm: &'a Communicator,
     window: ncclWindow_t,
-    queued_over: QueuedOver<'a>,
+    queued_over: QueuedOver,
     memory: PhantomData<&'a ()>,
 }
 
@@ -203,11 +190,10 @@ impl Drop for Window<'_> {
 /// covered without registering each; chunks the arena maps later are covered after
 /// [`ArenaRegistration::refresh`].
 ///
-/// Dropping it waits on the host for every stream the communicator launched collectives on (the
-/// streams of the arena's allocations are not known here) before deregistering the spans. That
-/// wait is refused while one of those streams captures; the spans then stay registered (NCCL
-/// releases them with the communicator) and mapped (the hold is kept, so the arena never unmaps
-/// them).
+/// Dropping it waits on the host for the collectives the communicator launched (its launch fence)
+/// before deregistering the spans. Where the driver refuses that wait, the spans stay registered
+/// (NCCL releases them with the communicator) and mapped (the hold is kept, so the arena never
+/// unmaps them).
 #[derive(Debug)]
 #[must_use = "dropping a registration deregisters it, after waiting for the communicator's collectives"]
 pub struct ArenaRegistration<'a> {
@@ -287,12 +273,7 @@ fn uncovered((start, len): (CUdeviceptr, usize), covered: &[(CUdeviceptr, usize)
 }
 
 impl Communicator {
-    fn register_raw<'a>(
-        &'a self,
-        ptr: CUdeviceptr,
-        len: usize,
-        queued_over: QueuedOver<'a>,
-    ) -> Result<Registration<'a>> {
+    fn register_raw<'a>(&'a self, ptr: CUdeviceptr, len: usize, queued_over: QueuedOver) -> Result<Registration<'a>> {
         let raw = self.usable()?;
         if len == 0 {
             return Err(Error::InvalidArgument {
@@ -451,29 +432,46 @@ pub fn register_windows<'a>(
     }
 }
 
-/// Refuses windows of unequal sizes among the ranks of one communicator in `ranks` (rank, bytes):
-/// NCCL requires the same size on every rank and does not check. Ranks of other communicators
-/// are compared only with their own.
+/// Refuses windows NCCL would pair wrongly among the ranks of one communicator in `ranks`
+/// (rank, bytes). A window is a collective over the ranks: the `k`-th window a rank registers in
+/// the group pairs with every other rank's `k`-th, so each rank given must register as many
+/// windows, and the `k`-th ones must have the same size, which NCCL requires and does not check.
+/// Ranks of other communicators are compared only with their own.
 fn refuse_unequal_sizes(what: &'static str, ranks: &[(&Communicator, usize)]) -> Result<()> {
+    // Each entry's occurrence among its own rank's entries: its `k`.
+    let occurrence = |at: usize| ranks[..at].iter().filter(|(comm, _)| std::ptr::eq(*comm, ranks[at].0)).count();
+    let count = |comm: &Communicator| ranks.iter().filter(|(other, _)| std::ptr::eq(*other, comm)).count();
     for (at, &(comm, bytes)) in ranks.iter().enumerate() {
-        let same = |(other, _): &&(&Communicator, usize)| other.membership() == comm.membership();
-        // Each communicator is compared once, from its first rank given.
-        if ranks[..at].iter().any(|rank| same(&rank)) {
-            continue;
-        }
-        let its_ranks = ranks.iter().filter(same);
-        if let Some(&(other, other_bytes)) = its_ranks.clone().find(|&&(_, b)| b != bytes) {
-            let smallest = its_ranks.map(|&(_, b)| b).min().unwrap_or(bytes);
-            return Err(Error::InvalidArgument {
-                what,
-                reason: InvalidArgumentReason::UnequalWindowSizes {
-                    rank: comm.rank(),
-                    bytes,
-                    other_rank: other.rank(),
-                    other_bytes,
-                    smallest,
-                },
-            });
+        let k = occurrence(at);
+        for (other_at, &(other, other_bytes)) in ranks.iter().enumerate().skip(at + 1) {
+            if other.membership() != comm.membership() || std::ptr::eq(other, comm) {
+                continue;
+            }
+            let (windows, other_windows) = (count(comm), count(other));
+            if windows != other_windows {
+                return Err(Error::InvalidArgument {
+                    what,
+                    reason: InvalidArgumentReason::UnequalWindowCounts {
+                        rank: comm.rank(),
+                        windows,
+                        other_rank: other.rank(),
+                        other_windows,
+                    },
+                });
+            }
+            if occurrence(other_at) == k && other_bytes != bytes {
+                let smallest = bytes.min(other_bytes);
+                return Err(Error::InvalidArgument {
+                    what,
+                    reason: InvalidArgumentReason::UnequalWindowSizes {
+                        rank: comm.rank(),
+                        bytes,
+                        other_rank: other.rank(),
+                        other_bytes,
+                        smallest,
+                    },
+                });
+            }
         }
     }
     Ok(())

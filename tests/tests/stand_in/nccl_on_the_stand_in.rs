@@ -6,9 +6,10 @@
 //! only after the collectives queued over its memory.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use cumempool::sys::CUresult;
 use cumempool::{Error as CudaError, MemPool, Route, Stream};
 use cumempool_alloc::{Arena, StreamOrderedResource, POOL_ALIGNMENT};
-use cumempool_nccl::{group, Communicator, Error, InvalidArgumentReason, ReduceOp, UniqueId};
+use cumempool_nccl::{group, Communicator, DeviceBuffer, Error, InvalidArgumentReason, ReduceOp, UniqueId};
 use cumempool_tests::stand_in_driver::{call_log, set_switch, stand_in};
 
 /// The calls logged since `start`, each as its fields.
@@ -59,11 +60,12 @@ fn a_collective_on_another_stream_waits_for_its_buffers_streams_and_they_for_it(
         let after = wait_for(&calls, launch, &name(buffer_stream), &name(&c));
         assert!(after.is_some(), "the buffer's stream (its free) waits for the collective: {calls:?}");
     }
-    // On the buffers' own stream nothing needs ordering.
+    // On the buffers' own stream nothing needs ordering: the one wait is the launch fence's.
     let start = call_log().len();
     comm.all_reduce::<f32>(&send, &send, 1024, ReduceOp::Sum, &a).unwrap();
     let calls = calls_since(start);
-    assert!(calls.iter().all(|call| call[0] != "waitevent"), "{calls:?}");
+    let waits: Vec<&Vec<String>> = calls.iter().filter(|call| call[0] == "waitevent").collect();
+    assert!(waits.len() == 1 && waits[0][1] != name(&a), "{calls:?}");
 }
 
 #[test]
@@ -406,14 +408,32 @@ fn a_communicator_with_collectives_queued_in_a_group_is_not_aborted_inside_it() 
     comm.all_reduce::<u8>(&buffer, &buffer, 4096, ReduceOp::Sum, &a).unwrap();
 }
 
+/// The communicator's launch fence, as the stand-in names it: the stream, neither the
+/// collective's (`on`) nor one of `others`, made to wait after the launch for an event recorded on
+/// `on` after it.
+fn launch_fence(calls: &[Vec<String>], on: &Stream, others: &[&Stream]) -> Option<String> {
+    let launch = first(calls, "nccl")?;
+    let (on, others): (String, Vec<String>) = (name(on), others.iter().map(|s| name(s)).collect());
+    calls[launch..].iter().find_map(|call| {
+        let waiter = &call[1];
+        let candidate = call[0] == "waitevent" && *waiter != on && !others.contains(waiter);
+        (candidate && wait_for(calls, launch, waiter, &on).is_some()).then(|| waiter.clone())
+    })
+}
+
+/// Whether `calls` wait on the host for `stream` (by its stand-in name) before `before`.
+fn synced_before(calls: &[Vec<String>], stream: &str, before: usize) -> bool {
+    calls[..before].iter().any(|call| call[0] == "sync" && call[1] == stream && call[3] == "0")
+}
+
 /// Where the first call of `kind` is, if any.
 fn first(calls: &[Vec<String>], kind: &str) -> Option<usize> {
     calls.iter().position(|call| call[0] == kind)
 }
 
 /// `ncclCommDeregister` (and a window's deregistration) tears down peers' mappings at once: a
-/// collective still running over the memory would touch unmapped memory. The memory's stream,
-/// which every collective over it made wait for itself, is waited for first.
+/// collective still running over the memory would touch unmapped memory. The communicator's
+/// launch fence, ordered after every collective it launched, is waited for first.
 #[test]
 fn dropping_a_registration_waits_for_the_collectives_queued_over_it() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -421,13 +441,13 @@ fn dropping_a_registration_waits_for_the_collectives_queued_over_it() {
     let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
     let registration = comm.register(&memory).unwrap();
-    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
     let start = call_log().len();
+    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
     drop(registration);
     let calls = calls_since(start);
+    let fence = launch_fence(&calls, &c, &[&s]).expect("the launch fence waits for the collective");
     let deregistered = first(&calls, "deregister").expect("deregistered");
-    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&s) && call[3] == "0");
-    assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
+    assert!(synced_before(&calls, &fence, deregistered), "deregistered with the collective still queued: {calls:?}");
 }
 
 #[test]
@@ -437,13 +457,13 @@ fn dropping_a_window_waits_for_the_collectives_queued_over_it() {
     let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
     let window = comm.register_window(&memory, true).unwrap();
-    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
     let start = call_log().len();
+    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
     drop(window);
     let calls = calls_since(start);
+    let fence = launch_fence(&calls, &c, &[&s]).expect("the launch fence waits for the collective");
     let deregistered = first(&calls, "windowderegister").expect("deregistered");
-    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&s) && call[3] == "0");
-    assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
+    assert!(synced_before(&calls, &fence, deregistered), "deregistered with the collective still queued: {calls:?}");
 }
 
 /// An arena's registration covers allocations whose streams it does not know, and memory given
@@ -458,103 +478,111 @@ fn dropping_an_arena_registration_waits_for_the_collectives_queued_over_its_span
     let block = arena.alloc(4096, &a).unwrap();
     let registration = comm.register_arena(&arena).unwrap();
     let slice = cumempool_nccl::DeviceSlice::of_arena(&arena, &block).unwrap();
-    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
     let start = call_log().len();
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
     drop(registration);
     let calls = calls_since(start);
+    let fence = launch_fence(&calls, &c, &[&a]).expect("the launch fence waits for the collective");
     let deregistered = first(&calls, "deregister").expect("deregistered");
-    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&c) && call[3] == "0");
-    assert!(waited.is_some_and(|at| at < deregistered), "deregistered with the collective still queued: {calls:?}");
+    assert!(synced_before(&calls, &fence, deregistered), "deregistered with the collective still queued: {calls:?}");
     assert_eq!(calls.iter().filter(|call| call[0] == "sync").count(), 1, "one wait for every span: {calls:?}");
     assert!(first(&calls, "ctxsync").is_none(), "never the whole device: {calls:?}");
 
     // SAFETY: the arena allocation's memory, alive (borrowed by `block`) past the registration.
     let streamless = unsafe { cumempool_nccl::DeviceSlice::from_raw(block.as_raw(), 4096, 0, None) };
     let registration = comm.register(&streamless).unwrap();
-    comm.all_reduce::<u8>(&streamless, &streamless, 4096, ReduceOp::Sum, &c).unwrap();
     let start = call_log().len();
+    comm.all_reduce::<u8>(&streamless, &streamless, 4096, ReduceOp::Sum, &c).unwrap();
     drop(registration);
     let calls = calls_since(start);
     let deregistered = first(&calls, "deregister").expect("deregistered");
-    let waited = calls.iter().position(|call| call[0] == "sync" && call[1] == name(&c));
-    assert!(waited.is_some_and(|at| at < deregistered) && first(&calls, "ctxsync").is_none(), "{calls:?}");
+    assert!(synced_before(&calls, &fence, deregistered) && first(&calls, "ctxsync").is_none(), "{calls:?}");
 }
 
-/// A host wait cannot wait for a stream that captures: the registration is then kept (NCCL
-/// releases it with the communicator) rather than deregistered under its collective. A capture
-/// on the thread that leaves the memory's stream alone does not stop the wait, and survives it.
+/// A deregistration waits for the launch fence, a private stream no capture of the user's
+/// streams involves: a capture underway on another stream, on the memory's stream, on the
+/// collective's stream, or of the per-thread stream beside a collective on the legacy stream,
+/// neither stops it nor is harmed by it (a wait for those streams themselves, or for the whole
+/// device, was refused or invalidated the capture, and the memory was then freed while NCCL still
+/// had it registered).
 #[test]
-fn a_registration_whose_collectives_cannot_be_waited_for_in_a_capture_stays_registered() {
+fn a_deregistration_during_a_capture_waits_for_the_launch_fence_and_leaves_the_capture_intact() {
     let Some((_serial, context)) = stand_in() else { return };
     let (comm, _pool) = one_rank();
     let (s, c, origin) =
         (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
+    let address = format!("{:p}", memory.device_ptr() as *const u8);
 
     let registration = comm.register(&memory).unwrap();
     comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
-    let start = call_log().len();
     let graph = origin.capture(|_| {
         drop(registration);
         Ok(())
     });
-    assert!(graph.is_ok(), "the wait for a stream that does not capture leaves the capture intact: {:?}", graph.err());
-    let calls = calls_since(start);
-    let deregistered = first(&calls, "deregister").expect("deregistered");
-    assert!(calls[..deregistered].iter().any(|call| call[0] == "sync" && call[1] == name(&s)), "{calls:?}");
+    assert!(graph.is_ok(), "a capture on another stream is left intact: {:?}", graph.err());
 
+    let start = call_log().len();
     let registration = comm.register(&memory).unwrap();
     comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
-    let start = call_log().len();
-    let mut kept = None;
+    let mut answer = None;
     let _graph = origin.capture(|capture| {
         s.order_after(capture.stream())?; // the memory's stream joins the capture
-        kept = Some(registration.deregister());
+        c.order_after(capture.stream())?; // and so does the collective's
+        answer = Some(registration.deregister());
         Ok(())
     });
-    let kept = kept.unwrap();
-    assert!(matches!(kept, Err(Error::NotDeregistered { .. })), "{kept:?}");
-    let text = kept.unwrap_err().to_string();
-    assert!(text.contains("stays registered") && text.contains("capture"), "{text}");
-    assert!(first(&calls_since(start), "deregister").is_none(), "deregistered under the collective");
-}
+    assert!(answer.unwrap().is_ok(), "deregistered after the fence's wait");
+    drop(memory);
+    let calls = calls_since(start);
+    let fence = launch_fence(&calls, &c, &[&s]).expect("the launch fence waits for the collective");
+    let deregistered = first(&calls, "deregister").expect("deregistered");
+    let freed = calls.iter().position(|call| call[0] == "ncclmemfree" && call[1] == address).expect("freed");
+    assert!(synced_before(&calls, &fence, deregistered) && deregistered < freed, "{calls:?}");
 
-/// An arena's registration dropped during a capture: a capture on a stream the communicator's
-/// collectives did not run on neither stops the deregistration nor is harmed by it (a wait for
-/// the whole device would have invalidated it); one that a collective's stream joined refuses
-/// the wait, and the spans stay registered and mapped (the arena's trim still refuses) rather
-/// than deregistered under use.
-#[test]
-fn an_arena_registration_dropped_during_a_capture_waits_only_for_its_communicators_streams() {
-    let Some((_serial, context)) = stand_in() else { return };
-    let (comm, _pool) = one_rank();
-    let (a, c, origin) =
-        (Stream::new(&context).unwrap(), Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    // A collective on the legacy stream, then another library captures the per-thread stream
+    // (which blocks the legacy stream): the deregistration's wait leaves that capture intact.
+    let legacy = Stream::legacy(&context);
     let arena = Arena::builder(0, 64 << 20).build().unwrap();
+    let a = Stream::new(&context).unwrap();
     let block = arena.alloc(4096, &a).unwrap();
     let slice = cumempool_nccl::DeviceSlice::of_arena(&arena, &block).unwrap();
     let registration = comm.register_arena(&arena).unwrap();
-    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
-    let start = call_log().len();
-    let graph = origin.capture(|_| {
-        drop(registration);
-        Ok(())
-    });
-    assert!(graph.is_ok(), "the capture is left intact: {:?}", graph.err());
-    assert!(first(&calls_since(start), "deregister").is_some(), "deregistered after waiting for c");
-
-    let registration = comm.register_arena(&arena).unwrap();
-    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
-    let start = call_log().len();
-    let _graph = origin.capture(|capture| {
-        c.order_after(capture.stream())?; // the collective's stream joins the capture
-        drop(registration);
-        Ok(())
-    });
-    assert!(first(&calls_since(start), "deregister").is_none(), "deregistered without a wait");
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &legacy).unwrap();
+    crate::the_per_thread_stream::begin_per_thread_capture();
+    drop(registration);
+    assert_eq!(
+        crate::the_per_thread_stream::end_per_thread_capture(),
+        CUresult::CUDA_SUCCESS,
+        "the capture was left intact"
+    );
     drop(block);
-    let trimmed = arena.trim();
-    assert!(matches!(trimmed, Err(cumempool_alloc::Error::MappingsHeld { .. })), "{trimmed:?}");
+    assert!(arena.trim().is_ok(), "the spans were deregistered and their hold let go");
+}
+
+/// The launch fence keeps no stream of the caller's alive: a lent stream whose lender destroyed
+/// it after the collective is never used again.
+#[test]
+fn the_launch_fence_keeps_no_stream_of_the_callers() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let owner = Stream::new(&context).unwrap(); // the lender's stream
+    let dead = name(&owner);
+    let a = Stream::new(&context).unwrap();
+    let block = pool.alloc(4096, &a).unwrap();
+    // SAFETY: `owner` outlives `lent` and every clone made of it here.
+    let lent = unsafe { Stream::borrow_raw(owner.as_raw(), Some(&context)) }.unwrap();
+    // SAFETY: pool memory of device 0, alive until after every use here.
+    let streamless = unsafe { cumempool_nccl::DeviceSlice::from_raw(block.as_raw(), 4096, 0, None) };
+    let registration = comm.register(&streamless).unwrap();
+    comm.all_reduce::<u8>(&streamless, &streamless, 4096, ReduceOp::Sum, &lent).unwrap();
+    assert_eq!(lent.handle_count(), 1, "no clone of the lent stream is kept");
+    drop(lent);
+    drop(owner); // the lender destroys its stream
+    let start = call_log().len();
+    drop(registration);
+    let calls = calls_since(start);
+    assert!(calls.iter().all(|call| call.get(1) != Some(&dead)), "a destroyed stream handle was used: {calls:?}");
 }
 
 /// A window has the same size on every rank of its communicator, which NCCL requires and does not
@@ -598,6 +626,33 @@ fn windows_of_unequal_sizes_on_ranks_of_one_process_are_refused() {
     let (lone, _pool) = one_rank();
     let mixed = cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &other), (&lone, &big)], true);
     assert_eq!(mixed.map(|w| w.len()).unwrap(), 3, "the one-rank communicator's window is its own size");
+
+    // Each rank's k-th window pairs with the others' k-th: two windows a rank, sizes matching
+    // pairwise, are registered; a rank with fewer windows than another is refused.
+    let (big0, big1) = (
+        cumempool_nccl::NcclMemory::new(0, 1 << 20, &stream).unwrap(),
+        cumempool_nccl::NcclMemory::new(0, 1 << 20, &stream).unwrap(),
+    );
+    let two_each =
+        cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &other), (&rank0, &big0), (&rank1, &big1)], true);
+    assert_eq!(two_each.map(|w| w.len()).unwrap(), 4, "4 KiB on both ranks, then 1 MiB on both");
+    let uneven =
+        cumempool_nccl::register_windows(&[(&rank0, &small), (&rank1, &other), (&rank0, &big0)], true).map(|w| w.len());
+    assert!(
+        matches!(
+            uneven,
+            Err(Error::InvalidArgument {
+                reason: InvalidArgumentReason::UnequalWindowCounts {
+                    rank: 0,
+                    windows: 2,
+                    other_rank: 1,
+                    other_windows: 1
+                },
+                ..
+            })
+        ),
+        "{uneven:?}"
+    );
 }
 
 /// The answers NCCL gave to the calls of `kind` in `calls`.
