@@ -136,10 +136,11 @@ pub struct Communicator {
     device: i32,
     context: Context,
     membership: Membership,
-    /// Set once NCCL has released the communicator (`ncclCommDestroy` or `ncclCommAbort`
-    /// answered success), never before: no call reaches NCCL with it after that. Until then a
-    /// release that failed (NCCL refused, or the context could not be made current) is tried
-    /// again by the next `abort`, `destroy` or drop, and registrations are still deregistered.
+    /// Set once the communicator has been handed back to NCCL (`ncclCommDestroy` or
+    /// `ncclCommAbort` called, whatever it answered: a refusal may come after NCCL freed part of
+    /// it): no call reaches NCCL with it after that. A release that failed before NCCL was
+    /// called (the context could not be made current, the function not found) is tried again by
+    /// the next `abort`, `destroy` or drop, and registrations are still deregistered meanwhile.
     released: AtomicBool,
     /// Set when `abort` is first called, whatever NCCL answers: no new work is queued from then
     /// on, and a drop that finds the communicator not released aborts it again rather than
@@ -301,7 +302,8 @@ impl Communicator {
         self.held()
     }
 
-    /// The communicator while NCCL still holds it, also after an abort that failed: what
+    /// The communicator while NCCL still holds it, also after an abort that failed before
+    /// reaching NCCL: what
     /// deregistering needs (NCCL releases registrations only with the communicator).
     pub(crate) fn held(&self) -> Result<ncclComm_t> {
         if self.released.load(Ordering::Acquire) {
@@ -385,9 +387,10 @@ impl Communicator {
     }
 
     /// Aborts the communicator (`ncclCommAbort`): its pending operations stop and it frees its
-    /// resources; every later call answers [`Error::Aborted`], also when the abort failed. A
-    /// failed abort leaves the communicator NCCL's: call `abort` again, or drop it, which aborts
-    /// it again; its registrations are still deregistered when dropped.
+    /// resources; every later call answers [`Error::Aborted`], also when the abort failed. An
+    /// abort that failed before reaching NCCL leaves the communicator NCCL's: call `abort`
+    /// again, or drop it, which aborts it again; its registrations are still deregistered when
+    /// dropped. One NCCL refused is not tried again (NCCL may have freed part of it).
     ///
     /// # Errors
     /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure: NCCL would reclaim the
@@ -405,25 +408,27 @@ impl Communicator {
             return Ok(());
         }
         let abort = nccl()?.ncclCommAbort()?;
-        // SAFETY: a communicator NCCL still holds: `released` is set only below, once NCCL
-        // answered success, and no other thread calls NCCL with it meanwhile (not `Sync`).
-        check("ncclCommAbort", unsafe { abort(self.raw.0) }, None)?;
+        // Released whatever NCCL answers: a refusal may come after NCCL freed part of it, so it is
+        // never handed to NCCL again (a leak, at worst, rather than a second free).
         self.released.store(true, Ordering::Release);
-        Ok(())
+        // SAFETY: a communicator NCCL still held until this call, handed back once (the flag
+        // above); no other thread calls NCCL with it meanwhile (not `Sync`).
+        check("ncclCommAbort", unsafe { abort(self.raw.0) }, None)
     }
 
     /// Destroys the communicator, reporting NCCL's answer (dropping it only logs a failure).
     /// After an abort that failed, aborts it again instead.
     ///
     /// # Errors
-    /// The context's or NCCL's refusal. The communicator is then still NCCL's, and dropping it,
-    /// at the end of this call, tries once more (logging a second failure).
+    /// The context's or NCCL's refusal. Where the context refused, the communicator is still
+    /// NCCL's, and dropping it, at the end of this call, tries once more (logging a second
+    /// failure); one NCCL refused is not handed to NCCL again.
     pub fn destroy(self) -> Result<()> {
         self.release()
     }
 
-    /// Hands the communicator back to NCCL: aborts it again after an abort that failed, destroys
-    /// it otherwise; nothing once NCCL has released it.
+    /// Hands the communicator back to NCCL: aborts it again after an abort that failed before
+    /// reaching NCCL, destroys it otherwise; nothing once it was handed back.
     fn release(&self) -> Result<()> {
         if self.abort_asked.load(Ordering::Acquire) {
             return self.abort_raw();
@@ -438,11 +443,11 @@ impl Communicator {
         }
         self.context.make_current()?;
         let destroy = nccl()?.ncclCommDestroy()?;
-        // SAFETY: a communicator NCCL still holds: `released` is set only below, once NCCL
-        // answered success, and no other thread calls NCCL with it meanwhile (not `Sync`).
-        check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None)?;
+        // As in `abort_raw`: released once NCCL is called, whatever it answers.
         self.released.store(true, Ordering::Release);
-        Ok(())
+        // SAFETY: a communicator NCCL still held until this call, handed back once (the flag
+        // above); no other thread calls NCCL with it meanwhile (not `Sync`).
+        check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None)
     }
 }
 

@@ -660,18 +660,17 @@ fn answers(calls: &[Vec<String>], kind: &str) -> Vec<String> {
     calls.iter().filter(|call| call[0] == kind).map(|call| call[3].clone()).collect()
 }
 
-/// A destroy or abort that failed leaves the communicator NCCL's: it is tried again (an abort by
-/// the next `abort` or the drop, a destroy by the drop), and the registrations of a communicator
-/// whose abort failed are still deregistered.
+/// A destroy or abort NCCL refused may have freed part of the communicator: it is never handed
+/// to NCCL again (a leak at worst, not a second free), and its registrations are NCCL's.
 #[test]
-fn a_failed_destroy_or_abort_is_tried_again_and_registrations_still_deregister() {
+fn a_destroy_or_abort_nccl_refused_is_not_tried_again() {
     let Some((_serial, context)) = stand_in() else { return };
     let (comm, _pool) = one_rank();
     let start = call_log().len();
     set_switch("fail_next_destroy");
     let failed = comm.destroy();
     assert!(matches!(failed, Err(Error::Nccl { function: "ncclCommDestroy", .. })), "{failed:?}");
-    assert_eq!(answers(&calls_since(start), "nccldestroy"), ["2", "0"], "dropped after the failure, it is destroyed");
+    assert_eq!(answers(&calls_since(start), "nccldestroy"), ["2"], "not destroyed twice");
 
     let (comm, _pool) = one_rank();
     let stream = Stream::new(&context).unwrap();
@@ -684,23 +683,9 @@ fn a_failed_destroy_or_abort_is_tried_again_and_registrations_still_deregister()
     let refused = comm.all_reduce::<u8>(&memory, &memory, 16, ReduceOp::Sum, &stream);
     assert!(matches!(refused, Err(Error::Aborted)), "no new work once an abort was asked: {refused:?}");
     drop(registration);
-    assert!(
-        first(&calls_since(start), "deregister").is_some(),
-        "NCCL still holds the communicator and its registration"
-    );
     comm.abort().unwrap();
     drop(comm);
     let calls = calls_since(start);
-    assert_eq!(answers(&calls, "ncclabort"), ["2", "0"], "aborted again: {calls:?}");
-    assert!(answers(&calls, "nccldestroy").is_empty(), "released once: {calls:?}");
-
-    // Dropped after an abort that failed, it is aborted again, not destroyed.
-    let (comm, _pool) = one_rank();
-    let start = call_log().len();
-    set_switch("fail_next_abort");
-    assert!(comm.abort().is_err());
-    drop(comm);
-    let calls = calls_since(start);
-    assert_eq!(answers(&calls, "ncclabort"), ["2", "0"], "{calls:?}");
-    assert!(answers(&calls, "nccldestroy").is_empty(), "{calls:?}");
+    assert_eq!(answers(&calls, "ncclabort"), ["2"], "aborted once: {calls:?}");
+    assert!(answers(&calls, "nccldestroy").is_empty() && first(&calls, "deregister").is_none(), "{calls:?}");
 }
