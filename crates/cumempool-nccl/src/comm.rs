@@ -97,6 +97,9 @@ const CREATE_BEFORE_THE_GROUP: &str = "create communicators before the group";
 
 /// What to do instead of waiting for or aborting a communicator inside a group, whose
 /// collectives NCCL launches only at the group's end.
+/// What a deregistration answers where a launch could not be covered.
+const UNCOVERED: &str = "waiting for a collective launched while a capture began beside it (its registrations stay registered until the communicator is released)";
+
 const AFTER_THE_GROUP: &str = "do it after group returns, once NCCL has launched the group's collectives";
 
 /// Ids and ranks this process created communicators from: NCCL would wait for a root that is
@@ -151,6 +154,13 @@ pub struct Communicator {
     /// waits for them all. What a deregistration waits for (registration.rs): no capture of the
     /// user's streams can refuse that wait, and it keeps none of their streams alive.
     fence: std::cell::RefCell<Option<Stream>>,
+    /// Set where a launch could be covered neither by the fence nor by a host wait (a capture
+    /// began beside it): from then on a deregistration cannot know that the collectives are
+    /// done, and keeps its registration.
+    uncovered: std::cell::Cell<bool>,
+    /// Set where NCCL refused to release the communicator: NCCL may still hold its
+    /// registrations' mappings, so an arena's spans stay mapped.
+    release_refused: AtomicBool,
     not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
@@ -167,6 +177,8 @@ impl Communicator {
             released: AtomicBool::new(false),
             abort_asked: AtomicBool::new(false),
             fence: std::cell::RefCell::new(None),
+            uncovered: std::cell::Cell::new(false),
+            release_refused: AtomicBool::new(false),
             not_sync: std::marker::PhantomData,
         }
     }
@@ -413,7 +425,9 @@ impl Communicator {
         self.released.store(true, Ordering::Release);
         // SAFETY: a communicator NCCL still held until this call, handed back once (the flag
         // above); no other thread calls NCCL with it meanwhile (not `Sync`).
-        check("ncclCommAbort", unsafe { abort(self.raw.0) }, None)
+        let answer = check("ncclCommAbort", unsafe { abort(self.raw.0) }, None);
+        self.release_refused.store(answer.is_err(), Ordering::Release);
+        answer
     }
 
     /// Destroys the communicator, reporting NCCL's answer (dropping it only logs a failure).
@@ -447,7 +461,9 @@ impl Communicator {
         self.released.store(true, Ordering::Release);
         // SAFETY: a communicator NCCL still held until this call, handed back once (the flag
         // above); no other thread calls NCCL with it meanwhile (not `Sync`).
-        check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None)
+        let answer = check("ncclCommDestroy", unsafe { destroy(self.raw.0) }, None);
+        self.release_refused.store(answer.is_err(), Ordering::Release);
+        answer
     }
 }
 
@@ -605,18 +621,39 @@ impl Communicator {
         }
     }
 
+    /// The host waits for `stream` where the fence could not be ordered after it; where that
+    /// wait could harm a capture (the legacy stream beside a blocking stream's capture, which
+    /// the wait would invalidate) or is refused, the launch stays uncovered instead.
     fn wait_in_place_of_the_fence(&self, stream: &Stream, error: Error) -> Error {
-        if let Err(wait) = stream.wait_before_release() {
-            tracing::error!(%wait, %error, "a collective the launch fence could not be ordered after could not be waited for either; a deregistration may not wait for it");
+        let waited = match stream.blocked_by_a_capture() {
+            Ok(false) => stream.wait_before_release(),
+            Ok(true) => Err(cumempool::Error::StreamCapturing { operation: UNCOVERED, capture: None }),
+            Err(error) => Err(error),
+        };
+        if let Err(wait) = waited {
+            tracing::warn!(%wait, %error, "a collective the launch fence could not be ordered after could not be waited for either; the communicator's registrations stay registered until it is released");
+            self.uncovered.set(true);
         }
         error
     }
 
     /// Waits on the host until every collective launched on this communicator so far has
     /// finished (the launch fence's work).
+    ///
+    /// # Errors
+    /// [`cumempool::Error::StreamCapturing`] where a launch could not be covered (a capture
+    /// began beside it); the fence's wait's refusal.
     pub(crate) fn wait_for_launches(&self) -> cumempool::Result<()> {
+        if self.uncovered.get() {
+            return Err(cumempool::Error::StreamCapturing { operation: UNCOVERED, capture: None });
+        }
         let fence = self.fence.borrow().clone();
         fence.map_or(Ok(()), |fence| fence.wait_before_release())
+    }
+
+    /// Whether NCCL refused to release the communicator (its registrations may still be NCCL's).
+    pub(crate) fn release_refused(&self) -> bool {
+        self.release_refused.load(Ordering::Acquire)
     }
 
     fn ranks(&self) -> usize {
@@ -683,8 +720,18 @@ impl Communicator {
         bytes_of::<T>(what, count, recv_ranks, recv.byte_len())?;
         let (s, r) = (self.check_buffer(what, send)?, self.check_buffer(what, recv)?);
         self.usable()?;
-        if stream.context().is_some_and(|c| c.device().ordinal() != self.device) {
-            return Err(Error::WrongDevice { what, found: "a stream of another device".into(), device: self.device });
+        match stream.context() {
+            // The orderings around the collective record events in the stream's context; without
+            // it each would be a host wait.
+            None => return Err(Error::InvalidArgument { what, reason: InvalidArgumentReason::StreamWithoutContext }),
+            Some(c) if c.device().ordinal() != self.device => {
+                return Err(Error::WrongDevice {
+                    what,
+                    found: "a stream of another device".into(),
+                    device: self.device,
+                });
+            }
+            Some(_) => {}
         }
         // `bytes_of` has checked that these products fit the buffers, so they do not overflow.
         let element = std::mem::size_of::<T>();

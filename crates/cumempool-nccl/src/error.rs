@@ -225,7 +225,7 @@ pub enum InvalidArgumentReason {
         other_rank: i32,
         /// The size of that buffer.
         other_bytes: usize,
-        /// The smaller of the two.
+        /// The smallest of the communicator's windows in that position.
         smallest: usize,
     },
     /// Ranks of one communicator registering different numbers of windows in one group: NCCL
@@ -241,6 +241,10 @@ pub enum InvalidArgumentReason {
         /// How many windows that one registers.
         other_windows: usize,
     },
+    /// A collective queued on a stream borrowed without its context: the events that order it
+    /// with its buffers' streams are recorded in the stream's context.
+    #[error("the stream was borrowed without its context; borrow it with its context (Stream::borrow_raw(handle, Some(&context)))")]
+    StreamWithoutContext,
     /// An empty device list.
     #[error("no device was named; name each device once, at least one")]
     NoDevices,

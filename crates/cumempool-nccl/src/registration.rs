@@ -232,9 +232,14 @@ impl ArenaRegistration<'_> {
 
 impl Drop for ArenaRegistration<'_> {
     fn drop(&mut self) {
-        // Nothing registered, or an aborted communicator (which took its registrations with it):
-        // nothing to deregister, so nothing to wait for.
+        // Nothing registered, or a released communicator (which took its registrations with it):
+        // nothing to deregister, so nothing to wait for. Where NCCL refused to release it, it may
+        // still hold the spans' mappings: they stay mapped for the arena's life.
         if self.spans.is_empty() || self.comm.held().is_err() {
+            if self.comm.release_refused() {
+                std::mem::forget(std::mem::take(&mut self.spans));
+                std::mem::forget(self.hold.take());
+            }
             return;
         }
         if let Err(error) = QueuedOver::Launches.wait(self.comm, "deregistering an arena") {
@@ -460,7 +465,12 @@ fn refuse_unequal_sizes(what: &'static str, ranks: &[(&Communicator, usize)]) ->
                 });
             }
             if occurrence(other_at) == k && other_bytes != bytes {
-                let smallest = bytes.min(other_bytes);
+                // The smallest of the communicator's `k`-th windows: what every rank can register.
+                let smallest = (0..ranks.len())
+                    .filter(|&any| ranks[any].0.membership() == comm.membership() && occurrence(any) == k)
+                    .map(|any| ranks[any].1)
+                    .min()
+                    .unwrap_or(bytes);
                 return Err(Error::InvalidArgument {
                     what,
                     reason: InvalidArgumentReason::UnequalWindowSizes {

@@ -467,8 +467,8 @@ fn dropping_a_window_waits_for_the_collectives_queued_over_it() {
 }
 
 /// An arena's registration covers allocations whose streams it does not know, and memory given
-/// without a stream names none: every stream the communicator launched collectives on is waited
-/// for, never the whole device (whose wait would invalidate any capture underway on it).
+/// without a stream names none: the communicator's launch fence is waited for, never the whole
+/// device (whose wait would invalidate any capture underway on it).
 #[test]
 fn dropping_an_arena_registration_waits_for_the_collectives_queued_over_its_spans() {
     let Some((_serial, context)) = stand_in() else { return };
@@ -688,4 +688,88 @@ fn a_destroy_or_abort_nccl_refused_is_not_tried_again() {
     let calls = calls_since(start);
     assert_eq!(answers(&calls, "ncclabort"), ["2"], "aborted once: {calls:?}");
     assert!(answers(&calls, "nccldestroy").is_empty() && first(&calls, "deregister").is_none(), "{calls:?}");
+}
+
+/// A collective on the legacy stream, and another library begins capturing the per-thread stream
+/// (a blocking stream) right after NCCL launched it: the fence cannot be ordered after the legacy
+/// stream then, and a host wait for it would invalidate that capture. The capture is left intact,
+/// and the communicator's registrations stay registered (nothing is known to have waited for the
+/// collective) rather than deregistered under it.
+#[test]
+fn a_launch_the_fence_cannot_cover_beside_a_capture_leaves_the_capture_intact_and_keeps_registrations() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let legacy = Stream::legacy(&context);
+    let a = Stream::new(&context).unwrap();
+    let block = pool.alloc(4096, &a).unwrap();
+    // SAFETY: pool memory of device 0, alive past every use here.
+    let slice = unsafe { cumempool_nccl::DeviceSlice::from_raw(block.as_raw(), 4096, 0, None) };
+    let registration = comm.register(&slice).unwrap();
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &legacy).unwrap(); // the fence exists now
+    let start = call_log().len();
+    set_switch("capture_per_thread_at_next_event_create"); // begins right after NCCL's launch
+    let launched = comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &legacy);
+    assert_eq!(
+        crate::the_per_thread_stream::end_per_thread_capture(),
+        CUresult::CUDA_SUCCESS,
+        "the capture was left intact"
+    );
+    let kept = registration.deregister();
+    assert!(launched.is_err() && matches!(kept, Err(Error::NotDeregistered { .. })), "{launched:?} {kept:?}");
+    let calls = calls_since(start);
+    assert!(first(&calls, "deregister").is_none(), "deregistered with nothing having waited: {calls:?}");
+}
+
+/// A collective on a stream borrowed without its context is refused before NCCL: its orderings
+/// record events in the stream's context, and without it each would be a host wait.
+#[test]
+fn a_collective_on_a_stream_borrowed_without_its_context_is_refused() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, pool) = one_rank();
+    let owner = Stream::new(&context).unwrap();
+    // SAFETY: `owner` outlives `lent`.
+    let lent = unsafe { Stream::borrow_raw(owner.as_raw(), None) }.unwrap();
+    let block = pool.alloc(4096, &owner).unwrap();
+    let start = call_log().len();
+    let refused = comm.all_reduce::<u8>(&block, &block, 4096, ReduceOp::Sum, &lent);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument { reason: InvalidArgumentReason::StreamWithoutContext, .. })),
+        "{refused:?}"
+    );
+    assert!(calls_since(start).iter().all(|call| call[0] != "nccl" && call[0] != "sync"), "nothing reached NCCL");
+}
+
+/// An abort NCCL refused leaves NCCL's hold on the registrations unknown: an arena's spans stay
+/// mapped (the arena's trim unmaps nothing of them) rather than unmapped under NCCL.
+#[test]
+fn an_arena_registration_of_a_communicator_nccl_refused_to_abort_keeps_its_spans_mapped() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (a, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let arena = Arena::builder(0, 64 << 20).build().unwrap();
+    let block = arena.alloc(4096, &a).unwrap();
+    let registration = comm.register_arena(&arena).unwrap();
+    let slice = cumempool_nccl::DeviceSlice::of_arena(&arena, &block).unwrap();
+    comm.all_reduce::<u8>(&slice, &slice, 4096, ReduceOp::Sum, &c).unwrap();
+    set_switch("fail_next_abort");
+    assert!(comm.abort().is_err());
+    drop(registration);
+    drop(block);
+    let trimmed = arena.trim();
+    assert!(!trimmed.as_ref().is_ok_and(|&bytes| bytes > 0), "unmapped under NCCL: {trimmed:?}");
+}
+
+/// The size the unequal-windows error suggests is the smallest window given in that position.
+#[test]
+fn unequal_window_sizes_name_the_smallest_window_given() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let stream = Stream::new(&context).unwrap();
+    let id = UniqueId::new().unwrap();
+    let ranks: Vec<Communicator> = (0..3).map(|r| Communicator::init_rank(&id, 3, r, 0).unwrap()).collect();
+    let memory: Vec<_> =
+        [8 << 10, 1 << 20, 4 << 10].iter().map(|&n| cumempool_nccl::NcclMemory::new(0, n, &stream).unwrap()).collect();
+    let given: Vec<(&Communicator, &dyn DeviceBuffer)> =
+        ranks.iter().zip(&memory).map(|(c, m)| (c, m as &dyn DeviceBuffer)).collect();
+    let text = cumempool_nccl::register_windows(&given, true).map(|w| w.len()).unwrap_err().to_string();
+    assert!(text.contains("at most 4096"), "{text}");
 }
