@@ -57,22 +57,16 @@ ncclResult_t ncclCommCuDevice(const Comm *c, int *device) { *device = c->device;
    `fail_next_abort` make the next one fail with ncclSystemError, the communicator kept. */
 int fail_next_destroy;
 int fail_next_abort;
-ncclResult_t ncclCommDestroy(Comm *c) {
-    int failed = fail_next_destroy;
-    fail_next_destroy = 0;
-    stand_in_log("nccldestroy", c, 0, failed ? 2 : 0);
+static ncclResult_t release(const char *what, int *fail_next, Comm *c) {
+    int failed = *fail_next;
+    *fail_next = 0;
+    stand_in_log(what, c, 0, failed ? 2 : 0);
     if (failed) return 2;
     free(c);
     return 0;
 }
-ncclResult_t ncclCommAbort(Comm *c) {
-    int failed = fail_next_abort;
-    fail_next_abort = 0;
-    stand_in_log("ncclabort", c, 0, failed ? 2 : 0);
-    if (failed) return 2;
-    free(c);
-    return 0;
-}
+ncclResult_t ncclCommDestroy(Comm *c) { return release("nccldestroy", &fail_next_destroy, c); }
+ncclResult_t ncclCommAbort(Comm *c) { return release("ncclabort", &fail_next_abort, c); }
 ncclResult_t ncclCommGetAsyncError(Comm *c, ncclResult_t *state) { *state = 0; return 0; }
 
 /* A collective's launch on `stream`: now, or at the end of the group. */

@@ -95,11 +95,11 @@ impl UniqueId {
 /// group's end, so its rank, size and device, asked at once, are not known yet.
 const CREATE_BEFORE_THE_GROUP: &str = "create communicators before the group";
 
-/// What to do instead of waiting for or aborting a communicator inside a group, whose
-/// collectives NCCL launches only at the group's end.
 /// What a deregistration answers where a launch could not be covered.
 const UNCOVERED: &str = "waiting for a collective launched while a capture began beside it (its registrations stay registered until the communicator is released)";
 
+/// What to do instead of waiting for or aborting a communicator inside a group, whose
+/// collectives NCCL launches only at the group's end.
 const AFTER_THE_GROUP: &str = "do it after group returns, once NCCL has launched the group's collectives";
 
 /// Ids and ranks this process created communicators from: NCCL would wait for a root that is
@@ -315,8 +315,8 @@ impl Communicator {
     }
 
     /// The communicator while NCCL still holds it, also after an abort that failed before
-    /// reaching NCCL: what
-    /// deregistering needs (NCCL releases registrations only with the communicator).
+    /// reaching NCCL: what deregistering needs (NCCL releases registrations only with the
+    /// communicator).
     pub(crate) fn held(&self) -> Result<ncclComm_t> {
         if self.released.load(Ordering::Acquire) {
             return Err(Error::Aborted);
@@ -367,7 +367,8 @@ impl Communicator {
     /// # Errors
     /// [`Error::Timeout`] at the timeout; NCCL's asynchronous error; [`Error::Aborted`] for a
     /// communicator aborted before. Either way this communicator is unusable afterwards (where
-    /// the abort itself failed, which is logged, dropping the communicator aborts it again).
+    /// the abort failed before reaching NCCL, which is logged, dropping the communicator aborts
+    /// it again).
     /// [`Error::InsideGroup`] inside [`group`](crate::group())'s closure, where nothing has been
     /// launched yet (and an abort could not stop it).
     pub fn wait(&self, stream: &Stream, timeout: Duration) -> Result<()> {
@@ -601,24 +602,21 @@ impl Communicator {
     /// # Errors
     /// The ordering's failure (the host waited in its place).
     pub(crate) fn fence_after(&self, stream: &Stream) -> Result<()> {
+        self.fence()
+            .and_then(|fence| fence.order_after(stream))
+            .map_err(|error| self.wait_in_place_of_the_fence(stream, error.into()))
+    }
+
+    /// The launch fence, made at the first call.
+    fn fence(&self) -> cumempool::Result<Stream> {
+        // Read into a local first: the borrow ends before the one that stores a new fence.
         let existing = self.fence.borrow().clone();
-        let fence = match existing {
-            Some(fence) => fence,
-            None => {
-                let made = Stream::new(&self.context);
-                match made {
-                    Ok(fence) => {
-                        *self.fence.borrow_mut() = Some(fence.clone());
-                        fence
-                    }
-                    Err(error) => return Err(self.wait_in_place_of_the_fence(stream, error.into())),
-                }
-            }
-        };
-        match fence.order_after(stream) {
-            Ok(()) => Ok(()),
-            Err(error) => Err(self.wait_in_place_of_the_fence(stream, error.into())),
+        if let Some(fence) = existing {
+            return Ok(fence);
         }
+        let fence = Stream::new(&self.context)?;
+        *self.fence.borrow_mut() = Some(fence.clone());
+        Ok(fence)
     }
 
     /// The host waits for `stream` where the fence could not be ordered after it; where that
@@ -787,14 +785,14 @@ impl Span {
     }
 
     fn overlaps(self, other: Span) -> bool {
-        self.len > 0 && other.len > 0 && self.start < other.end() && other.start < self.end()
+        self.common(other).is_some()
     }
 
     /// The bytes both touch, where they overlap.
     fn common(self, other: Span) -> Option<Span> {
         let (start, end) = (self.start.max(other.start), self.end().min(other.end()));
-        let len = usize::try_from(end.checked_sub(start)?).ok()?;
-        (self.overlaps(other)).then_some(Span { start, len })
+        let len = usize::try_from(end.checked_sub(start)?).ok().filter(|&len| len > 0)?;
+        Some(Span { start, len })
     }
 }
 

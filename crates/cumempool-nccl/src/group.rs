@@ -88,11 +88,11 @@ impl Group<'_> {
         }
         let nccl = nccl()?;
         let (start, end) = (nccl.ncclGroupStart()?, nccl.ncclGroupEnd()?);
-        // The first half of every ordering before any launch: a refusal leaves NCCL untouched
-        // (waits already set up on streams that do not capture only order more than needed).
         for collective in &pending {
             collective.usable()?;
         }
+        // The first half of every ordering before any launch: a refusal leaves NCCL untouched
+        // (waits already set up on streams that do not capture only order more than needed).
         let ordered = pending.iter().map(Prepared::order_before).collect::<Result<Vec<_>>>()?;
         // SAFETY: no arguments; ended right below, whatever the launches answer.
         check("ncclGroupStart", unsafe { start() }, None)?;

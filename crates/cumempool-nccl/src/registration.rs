@@ -8,9 +8,8 @@
 //! Deregistering first waits on the host for the collectives queued over the memory
 //! ([`QueuedOver`]): `ncclCommDeregister` tears down the mappings NCCL made for the memory at
 //! once, and `ncclCommWindowDeregister` works on a private stream that no user stream is ordered
-//! with, so a collective still running would touch unmapped memory. Where that wait is refused (a
-//! capture underway), the registration is kept, not deregistered: NCCL releases it with the
-//! communicator.
+//! with, so a collective still running would touch unmapped memory. Where that wait is refused,
+//! the registration is kept, not deregistered: NCCL releases it with the communicator.
 //!
 //! ```no_run
 //! # fn f(comm: &cumempool_nccl::Communicator, memory: &cumempool_nccl::NcclMemory) -> cumempool_nccl::Result<()> {
@@ -57,10 +56,6 @@ enum QueuedOver {
 }
 
 impl QueuedOver {
-    fn memory(_buffer: &(impl DeviceBuffer + ?Sized)) -> Self {
-        Self::Launches
-    }
-
     /// Waits on the host until every collective launched on `comm` so far has finished.
     ///
     /// # Errors
@@ -230,6 +225,15 @@ impl ArenaRegistration<'_> {
     }
 }
 
+impl ArenaRegistration<'_> {
+    /// Keeps the spans registered, and mapped for the arena's life: neither deregistered nor
+    /// let go of.
+    fn keep_mapped(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.spans));
+        std::mem::forget(self.hold.take());
+    }
+}
+
 impl Drop for ArenaRegistration<'_> {
     fn drop(&mut self) {
         // Nothing registered, or a released communicator (which took its registrations with it):
@@ -237,16 +241,14 @@ impl Drop for ArenaRegistration<'_> {
         // still hold the spans' mappings: they stay mapped for the arena's life.
         if self.spans.is_empty() || self.comm.held().is_err() {
             if self.comm.release_refused() {
-                std::mem::forget(std::mem::take(&mut self.spans));
-                std::mem::forget(self.hold.take());
+                self.keep_mapped();
             }
             return;
         }
         if let Err(error) = QueuedOver::Launches.wait(self.comm, "deregistering an arena") {
             tracing::warn!(%error, spans = self.spans.len(), "an arena's spans stay registered and mapped");
-            // Kept registered, and mapped for the arena's life: a collective may still use them.
-            std::mem::forget(std::mem::take(&mut self.spans));
-            std::mem::forget(self.hold.take());
+            // A collective may still use them.
+            self.keep_mapped();
         }
         // Otherwise the spans are deregistered as the fields drop (each without another wait),
         // then the hold ends.
@@ -305,7 +307,7 @@ impl Communicator {
     /// [`Error::WrongDevice`]; [`Error::Load`] before NCCL 2.19; NCCL's refusal.
     pub fn register<'a>(&'a self, buffer: &'a impl DeviceBuffer) -> Result<Registration<'a>> {
         self.check_buffer("registering a buffer", buffer)?;
-        self.register_raw(buffer.device_ptr(), buffer.byte_len(), QueuedOver::memory(buffer))
+        self.register_raw(buffer.device_ptr(), buffer.byte_len(), QueuedOver::Launches)
     }
 
     /// Registers every span `arena` has mapped, once: every allocation inside them is covered.
@@ -349,7 +351,7 @@ impl Communicator {
         self.check("ncclCommWindowRegister", unsafe {
             register(raw, ptr, buffer.byte_len(), &mut window, window_flags(symmetric))
         })?;
-        Ok(Window { comm: self, window, queued_over: QueuedOver::memory(buffer), memory: PhantomData })
+        Ok(Window { comm: self, window, queued_over: QueuedOver::Launches, memory: PhantomData })
     }
 
     /// The address of `buffer` for a window: this rank's device memory, aligned as NCCL
@@ -402,7 +404,7 @@ pub fn register_windows<'a>(
             comm.usable()?,
             comm.window_memory(WHAT, buffer)?,
             buffer.byte_len(),
-            QueuedOver::memory(buffer),
+            QueuedOver::Launches,
         ));
     }
     let sizes: Vec<(&Communicator, usize)> = checked.iter().map(|&(comm, _, _, len, _)| (comm, len)).collect();

@@ -435,35 +435,27 @@ fn first(calls: &[Vec<String>], kind: &str) -> Option<usize> {
 /// collective still running over the memory would touch unmapped memory. The communicator's
 /// launch fence, ordered after every collective it launched, is waited for first.
 #[test]
-fn dropping_a_registration_waits_for_the_collectives_queued_over_it() {
+fn dropping_a_registration_or_a_window_waits_for_the_collectives_queued_over_it() {
     let Some((_serial, context)) = stand_in() else { return };
     let (comm, _pool) = one_rank();
     let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
     let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
-    let registration = comm.register(&memory).unwrap();
-    let start = call_log().len();
-    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
-    drop(registration);
-    let calls = calls_since(start);
-    let fence = launch_fence(&calls, &c, &[&s]).expect("the launch fence waits for the collective");
-    let deregistered = first(&calls, "deregister").expect("deregistered");
-    assert!(synced_before(&calls, &fence, deregistered), "deregistered with the collective still queued: {calls:?}");
-}
-
-#[test]
-fn dropping_a_window_waits_for_the_collectives_queued_over_it() {
-    let Some((_serial, context)) = stand_in() else { return };
-    let (comm, _pool) = one_rank();
-    let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
-    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
-    let window = comm.register_window(&memory, true).unwrap();
-    let start = call_log().len();
-    comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
-    drop(window);
-    let calls = calls_since(start);
-    let fence = launch_fence(&calls, &c, &[&s]).expect("the launch fence waits for the collective");
-    let deregistered = first(&calls, "windowderegister").expect("deregistered");
-    assert!(synced_before(&calls, &fence, deregistered), "deregistered with the collective still queued: {calls:?}");
+    for deregistering in ["deregister", "windowderegister"] {
+        let registered: Box<dyn std::fmt::Debug + '_> = match deregistering {
+            "deregister" => Box::new(comm.register(&memory).unwrap()),
+            _ => Box::new(comm.register_window(&memory, true).unwrap()),
+        };
+        let start = call_log().len();
+        comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+        drop(registered);
+        let calls = calls_since(start);
+        let fence = launch_fence(&calls, &c, &[&s]).expect("the launch fence waits for the collective");
+        let deregistered = first(&calls, deregistering).expect("deregistered");
+        assert!(
+            synced_before(&calls, &fence, deregistered),
+            "deregistered with the collective still queued: {calls:?}"
+        );
+    }
 }
 
 /// An arena's registration covers allocations whose streams it does not know, and memory given
