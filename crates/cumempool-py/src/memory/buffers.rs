@@ -34,14 +34,17 @@ impl Drop for Buffer {
     /// A buffer collected without `close()` gives its memory back as `close()` does (Python
     /// deallocates objects with the GIL held).
     fn drop(&mut self) {
-        let (core, kept) = (self.core.take(), self.kept.take());
-        if core.is_some() || kept.is_some() {
-            Python::attach(|py| {
-                for slot in [core, kept.map(Slot::Shared)].into_iter().flatten() {
-                    Core::release(slot, py);
-                }
-            });
+        if self.core.is_none() && self.kept.is_none() {
+            return;
         }
+        Python::attach(|py| {
+            if let Some(core) = self.core.take() {
+                Core::release(core, py);
+            }
+            if let Some(kept) = self.kept.take() {
+                Core::release(Slot::Shared(kept), py);
+            }
+        });
     }
 }
 

@@ -45,14 +45,16 @@ impl ResourceBase {
     /// `size` bytes on `stream` as a Buffer, on a stream the caller found not capturing (the
     /// plug-ins check it their own way): `alloc` without its capture check.
     pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
-        let interruptions = Interruptions::collect();
+        // Only an out-of-memory callback can raise an interruption: a stack without one has
+        // nothing to collect.
+        let interruptions = self.calls_python.then(Interruptions::collect);
         // The GIL is released, and the caller's context put back, only around driver calls, at
         // the bottom of the stack (a cache hit makes none).
         let allocated = {
             let _held = Held::new(py);
             self.inner.allocate(size, &stream.get().stream)
         };
-        if let Some(interruption) = interruptions.take() {
+        if let Some(interruption) = interruptions.and_then(Interruptions::take) {
             // A resource above the callback (a cache) may have found memory after its refusal.
             if let Ok(ptr) = allocated {
                 let _held = Held::new(py);

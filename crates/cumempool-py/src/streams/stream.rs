@@ -252,9 +252,10 @@ impl Stream {
 /// cache keeps): so the lending library's object lives as long as its stream is used here,
 /// and no longer. A stream still used stays in the memo, so it is found again (one stream to a
 /// cache).
-pub(crate) fn let_go(_py: Python<'_>, stream: Py<Stream>) {
+pub(crate) fn let_go(py: Python<'_>, stream: Py<Stream>) {
     if !stream.get().is_lent() {
-        return;
+        // With the GIL held: let go of at once, without asking whether it is.
+        return stream.drop_ref(py);
     }
     // Held here too: one more reference than the memo's.
     let evicted = lock(&LENT).let_go_of(&stream);
