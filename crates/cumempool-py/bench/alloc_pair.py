@@ -135,6 +135,8 @@ def breakdown_rows(stream, pairs: int, rounds: int, libraries: dict):
     yield "cache close alone", close * 1e6, "batches of 64, loop included"
     yield "pool pair", timed(lambda: pool.alloc(SIZE, stream).close()), "as in the table"
     yield "cache pair", timed(lambda: cache.alloc(SIZE, stream).close()), "as in the table"
+    yield "pool pair, let go", timed(lambda: pool.alloc(SIZE, stream)), "the Buffer dropped, not closed"
+    yield "cache pair, let go", timed(lambda: cache.alloc(SIZE, stream)), "as CuPy's pair lets go"
     for name, obj in streams[1:]:
         yield f"cache pair on {name}", timed(lambda obj=obj: cache.alloc(SIZE, obj).close()), ""
     rust = native._bench_rust_pairs(pool, SIZE, stream, pairs) / 1e3
@@ -217,6 +219,8 @@ def cumempool_rows(stream):
     yield "cumempool pool", lambda: pool.alloc(SIZE, stream).close()
     cache = cm.CachingResource(cm.PoolResource(pool))
     yield "cumempool cache", lambda: cache.alloc(SIZE, stream).close()
+    # Let go of instead of closed, as the CuPy and PyTorch rows let go of what they allocate.
+    yield "cumempool cache, let go", lambda: cache.alloc(SIZE, stream)
 
 
 def cuda_core_rows():
