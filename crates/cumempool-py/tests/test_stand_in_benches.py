@@ -22,3 +22,23 @@ def test_a_stand_in_bench_runs(stand_in_libcuda, script, arguments, says):
     out = subprocess.run([sys.executable, str(BENCH / script), *arguments], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(says), out.stdout
+
+
+def test_the_two_builds_bench_runs_its_protocol_without_a_gpu(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "wheels_ab.py"), f"before={tmp_path}", f"after={tmp_path}", "--repeats", "1", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr + out.stdout
+    for name in ("before", "after"):
+        assert f"== {name}, 1 repeats pooled" in out.stdout
+    assert "cache pair / CuPy MemoryPool pair" in out.stdout
+    assert "plug-in over the cache" in out.stdout
+
+
+def test_the_two_builds_bench_refuses_a_build_without_its_directory():
+    out = subprocess.run([sys.executable, str(BENCH / "wheels_ab.py"), "after"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "'after' is not NAME=DIR" in out.stderr
