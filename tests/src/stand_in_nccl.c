@@ -11,7 +11,9 @@
    then (logged as `windowdeferred <out-pointer>`, and `windowwritten <out-pointer>` when written). `fail_next_init` makes the next ncclCommInitRank fail with
    ncclSystemError, as a bootstrap that could not reach its root does; `fail_next_destroy` and
    `fail_next_abort` make the next ncclCommDestroy or ncclCommAbort fail so, keeping the
-   communicator. */
+   communicator. `no_symmetric_next` makes the next ncclCommWindowRegister answer as NCCL 2.27+
+   does for a communicator without symmetric-memory support: success, the window set to NULL at
+   once (inside a group too), and nothing registered. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,7 +118,14 @@ ncclResult_t ncclCommDeregister(void *c, void *handle) {
 /* Aligned as NCCL's VMM memory is (to its granularity), so that windows may be registered. */
 ncclResult_t ncclMemAlloc(void **ptr, size_t size) { return posix_memalign(ptr, 4096, size ? size : 1) ? 1 : 0; }
 ncclResult_t ncclMemFree(void *ptr) { stand_in_log("ncclmemfree", ptr, 0, 0); free(ptr); return 0; }
+int no_symmetric_next;
 ncclResult_t ncclCommWindowRegister(void *c, void *buffer, size_t size, void **window, int flags) {
+    if (no_symmetric_next) {
+        no_symmetric_next = 0;
+        *window = NULL;
+        stand_in_log("windownone", buffer, (void *)(uintptr_t)size, flags);
+        return 0;
+    }
     if (group_depth > 0) {
         if (deferred_windows_len == 64) return 3;
         deferred_windows[deferred_windows_len++] = window;

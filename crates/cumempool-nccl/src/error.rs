@@ -120,18 +120,6 @@ pub enum Error {
         instead: &'static str,
     },
 
-    /// NCCL answered success to a group of window registrations but gave fewer windows than
-    /// ranks (those it gave were deregistered).
-    #[error(
-        "NCCL answered success but gave {registered} windows for {ranks} ranks; the windows it gave were deregistered"
-    )]
-    NoWindow {
-        /// The windows NCCL gave.
-        registered: usize,
-        /// The ranks asked for.
-        ranks: usize,
-    },
-
     /// A collective queued in a [`group`](crate::group()) touching bytes that another collective
     /// of the group touches, where either writes them: NCCL runs a group's collectives at once,
     /// in no order.

@@ -134,6 +134,10 @@ impl Drop for Registration<'_> {
 
 /// A symmetric window (`ncclCommWindowRegister`, NCCL 2.27+), deregistered when dropped, after a
 /// host wait for the collectives queued over its memory (as for [`Registration`]).
+///
+/// NCCL answers a registration on a communicator without symmetric-memory support with success
+/// and no window: collectives over the memory then run as over memory never registered.
+/// [`Window::is_registered`] tells the two apart; such a window goes without a wait or a call.
 #[derive(Debug)]
 #[must_use = "dropping a window deregisters it, after waiting for the collectives queued over it"]
 pub struct Window<'a> {
@@ -144,9 +148,15 @@ pub struct Window<'a> {
 }
 
 impl Window<'_> {
-    /// The raw window, still owned by `self`.
+    /// The raw window, still owned by `self`; null where NCCL registered none.
     pub fn as_raw(&self) -> ncclWindow_t {
         self.window
+    }
+
+    /// Whether NCCL registered a window: false where the communicator has no symmetric-memory
+    /// support, for which NCCL answers success and writes no window.
+    pub fn is_registered(&self) -> bool {
+        !self.window.is_null()
     }
 
     /// Deregisters now, after a host wait for the collectives queued over the window's memory,
@@ -161,6 +171,10 @@ impl Window<'_> {
 
     fn deregister_raw(&self) -> Result<()> {
         const WHAT: &str = "deregistering a window";
+        if !self.is_registered() {
+            // Nothing of NCCL's to release, and so no collective to wait for.
+            return Ok(());
+        }
         let raw = self.comm.held()?;
         let deregister = nccl()?.ncclCommWindowDeregister()?;
         // NCCL deregisters on a private stream that no user stream is ordered with: the host waits.
@@ -383,7 +397,9 @@ fn window_flags(symmetric: bool) -> i32 {
 /// Registers one window per rank driven from this thread (`ncclCommWindowRegister` for each,
 /// inside one NCCL group, as a collective over ranks of one process needs): `ranks[i]`'s buffer
 /// on `ranks[i]`'s communicator. NCCL writes each window's handle only at the group's end, so the
-/// handles live here until then, and the windows come back once NCCL has written them.
+/// handles live here until then, and the windows come back once NCCL has written them, in the
+/// order of `ranks`; a rank whose communicator has no symmetric-memory support gets a window
+/// that is not registered ([`Window::is_registered`]), as [`Communicator::register_window`] does.
 ///
 /// # Errors
 /// As [`Communicator::register_window`], checked for every rank before NCCL is called;
@@ -425,18 +441,15 @@ pub fn register_windows<'a>(
     }
     // SAFETY: ends the group started above.
     let ended = check("ncclGroupEnd", unsafe { end() }, None);
+    // One per rank; a null one (no symmetric-memory support, or a registration NCCL refused)
+    // is not registered and goes without a call.
     let windows: Vec<Window<'a>> = checked
         .iter()
         .zip(handles)
-        .filter(|(_, handle)| !handle.is_null())
         .map(|(&(comm, .., queued_over), window)| Window { comm, window, queued_over, memory: PhantomData })
         .collect();
-    match first_error.map_or(ended, Err) {
-        Ok(()) if windows.len() == ranks.len() => Ok(windows),
-        // Dropping the registered ones deregisters them.
-        Ok(()) => Err(Error::NoWindow { registered: windows.len(), ranks: ranks.len() }),
-        Err(error) => Err(error),
-    }
+    // On a failure, dropping the registered ones deregisters them.
+    first_error.map_or(ended, Err).map(|()| windows)
 }
 
 /// Refuses windows NCCL would pair wrongly among the ranks of one communicator in `ranks`

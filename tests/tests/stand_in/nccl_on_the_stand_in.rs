@@ -341,6 +341,35 @@ fn a_window_registered_inside_a_group_is_refused_before_nccl_defers_it() {
     assert!(!window.as_raw().is_null());
 }
 
+/// NCCL 2.27+ answers a window's registration with success and no window where the communicator
+/// has no symmetric-memory support (its source sets the handle to NULL and returns): the window
+/// says it is not registered, and letting go of it neither waits for the communicator's
+/// collectives nor calls NCCL.
+#[test]
+fn a_window_nccl_did_not_register_says_so_and_goes_without_a_wait() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let (comm, _pool) = one_rank();
+    let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
+    let registered = comm.register_window(&memory, true).unwrap();
+    assert!(registered.is_registered());
+    for together in [false, true] {
+        set_switch("no_symmetric_next");
+        let window = if together {
+            cumempool_nccl::register_windows(&[(&comm, &memory)], true).unwrap().pop().unwrap()
+        } else {
+            comm.register_window(&memory, true).unwrap()
+        };
+        assert!(!window.is_registered(), "NCCL registered no window");
+        comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+        let start = call_log().len();
+        window.deregister().unwrap();
+        let calls = calls_since(start);
+        assert!(calls.is_empty(), "no wait and no NCCL call for a window NCCL did not register: {calls:?}");
+    }
+    drop(registered);
+}
+
 /// The windows of several ranks of one process are registered in one NCCL group, whose handles
 /// NCCL writes at the group's end: `register_windows` keeps them until then.
 #[test]
