@@ -349,8 +349,8 @@ fn a_window_registered_inside_a_group_is_refused_before_nccl_defers_it() {
 fn a_window_nccl_did_not_register_says_so_and_goes_without_a_wait() {
     let Some((_serial, context)) = stand_in() else { return };
     let (comm, _pool) = one_rank();
-    let (s, c) = (Stream::new(&context).unwrap(), Stream::new(&context).unwrap());
-    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &s).unwrap();
+    let stream = Stream::new(&context).unwrap();
+    let memory = cumempool_nccl::NcclMemory::new(0, 1 << 16, &stream).unwrap();
     let registered = comm.register_window(&memory, true).unwrap();
     assert!(registered.is_registered());
     for together in [false, true] {
@@ -361,7 +361,7 @@ fn a_window_nccl_did_not_register_says_so_and_goes_without_a_wait() {
             comm.register_window(&memory, true).unwrap()
         };
         assert!(!window.is_registered(), "NCCL registered no window");
-        comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &c).unwrap();
+        comm.all_reduce::<u8>(&memory, &memory, 1 << 16, ReduceOp::Sum, &stream).unwrap();
         let start = call_log().len();
         window.deregister().unwrap();
         let calls = calls_since(start);
