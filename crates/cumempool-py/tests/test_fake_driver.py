@@ -529,3 +529,24 @@ def test_the_torch_functions_put_back_the_callers_context_on_the_per_thread_stre
     assert lines[:4] == ["True", "True", "0", "True"], "control: the legacy stream puts it back"
     assert (lines[4], lines[6]) == ("True", "0"), "served and given back on the per-thread stream"
     assert (lines[5], lines[7]) == ("True", "True"), "(after alloc, after free) on handle 2: the caller's context was not current"
+
+
+def test_a_dlpack_consumers_last_free_lets_go_of_a_lent_stream_at_once(stand_in_libcuda):
+    # The capsule's deleter runs from plain Python code (`del cap`, no binding on the stack) with
+    # the GIL held: the lending library's object goes then, as after a close, not at the next
+    # call into cumempool.
+    lines = _run(
+        stand_in_libcuda,
+        """
+        l = Lender(cm.Stream(0)); r = weakref.ref(l)
+        b = pool.alloc(64, l); del l; b.close(); print(r() is None)  # control: a close
+        l = Lender(cm.Stream(0)); r = weakref.ref(l)
+        b = pool.alloc(64, l)
+        cap = b.__dlpack__(stream=-1)
+        b.close(); del b, l
+        print(r() is None)
+        del cap
+        print(r() is None)
+        """,
+    )
+    assert lines == ["True", "False", "True"], "the lender outlived the last use of its stream"

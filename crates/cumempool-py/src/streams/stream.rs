@@ -259,9 +259,13 @@ pub(crate) fn let_go(py: Python<'_>, stream: Py<Stream>) {
     }
     // Held here too: one more reference than the memo's.
     let evicted = lock(&LENT).let_go_of(&stream);
-    // Outside the lock: the library's object may run code when let go of.
-    drop(evicted);
-    drop(stream);
+    // Outside the lock: the library's object may run code when let go of. With the GIL held, let
+    // go of at once, also where no binding is on the stack (a DLPack consumer's deleter run from
+    // Python code), where PyO3 would defer it to its next call.
+    for object in evicted {
+        object.drop_ref(py);
+    }
+    stream.drop_ref(py);
 }
 
 /// Lets go of every memo entry whose stream nothing else uses (after a cache gave its blocks
