@@ -162,6 +162,7 @@ def cupy_plugin_pieces(cache, timed):
 
     memory_pool = cupy.cuda.MemoryPool()
     plugin = cmc.Allocator(cache)
+    plugin = getattr(plugin, "malloc", plugin)  # as installed (builds before `malloc`: the object)
     with cupy.cuda.Stream(non_blocking=True) as s:
         owner = cache.alloc(SIZE, s)
         yield "CuPy: MemoryPool pair", timed(lambda: memory_pool.malloc(SIZE)), "CuPy's own, the target"

@@ -97,6 +97,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--size", type=int, default=1 << 20)
+    parser.add_argument("--method", action="store_true", help="call allocator.malloc, as the budget installs it")
     parser.add_argument("--real-cupy", action="store_true", help="CuPy's own memory objects (CuPy installed)")
     args = parser.parse_args()
     sys.modules["cupy"] = real_cupy() if args.real_cupy else stand_in_cupy()
@@ -109,8 +110,9 @@ def main() -> int:
         del_me = allocator(args.size)
         del del_me
     start = time.perf_counter()
+    call = allocator.malloc if args.method else allocator
     for _ in range(args.calls):
-        pointer = allocator(args.size)
+        pointer = call(args.size)
         del pointer
     spent = time.perf_counter() - start
     print(f"{args.calls} calls and frees: {spent / args.calls * 1e9:.0f} ns each on this host (stand-in driver)")

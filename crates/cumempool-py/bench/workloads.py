@@ -391,6 +391,13 @@ def loop_block(cupy, x, total, iterations: int, stream) -> float:
     return (time.perf_counter() - start) / iterations
 
 
+def installed_form(allocator):
+    """What `cupy.cuda.set_allocator` is given for a plug-in allocator: its `malloc`, which CuPy
+    calls without making an argument tuple (the object itself in builds that have no `malloc`,
+    so that wheels_ab.py can measure a build before it)."""
+    return getattr(allocator, "malloc", allocator)
+
+
 def cupy_child(key: str, counts: Counts, result: dict):
     import cupy
 
@@ -414,7 +421,9 @@ def cupy_child(key: str, counts: Counts, result: dict):
         allocator = cupy.cuda.MemoryAsyncPool().malloc
     else:
         pool = cm.MemPool(cm.Route.device(0), max_size=CAP)
-        allocator = cmc.Allocator(pool if key == "cupy-plugin-pool" else cm.CachingResource(cm.PoolResource(pool)))
+        allocator = installed_form(
+            cmc.Allocator(pool if key == "cupy-plugin-pool" else cm.CachingResource(cm.PoolResource(pool)))
+        )
 
     def loop(_, __, counts):
         with cupy.cuda.using_allocator(allocator):
@@ -475,7 +484,7 @@ def interleaved_child(counts: Counts, cycles: int, result: dict):
                 (
                     cupy.cuda.MemoryPool().malloc,
                     cupy.cuda.MemoryPool().malloc,
-                    cmc.Allocator(cm.CachingResource(cm.PoolResource(pool))),
+                    installed_form(cmc.Allocator(cm.CachingResource(cm.PoolResource(pool)))),
                     cupy.cuda.get_allocator(),  # what the budget installed for CuPy
                 ),
                 strict=True,
@@ -543,7 +552,7 @@ def pairs_child(counts: Counts, result: dict):
 
         result["environment"]["cupy"] = cupy.__version__
         memory_pool = cupy.cuda.MemoryPool()
-        plugin = cmc.Allocator(cache)
+        plugin = installed_form(cmc.Allocator(cache))
         rows["CuPy default MemoryPool pair"], rows["CuPy plug-in pair over the cache"] = [], []
         cupy_stream = cupy.cuda.Stream(non_blocking=True)
     # CuPy's current stream (for its rows only: cumempool's rows name their stream).

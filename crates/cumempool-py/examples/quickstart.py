@@ -22,7 +22,7 @@ with torch.cuda.use_mem_pool(torch_pool):
 print("PyTorch holds", cmt.statistics()["current_bytes"], "bytes of the pool")
 
 # CuPy: allocations go to the cache on CuPy's current stream.
-with cupy.cuda.using_allocator(cmc.Allocator(cache)):
+with cupy.cuda.using_allocator(cmc.Allocator(cache).malloc):
     y = cupy.arange(1 << 20, dtype=cupy.float32)
     print("CuPy sum", float(y.sum()))
 

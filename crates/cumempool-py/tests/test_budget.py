@@ -1105,3 +1105,20 @@ def test_a_failed_budget_leaves_no_route_changed_on_the_stand_in(stand_in_libcud
         """,
     )
     assert words == ["refused", "True", "True"], words
+
+
+def test_the_budget_installs_its_cupy_allocators_malloc_and_puts_back_the_one_before(stand_in_libcuda):
+    # One device: the allocator's `malloc` (CuPy calls it without an argument tuple), the same
+    # object until `close()`, which then finds it installed and puts back what was there.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        BUDGETED_CUPY
+        + """
+import cumempool.cupy as cmc
+print(type(allocate.__self__) is cmc.Allocator, allocate.__name__, allocate(4096) is not None)
+cupy.cuda.get_allocator = lambda: installed[-1]
+budget.close()
+print(installed[-1])
+""",
+    )
+    assert words == ["True", "malloc", "True", "None"]

@@ -168,12 +168,15 @@ def test_torch_and_cupy_read_buffers_through_dlpack_and_the_array_interface(gpu,
     assert int(t2[0]) == 1
 
 
-def test_cupy_allocator_on_the_current_stream(gpu):
+@pytest.mark.parametrize("installed", ["object", "malloc"])
+def test_cupy_allocator_on_the_current_stream(gpu, installed):
+    # Installed as the object (called with an argument tuple) or as its `malloc` (without one).
     cupy = library("cupy")
     import cumempool.cupy as cmc
 
     stats = cm.Statistics(cm.PoolResource(cm.MemPool(cm.Route.device(0))))
-    with cupy.cuda.using_allocator(cmc.Allocator(stats)):
+    allocator = cmc.Allocator(stats)
+    with cupy.cuda.using_allocator(allocator.malloc if installed == "malloc" else allocator):
         s = cupy.cuda.Stream(non_blocking=True)
         with s:
             a = cupy.arange(1 << 16, dtype=cupy.float32)
@@ -355,7 +358,7 @@ def test_cupy_graph_capture_through_the_plug_in_replays_and_keeps_its_memory(gpu
     # (its allocation, a cache's bookkeeping, its synchronize) must not invalidate it.
     cupy, pool, allocator, s = _cupy_capture_setup()
     n = 1 << 16
-    with cupy.cuda.using_allocator(allocator), s:
+    with cupy.cuda.using_allocator(allocator.malloc), s:  # installed as the docs say
         x = cupy.arange(n, dtype=cupy.float32)
         out = cupy.zeros((), dtype=cupy.float32)
         s.synchronize()

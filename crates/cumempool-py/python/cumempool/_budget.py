@@ -458,10 +458,11 @@ def _install_cupy(cupy: Any) -> None:
 
     installed: Callable[[int], Any] = allocate
     if len(allocators) == 1:
-        # One device (one rank's): its allocator itself, one call less per allocation.
+        # One device (one rank's): its allocator's own `malloc`, one call less per allocation,
+        # which CuPy makes without an argument tuple. Kept, so that `close()` finds it installed.
         (only,) = allocators.values()
         only._elsewhere = outside
-        installed = only
+        installed = only.malloc
     budget_now._cupy = (current, installed)
     cupy.cuda.set_allocator(installed)
 

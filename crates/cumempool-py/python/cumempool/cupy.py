@@ -3,7 +3,11 @@ pool or resource on CuPy's current stream.
 
 >>> import cupy, cumempool as cm, cumempool.cupy as cmc
 >>> pool = cm.MemPool(cm.Route.device(0))
->>> cupy.cuda.set_allocator(cmc.Allocator(cm.CachingResource(cm.PoolResource(pool))))
+>>> cupy.cuda.set_allocator(cmc.Allocator(cm.CachingResource(cm.PoolResource(pool))).malloc)
+
+``Allocator(...)`` itself is an allocator too; its ``malloc``, like CuPy's own
+``MemoryPool().malloc``, is the faster one to install: CuPy calls it without making an
+argument tuple.
 
 Routing alone needs no plug-in: ``cupy.cuda.MemoryAsyncPool("current")`` draws from the
 device's current pool, and ``MemoryAsyncPool(pool.handle)`` from a given one.
@@ -59,8 +63,10 @@ def out_of_memory_error():
 
 
 class Allocator(_CupyAllocatorBase):
-    """``allocator(size) -> cupy.cuda.MemoryPointer`` over ``source``; the memory goes back
-    (on the stream it was allocated on) when CuPy lets go of it.
+    """``allocator(size) -> cupy.cuda.MemoryPointer`` over ``source``, and the same as
+    ``allocator.malloc(size)``, the form to install (``cupy.cuda.set_allocator(allocator.malloc)``,
+    as CuPy's pools are: CuPy then calls it without an argument tuple); the memory goes back (on
+    the stream it was allocated on) when CuPy lets go of it.
 
     It allocates on CuPy's current stream, and holds the CuPy stream object only while memory
     allocated on it, or a block a cache keeps for it, is alive.

@@ -79,6 +79,13 @@ impl CupyAllocatorBase {
         slf.call_method1(intern!(py, "_serve_in_python"), (size,)).map(Bound::unbind)
     }
 
+    /// `self(size)` as a method, for `cupy.cuda.set_allocator(allocator.malloc)` as CuPy's own
+    /// pools are installed (`MemoryPool().malloc`): CuPy then calls it without making an
+    /// argument tuple, which the call of an object needs.
+    fn malloc(slf: &Bound<'_, Self>, size: usize) -> PyResult<Py<PyAny>> {
+        Self::__call__(slf, size)
+    }
+
     /// What the garbage collector follows: a cycle through the resource (an out-of-memory
     /// callback that holds the allocator) is found, and broken where it can be cleared.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
