@@ -90,3 +90,22 @@ def test_torch_capturing_a_lent_stream_does_not_get_a_cached_block(gpu):
     del graph
     cache.alloc(1 << 20, s).close()  # eager use after the capture works again
     cache.release()
+
+
+def test_a_default_streams_object_is_one_per_device_and_a_device_not_there_keeps_none(stand_in_libcuda):
+    # One object per device and kind, found again without a lock; an ordinal the driver refuses
+    # (one past the lock-free slots, and one inside them) leaves nothing behind, and asks again.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        print(cm.Stream.legacy(0) is cm.Stream.legacy(0), cm.Stream.borrow(2) is cm.Stream.borrow(2))
+        for device in (70, 5, 70, 5):
+            try:
+                cm.Stream.legacy(device)
+                print("made")
+            except cm.CumempoolError as error:
+                print(type(error).__name__)
+        """,
+    )
+    assert words[:2] == ["True", "True"]
+    assert len(set(words[2:])) == 1 and words[2] != "made", words

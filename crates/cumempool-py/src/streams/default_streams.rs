@@ -2,8 +2,7 @@
 //! legacy stream is the current context's, the per-thread stream the calling thread's, so every
 //! module that meets a raw handle asks here before treating it as one stream.
 
-use crate::streams::primary_contexts::{once_per_device, primary_context};
-use std::sync::Mutex;
+use crate::streams::primary_contexts::{primary_context, PerDevice};
 
 /// `CU_STREAM_LEGACY`: the legacy default stream of the current context, as `0` is.
 pub(crate) const LEGACY_HANDLE: usize = 1;
@@ -26,12 +25,12 @@ pub(crate) fn legacy_stream_blocked(device: i32) -> bool {
 }
 
 /// The legacy stream of `device`'s primary context, made once per device: the plug-ins ask
-/// it at every allocation on a default stream.
-pub(crate) fn legacy_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
-    once_per_device(&LEGACY_STREAMS, device, || Ok(cumempool::Stream::legacy(&primary_context(device)?)))
+/// it at every allocation on a default stream, so it is found without a lock.
+pub(crate) fn legacy_stream(device: i32) -> cumempool::Result<&'static cumempool::Stream> {
+    LEGACY_STREAMS.get_or_make(device, || Ok(cumempool::Stream::legacy(&primary_context(device)?)))
 }
 
 /// One legacy stream per device (`legacy_stream`); each holds its primary context, which the
 /// bindings keep retained for the process anyway (`primary_contexts`). Apart from the Python
 /// objects of `Stream::shared_legacy` (`stream.rs`): the torch plug-in asks without the GIL.
-static LEGACY_STREAMS: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
+static LEGACY_STREAMS: PerDevice<cumempool::Stream> = PerDevice::new();

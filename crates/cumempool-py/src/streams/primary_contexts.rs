@@ -4,42 +4,69 @@
 //! of a device no lookup here makes a driver call.
 
 use crate::sync::locks::lock;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
-/// The retained primary contexts, one per device, in the order first asked for.
-static PRIMARY: Mutex<Vec<(i32, cumempool::Context)>> = Mutex::new(Vec::new());
+/// The retained primary contexts, one per device.
+static PRIMARY: PerDevice<cumempool::Context> = PerDevice::new();
 
 /// The primary context of `device`, retained on the first call for the device. That call
 /// retains it with the driver (which may create it: a long call), so callers holding the GIL
 /// make it with the GIL released.
 pub(crate) fn primary_context(device: i32) -> cumempool::Result<cumempool::Context> {
-    // Retained without the lock (another thread's lookup of a known device need not wait); an
-    // extra retain, where another thread retained it meanwhile, is released after the lock
-    // (releasing is a driver call).
-    once_per_device(&PRIMARY, device, || cumempool::Device::get(device)?.primary_context())
+    PRIMARY.get_or_make(device, || cumempool::Device::get(device)?.primary_context()).cloned()
 }
 
-/// The entry of `device` in `entries`, made by `make` on the first call for the device. `make`
-/// runs without the lock, so a lookup of a known device never waits for it; where another
-/// thread made an entry meanwhile, that first one stays the device's and the one made here is
-/// dropped after the lock.
-pub(crate) fn once_per_device<T: Clone>(
-    entries: &Mutex<Vec<(i32, T)>>,
-    device: i32,
-    make: impl FnOnce() -> cumempool::Result<T>,
-) -> cumempool::Result<T> {
-    let known = |entries: &[(i32, T)]| entries.iter().find(|(d, _)| *d == device).map(|(_, entry)| entry.clone());
-    if let Some(entry) = known(&lock(entries)) {
-        return Ok(entry);
+/// How many device ordinals, from 0, [`PerDevice`] finds without a lock.
+const UNLOCKED_DEVICES: usize = 64;
+
+/// One entry per device, made on the first call for the device and kept for the process (never
+/// dropped). Hot paths (a plug-in's allocation on a default stream) look entries up: for device
+/// ordinals below [`UNLOCKED_DEVICES`] that is one acquire load, without a lock or an atomic
+/// read-modify-write; other ordinals go through a lock.
+pub(crate) struct PerDevice<T: 'static> {
+    unlocked: [OnceLock<T>; UNLOCKED_DEVICES],
+    /// Entries of other ordinals, leaked once made (they live for the process either way).
+    locked: Mutex<Vec<(i32, &'static T)>>,
+}
+
+impl<T: Send + Sync> PerDevice<T> {
+    pub(crate) const fn new() -> Self {
+        Self { unlocked: [const { OnceLock::new() }; UNLOCKED_DEVICES], locked: Mutex::new(Vec::new()) }
     }
-    let made = make()?;
-    let mut entries = lock(entries);
-    if let Some(first) = known(&entries) {
-        drop(entries);
-        return Ok(first);
+
+    /// The entry of `device`, made by `make` on the first call for the device. `make` runs
+    /// without a lock, so a lookup of a known device never waits for it; where another thread
+    /// made an entry meanwhile, that first one stays the device's and the one made here is
+    /// dropped (on the calling thread, outside any lock).
+    pub(crate) fn get_or_make<E>(
+        &'static self,
+        device: i32,
+        make: impl FnOnce() -> Result<T, E>,
+    ) -> Result<&'static T, E> {
+        if let Some(slot) = usize::try_from(device).ok().and_then(|d| self.unlocked.get(d)) {
+            if let Some(entry) = slot.get() {
+                return Ok(entry);
+            }
+            let made = make()?;
+            // The closure only moves `made` in, so another thread waits for it at most that
+            // long; where the slot was set meanwhile it is not called, and drops `made`.
+            return Ok(slot.get_or_init(move || made));
+        }
+        let known = |entries: &[(i32, &'static T)]| entries.iter().find(|(d, _)| *d == device).map(|&(_, e)| e);
+        if let Some(entry) = known(&lock(&self.locked)) {
+            return Ok(entry);
+        }
+        let made = make()?;
+        let mut entries = lock(&self.locked);
+        if let Some(first) = known(&entries) {
+            drop(entries);
+            drop(made);
+            return Ok(first);
+        }
+        let entry: &'static T = Box::leak(Box::new(made));
+        entries.push((device, entry));
+        Ok(entry)
     }
-    entries.push((device, made.clone()));
-    Ok(made)
 }
 
 /// The context of `stream`, a stream of `device`: its own where it knows it (every stream the

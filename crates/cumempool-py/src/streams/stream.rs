@@ -14,7 +14,7 @@ use crate::streams::default_streams::{names_legacy, PER_THREAD_HANDLE};
 use crate::streams::lent_streams::{
     foreign_handle, protocol_handle, refuse_bool, still_lent_as, Lent, LentStream, Naming,
 };
-use crate::streams::primary_contexts::primary_context;
+use crate::streams::primary_contexts::{primary_context, PerDevice};
 use crate::sync::locks::lock;
 use crate::values::device::given_or_current;
 use pyo3::prelude::*;
@@ -80,7 +80,7 @@ impl Stream {
     /// The legacy default stream of `device`, one object per device for the process, so a
     /// cache sees one stream and no context is retained per call.
     fn shared_legacy(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
-        static LEGACY: Mutex<Vec<(i32, Py<Stream>)>> = Mutex::new(Vec::new());
+        static LEGACY: PerDevice<Py<Stream>> = PerDevice::new();
         Self::shared(py, &LEGACY, device, cumempool::Stream::legacy)
     }
 
@@ -93,7 +93,7 @@ impl Stream {
     /// an object kept and used later is refused while it does (`StreamCapturingError`, the
     /// capture left intact).
     fn per_thread(py: Python<'_>, device: i32) -> Outcome<Py<Self>> {
-        static PER_THREAD: Mutex<Vec<(i32, Py<Stream>)>> = Mutex::new(Vec::new());
+        static PER_THREAD: PerDevice<Py<Stream>> = PerDevice::new();
         Self::shared(py, &PER_THREAD, device, cumempool::Stream::legacy_for_per_thread)
     }
 
@@ -101,23 +101,17 @@ impl Stream {
     /// context the first time.
     fn shared(
         py: Python<'_>,
-        objects: &Mutex<Vec<(i32, Py<Stream>)>>,
+        objects: &'static PerDevice<Py<Stream>>,
         device: i32,
         make: fn(&cumempool::Context) -> cumempool::Stream,
     ) -> Outcome<Py<Self>> {
-        if let Some((_, stream)) = lock(objects).iter().find(|(d, _)| *d == device) {
-            return Ok(stream.clone_ref(py));
-        }
-        // Made without the lock (retaining the context releases the GIL): another thread may
-        // have made one meanwhile, and the first one stays the device's.
-        let context = crate::sync::gil::detach(py, || primary_context(device))?;
-        let made = Py::new(py, Self { stream: make(&context), lenders: None, device, closed: Default::default() })?;
-        let mut objects = lock(objects);
-        if let Some((_, stream)) = objects.iter().find(|(d, _)| *d == device) {
-            return Ok(stream.clone_ref(py));
-        }
-        objects.push((device, made.clone_ref(py)));
-        Ok(made)
+        let object = objects.get_or_make(device, || {
+            // Retaining the context may be a long driver call: made with the GIL released.
+            let context = crate::sync::gil::detach(py, || primary_context(device))?;
+            Py::new(py, Self { stream: make(&context), lenders: None, device, closed: Default::default() })
+                .map_err(Failure::from)
+        })?;
+        Ok(object.clone_ref(py))
     }
 
     /// Borrows `raw`, a stream of `device`, keeping `owner` alive as long as any clone of the
