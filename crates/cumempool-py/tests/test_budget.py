@@ -1122,3 +1122,41 @@ print(installed[-1])
 """,
     )
     assert words == ["True", "malloc", "True", "None"]
+
+
+def test_the_budgets_cupy_allocator_releases_what_cupys_graphs_kept(stand_in_libcuda):
+    # The budget installs its allocator's `malloc`; the allocator itself, whose
+    # release_captured() gives back the memory kept for CuPy's graphs, is the budget's to give.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        BUDGETED_CUPY
+        + """
+allocator = cm.active().cupy_allocator(0)
+print(allocate.__self__ is allocator, cm.active().cupy_allocator(1))
+s = capture(); x = allocate(4096); print(end_capture(s)); del x
+print(allocator.captured_bytes)
+allocator.release_captured()
+print(allocator.captured_bytes)
+budget.close()
+""",
+    )
+    assert words == ["True", "None", "0", "4096", "0"], words
+
+
+def test_what_the_report_says_to_call_for_the_caches_blocks_can_be_called(stand_in_libcuda):
+    # The report's advice names `cumempool.active().release_cached()`: a call the user can make
+    # as written, which gives the cached block back.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        import re
+        import cumempool
+        budget = cm.budget(devices={0: "1MiB"})
+        budget.resource("cupy", 0).alloc(8192, cm.Stream(0)).close()
+        call = re.search(r"\\((cumempool\\.[^ ]*\\(\\))\\)", cm.budget_report(0)).group(1)
+        print(call, cumempool.active() is budget, eval(call, {"cumempool": cumempool}))
+        budget.close()
+        print(cumempool.active())
+        """,
+    )
+    assert words == ["cumempool.active().release_cached()", "True", "8192", "None"], words

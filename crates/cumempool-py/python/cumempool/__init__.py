@@ -47,7 +47,7 @@ from ._native import (
     reset_current_pool,
     set_current_pool,
 )
-from ._budget import Budget, budget, parse_size, usage
+from ._budget import Budget, active, budget, parse_size, usage
 from ._budget import report as budget_report
 from ._history import dump_snapshot, record_history, snapshot
 from .errors import *  # noqa: F401,F403  (the exception classes, at the top level too)
@@ -91,6 +91,7 @@ __all__ = [
     "Stream",
     "Tracking",
     "__version__",
+    "active",
     "bindings_version",
     "budget",
     "budget_report",

@@ -181,6 +181,8 @@ class Budget:
         self._outside: dict[int, Any] = {}
         # What closing puts back: CuPy's allocator before the budget's, and the budget's own.
         self._cupy: tuple[Any, Any] | None = None
+        # The CuPy allocators the budget made, by device (installed as their `malloc`).
+        self._cupy_allocators: dict[int, Any] = {}
 
     @property
     def devices(self) -> dict[int, int]:
@@ -222,6 +224,13 @@ class Budget:
 
             raise InvalidDeviceError(f"device {device} has no budget: the budget covers devices {sorted(self._devices)}")
         return found
+
+    def cupy_allocator(self, device: int) -> Any:
+        """The :class:`cumempool.cupy.Allocator` the budget serves CuPy through on ``device``
+        (installed as its ``malloc``), or None before CuPy is imported: its
+        ``release_captured()`` gives back the memory kept for CuPy's CUDA graphs, once they are
+        gone, and ``captured_bytes`` says how much that is."""
+        return self._cupy_allocators.get(device)
 
     def release_cached(self) -> int:
         """Gives the free blocks the libraries' caches keep back to the budget's pools, for the
@@ -448,6 +457,7 @@ def _install_cupy(cupy: Any) -> None:
     from .cupy import Allocator
 
     allocators = {ordinal: Allocator(budget_now.resource("cupy", ordinal)) for ordinal in budget_now.devices}
+    budget_now._cupy_allocators = allocators
 
     def outside(size: int) -> Any:
         return cupy.get_default_memory_pool().malloc(size)  # a device outside the budget

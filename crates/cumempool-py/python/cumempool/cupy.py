@@ -66,7 +66,9 @@ class Allocator(_CupyAllocatorBase):
     """``allocator(size) -> cupy.cuda.MemoryPointer`` over ``source``, and the same as
     ``allocator.malloc(size)``, the form to install (``cupy.cuda.set_allocator(allocator.malloc)``,
     as CuPy's pools are: CuPy then calls it without an argument tuple); the memory goes back (on
-    the stream it was allocated on) when CuPy lets go of it.
+    the stream it was allocated on) when CuPy lets go of it. ``malloc`` is the native call
+    itself: a subclass that overrides ``__call__`` is installed as the object (or overrides
+    ``malloc`` too).
 
     It allocates on CuPy's current stream, and holds the CuPy stream object only while memory
     allocated on it, or a block a cache keeps for it, is alive.
