@@ -58,6 +58,7 @@ def main() -> int:
             parser.error(f"{build!r} is not NAME=DIR (for example after=/tmp/after)")
         builds.append((name, site))
     seconds = {name: {key: {} for key in CHILDREN.values()} for name, _ in builds}
+    block_iterations = {name: 0 for name, _ in builds}
     failed = False
     for repeat in range(args.repeats):
         for name, site in builds:
@@ -70,6 +71,8 @@ def main() -> int:
                     print(f"{name}: {result['environment']}")
                 for row, values in result.get(key, {}).get("seconds", {}).items():
                     seconds[name][key].setdefault(row, []).extend(values)
+                if key == "interleaved" and key in result:
+                    block_iterations[name] = result[key]["block_iterations"]
     for name, _ in builds:
         pairs = seconds[name]["pairs"]
         rounds = len(next(iter(pairs.values()), []))
@@ -77,9 +80,11 @@ def main() -> int:
         print(f"== {name}, {args.repeats} repeats pooled")
         for line in workloads.pair_table(workloads.pair_figures(pooled), pooled):
             print(line)
-        print("CuPy loop, allocators alternated in one process (us/iteration, x the default MemoryPool, quartiles)")
-        for row, f in workloads.interleaved_figures({"interleaved": {"seconds": seconds[name]["interleaved"]}}).items():
-            print(f"  {row:<38}{f['median_s'] * 1e6:9.2f}{f['ratio']:8.3f}   {f['q1']:.3f}-{f['q3']:.3f}")
+        loop = seconds[name]["interleaved"]
+        cycles = len(next(iter(loop.values()), []))
+        alternated = {"interleaved": {"seconds": loop, "cycles": cycles, "block_iterations": block_iterations[name]}}
+        for line in workloads.interleaved_table(workloads.interleaved_figures(alternated), alternated):
+            print(line)
     return 1 if failed else 0
 
 
