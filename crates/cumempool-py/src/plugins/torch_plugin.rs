@@ -15,6 +15,7 @@ use crate::memory::dyn_resource::{Erased, Resource};
 use crate::pools::resources::ResourceBase;
 use crate::pools::MemPool;
 use crate::streams::device_wait::wait_for_device;
+use crate::streams::primary_contexts::PerDevice;
 use cumempool::sys;
 use cumempool_alloc::Statistics;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -320,17 +321,15 @@ fn allocate_outside_graphs(
 
 /// One non-blocking stream per device for allocations made while PyTorch's stream captures
 /// (`allocate_outside_graphs`), made on first use and kept for the process.
-static SIDE_STREAMS: Mutex<Vec<(i32, cumempool::Stream)>> = Mutex::new(Vec::new());
+static SIDE_STREAMS: PerDevice<cumempool::Stream> = PerDevice::new();
 
 fn side_stream(device: i32) -> cumempool::Result<cumempool::Stream> {
-    let mut streams = crate::sync::locks::lock(&SIDE_STREAMS);
-    if let Some((_, stream)) = streams.iter().find(|(d, _)| *d == device) {
-        return Ok(stream.clone());
-    }
-    let context = crate::streams::primary_contexts::primary_context(device)?;
-    let stream = context.while_current(|| cumempool::Stream::new(&context))?;
-    streams.push((device, stream.clone()));
-    Ok(stream)
+    SIDE_STREAMS
+        .get_or_make(device, || {
+            let context = crate::streams::primary_contexts::primary_context(device)?;
+            context.while_current(|| cumempool::Stream::new(&context))
+        })
+        .cloned()
 }
 
 /// Exports the allocation function of each slot, `cumempool_torch_alloc_<index>`.
