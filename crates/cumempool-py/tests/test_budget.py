@@ -249,6 +249,26 @@ def test_on_the_gpu_cupys_out_of_memory_names_its_largest_allocation_and_its_sta
     assert lines[2].split()[4:] == ["at", "largest.py:4", "in", "load_weights", "<", "largest.py:5", "in", "<module>"], out.stdout
 
 
+def test_on_the_gpu_a_budget_closed_inside_cupys_using_allocator_puts_cupys_pool_back(gpu, tmp_path):
+    # With CuPy's own `using_allocator` and `set_allocator`: closed inside the scope, the budget
+    # still takes its allocator out of CuPy's global one, and CuPy's default pool serves again.
+    library("cupy")
+    script = tmp_path / "scoped_close.py"
+    script.write_text(
+        "import cupy, cumempool\n"
+        "before = cupy.cuda.get_allocator()\n"
+        "budget = cumempool.budget(devices={0: '64MiB'})\n"
+        "installed = cupy.cuda.get_allocator()\n"
+        "with cupy.cuda.using_allocator(before):\n"
+        "    budget.close()\n"
+        "x = cupy.ones(1 << 20, dtype=cupy.uint8)\n"
+        "print(installed is not before, cupy.cuda.get_allocator() is before, int(x.sum()))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", str(1 << 20)], out.stdout
+
+
 # Review findings on the import hook, each run in a fresh process with a package of its own.
 HOOKED = """
 import importlib.util, sys, warnings
@@ -576,6 +596,45 @@ budget.close()
 """,
     )
     assert words == ["True", "False"], "the budget's report was put on an error of a resource outside the budget"
+
+
+def test_a_budget_closed_inside_cupys_using_allocator_takes_its_allocator_out_of_cupys_global(stand_in_libcuda):
+    # CuPy's `using_allocator` shows its thread the scoped allocator (`get_allocator`) and refuses
+    # to set the global one there (`set_allocator` raises ValueError), as CuPy 14.2 does: a budget
+    # closed inside such a scope must still put CuPy's global allocator back, or every later CuPy
+    # allocation would draw from the closed budget.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+import contextlib, threading
+def own_pool(size):
+    return "own"
+chosen = {"global": own_pool}
+scoped = threading.local()
+def get_allocator():
+    local = getattr(scoped, "allocator", None)
+    return chosen["global"] if local is None else local
+def set_allocator(allocator):
+    if getattr(scoped, "allocator", None) is not None:
+        raise ValueError("Can't change the global allocator inside `using_allocator` context manager")
+    chosen["global"] = allocator
+@contextlib.contextmanager
+def using_allocator(allocator):
+    before, scoped.allocator = getattr(scoped, "allocator", None), allocator
+    try:
+        yield
+    finally:
+        scoped.allocator = before
+cupy.cuda.get_allocator, cupy.cuda.set_allocator, cupy.cuda.using_allocator = get_allocator, set_allocator, using_allocator
+cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=own_pool)
+budget = cm.budget(devices={0: "1MiB"})
+print("installed", chosen["global"] is not own_pool)
+with cupy.cuda.using_allocator(lambda size: None):
+    budget.close()
+print("put back", chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["installed", "True", "put", "back", "True"], words
 
 
 # After FAKE_CUPY: a budget of 1 MiB over a pool of that size, and `allocate`, the CuPy allocator

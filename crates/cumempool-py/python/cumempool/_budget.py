@@ -251,9 +251,7 @@ class Budget:
             # Closed even where a release failed: the budget is out of force either way.
             cupy = sys.modules.get("cupy")
             if cupy is not None and self._cupy is not None:
-                previous, installed = self._cupy
-                if cupy.cuda.get_allocator() is installed:
-                    cupy.cuda.set_allocator(previous)
+                _put_back_cupy_allocator(cupy, *self._cupy)
             with _lock:
                 if _active is self:
                     _active = None
@@ -265,6 +263,36 @@ class Budget:
 
 _lock = threading.Lock()
 _active: Budget | None = None
+
+
+def _put_back_cupy_allocator(cupy: Any, previous: Any, installed: Any) -> None:
+    """Makes ``previous`` CuPy's global allocator again where the budget's ``installed`` still
+    is (an allocator the program set since stays). Inside ``cupy.cuda.using_allocator`` CuPy
+    shows the scoped allocator instead of the global one and refuses to set the global one, so
+    both are done on a thread of no scope."""
+
+    def put_back() -> None:
+        if cupy.cuda.get_allocator() is installed:
+            cupy.cuda.set_allocator(previous)
+
+    failed: list[BaseException] = []
+
+    def on_a_thread_of_no_scope() -> None:
+        try:
+            put_back()
+        except BaseException as error:  # raised on the closing thread below
+            failed.append(error)
+
+    thread = threading.Thread(target=on_a_thread_of_no_scope, name="cumempool-budget-close")
+    try:
+        thread.start()
+    except RuntimeError:
+        # No thread at the interpreter's shutdown, and no scope open on this thread then.
+        put_back()
+        return
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def active() -> Budget | None:
