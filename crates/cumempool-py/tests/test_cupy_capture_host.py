@@ -398,8 +398,8 @@ def test_a_cupy_pair_asks_three_capture_questions_on_its_own_stream_and_one_on_t
     # needs the answer: the plug-in (a capture goes to the Python steps), then the cache at the
     # allocation and at the free. On CuPy's null stream one question serves the pair: whether a
     # blocking capture is underway, which with the device's context current (as CuPy leaves it)
-    # is one read of the current context; a cache hit makes no other driver call.
-    # benchmarks.md states these counts.
+    # is one read of the current context; one more read says that CuPy's device is the
+    # resource's; a cache hit makes no other driver call. benchmarks.md states these counts.
     words = _with_fake_cupy(
         stand_in_libcuda,
         """
@@ -419,7 +419,7 @@ for handle in (own.handle, 0):
     )
     own_stream, null_stream = words[:2], words[2:]
     assert own_stream[1] == "3.0", words
-    assert null_stream == ["1.0", "1.0"], words
+    assert null_stream == ["2.0", "1.0"], words
 
 
 @pytest.mark.parametrize("default_stream", [0, 2], ids=["null stream", "per-thread stream"])

@@ -207,6 +207,52 @@ def test_the_cupy_allocator_refuses_a_device_it_does_not_serve(stand_in_libcuda)
     assert lines[1:] == ["refused", "True"], "memory of device 0 was handed to CuPy running on device 1"
 
 
+def test_the_cupy_allocator_asks_cupy_its_device_only_where_another_context_is_current(stand_in_libcuda):
+    # CuPy's current device is the runtime's, which is the current context's device: where the
+    # resource's device's primary context is current (as CuPy leaves it), the plug-in knows the
+    # device without calling CuPy; with a context of another device current, CuPy is asked, and
+    # a device the resource does not serve is refused.
+    lines = _run(
+        stand_in_libcuda,
+        """
+        import sys, types
+        import cumempool.cupy as cmc
+        cupys_device, asked = [0], []
+        def get_device():
+            asked.append(cupys_device[0])
+            return cupys_device[0]
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=get_device),
+            get_current_stream=lambda: None,
+            UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
+            MemoryPointer=lambda memory, offset: memory,
+        )
+        sys.modules["cupy"] = cupy
+        allocator = cmc.Allocator(pool)
+        print(allocator(64)[3], len(asked), mine_current())  # `mine` current: CuPy is asked
+        retain = ctypes.c_void_p()  # handed out through cuGetProcAddress only
+        cuda.cuGetProcAddress_v2(b"cuDevicePrimaryCtxRetain", ctypes.byref(retain), 13000, ctypes.c_uint64(0), None)
+        primary = ctypes.c_void_p()
+        retain = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)(retain.value)
+        assert retain(ctypes.byref(primary), device) == 0
+        assert cuda.cuCtxSetCurrent(primary) == 0
+        kept = [allocator(64) for _ in range(3)]
+        print(kept[-1][3], len(asked), current() == primary.value)
+        assert cuda.cuCtxSetCurrent(mine) == 0
+        cupys_device[0] = 1  # CuPy on another device, whose context `mine` stands for
+        try:
+            allocator(64)
+            print("served")
+        except cm.InvalidDeviceError:
+            print("refused", len(asked))
+        """,
+    )
+    assert lines[:3] == ["0", "1", "True"], lines
+    assert lines[3:6] == ["0", "1", "True"], "CuPy was asked its device while the device's primary context was current"
+    assert lines[6] == "refused" and int(lines[7]) > 1, "a context of another device current, CuPy was not asked"
+
+
 def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys_object(stand_in_libcuda):
     # CuPy's device current, a stream that does not capture, no recording: one native call
     # serves it (the Python steps, which would ask CuPy's stream, are not taken), and the

@@ -132,3 +132,15 @@ fn copies_work_from_a_thread_without_the_streams_context() {
         }
     }
 }
+
+#[test]
+#[ignore = "requires a CUDA GPU"]
+fn is_current_reads_the_drivers_current_context() {
+    let context = gpu().expect("a GPU");
+    context.make_current().unwrap();
+    assert!(context.is_current().unwrap());
+    raw_set_current(std::ptr::null_mut()); // other code pops the context
+    assert!(!context.is_current().unwrap());
+    context.make_current().unwrap();
+    assert!(context.is_current().unwrap());
+}

@@ -105,7 +105,7 @@ impl CupyAllocatorBase {
     /// resource's limit).
     fn serve(&self, py: Python<'_>, size: usize) -> Outcome<Option<Py<PyAny>>> {
         let resource = self.resource.get();
-        if self.current_device.call0(py)?.extract::<i32>(py)? != resource.device {
+        if !self.device_is_current(py, resource.device)? {
             return Ok(None);
         }
         let stream = self.current_stream(py, resource.device)?;
@@ -119,6 +119,19 @@ impl CupyAllocatorBase {
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
+    }
+
+    /// Whether `device` is CuPy's current device. CuPy's is the runtime's (`cudaGetDevice`),
+    /// which is the current context's device: where `device`'s primary context (retained by an
+    /// earlier call) is current, that is the answer without a call into CuPy; otherwise CuPy
+    /// is asked.
+    fn device_is_current(&self, py: Python<'_>, device: i32) -> Outcome<bool> {
+        if let Some(context) = crate::streams::primary_contexts::primary_context_if_retained(device) {
+            if matches!(context.is_current(), Ok(true)) {
+                return Ok(true);
+            }
+        }
+        Ok(self.current_device.call0(py)?.extract::<i32>(py)? == device)
     }
 
     /// CuPy's current stream, as served on `device` (the current device). A default stream

@@ -16,6 +16,12 @@ pub(crate) fn primary_context(device: i32) -> cumempool::Result<cumempool::Conte
     PRIMARY.get_or_make(device, || cumempool::Device::get(device)?.primary_context()).cloned()
 }
 
+/// The primary context of `device` where an earlier call retained it, without a driver call or
+/// a lock (for ordinals below [`UNLOCKED_DEVICES`]); `None` otherwise.
+pub(crate) fn primary_context_if_retained(device: i32) -> Option<&'static cumempool::Context> {
+    PRIMARY.get_unlocked(device)
+}
+
 /// How many device ordinals, from 0, [`PerDevice`] finds without a lock.
 const UNLOCKED_DEVICES: usize = 64;
 
@@ -32,6 +38,12 @@ pub(crate) struct PerDevice<T: 'static> {
 impl<T: Send + Sync> PerDevice<T> {
     pub(crate) const fn new() -> Self {
         Self { unlocked: [const { OnceLock::new() }; UNLOCKED_DEVICES], locked: Mutex::new(Vec::new()) }
+    }
+
+    /// The entry of `device` where it was made and the ordinal is below [`UNLOCKED_DEVICES`]:
+    /// one acquire load, never a lock.
+    pub(crate) fn get_unlocked(&'static self, device: i32) -> Option<&'static T> {
+        usize::try_from(device).ok().and_then(|d| self.unlocked.get(d)).and_then(OnceLock::get)
     }
 
     /// The entry of `device`, made by `make` on the first call for the device. `make` runs

@@ -48,6 +48,20 @@ impl Context {
         set_current(self.0.raw.0)
     }
 
+    /// Whether this context is the calling thread's current one (`cuCtxGetCurrent`, a
+    /// thread-local read inside libcuda). The runtime's current device (`cudaGetDevice`) is the
+    /// current context's device, so this also says that the runtime's current device is this
+    /// context's, without a call into the runtime.
+    ///
+    /// # Errors
+    /// The driver's answer.
+    ///
+    /// See [cuCtxGetCurrent](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html).
+    #[inline]
+    pub fn is_current(&self) -> Result<bool> {
+        Ok(current()? == self.0.raw.0)
+    }
+
     /// Makes this context current unless it already is.
     ///
     /// Asks the driver every time (`cuCtxGetCurrent` is a thread-local read inside libcuda, a few
