@@ -598,17 +598,17 @@ budget.close()
     assert words == ["True", "False"], "the budget's report was put on an error of a resource outside the budget"
 
 
-def test_a_budget_closed_inside_cupys_using_allocator_takes_its_allocator_out_of_cupys_global(stand_in_libcuda):
-    # CuPy's `using_allocator` shows its thread the scoped allocator (`get_allocator`) and refuses
-    # to set the global one there (`set_allocator` raises ValueError), as CuPy 14.2 does: a budget
-    # closed inside such a scope must still put CuPy's global allocator back, or every later CuPy
-    # allocation would draw from the closed budget.
-    words = _with_fake_cupy(
-        stand_in_libcuda,
-        """
-import contextlib, threading
-def own_pool(size):
-    return "own"
+# After FAKE_CUPY: CuPy's allocator choice as CuPy 14.2 makes it. `using_allocator` shows its
+# thread the scoped allocator (`get_allocator`) and refuses to set the global one there
+# (`set_allocator` raises ValueError); `own_pool` is the default pool's `malloc`, CuPy's global
+# allocator until something else is set.
+SCOPED_CUPY = """
+import contextlib, threading, warnings
+class Pool:
+    def malloc(self, size):
+        return "own"
+the_pool = Pool()
+own_pool = the_pool.malloc
 chosen = {"global": own_pool}
 scoped = threading.local()
 def get_allocator():
@@ -626,15 +626,143 @@ def using_allocator(allocator):
     finally:
         scoped.allocator = before
 cupy.cuda.get_allocator, cupy.cuda.set_allocator, cupy.cuda.using_allocator = get_allocator, set_allocator, using_allocator
-cupy.get_default_memory_pool = lambda: types.SimpleNamespace(malloc=own_pool)
+cupy.get_default_memory_pool = lambda: the_pool
+"""
+
+
+def test_a_budget_closed_inside_cupys_using_allocator_takes_its_allocator_out_of_cupys_global(stand_in_libcuda):
+    # Closed inside a scope, the budget must still put CuPy's global allocator back, or every
+    # later CuPy allocation would draw from the closed budget.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
 budget = cm.budget(devices={0: "1MiB"})
 print("installed", chosen["global"] is not own_pool)
 with cupy.cuda.using_allocator(lambda size: None):
     budget.close()
-print("put back", chosen["global"] is own_pool)
+print("put back", chosen["global"] == own_pool)
 """,
     )
     assert words == ["installed", "True", "put", "back", "True"], words
+
+
+def test_a_budget_made_inside_cupys_using_allocator_puts_cupy_on_the_budget(stand_in_libcuda):
+    # Made inside a scope, the budget reads and sets CuPy's global allocator, not the scoped one:
+    # no false "CuPy has an allocator of its own" (a scoped lambda), no refusal (the default
+    # pool's own `malloc` scoped), and the allocator it gives is the one installed.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+warnings.simplefilter("error")
+for scope in (lambda size: "scoped", own_pool):
+    with cupy.cuda.using_allocator(scope):
+        budget = cm.budget(devices={0: "1MiB"})
+    print("installed", chosen["global"] is not own_pool, chosen["global"].__self__ is budget.cupy_allocator(0))
+    budget.close()
+    print("put back", chosen["global"] == own_pool)
+""",
+    )
+    assert words == ["installed", "True", "True", "put", "back", "True"] * 2, words
+
+
+def test_a_budget_closed_by_a_finalizer_at_exit_puts_cupys_allocator_back_without_hanging(stand_in_libcuda):
+    # At the interpreter's shutdown no thread may start (Python 3.12 refuses; 3.10 and 3.11
+    # start one that never runs, and wait for it forever): closing then puts CuPy's allocator
+    # back on the closing thread, where no scope can be open.
+    # (The finalizer holds all it uses: module globals may be gone when it runs.)
+    code = """
+import os, types
+from cumempool import _budget
+chosen = {"global": "installed"}
+cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+    get_allocator=lambda chosen=chosen: chosen["global"],
+    set_allocator=lambda allocator, chosen=chosen: chosen.__setitem__("global", allocator),
+))
+class PutBack:
+    def __init__(self):
+        self.write, self.put_back, self.cupy, self.chosen = os.write, _budget._put_back_cupy_allocator, cupy, chosen
+    def __del__(self):
+        self.put_back(self.cupy, "previous", "installed")
+        self.write(1, ("put back " + self.chosen["global"] + chr(10)).encode())
+keeper = PutBack()
+print("exiting", flush=True)
+"""
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    try:
+        out = subprocess.run([sys.executable, "-c", STAND_IN_CAPTURE + code], capture_output=True, text=True, timeout=30, env=env)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("closing at exit hung") from None
+    assert out.stdout.split() == ["exiting", "put", "back", "previous"], (out.stdout, out.stderr[-2000:])
+
+
+def test_a_budget_that_cannot_start_a_thread_to_close_says_what_cupy_keeps(stand_in_libcuda):
+    # Inside a scope only a thread of its own can put CuPy's global allocator back; where none
+    # can start, closing says so (and what to call), and the budget is out of force anyway.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+budget = cm.budget(devices={0: "1MiB"})
+def refuse(self):
+    raise RuntimeError("can't start new thread")
+threading.Thread.start = refuse
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with cupy.cuda.using_allocator(lambda size: None):
+        budget.close()
+said = " ".join(str(w.message) for w in caught)
+print(len(caught), "cupy.cuda.set_allocator" in said and "can't start new thread" in said, cm.active() is None)
+""",
+    )
+    assert words == ["1", "True", "True"], words
+
+
+def test_a_close_interrupted_while_it_puts_cupys_allocator_back_leaves_no_budget_in_force(stand_in_libcuda):
+    # A KeyboardInterrupt while closing waits for its thread: the budget is out of force all
+    # the same, so a new one can be made.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+budget = cm.budget(devices={0: "1MiB"})
+def interrupted(self, timeout=None):
+    raise KeyboardInterrupt
+join, threading.Thread.join = threading.Thread.join, interrupted
+try:
+    budget.close()
+except KeyboardInterrupt:
+    print("interrupted")
+threading.Thread.join = join
+print(cm.active() is None)
+cm.budget(devices={0: "1MiB"}).close()
+print("made again")
+""",
+    )
+    assert words == ["interrupted", "True", "made", "again"], words
+
+
+def test_the_budgets_cupy_allocator_is_none_where_cupy_kept_its_own_and_refused_off_the_budget(stand_in_libcuda):
+    # Budget.cupy_allocator(device): None while CuPy draws outside the budget (not imported yet,
+    # or an allocator of the program's own kept), InvalidDeviceError for a device the budget
+    # does not cover, as Budget.pool() and Budget.resource() answer.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+warnings.simplefilter("ignore")
+chosen["global"] = lambda size: "mine"
+budget = cm.budget(devices={0: "1MiB"})
+print(budget.cupy_allocator(0))
+try:
+    budget.cupy_allocator(1)
+except cm.InvalidDeviceError as error:
+    print("refused", "device 1" in str(error))
+budget.close()
+""",
+    )
+    assert words == ["None", "refused", "True"], words
 
 
 # After FAKE_CUPY: a budget of 1 MiB over a pool of that size, and `allocate`, the CuPy allocator
@@ -1191,7 +1319,7 @@ def test_the_budgets_cupy_allocator_releases_what_cupys_graphs_kept(stand_in_lib
         BUDGETED_CUPY
         + """
 allocator = cm.active().cupy_allocator(0)
-print(allocate.__self__ is allocator, cm.active().cupy_allocator(1))
+print(allocate.__self__ is allocator)
 s = capture(); x = allocate(4096); print(end_capture(s)); del x
 print(allocator.captured_bytes)
 allocator.release_captured()
@@ -1199,7 +1327,7 @@ print(allocator.captured_bytes)
 budget.close()
 """,
     )
-    assert words == ["True", "None", "0", "4096", "0"], words
+    assert words == ["True", "0", "4096", "0"], words
 
 
 def test_what_the_report_says_to_call_for_the_caches_blocks_can_be_called(stand_in_libcuda):

@@ -31,7 +31,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from . import _history
 from ._native import CachingResource, MemPool, OnOutOfMemory, PoolResource, Route, RouteGuard, Statistics, set_current_pool
@@ -227,9 +227,11 @@ class Budget:
 
     def cupy_allocator(self, device: int) -> Any:
         """The :class:`cumempool.cupy.Allocator` the budget serves CuPy through on ``device``
-        (installed as its ``malloc``), or None before CuPy is imported: its
-        ``release_captured()`` gives back the memory kept for CuPy's CUDA graphs, once they are
-        gone, and ``captured_bytes`` says how much that is."""
+        (installed as its ``malloc``): its ``release_captured()`` gives back the memory kept
+        for CuPy's CUDA graphs, once they are gone, and ``captured_bytes`` says how much that
+        is. None while CuPy is not on the budget (not imported yet, or an allocator of the
+        program's own kept); ``InvalidDeviceError`` for a device the budget does not cover."""
+        self._device(device)
         return self._cupy_allocators.get(device)
 
     def release_cached(self) -> int:
@@ -248,13 +250,16 @@ class Budget:
             # drawn from them does.
             self.release_cached()
         finally:
-            # Closed even where a release failed: the budget is out of force either way.
-            cupy = sys.modules.get("cupy")
-            if cupy is not None and self._cupy is not None:
-                _put_back_cupy_allocator(cupy, *self._cupy)
-            with _lock:
-                if _active is self:
-                    _active = None
+            # Closed even where a release failed or CuPy's allocator could not be put back:
+            # the budget is out of force either way.
+            try:
+                cupy = sys.modules.get("cupy")
+                if cupy is not None and self._cupy is not None:
+                    _put_back_cupy_allocator(cupy, *self._cupy)
+            finally:
+                with _lock:
+                    if _active is self:
+                        _active = None
 
     def __repr__(self) -> str:
         limits = ", ".join(f"{d}: {device.limit}" for d, device in sorted(self._devices.items()))
@@ -267,32 +272,63 @@ _active: Budget | None = None
 
 def _put_back_cupy_allocator(cupy: Any, previous: Any, installed: Any) -> None:
     """Makes ``previous`` CuPy's global allocator again where the budget's ``installed`` still
-    is (an allocator the program set since stays). Inside ``cupy.cuda.using_allocator`` CuPy
-    shows the scoped allocator instead of the global one and refuses to set the global one, so
-    both are done on a thread of no scope."""
+    is (an allocator the program set since stays). Where no thread of its own can start for it
+    (see :func:`_outside_cupys_scopes`), done here, with a warning: inside a scope here, CuPy
+    keeps the closed budget's allocator."""
 
     def put_back() -> None:
         if cupy.cuda.get_allocator() is installed:
             cupy.cuda.set_allocator(previous)
 
-    failed: list[BaseException] = []
-
-    def on_a_thread_of_no_scope() -> None:
+    try:
+        _outside_cupys_scopes(put_back)
+    except _NoThread as error:
         try:
             put_back()
-        except BaseException as error:  # raised on the closing thread below
+        except ValueError:  # inside a scope of the budget's own allocator
+            pass
+        warnings.warn(
+            f"cumempool could not put CuPy's allocator from before the budget back on a thread of its own ({error}): "
+            "if the budget was closed inside cupy.cuda.using_allocator, CuPy keeps the closed budget's allocator; "
+            "call cupy.cuda.set_allocator() outside the scope to choose another",
+            stacklevel=3,
+        )
+
+
+class _NoThread(Exception):
+    """No thread could start (the reason is the message)."""
+
+
+_T = TypeVar("_T")
+
+
+def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
+    """``work()``, which reads or sets CuPy's global allocator, run where no
+    ``cupy.cuda.using_allocator`` scope hides it: inside one, CuPy shows its thread the scoped
+    allocator instead of the global one and refuses to set the global one there. So it runs on a
+    thread of its own, or on the calling thread once the interpreter shuts down (no thread can
+    run then; Python 3.10 and 3.11 would wait for one forever, and no scope is open). Raises
+    :class:`_NoThread` where a thread could not start otherwise, and what ``work`` raised."""
+    if sys.is_finalizing():
+        return work()
+    done: list[_T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except BaseException as error:  # raised on the calling thread below
             failed.append(error)
 
-    thread = threading.Thread(target=on_a_thread_of_no_scope, name="cumempool-budget-close")
+    thread = threading.Thread(target=run, name="cumempool-cupy-allocator")
     try:
         thread.start()
-    except RuntimeError:
-        # No thread at the interpreter's shutdown, and no scope open on this thread then.
-        put_back()
-        return
+    except RuntimeError as error:
+        raise _NoThread(str(error)) from error
     thread.join()
     if failed:
         raise failed[0]
+    return done[0]
 
 
 def active() -> Budget | None:
@@ -473,36 +509,47 @@ def _install_cupy(cupy: Any) -> None:
     budget_now = _active
     if budget_now is None:
         return
-    current = cupy.cuda.get_allocator()
-    default = getattr(cupy.get_default_memory_pool(), "malloc", None)
-    if (
-        current is not None
-        and default is not None
-        and getattr(current, "__self__", None) is not getattr(default, "__self__", None)
-    ):
-        warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
-        return
     from .cupy import Allocator
-
-    allocators = {ordinal: Allocator(budget_now.resource("cupy", ordinal)) for ordinal in budget_now.devices}
-    budget_now._cupy_allocators = allocators
 
     def outside(size: int) -> Any:
         return cupy.get_default_memory_pool().malloc(size)  # a device outside the budget
 
-    def allocate(size: int) -> Any:
-        allocator = allocators.get(cupy.cuda.runtime.getDevice())
-        return outside(size) if allocator is None else allocator(size)
+    def install() -> tuple[Any, Any, dict[int, Any]] | None:
+        """Puts the budget's allocator in CuPy's global place, unless the program's own is
+        there (None then): the allocator it replaced, the one installed, and the budget's
+        allocator of each device."""
+        current = cupy.cuda.get_allocator()
+        default = getattr(cupy.get_default_memory_pool(), "malloc", None)
+        if (
+            current is not None
+            and default is not None
+            and getattr(current, "__self__", None) is not getattr(default, "__self__", None)
+        ):
+            return None
+        allocators = {ordinal: Allocator(budget_now.resource("cupy", ordinal)) for ordinal in budget_now.devices}
 
-    installed: Callable[[int], Any] = allocate
-    if len(allocators) == 1:
-        # One device (one rank's): its allocator's own `malloc`, one call less per allocation,
-        # which CuPy makes without an argument tuple. Kept, so that `close()` finds it installed.
-        (only,) = allocators.values()
-        only._elsewhere = outside
-        installed = only.malloc
-    budget_now._cupy = (current, installed)
-    cupy.cuda.set_allocator(installed)
+        def allocate(size: int) -> Any:
+            allocator = allocators.get(cupy.cuda.runtime.getDevice())
+            return outside(size) if allocator is None else allocator(size)
+
+        installed: Callable[[int], Any] = allocate
+        if len(allocators) == 1:
+            # One device (one rank's): its allocator's own `malloc`, one call less per
+            # allocation, which CuPy makes without an argument tuple. Kept, so that `close()`
+            # finds it installed.
+            (only,) = allocators.values()
+            only._elsewhere = outside
+            installed = only.malloc
+        cupy.cuda.set_allocator(installed)
+        return current, installed, allocators
+
+    done = _outside_cupys_scopes(install)
+    if done is None:
+        warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
+        return
+    previous, installed, allocators = done
+    budget_now._cupy_allocators = allocators
+    budget_now._cupy = (previous, installed)
 
 
 def _install_numba(numba_cuda: Any) -> None:
