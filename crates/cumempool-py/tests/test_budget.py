@@ -667,6 +667,59 @@ for scope in (lambda size: "scoped", own_pool):
     assert words == ["installed", "True", "True", "put", "back", "True"] * 2, words
 
 
+# A `cupy` package on disk, imported after the budget is made (through the import hook), with
+# what the budget's allocator reads of CuPy 14.2 and its global allocator choice.
+CUPY_PACKAGE = """
+import types
+class Pool:
+    def malloc(self, size):
+        return "own"
+_pool = Pool()
+_chosen = [_pool.malloc]
+def get_default_memory_pool():
+    return _pool
+class OutOfMemoryError(MemoryError):
+    pass
+cuda = types.SimpleNamespace(
+    memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+    runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    get_current_stream=lambda: None,
+    UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
+    MemoryPointer=lambda memory, offset: memory,
+    get_allocator=lambda: _chosen[0],
+    set_allocator=lambda allocator: _chosen.__setitem__(0, allocator),
+)
+"""
+
+
+def test_cupy_imported_after_the_budget_is_put_on_it_without_waiting_on_its_own_import(stand_in_libcuda, tmp_path):
+    # The budget installs CuPy's allocator from inside CuPy's import, whose module lock the
+    # importing thread holds: work done for it on another thread must not import CuPy (that
+    # thread would wait for the lock, and the importing thread for it, forever).
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(CUPY_PACKAGE)
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import cumempool as cm
+        budget = cm.budget(devices={0: "1MiB"})
+        import cupy
+        allocator = cupy.cuda.get_allocator()
+        print(allocator.__self__ is budget.cupy_allocator(0), allocator(4096)[1])
+        budget.close()
+        print(cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc)
+        """
+    )
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30, env=env)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("importing CuPy under a budget hung") from None
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "4096", "True"], out.stdout
+
+
 def test_a_budget_closed_by_a_finalizer_at_exit_puts_cupys_allocator_back_without_hanging(stand_in_libcuda):
     # At the interpreter's shutdown no thread may start (Python 3.12 refuses; 3.10 and 3.11
     # start one that never runs, and wait for it forever): closing then puts CuPy's allocator

@@ -308,7 +308,12 @@ def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
     allocator instead of the global one and refuses to set the global one there. So it runs on a
     thread of its own, or on the calling thread once the interpreter shuts down (no thread can
     run then; Python 3.10 and 3.11 would wait for one forever, and no scope is open). Raises
-    :class:`_NoThread` where a thread could not start otherwise, and what ``work`` raised."""
+    :class:`_NoThread` where a thread could not start otherwise, and what ``work`` raised.
+
+    ``work`` calls CuPy's ``get_allocator`` and ``set_allocator`` only, and imports nothing:
+    the budget installs CuPy's allocator from inside CuPy's first import, whose module lock the
+    calling thread holds while it waits here, so an import of CuPy on the other thread would
+    wait for it forever."""
     if sys.is_finalizing():
         return work()
     done: list[_T] = []
@@ -509,47 +514,45 @@ def _install_cupy(cupy: Any) -> None:
     budget_now = _active
     if budget_now is None:
         return
+    current = _outside_cupys_scopes(cupy.cuda.get_allocator)
+    default = getattr(cupy.get_default_memory_pool(), "malloc", None)
+    if (
+        current is not None
+        and default is not None
+        and getattr(current, "__self__", None) is not getattr(default, "__self__", None)
+    ):
+        warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
+        return
     from .cupy import Allocator
+
+    allocators = {ordinal: Allocator(budget_now.resource("cupy", ordinal)) for ordinal in budget_now.devices}
 
     def outside(size: int) -> Any:
         return cupy.get_default_memory_pool().malloc(size)  # a device outside the budget
 
-    def install() -> tuple[Any, Any, dict[int, Any]] | None:
-        """Puts the budget's allocator in CuPy's global place, unless the program's own is
-        there (None then): the allocator it replaced, the one installed, and the budget's
-        allocator of each device."""
-        current = cupy.cuda.get_allocator()
-        default = getattr(cupy.get_default_memory_pool(), "malloc", None)
-        if (
-            current is not None
-            and default is not None
-            and getattr(current, "__self__", None) is not getattr(default, "__self__", None)
-        ):
-            return None
-        allocators = {ordinal: Allocator(budget_now.resource("cupy", ordinal)) for ordinal in budget_now.devices}
+    def allocate(size: int) -> Any:
+        allocator = allocators.get(cupy.cuda.runtime.getDevice())
+        return outside(size) if allocator is None else allocator(size)
 
-        def allocate(size: int) -> Any:
-            allocator = allocators.get(cupy.cuda.runtime.getDevice())
-            return outside(size) if allocator is None else allocator(size)
+    installed: Callable[[int], Any] = allocate
+    if len(allocators) == 1:
+        # One device (one rank's): its allocator's own `malloc`, one call less per allocation,
+        # which CuPy makes without an argument tuple. Kept, so that `close()` finds it installed.
+        (only,) = allocators.values()
+        only._elsewhere = outside
+        installed = only.malloc
 
-        installed: Callable[[int], Any] = allocate
-        if len(allocators) == 1:
-            # One device (one rank's): its allocator's own `malloc`, one call less per
-            # allocation, which CuPy makes without an argument tuple. Kept, so that `close()`
-            # finds it installed.
-            (only,) = allocators.values()
-            only._elsewhere = outside
-            installed = only.malloc
+    def install() -> bool:
+        if cupy.cuda.get_allocator() is not current:
+            return False  # another thread set one meanwhile: the program's own
         cupy.cuda.set_allocator(installed)
-        return current, installed, allocators
+        return True
 
-    done = _outside_cupys_scopes(install)
-    if done is None:
+    if not _outside_cupys_scopes(install):
         warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
         return
-    previous, installed, allocators = done
     budget_now._cupy_allocators = allocators
-    budget_now._cupy = (previous, installed)
+    budget_now._cupy = (current, installed)
 
 
 def _install_numba(numba_cuda: Any) -> None:
