@@ -772,28 +772,74 @@ print(len(caught), "cupy.cuda.set_allocator" in said and "can't start new thread
     assert words == ["1", "True", "True"], words
 
 
+# After SCOPED_CUPY: `interrupt(n)` makes the n-th `Thread.join` from now raise
+# KeyboardInterrupt before it waits (as a ^C there would), and the n-th read of CuPy's
+# allocator from now take half a second.
+INTERRUPTED = """
+import time
+join, get = threading.Thread.join, cupy.cuda.get_allocator
+def interrupt(n):
+    joins, reads = [0], [0]
+    def interrupted(self, timeout=None):
+        joins[0] += 1
+        if joins[0] == n:
+            raise KeyboardInterrupt
+        return join(self, timeout)
+    def slow():
+        reads[0] += 1
+        if reads[0] == n:
+            time.sleep(0.5)
+        return get()
+    threading.Thread.join, cupy.cuda.get_allocator = interrupted, slow
+"""
+
+
 def test_a_close_interrupted_while_it_puts_cupys_allocator_back_leaves_no_budget_in_force(stand_in_libcuda):
     # A KeyboardInterrupt while closing waits for its thread: the budget is out of force all
-    # the same, so a new one can be made.
+    # the same, CuPy's allocator is put back before the interrupt goes on (a slow thread would
+    # otherwise put it back over the next budget's), and a new budget is put on CuPy.
     words = _with_fake_cupy(
         stand_in_libcuda,
         SCOPED_CUPY
         + """
 budget = cm.budget(devices={0: "1MiB"})
-def interrupted(self, timeout=None):
-    raise KeyboardInterrupt
-join, threading.Thread.join = threading.Thread.join, interrupted
+"""
+        + INTERRUPTED
+        + """
+interrupt(1)
 try:
     budget.close()
 except KeyboardInterrupt:
     print("interrupted")
-threading.Thread.join = join
-print(cm.active() is None)
-cm.budget(devices={0: "1MiB"}).close()
-print("made again")
+print(cm.active() is None, chosen["global"] is own_pool)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    again = cm.budget(devices={0: "1MiB"})
+print(len(caught), chosen["global"].__self__ is again.cupy_allocator(0))
+again.close()
 """,
     )
-    assert words == ["interrupted", "True", "made", "again"], words
+    assert words == ["interrupted", "True", "True", "0", "True"], words
+
+
+def test_a_budget_interrupted_while_it_installs_cupys_allocator_puts_it_back(stand_in_libcuda):
+    # Interrupted while it waits for the thread that installs CuPy's allocator, `budget()` closes
+    # the half-made budget, which puts back CuPy's allocator once the thread installed it.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + INTERRUPTED
+        + """
+interrupt(2)  # the first reads CuPy's allocator, the second installs the budget's
+try:
+    cm.budget(devices={0: "1MiB"})
+except KeyboardInterrupt:
+    print("interrupted")
+time.sleep(1)
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["interrupted", "True", "True"], words
 
 
 def test_the_budgets_cupy_allocator_is_none_where_cupy_kept_its_own_and_refused_off_the_budget(stand_in_libcuda):

@@ -330,7 +330,13 @@ def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
         thread.start()
     except RuntimeError as error:
         raise _NoThread(str(error)) from error
-    thread.join()
+    try:
+        thread.join()
+    except BaseException:
+        # Interrupted (KeyboardInterrupt): `work` is two calls into CuPy, waited for so that
+        # it never changes CuPy's allocator after the caller has gone on.
+        thread.join()
+        raise
     if failed:
         raise failed[0]
     return done[0]
@@ -514,7 +520,10 @@ def _install_cupy(cupy: Any) -> None:
     budget_now = _active
     if budget_now is None:
         return
-    current = _outside_cupys_scopes(cupy.cuda.get_allocator)
+    try:
+        current = _outside_cupys_scopes(cupy.cuda.get_allocator)
+    except _NoThread:
+        current = cupy.cuda.get_allocator()
     default = getattr(cupy.get_default_memory_pool(), "malloc", None)
     if (
         current is not None
@@ -548,11 +557,17 @@ def _install_cupy(cupy: Any) -> None:
         cupy.cuda.set_allocator(installed)
         return True
 
-    if not _outside_cupys_scopes(install):
-        warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
-        return
+    # Known to the budget before it is installed, so that a close after an interruption here
+    # puts back what was installed (close changes CuPy's allocator only where it is `installed`).
     budget_now._cupy_allocators = allocators
     budget_now._cupy = (current, installed)
+    try:
+        done = _outside_cupys_scopes(install)
+    except _NoThread:
+        done = install()  # right unless a scope is open on this thread, where CuPy refuses
+    if not done:
+        budget_now._cupy_allocators, budget_now._cupy = {}, None
+        warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
 
 
 def _install_numba(numba_cuda: Any) -> None:
