@@ -60,7 +60,9 @@ fn native(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<pools::resources::Tracking>()?;
     module.add_class::<pools::resources::OnOutOfMemory>()?;
     module.add_class::<pools::resources::Caching>()?;
-    module.add_class::<plugins::cupy_allocator::CupyAllocatorBase>()?;
+    // Named `Allocator` (what its argument errors say: the class users call is
+    // `cumempool.cupy.Allocator`, its subclass), found in this module as `_CupyAllocatorBase`.
+    module.add("_CupyAllocatorBase", module.py().get_type::<plugins::cupy_allocator::CupyAllocatorBase>())?;
     module.add_function(wrap_pyfunction!(streams::capture_mode::_in_relaxed_capture_mode, module)?)?;
     module.add_function(wrap_pyfunction!(streams::device_wait::_wait_for_device, module)?)?;
     module.add_function(wrap_pyfunction!(pools::current_pools::default_pool, module)?)?;

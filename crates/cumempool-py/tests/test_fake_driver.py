@@ -253,6 +253,31 @@ def test_the_cupy_allocator_asks_cupy_its_device_only_where_another_context_is_c
     assert lines[6] == "refused" and int(lines[7]) > 1, "a context of another device current, CuPy was not asked"
 
 
+def test_the_cupy_allocators_argument_errors_name_the_class_users_call(stand_in_libcuda):
+    # Its call and `malloc` are its native base's: their argument errors name `Allocator`, the
+    # class users make, not the base's name in the native module.
+    lines = _run(
+        stand_in_libcuda,
+        """
+        import sys, types
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDevice=lambda: 0), get_current_stream=lambda: None,
+            UnownedMemory=lambda *fields: fields, MemoryPointer=lambda memory, offset: memory,
+        )
+        sys.modules["cupy"] = cupy
+        import cumempool.cupy as cmc
+        allocator = cmc.Allocator(pool)
+        for call in (allocator.malloc, allocator):
+            try:
+                call()
+            except TypeError as error:
+                print(str(error).split("(")[0])
+        """,
+    )
+    assert lines == ["Allocator.malloc", "Allocator.__call__"], lines
+
+
 def test_the_cupy_allocators_common_case_is_served_natively_and_freed_with_cupys_object(stand_in_libcuda):
     # CuPy's device current, a stream that does not capture, no recording: one native call
     # serves it (the Python steps, which would ask CuPy's stream, are not taken), and the

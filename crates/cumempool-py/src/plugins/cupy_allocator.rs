@@ -17,7 +17,7 @@ use pyo3::{PyTraverseError, PyVisit};
 /// The native part of `cumempool.cupy.Allocator`: serves CuPy's allocations from a resource,
 /// returning `cupy.cuda.MemoryPointer`s. Made with CuPy's own functions, so this crate imports
 /// no CuPy.
-#[pyclass(subclass, frozen, module = "cumempool._native", name = "_CupyAllocatorBase")]
+#[pyclass(subclass, frozen, module = "cumempool._native", name = "Allocator")]
 pub struct CupyAllocatorBase {
     resource: Py<ResourceBase>,
     /// `cupy.cuda.runtime.getDevice`: CuPy's current device.
