@@ -668,14 +668,14 @@ for scope in (lambda size: "scoped", own_pool):
 
 
 # A `cupy` package on disk, imported after the budget is made (through the import hook), with
-# what the budget's allocator reads of CuPy 14.2 and its global allocator choice.
+# what the budget's allocator reads of CuPy 14.2 and its global allocator choice, kept in a
+# submodule (as CuPy keeps it in `cupy.cuda.memory`): a failed import of the package leaves it.
 CUPY_PACKAGE = """
-import types
-class Pool:
-    def malloc(self, size):
-        return "own"
-_pool = Pool()
-_chosen = [_pool.malloc]
+import os, time, types
+from cupy._state import _pool, _chosen
+def get_allocator():
+    time.sleep(float(os.environ.get("SLOW_CUPY", "0")))
+    return _chosen[0]
 def get_default_memory_pool():
     return _pool
 class OutOfMemoryError(MemoryError):
@@ -686,22 +686,46 @@ cuda = types.SimpleNamespace(
     get_current_stream=lambda: None,
     UnownedMemory=lambda ptr, size, owner, device: (ptr, size, owner, device),
     MemoryPointer=lambda memory, offset: memory,
-    get_allocator=lambda: _chosen[0],
+    get_allocator=get_allocator,
     set_allocator=lambda allocator: _chosen.__setitem__(0, allocator),
 )
 """
+CUPY_STATE = """
+class Pool:
+    def malloc(self, size):
+        return "own"
+_pool = Pool()
+_chosen = [_pool.malloc]
+"""
+
+
+def _cupy_package(tmp_path):
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(CUPY_PACKAGE)
+    (tmp_path / "cupy" / "_state.py").write_text(CUPY_STATE)
+
+
+def _run_with_cupy_package(stand_in_libcuda, tmp_path, code, env=()):
+    """Runs `code` (dedented) with the `cupy` package on disk importable; its stdout words."""
+    _cupy_package(tmp_path)
+    code = "import sys\nsys.path.insert(0, sys.argv[1])\n" + textwrap.dedent(code)
+    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda, **dict(env))
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30, env=env)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("hung") from None
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
 
 
 def test_cupy_imported_after_the_budget_is_put_on_it_without_waiting_on_its_own_import(stand_in_libcuda, tmp_path):
     # The budget installs CuPy's allocator from inside CuPy's import, whose module lock the
     # importing thread holds: work done for it on another thread must not import CuPy (that
     # thread would wait for the lock, and the importing thread for it, forever).
-    (tmp_path / "cupy").mkdir()
-    (tmp_path / "cupy" / "__init__.py").write_text(CUPY_PACKAGE)
-    code = textwrap.dedent(
+    words = _run_with_cupy_package(
+        stand_in_libcuda,
+        tmp_path,
         """
-        import sys
-        sys.path.insert(0, sys.argv[1])
         import cumempool as cm
         budget = cm.budget(devices={0: "1MiB"})
         import cupy
@@ -709,15 +733,64 @@ def test_cupy_imported_after_the_budget_is_put_on_it_without_waiting_on_its_own_
         print(allocator.__self__ is budget.cupy_allocator(0), allocator(4096)[1])
         budget.close()
         print(cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc)
-        """
+        """,
     )
-    env = dict(os.environ, CUMEMPOOL_LIBCUDA=stand_in_libcuda)
-    try:
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30, env=env)
-    except subprocess.TimeoutExpired:
-        raise AssertionError("importing CuPy under a budget hung") from None
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "4096", "True"], out.stdout
+    assert words == ["True", "4096", "True"], words
+
+
+def test_a_budget_closed_after_cupys_import_failed_while_it_installed_puts_cupys_pool_back(stand_in_libcuda, tmp_path):
+    # ^C while the import hook installs the budget's allocator: CuPy's import fails (importlib
+    # takes `cupy` out of `sys.modules`) after the allocator was installed in CuPy's state, which
+    # outlives the failed import. Closing must still put CuPy's pool back there.
+    words = _run_with_cupy_package(
+        stand_in_libcuda,
+        tmp_path,
+        """
+        import threading
+        import cumempool as cm
+        budget = cm.budget(devices={0: "1MiB"})
+        join, joins = threading.Thread.join, [0]
+        def interrupted(self, timeout=None):
+            joins[0] += 1
+            if joins[0] == 2:  # the first reads CuPy's allocator, the second installs the budget's
+                raise KeyboardInterrupt
+            return join(self, timeout)
+        threading.Thread.join = interrupted
+        try:
+            import cupy
+        except KeyboardInterrupt:
+            print("interrupted", "cupy" in sys.modules)
+        threading.Thread.join = join
+        budget.close()
+        import cupy
+        print(cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc)
+        """,
+    )
+    assert words == ["interrupted", "False", "True"], words
+
+
+def test_a_budget_closed_while_another_thread_imports_cupy_is_not_installed_after(stand_in_libcuda, tmp_path):
+    # CuPy imported on one thread (its import installs the budget's allocator, slowly) while
+    # another closes the budget: the install and the close's put-back do not interleave, so
+    # CuPy does not end on the closed budget's allocator.
+    words = _run_with_cupy_package(
+        stand_in_libcuda,
+        tmp_path,
+        """
+        import threading, time
+        import cumempool as cm
+        budget = cm.budget(devices={0: "1MiB"})
+        importing = threading.Thread(target=lambda: __import__("cupy"))
+        importing.start()
+        time.sleep(0.2)
+        budget.close()
+        importing.join()
+        import cupy
+        print(cm.active() is None, cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc)
+        """,
+        env={"SLOW_CUPY": "0.5"},
+    )
+    assert words == ["True", "True"], words
 
 
 def test_a_budget_closed_by_a_finalizer_at_exit_puts_cupys_allocator_back_without_hanging(stand_in_libcuda):

@@ -179,8 +179,12 @@ class Budget:
     def __init__(self, devices: dict[int, _Device]):
         self._devices = devices
         self._outside: dict[int, Any] = {}
-        # What closing puts back: CuPy's allocator before the budget's, and the budget's own.
-        self._cupy: tuple[Any, Any] | None = None
+        # What closing puts back: CuPy (the module the budget installed in, which a failed
+        # import may have taken out of `sys.modules` since), its allocator before the budget's,
+        # and the budget's own.
+        self._cupy: tuple[Any, Any, Any] | None = None
+        # Set under `_cupy_choice` by close(): no allocator of this budget's is installed after.
+        self._closed = False
         # The CuPy allocators the budget made, by device (installed as their `malloc`).
         self._cupy_allocators: dict[int, Any] = {}
 
@@ -253,9 +257,10 @@ class Budget:
             # Closed even where a release failed or CuPy's allocator could not be put back:
             # the budget is out of force either way.
             try:
-                cupy = sys.modules.get("cupy")
-                if cupy is not None and self._cupy is not None:
-                    _put_back_cupy_allocator(cupy, *self._cupy)
+                with _cupy_choice:
+                    self._closed = True
+                    if self._cupy is not None:
+                        _put_back_cupy_allocator(*self._cupy)
             finally:
                 with _lock:
                     if _active is self:
@@ -268,6 +273,9 @@ class Budget:
 
 _lock = threading.Lock()
 _active: Budget | None = None
+# Taken around a budget's install of its CuPy allocator and around close()'s put-back, so that
+# a close on one thread and an install on another (CuPy imported there) do not interleave.
+_cupy_choice = threading.Lock()
 
 
 def _put_back_cupy_allocator(cupy: Any, previous: Any, installed: Any) -> None:
@@ -557,16 +565,21 @@ def _install_cupy(cupy: Any) -> None:
         cupy.cuda.set_allocator(installed)
         return True
 
-    # Known to the budget before it is installed, so that a close after an interruption here
-    # puts back what was installed (close changes CuPy's allocator only where it is `installed`).
-    budget_now._cupy_allocators = allocators
-    budget_now._cupy = (current, installed)
-    try:
-        done = _outside_cupys_scopes(install)
-    except _NoThread:
-        done = install()  # right unless a scope is open on this thread, where CuPy refuses
+    with _cupy_choice:
+        if budget_now._closed:
+            return
+        # Known to the budget before it is installed, so that a close after an interruption
+        # here puts back what was installed (close changes CuPy's allocator only where it is
+        # `installed`).
+        budget_now._cupy_allocators = allocators
+        budget_now._cupy = (cupy, current, installed)
+        try:
+            done = _outside_cupys_scopes(install)
+        except _NoThread:
+            done = install()  # right unless a scope is open on this thread, where CuPy refuses
+        if not done:
+            budget_now._cupy_allocators, budget_now._cupy = {}, None
     if not done:
-        budget_now._cupy_allocators, budget_now._cupy = {}, None
         warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
 
 
