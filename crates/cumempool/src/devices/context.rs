@@ -69,7 +69,7 @@ impl Context {
     /// may have changed the current context since this crate last set it.
     #[inline]
     pub(crate) fn ensure_current(&self) -> Result<()> {
-        if current()? == self.0.raw.0 {
+        if self.is_current()? {
             return Ok(());
         }
         self.make_current()
