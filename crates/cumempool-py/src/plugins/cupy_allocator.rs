@@ -109,12 +109,22 @@ impl CupyAllocatorBase {
             return Ok(None);
         }
         let stream = self.current_stream(py, resource.device)?;
-        let possible = capture_possible(&stream.get().stream, resource.device);
-        if !matches!(possible, Ok(false)) {
+        // A capture on CuPy's stream: the Python steps keep its memory for the graph.
+        let capturing = stream.get().stream.is_capturing_keeping_context();
+        if !matches!(capturing, Ok(false)) {
             crate::streams::stream::let_go(py, stream);
-            return possible.map(|_| None);
+            return capturing.map(|_| None).map_err(Failure::from);
         }
-        let buffer = resource.alloc_outside_captures(py, size, stream)?;
+        let on_legacy = stream.get().stream.as_raw().is_null();
+        let buffer = match resource.alloc_outside_captures(py, size, stream) {
+            Err(Failure::Core(cumempool::Error::StreamCapturing { capture: None, .. })) if on_legacy => {
+                return Err(Failure::Core(cumempool::Error::StreamCapturing {
+                    operation: BESIDE_A_CAPTURE,
+                    capture: None,
+                }));
+            }
+            allocated => allocated?,
+        };
         let (ptr, device) = buffer.address_and_device()?;
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
@@ -160,20 +170,8 @@ impl CupyAllocatorBase {
     }
 }
 
-/// Whether the Python steps must serve a call on `stream`: a capture on it (its memory is kept
-/// for the graph there), or an answer that cannot be had. Work queued on the legacy stream
-/// (CuPy's null stream, or its per-thread stream, served as the legacy one) while a blocking
-/// stream of the device captures would be refused by the driver, which would invalidate that
-/// capture: refused here first, asked in a way that leaves the capture intact.
-fn capture_possible(stream: &cumempool::Stream, device: i32) -> Outcome<bool> {
-    if stream.is_capturing_keeping_context().unwrap_or(true) {
-        return Ok(true);
-    }
-    if stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(device) {
-        return Err(Failure::Core(cumempool::Error::StreamCapturing {
-            operation: "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture underway on a blocking stream of the device: allocate on another stream, or after the capture)",
-            capture: None,
-        }));
-    }
-    Ok(false)
-}
+/// Why an allocation on CuPy's null or per-thread default stream (both queue on the legacy
+/// stream) was refused: it needed work there (the cache had no block for it), which the driver
+/// refuses while a blocking stream of the device captures, invalidating that capture. The core
+/// asks before any such work; a block the cache serves queues none, so nothing is asked for it.
+const BESIDE_A_CAPTURE: &str = "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture underway on a blocking stream of the device: allocate on another stream, or after the capture)";
