@@ -915,6 +915,80 @@ print(cm.active() is None, chosen["global"] is own_pool)
     assert words == ["interrupted", "True", "True"], words
 
 
+# After SCOPED_CUPY and INTERRUPTED: `close_inside(n)` makes the n-th `Thread.join` from now
+# close the budget in force first, on the waiting thread, as a signal handler (SIGTERM's, say)
+# or a finalizer running while the budget waits there would.
+CLOSED_INSIDE = """
+def close_inside(n):
+    joins = [0]
+    def closing(self, timeout=None):
+        joins[0] += 1
+        if joins[0] == n:
+            cm.active().close()
+            print("closed inside")
+        return join(self, timeout)
+    threading.Thread.join = closing
+"""
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["reading CuPy's allocator", "installing the budget's"])
+def test_a_budget_closed_on_the_thread_installing_cupys_allocator_does_not_hang_and_puts_it_back(stand_in_libcuda, step):
+    # A close while the budget waits for its thread that reads (the first join) or installs
+    # (the second) CuPy's allocator, on the same thread: a signal handler or a finalizer. It must
+    # neither wait for the install to end (which waits for it: a hang) nor leave CuPy on the
+    # closed budget once the install ends.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + INTERRUPTED
+        + CLOSED_INSIDE
+        + f"close_inside({step})\n"
+        + """
+budget = cm.budget(devices={0: "1MiB"})
+threading.Thread.join = join
+print(cm.active() is None, chosen["global"] is own_pool)
+again = cm.budget(devices={0: "1MiB"})
+print(chosen["global"].__self__ is again.cupy_allocator(0))
+again.close()
+print(chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["closed", "inside", "True", "True", "True", "True"], words
+
+
+def test_a_budget_made_on_the_thread_installing_another_budgets_cupy_allocator_leaves_cupy_off_it(stand_in_libcuda):
+    # The handler closes the budget being installed and makes another: two choices of CuPy's
+    # allocator at once on one thread could end either way, so the second warns and stays out of
+    # CuPy, and the first puts CuPy's pool back once its install is over.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + INTERRUPTED
+        + """
+made = []
+def closing_and_making(self, timeout=None):
+    threading.Thread.join = join
+    cm.active().close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made.append(cm.budget(devices={0: "1MiB"}))
+    print(len(caught), "CuPy stays outside this budget" in str(caught[0].message))
+    return join(self, timeout)
+reads = [0]
+def second_join(self, timeout=None):
+    reads[0] += 1
+    if reads[0] == 2:
+        return closing_and_making(self, timeout)
+    return join(self, timeout)
+threading.Thread.join = second_join
+first = cm.budget(devices={0: "1MiB"})
+print(cm.active() is made[0], chosen["global"] is own_pool, made[0].cupy_allocator(0) is None)
+made[0].close()
+""",
+    )
+    assert words == ["1", "True", "True", "True", "True"], words
+
+
 def test_the_budgets_cupy_allocator_is_none_where_cupy_kept_its_own_and_refused_off_the_budget(stand_in_libcuda):
     # Budget.cupy_allocator(device): None while CuPy draws outside the budget (not imported yet,
     # or an allocator of the program's own kept), InvalidDeviceError for a device the budget

@@ -257,9 +257,11 @@ class Budget:
             # Closed even where a release failed or CuPy's allocator could not be put back:
             # the budget is out of force either way.
             try:
-                with _cupy_choice:
+                with _cupy_choice as nested:
                     self._closed = True
-                    if self._cupy is not None:
+                    # Nested: a signal handler or finalizer running inside this thread's own
+                    # install or close, which puts back once the allocator it waits for is set.
+                    if self._cupy is not None and not nested:
                         _put_back_cupy_allocator(*self._cupy)
             finally:
                 with _lock:
@@ -273,9 +275,37 @@ class Budget:
 
 _lock = threading.Lock()
 _active: Budget | None = None
-# Taken around a budget's install of its CuPy allocator and around close()'s put-back, so that
-# a close on one thread and an install on another (CuPy imported there) do not interleave.
-_cupy_choice = threading.Lock()
+
+
+class _CupyChoice:
+    """Taken around a budget's install of its CuPy allocator and around close()'s put-back, so
+    that a close on one thread and an install on another (CuPy imported there) do not
+    interleave. Entered again on the thread that holds it (by a signal handler or a finalizer
+    that runs while that thread waits for CuPy's allocator to be set), it does not wait, which
+    would never end, and ``with`` gives True: the nested code must leave CuPy's allocator to the
+    holder, which looks at the budget again once its own change is made."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        # How deep the holding thread is; read only by that thread, under the lock.
+        self._depth = 0
+
+    def __enter__(self) -> bool:
+        self._lock.acquire()
+        self._depth += 1
+        return self._depth > 1
+
+    def __exit__(self, *_: object) -> None:
+        self._depth -= 1
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        """Whether this thread holds it (waits while another thread does)."""
+        with self as nested:
+            return nested
+
+
+_cupy_choice = _CupyChoice()
 
 
 def _put_back_cupy_allocator(cupy: Any, previous: Any, installed: Any) -> None:
@@ -528,6 +558,15 @@ def _install_cupy(cupy: Any) -> None:
     budget_now = _active
     if budget_now is None:
         return
+    if _cupy_choice.held_here():
+        # A signal handler or finalizer made this budget inside another's choice of CuPy's
+        # allocator on this thread, which is not over: two choices at once could end either way.
+        warnings.warn(
+            "cumempool was choosing CuPy's allocator on this thread when the budget was made (from a signal "
+            "handler or a finalizer): CuPy stays outside this budget",
+            stacklevel=2,
+        )
+        return
     try:
         current = _outside_cupys_scopes(cupy.cuda.get_allocator)
     except _NoThread:
@@ -579,6 +618,11 @@ def _install_cupy(cupy: Any) -> None:
             done = install()  # right unless a scope is open on this thread, where CuPy refuses
         if not done:
             budget_now._cupy_allocators, budget_now._cupy = {}, None
+        elif budget_now._closed:
+            # Closed on this thread while it waited (a signal handler, a finalizer), and left
+            # the put-back to this install.
+            _put_back_cupy_allocator(*budget_now._cupy)
+            return
     if not done:
         warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
 
