@@ -989,6 +989,120 @@ made[0].close()
     assert words == ["1", "True", "True", "True", "True"], words
 
 
+# After SCOPED_CUPY and INTERRUPTED: `after_join(n, then)` runs `then()` at the start of the first
+# function of cumempool._budget called once the n-th `Thread.join` from now has returned. That is
+# where CPython runs a signal handler that became due just as the budget's thread ended (or a
+# finalizer the collector ran there): at the next function's entry, which may come after the
+# budget looked at the state the handler changes.
+AFTER_JOIN = """
+import os, sys
+from cumempool import _budget
+def after_join(n, then):
+    joins = [0]
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == _budget.__file__:
+            sys.settrace(None)
+            then()
+        return None
+    def joined(self, timeout=None):
+        joins[0] += 1
+        answer = join(self, timeout)
+        if joins[0] == n:
+            threading.Thread.join = join
+            sys.settrace(tracer)
+        return answer
+    threading.Thread.join = joined
+def interrupt_now():
+    raise KeyboardInterrupt
+"""
+
+
+def test_an_interrupt_as_close_leaves_cupys_choice_leaves_it_free_for_other_threads_and_later_budgets(stand_in_libcuda):
+    # ^C just as close() has put CuPy's allocator back, handled as it leaves the CuPy lock: the
+    # lock must not stay taken (another thread's close or CuPy import would wait for it forever)
+    # nor this thread count as inside it (every later budget would stay off CuPy, every later
+    # close leave CuPy's allocator to an install that is not running).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + INTERRUPTED
+        + AFTER_JOIN
+        + """
+budget = cm.budget(devices={0: "1MiB"})
+after_join(1, interrupt_now)  # close's put-back waits for its thread once
+try:
+    budget.close()
+except KeyboardInterrupt:
+    print("interrupted")
+print(cm.active() is None, chosen["global"] is own_pool)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    again = cm.budget(devices={0: "1MiB"})
+print(len(caught), again.cupy_allocator(0) is not None)
+closing = threading.Thread(target=again.close, daemon=True)
+closing.start()
+closing.join(5)
+print(closing.is_alive(), chosen["global"] is own_pool)
+sys.stdout.flush()
+os._exit(0)  # a thread that hangs must not hang the exit
+""",
+    )
+    assert words == ["interrupted", "True", "True", "0", "True", "False", "True"], words
+
+
+def test_a_close_handled_as_the_install_leaves_cupys_choice_puts_cupys_allocator_back(stand_in_libcuda):
+    # A handler that closes the budget, run once the install's thread has set CuPy's allocator
+    # but after the install looked whether it was closed meanwhile (as it leaves the CuPy lock):
+    # the close, nested, leaves the put-back to the install, which must still do it.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + INTERRUPTED
+        + AFTER_JOIN
+        + """
+def close_now():
+    cm.active().close()
+    print("closed inside")
+after_join(2, close_now)  # the install reads CuPy's allocator (the first join), then sets it
+budget = cm.budget(devices={0: "1MiB"})
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["closed", "inside", "True", "True"], words
+
+
+def test_a_handler_that_closes_and_raises_during_cupys_import_leaves_cupys_pool(stand_in_libcuda, tmp_path):
+    # A SIGINT or SIGTERM handler that closes the budget and raises (KeyboardInterrupt,
+    # SystemExit), run while CuPy's import installs the budget's allocator: the close, nested,
+    # leaves the put-back to the install, and the install is left by the exception. CuPy's
+    # state outlives the failed import: its pool must be put back there.
+    words = _run_with_cupy_package(
+        stand_in_libcuda,
+        tmp_path,
+        """
+        import threading
+        import cumempool as cm
+        budget = cm.budget(devices={0: "1MiB"})
+        join, joins = threading.Thread.join, [0]
+        def closed_then_interrupted(self, timeout=None):
+            joins[0] += 1
+            if joins[0] == 2:  # the first reads CuPy's allocator, the second installs the budget's
+                budget.close()
+                raise KeyboardInterrupt
+            return join(self, timeout)
+        threading.Thread.join = closed_then_interrupted
+        try:
+            import cupy
+        except KeyboardInterrupt:
+            print("interrupted")
+        threading.Thread.join = join
+        import cupy
+        print(cm.active() is None, cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc)
+        """,
+    )
+    assert words == ["interrupted", "True", "True"], words
+
+
 def test_the_budgets_cupy_allocator_is_none_where_cupy_kept_its_own_and_refused_off_the_budget(stand_in_libcuda):
     # Budget.cupy_allocator(device): None while CuPy draws outside the budget (not imported yet,
     # or an allocator of the program's own kept), InvalidDeviceError for a device the budget

@@ -257,12 +257,19 @@ class Budget:
             # Closed even where a release failed or CuPy's allocator could not be put back:
             # the budget is out of force either way.
             try:
-                with _cupy_choice as nested:
-                    self._closed = True
-                    # Nested: a signal handler or finalizer running inside this thread's own
-                    # install or close, which puts back once the allocator it waits for is set.
-                    if self._cupy is not None and not nested:
-                        _put_back_cupy_allocator(*self._cupy)
+                # Held here already: a signal handler or finalizer running inside this thread's
+                # own install or close, which puts back once the allocator it waits for is set.
+                nested = _cupy_choice_held_here()
+                with _cupy_choice:
+                    try:
+                        self._closed = True
+                        if nested:
+                            _left_to_put_back.append(self)
+                        elif self._cupy is not None:
+                            _put_back_cupy_allocator(*self._cupy)
+                    finally:
+                        if not nested:
+                            _put_back_left()
             finally:
                 with _lock:
                     if _active is self:
@@ -277,35 +284,34 @@ _lock = threading.Lock()
 _active: Budget | None = None
 
 
-class _CupyChoice:
-    """Taken around a budget's install of its CuPy allocator and around close()'s put-back, so
-    that a close on one thread and an install on another (CuPy imported there) do not
-    interleave. Entered again on the thread that holds it (by a signal handler or a finalizer
-    that runs while that thread waits for CuPy's allocator to be set), it does not wait, which
-    would never end, and ``with`` gives True: the nested code must leave CuPy's allocator to the
-    holder, which looks at the budget again once its own change is made."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        # How deep the holding thread is; read only by that thread, under the lock.
-        self._depth = 0
-
-    def __enter__(self) -> bool:
-        self._lock.acquire()
-        self._depth += 1
-        return self._depth > 1
-
-    def __exit__(self, *_: object) -> None:
-        self._depth -= 1
-        self._lock.release()
-
-    def held_here(self) -> bool:
-        """Whether this thread holds it (waits while another thread does)."""
-        with self as nested:
-            return nested
+# Taken around a budget's install of its CuPy allocator and around close()'s put-back, so that
+# a close on one thread and an install on another (CuPy imported there) do not interleave. Taken
+# only by `with` on the lock itself, whose entry and exit are each one call into C: an interrupt
+# (a signal handler's exception) cannot come between the acquire and the code that would let go
+# of it, as it could in a Python `__enter__` or `__exit__` (the lock would stay taken, and the
+# thread seem inside it, for good). Reentrant: a signal handler or finalizer that closes a budget
+# on the thread that holds it (while that thread waits for its own thread to read or set CuPy's
+# allocator) must not wait for it, which would never end. Such a nested close leaves its put-back
+# in `_left_to_put_back`, which the holder runs last before it lets go (`_put_back_left`),
+# whatever the code it was running found or raised.
+_cupy_choice = threading.RLock()
+_left_to_put_back: list[Budget] = []
 
 
-_cupy_choice = _CupyChoice()
+def _cupy_choice_held_here() -> bool:
+    """Whether this thread holds `_cupy_choice` (the nested code must leave CuPy's allocator to
+    the holder, which looks at what it left once its own change is made)."""
+    return bool(_cupy_choice._is_owned())  # type: ignore[attr-defined]
+
+
+def _put_back_left() -> None:
+    """Puts back CuPy's allocator for the budgets closed inside this thread's hold of
+    `_cupy_choice`: the last thing the outermost holder does under it (a close nested in this
+    call adds to the list, which the loop takes then)."""
+    while _left_to_put_back:
+        closed = _left_to_put_back.pop()
+        if closed._cupy is not None:
+            _put_back_cupy_allocator(*closed._cupy)
 
 
 def _put_back_cupy_allocator(cupy: Any, previous: Any, installed: Any) -> None:
@@ -558,7 +564,7 @@ def _install_cupy(cupy: Any) -> None:
     budget_now = _active
     if budget_now is None:
         return
-    if _cupy_choice.held_here():
+    if _cupy_choice_held_here():
         # A signal handler or finalizer made this budget inside another's choice of CuPy's
         # allocator on this thread, which is not over: two choices at once could end either way.
         warnings.warn(
@@ -605,24 +611,25 @@ def _install_cupy(cupy: Any) -> None:
         return True
 
     with _cupy_choice:
-        if budget_now._closed:
-            return
-        # Known to the budget before it is installed, so that a close after an interruption
-        # here puts back what was installed (close changes CuPy's allocator only where it is
-        # `installed`).
-        budget_now._cupy_allocators = allocators
-        budget_now._cupy = (cupy, current, installed)
         try:
-            done = _outside_cupys_scopes(install)
-        except _NoThread:
-            done = install()  # right unless a scope is open on this thread, where CuPy refuses
-        if not done:
-            budget_now._cupy_allocators, budget_now._cupy = {}, None
-        elif budget_now._closed:
-            # Closed on this thread while it waited (a signal handler, a finalizer), and left
-            # the put-back to this install.
-            _put_back_cupy_allocator(*budget_now._cupy)
-            return
+            if budget_now._closed:
+                return
+            # Known to the budget before it is installed, so that a close after an interruption
+            # here puts back what was installed (close changes CuPy's allocator only where it is
+            # `installed`).
+            budget_now._cupy_allocators = allocators
+            budget_now._cupy = (cupy, current, installed)
+            try:
+                done = _outside_cupys_scopes(install)
+            except _NoThread:
+                done = install()  # right unless a scope is open on this thread, where CuPy refuses
+            if not done:
+                budget_now._cupy_allocators, budget_now._cupy = {}, None
+        finally:
+            # A close on this thread while it waited (a signal handler, a finalizer, before or
+            # after the install was seen done, or one that raised out of the wait) left the
+            # put-back to this install.
+            _put_back_left()
     if not done:
         warnings.warn("CuPy has an allocator of its own already: it stays, outside the budget", stacklevel=2)
 
