@@ -1103,6 +1103,35 @@ def test_a_handler_that_closes_and_raises_during_cupys_import_leaves_cupys_pool(
     assert words == ["interrupted", "True", "True"], words
 
 
+def test_a_close_while_the_budget_makes_a_librarys_resource_on_the_same_thread_does_not_hang(stand_in_libcuda):
+    # A finalizer (or a signal handler) that closes the budget while this thread makes CuPy's
+    # resource of the budget, under the budget's lock: close takes that lock last, and must not
+    # wait for this thread forever.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+import os, sys
+from cumempool import _budget
+bound = _budget.cache_bound
+def closing_bound(limit):
+    _budget.cache_bound = bound
+    cm.active().close()
+    print("closed inside")
+    return bound(limit)
+_budget.cache_bound = closing_bound
+made = []
+maker = threading.Thread(target=lambda: made.append(cm.budget(devices={0: "1MiB"})), daemon=True)
+maker.start()
+maker.join(5)
+print(maker.is_alive(), cm.active() is None, chosen["global"] is own_pool)
+sys.stdout.flush()
+os._exit(0)  # a thread that hangs must not hang the exit
+""",
+    )
+    assert words == ["closed", "inside", "False", "True", "True"], words
+
+
 def test_the_budgets_cupy_allocator_is_none_where_cupy_kept_its_own_and_refused_off_the_budget(stand_in_libcuda):
     # Budget.cupy_allocator(device): None while CuPy draws outside the budget (not imported yet,
     # or an allocator of the program's own kept), InvalidDeviceError for a device the budget

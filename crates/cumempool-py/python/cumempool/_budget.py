@@ -280,7 +280,11 @@ class Budget:
         return f"Budget({{{limits}}})"
 
 
-_lock = threading.Lock()
+# Reentrant: a finalizer (the collector runs them wherever an allocation sets it off) or a signal
+# handler that closes a budget may run while this thread holds it, making a library's resource
+# (`_Device.resource`) or the budget itself; close() takes it last, and would wait for this
+# thread forever.
+_lock = threading.RLock()
 _active: Budget | None = None
 
 
