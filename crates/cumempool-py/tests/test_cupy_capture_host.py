@@ -429,6 +429,36 @@ print(ended[0])
     assert words == ["served", "0", "refused", "True", "0"], words
 
 
+def test_on_the_null_stream_a_miss_refused_beside_a_blocking_capture_is_reported_in_cupys_words_at_a_limit_too(
+    stand_in_libcuda,
+):
+    # A limit below the cache answers a miss before the pool asks about captures: out of
+    # memory, which the plug-in retries step by step after a collection, where the refusal for
+    # the blocking capture comes from `Resource.alloc`. It must still say what was refused (an
+    # allocation for CuPy on its null stream), not that a Buffer cannot hold a capture's memory
+    # and the capturing library's plug-in should be used (this is that plug-in).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(cm.CachingResource(cm.Limit(cm.PoolResource(pool), 8192)))
+"""
+        + ANOTHER_THREAD_CAPTURES
+        + """
+try:
+    allocator(1 << 20)
+    print("allocated")
+except cm.StreamCapturingError as error:
+    print("refused", "null or per-thread default stream" in str(error), "Resource.alloc" in str(error))
+finally:
+    done.set()
+    thread.join()
+print(ended[0])
+""",
+    )
+    assert words == ["refused", "True", "False", "0"], words
+
+
 def test_a_cupy_pair_asks_three_capture_questions_on_its_own_stream_and_none_on_the_null_stream(stand_in_libcuda):
     # CuPy's stream is another library's, so whether it captures is asked at each step that
     # needs the answer: the plug-in (a capture goes to the Python steps), then the cache at the
