@@ -432,38 +432,42 @@ print(ended[0])
 def test_on_the_null_stream_a_miss_refused_beside_a_blocking_capture_is_reported_in_cupys_words_at_a_limit_too(
     stand_in_libcuda,
 ):
-    # A limit below the cache answers a miss before the pool asks about captures: out of
-    # memory, which the plug-in retries step by step after a collection, where the refusal for
-    # the blocking capture comes from `Resource.alloc`. It must still say what was refused (an
+    # A limit below the cache: a miss within it reaches the pool, which refuses the legacy
+    # stream's work for the blocking capture, and the plug-in says what was refused (an
     # allocation for CuPy on its null stream), not that a Buffer cannot hold a capture's memory
-    # and the capturing library's plug-in should be used (this is that plug-in).
+    # and the capturing library's plug-in should be used (this is that plug-in). A miss past
+    # the limit is the limit's out-of-memory, as on any stream, also when the plug-in tries
+    # again step by step after it.
     words = _with_fake_cupy(
         stand_in_libcuda,
         """
+class CupysOutOfMemory(MemoryError):
+    def __init__(self, size, total, limit=0):
+        super().__init__(size)
+cupy.cuda.memory.OutOfMemoryError = CupysOutOfMemory
 pool = cm.MemPool(cm.Route.device(0))
 allocator = cmc.Allocator(cm.CachingResource(cm.Limit(cm.PoolResource(pool), 8192)))
 """
         + ANOTHER_THREAD_CAPTURES
         + """
 try:
-    allocator(1 << 20)
-    print("allocated")
-except cm.StreamCapturingError as error:
-    print("refused", "null or per-thread default stream" in str(error), "Resource.alloc" in str(error))
+    for size in (4096, 1 << 20):
+        try:
+            allocator(size)
+            print("allocated")
+        except cm.StreamCapturingError as error:
+            print("refused", "null or per-thread default stream" in str(error), "Resource.alloc" in str(error))
+        except CupysOutOfMemory as error:
+            print("out-of-memory", "limit of 8192 bytes" in str(error))
 finally:
     done.set()
     thread.join()
 print(ended[0])
 """,
     )
-    assert words == ["refused", "True", "False", "0"], words
+    assert words == ["refused", "True", "False", "out-of-memory", "True", "0"], words
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of a54c99f: the Python steps (recording on) still ask the legacy stream at every "
-    "allocation, so they refuse a block the cache holds that the native call serves",
-)
 def test_with_recording_on_a_block_the_cache_holds_for_the_null_stream_is_served_beside_a_blocking_capture(
     stand_in_libcuda,
 ):

@@ -224,31 +224,18 @@ class Allocator(_CupyAllocatorBase):
                 self._capturing.append(stream)
             owner = self._for_a_capture(size)
         else:
-            # A default stream (null, legacy, per-thread) by its handle, which names the current
-            # device's, as the native call serves it.
             if handle in (0, 1, 2):
-                try:
-                    owner = self.resource.alloc(size, handle)
-                except errors.StreamCapturingError as error:
-                    # Refused for a blocking stream's capture, as the native call reports it
-                    # (not `Resource.alloc`'s words about a capture on the stream itself).
-                    text = str(error)
-                    said = text[text.find(": stream capture ") :] if ": stream capture " in text else ""
-                    raise errors.StreamCapturingError(_BESIDE_A_CAPTURE + said) from error
+                # A default stream (null, legacy, per-thread) by its handle, which names the
+                # current device's, allocated as the native call allocates there: a block the
+                # cache holds is served beside a blocking capture elsewhere, and a refusal is in
+                # the same words.
+                owner = self._alloc_on_default_stream(size, handle)
             else:
                 owner = self.resource.alloc(size, stream)
             if _history.recording is not None:
                 owner = _history.traced(owner, "cupy", owner.device, size, stream.ptr, self.resource)
         memory = cupy.cuda.UnownedMemory(owner.ptr, size, owner, owner.device)
         return cupy.cuda.MemoryPointer(memory, 0)
-
-
-# What the native call says of an allocation on CuPy's null or per-thread default stream refused
-# for a capture on a blocking stream of the device (`BESIDE_A_CAPTURE` in cupy_allocator.rs).
-_BESIDE_A_CAPTURE = (
-    "allocating for CuPy on its null or per-thread default stream (work there would invalidate a capture "
-    "underway on a blocking stream of the device: allocate on another stream, or after the capture)"
-)
 
 
 def _budget_report(resource: Resource) -> str | None:

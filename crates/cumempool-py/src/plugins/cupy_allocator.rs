@@ -6,9 +6,10 @@
 //! CuPy's class).
 
 use crate::errors::{Failure, Outcome};
+use crate::memory::buffers::Buffer;
 use crate::pools::resources::ResourceBase;
 use crate::streams::stream::Stream;
-use pyo3::exceptions::PyAttributeError;
+use pyo3::exceptions::{PyAttributeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -86,6 +87,18 @@ impl CupyAllocatorBase {
         Self::__call__(slf, size)
     }
 
+    /// For the Python steps (recording on): `size` bytes on CuPy's default stream `handle` (0,
+    /// 1 or 2), which CuPy said does not capture, allocated as the native call allocates.
+    fn _alloc_on_default_stream(&self, py: Python<'_>, size: usize, handle: usize) -> Outcome<Buffer> {
+        let Some(stream) = Stream::for_default_handle(py, handle, self.resource.get().device)? else {
+            return Err(PyValueError::new_err(format!(
+                "handle {handle} is not a default stream's (0, 1 or 2): allocate on other streams with Resource.alloc"
+            ))
+            .into());
+        };
+        self.alloc_on(py, size, stream)
+    }
+
     /// What the garbage collector follows: a cycle through the resource (an out-of-memory
     /// callback that holds the allocator) is found, and broken where it can be cleared.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
@@ -115,20 +128,26 @@ impl CupyAllocatorBase {
             crate::streams::stream::let_go(py, stream);
             return capturing.map(|_| None).map_err(Failure::from);
         }
-        let on_legacy = stream.get().stream.as_raw().is_null();
-        let buffer = match resource.alloc_outside_captures(py, size, stream) {
-            Err(Failure::Core(cumempool::Error::StreamCapturing { capture: None, .. })) if on_legacy => {
-                return Err(Failure::Core(cumempool::Error::StreamCapturing {
-                    operation: BESIDE_A_CAPTURE,
-                    capture: None,
-                }));
-            }
-            allocated => allocated?,
-        };
+        let buffer = self.alloc_on(py, size, stream)?;
         let (ptr, device) = buffer.address_and_device()?;
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
         Ok(Some(self.memory_pointer.call1(py, (memory, 0))?))
+    }
+
+    /// `size` bytes on `stream`, which does not capture, as a Buffer. On the legacy stream
+    /// (CuPy's null and per-thread streams) nothing is asked first: a block a cache holds for
+    /// it is served with no work queued there, and the core asks before any work it queues
+    /// (`Stream::ensure_not_capturing`), whose refusal for a blocking stream's capture is
+    /// reported in CuPy's words.
+    fn alloc_on(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
+        let on_legacy = stream.get().stream.as_raw().is_null();
+        match self.resource.get().alloc_outside_captures(py, size, stream) {
+            Err(Failure::Core(cumempool::Error::StreamCapturing { capture: None, .. })) if on_legacy => {
+                Err(Failure::Core(cumempool::Error::StreamCapturing { operation: BESIDE_A_CAPTURE, capture: None }))
+            }
+            allocated => allocated,
+        }
     }
 
     /// Whether `device` is CuPy's current device. CuPy's is the runtime's (`cudaGetDevice`),
