@@ -1736,3 +1736,38 @@ def test_what_the_report_says_to_call_for_the_caches_blocks_can_be_called(stand_
         """,
     )
     assert words == ["cumempool.active().release_cached()", "True", "8192", "None"], words
+
+
+def test_review2_an_interrupt_as_the_install_starts_its_thread_leaves_cupy_off_the_closed_budget(stand_in_libcuda):
+    # ^C while `Thread.start` waits for the install's thread to run (the thread runs already):
+    # `budget()` closes the half-made budget, whose put-back must not come before the install
+    # that thread still makes, or CuPy keeps the closed budget's allocator for good.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+import time
+start, get = threading.Thread.start, cupy.cuda.get_allocator
+starts, reads = [0], [0]
+def interrupted_start(self):
+    starts[0] += 1
+    start(self)
+    if starts[0] == 2:  # the install's thread (the first reads CuPy's allocator), started
+        raise KeyboardInterrupt
+def slow():
+    reads[0] += 1
+    if reads[0] == 2:  # the install's look at CuPy's allocator, before it sets its own
+        time.sleep(0.5)
+    return get()
+threading.Thread.start, cupy.cuda.get_allocator = interrupted_start, slow
+try:
+    cm.budget(devices={0: "1MiB"})
+except KeyboardInterrupt:
+    print("interrupted")
+threading.Thread.start = start
+time.sleep(1)
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["interrupted", "True", "True"], words
+
