@@ -1771,3 +1771,34 @@ print(cm.active() is None, chosen["global"] is own_pool)
     )
     assert words == ["interrupted", "True", "True"], words
 
+
+def test_review2_a_close_handled_once_the_install_has_put_back_what_was_left_still_puts_cupys_allocator_back(
+    stand_in_libcuda,
+):
+    # A handler that closes the budget, run as the install's last look at what nested closes
+    # left (`_put_back_left`) returns, before it lets go of CuPy's lock (where CPython runs a
+    # signal handler due at the end of a call): the close, nested, must not leave its put-back
+    # to a look that is over.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+import sys
+from cumempool import _budget
+def tracer(frame, event, arg):
+    if event == "call" and frame.f_code is _budget._put_back_left.__code__:
+        def on_return(frame, event, arg):
+            if event == "return":
+                sys.settrace(None)
+                cm.active().close()
+                print("closed inside")
+            return on_return
+        return on_return
+    return None
+sys.settrace(tracer)
+budget = cm.budget(devices={0: "1MiB"})
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["closed", "inside", "True", "True"], words
+

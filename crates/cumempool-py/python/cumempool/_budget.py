@@ -262,8 +262,10 @@ class Budget:
                 nested = _cupy_choice_held_here()
                 with _cupy_choice:
                     try:
+                        if not nested:
+                            _holder_is_putting_back_left(False)
                         self._closed = True
-                        if nested:
+                        if nested and not _holder_putting_back_left:
                             _left_to_put_back.append(self)
                         elif self._cupy is not None:
                             _put_back_cupy_allocator(*self._cupy)
@@ -300,6 +302,17 @@ _active: Budget | None = None
 # whatever the code it was running found or raised.
 _cupy_choice = threading.RLock()
 _left_to_put_back: list[Budget] = []
+# Set (under `_cupy_choice`) once its holder has made its own change of CuPy's allocator and
+# puts back what nested closes left (`_put_back_left`): a close nested from then on puts back
+# itself, as no change of the holder's is pending, and the holder may have taken its last look
+# at `_left_to_put_back` (a handler due as that look returns runs before the lock is let go of).
+# Cleared by each outermost holder as it takes the lock.
+_holder_putting_back_left = False
+
+
+def _holder_is_putting_back_left(putting: bool) -> None:
+    global _holder_putting_back_left
+    _holder_putting_back_left = putting
 
 
 def _cupy_choice_held_here() -> bool:
@@ -311,7 +324,9 @@ def _cupy_choice_held_here() -> bool:
 def _put_back_left() -> None:
     """Puts back CuPy's allocator for the budgets closed inside this thread's hold of
     `_cupy_choice`: the last thing the outermost holder does under it (a close nested in this
-    call adds to the list, which the loop takes then)."""
+    call adds to the list, which the loop takes then; a close nested once it began, or after it
+    returned, puts back itself)."""
+    _holder_is_putting_back_left(True)
     while _left_to_put_back:
         closed = _left_to_put_back.pop()
         if closed._cupy is not None:
@@ -631,6 +646,7 @@ def _install_cupy(cupy: Any) -> None:
 
     with _cupy_choice:
         try:
+            _holder_is_putting_back_left(False)
             if budget_now._closed:
                 return
             # Known to the budget before it is installed, so that a close after an interruption
