@@ -1802,3 +1802,30 @@ print(cm.active() is None, chosen["global"] is own_pool)
     )
     assert words == ["closed", "inside", "True", "True"], words
 
+
+def test_review2_a_librarys_resource_made_inside_its_own_making_is_the_one_the_budget_keeps(stand_in_libcuda):
+    # A finalizer (or a signal handler) that asks for CuPy's resource of the budget while this
+    # thread makes it, under the budget's (reentrant) lock: both must get the one resource the
+    # budget keeps, counts and gives back, not two caches of which the budget forgets one.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+from cumempool import _budget
+bound = _budget.cache_bound
+inner = []
+def asking_bound(limit):
+    _budget.cache_bound = bound
+    inner.append(cm.active().resource("cupy", 0))
+    return bound(limit)
+budget = cm.budget(devices={0: "1MiB"})
+device = budget._devices[0]
+device.tops.clear(); device.caches.clear(); device.libraries.clear()
+_budget.cache_bound = asking_bound
+outer = budget.resource("cupy", 0)
+print(outer is inner[0], budget.gave(inner[0]), len(device.caches))
+budget.close()
+""",
+    )
+    assert words == ["True", "True", "1"], words
+

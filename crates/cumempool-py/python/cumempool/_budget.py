@@ -146,16 +146,25 @@ class _Device:
         with _lock:
             top = self.tops.get(library)
             if top is None:
+                cache = None
                 if library in _CACHED_LIBRARIES:
                     # A cache gives its own blocks back when the pool below is full.
                     counted = Statistics(PoolResource(self.pool))
-                    top = self.caches[library] = CachingResource(counted, max_cached=cache_bound(self.limit))
+                    top = cache = CachingResource(counted, max_cached=cache_bound(self.limit))
                 elif library in _NO_PYTHON_CALLBACKS:
                     # Its plug-in allocates where no Python may run (PyTorch's allocator lock
                     # held, maybe without the GIL): counted, with no hook.
                     counted = top = Statistics(PoolResource(self.pool))
                 else:
                     counted = top = Statistics(OnOutOfMemory(PoolResource(self.pool), self._release_caches_once))
+                # The lock is reentrant: a finalizer or signal handler run while this one was
+                # made (on this thread) may have made the library's resource already, and
+                # handed it out: that one stays the library's.
+                made = self.tops.get(library)
+                if made is not None:
+                    return made
+                if cache is not None:
+                    self.caches[library] = cache
                 self.libraries[library] = counted
                 self.tops[library] = top
             return top
