@@ -1829,3 +1829,34 @@ budget.close()
     )
     assert words == ["True", "True", "1"], words
 
+
+def test_review2_a_budget_made_inside_the_making_of_another_leaves_one_budget_in_force(stand_in_libcuda):
+    # A signal handler (or finalizer) that makes a budget while this thread makes one, under the
+    # budget's (reentrant) lock: one of the two must be refused, not both made with the first
+    # one's check passed, two sets of pools current and only the last in `active()`.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+from cumempool import _budget
+set_pool = _budget.set_current_pool
+made = []
+def making_inside(route, pool):
+    _budget.set_current_pool = set_pool
+    try:
+        made.append(cm.budget(devices={0: "1MiB"}))
+    except RuntimeError:
+        print("refused inside")
+    return set_pool(route, pool)
+_budget.set_current_pool = making_inside
+try:
+    made.append(cm.budget(devices={0: "2MiB"}))
+except RuntimeError:
+    print("refused outside")
+print(len(made), all(cm.active() is budget for budget in made))
+for budget in made:
+    budget.close()
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["refused", "inside", "1", "True", "True", "True"], words

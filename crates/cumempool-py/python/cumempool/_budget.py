@@ -297,6 +297,8 @@ class Budget:
 # thread forever.
 _lock = threading.RLock()
 _active: Budget | None = None
+# Set under `_lock` while `budget()` makes the pools of a budget (so by the thread that holds it).
+_making = False
 
 
 # Taken around a budget's install of its CuPy allocator and around close()'s put-back, so that
@@ -455,22 +457,33 @@ def budget(total: int | str | None = None, *, devices: dict[int, int | str] | No
     naming another backend, ``NUMBA_CUDA_MEMORY_MANAGER``, or a CuPy allocator other than
     CuPy's default pool is kept, with a warning that the library is outside the budget.
     """
-    global _active
+    global _active, _making
     limits = _limits(total, devices)
     with _lock:
+        if _making:
+            # The lock is reentrant: this call runs inside another `budget()` on this thread
+            # (a signal handler, a finalizer), which has checked `_active` already.
+            raise RuntimeError("a budget is being made on this thread (this call runs inside it): make it after")
         if _active is not None:
             raise RuntimeError(f"a budget is in force already ({_active!r}): close it first")
         made: dict[int, _Device] = {}
+        made_budget: Budget | None = None
+        _making = True
         try:
             for ordinal, limit in limits.items():
                 route = Route.device(ordinal)
                 pool = MemPool(route, max_size=limit)
                 made[ordinal] = _Device(ordinal, limit, pool, set_current_pool(route, pool))
+            made_budget = _active = Budget(made)
         except BaseException:
+            # Out of force again where an interrupt came once it was in force.
+            if made_budget is not None and _active is made_budget:
+                _active = None
             for device in made.values():
                 device.guard.restore()
             raise
-        made_budget = _active = Budget(made)
+        finally:
+            _making = False
     try:
         _choose_torch_backend()
         _after_import("cupy", _install_cupy)
