@@ -1738,7 +1738,7 @@ def test_what_the_report_says_to_call_for_the_caches_blocks_can_be_called(stand_
     assert words == ["cumempool.active().release_cached()", "True", "8192", "None"], words
 
 
-def test_review2_an_interrupt_as_the_install_starts_its_thread_leaves_cupy_off_the_closed_budget(stand_in_libcuda):
+def test_an_interrupt_as_the_install_starts_its_thread_leaves_cupy_off_the_closed_budget(stand_in_libcuda):
     # ^C while `Thread.start` waits for the install's thread to run (the thread runs already):
     # `budget()` closes the half-made budget, whose put-back must not come before the install
     # that thread still makes, or CuPy keeps the closed budget's allocator for good.
@@ -1772,7 +1772,32 @@ print(cm.active() is None, chosen["global"] is own_pool)
     assert words == ["interrupted", "True", "True"], words
 
 
-def test_review2_a_close_handled_once_the_install_has_put_back_what_was_left_still_puts_cupys_allocator_back(
+def test_a_close_interrupted_as_it_starts_its_thread_still_puts_cupys_allocator_back(stand_in_libcuda):
+    # ^C while `Thread.start` waits for the put-back's thread to run (it runs already): the
+    # put-back is waited for, not given up, so CuPy is off the closed budget when the interrupt
+    # goes on.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+start = threading.Thread.start
+budget = cm.budget(devices={0: "1MiB"})
+def interrupted_start(self):
+    start(self)
+    raise KeyboardInterrupt
+threading.Thread.start = interrupted_start
+try:
+    budget.close()
+except KeyboardInterrupt:
+    print("interrupted")
+threading.Thread.start = start
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["interrupted", "True", "True"], words
+
+
+def test_a_close_handled_once_the_install_has_put_back_what_was_left_still_puts_cupys_allocator_back(
     stand_in_libcuda,
 ):
     # A handler that closes the budget, run as the install's last look at what nested closes
@@ -1803,7 +1828,7 @@ print(cm.active() is None, chosen["global"] is own_pool)
     assert words == ["closed", "inside", "True", "True"], words
 
 
-def test_review2_a_librarys_resource_made_inside_its_own_making_is_the_one_the_budget_keeps(stand_in_libcuda):
+def test_a_librarys_resource_made_inside_its_own_making_is_the_one_the_budget_keeps(stand_in_libcuda):
     # A finalizer (or a signal handler) that asks for CuPy's resource of the budget while this
     # thread makes it, under the budget's (reentrant) lock: both must get the one resource the
     # budget keeps, counts and gives back, not two caches of which the budget forgets one.
@@ -1830,7 +1855,7 @@ budget.close()
     assert words == ["True", "True", "1"], words
 
 
-def test_review2_a_budget_made_inside_the_making_of_another_leaves_one_budget_in_force(stand_in_libcuda):
+def test_a_budget_made_inside_the_making_of_another_leaves_one_budget_in_force(stand_in_libcuda):
     # A signal handler (or finalizer) that makes a budget while this thread makes one, under the
     # budget's (reentrant) lock: one of the two must be refused, not both made with the first
     # one's check passed, two sets of pools current and only the last in `active()`.

@@ -392,21 +392,12 @@ def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
         return work()
     done: list[_T] = []
     failed: list[BaseException] = []
-    # Held by the thread while it runs `work`; `given_up` set under it by a caller interrupted
-    # in `Thread.start` (which waits for the thread, running already or never to run), so that
-    # `work` either is over when the caller goes on or never runs: an install left running
-    # there set CuPy's allocator after the half-made budget's close had put it back.
-    running = threading.Lock()
-    given_up: list[bool] = []
 
     def run() -> None:
-        with running:
-            if given_up:
-                return
-            try:
-                done.append(work())
-            except BaseException as error:  # raised on the calling thread below
-                failed.append(error)
+        try:
+            done.append(work())
+        except BaseException as error:  # raised on the calling thread below
+            failed.append(error)
 
     thread = threading.Thread(target=run, name="cumempool-cupy-allocator")
     try:
@@ -414,10 +405,11 @@ def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
     except RuntimeError as error:
         raise _NoThread(str(error)) from error
     except BaseException:
-        # Interrupted (KeyboardInterrupt) while `start` waited: waited for where `work` runs,
-        # kept from running where it has not begun.
-        with running:
-            given_up.append(True)
+        # Interrupted (KeyboardInterrupt) while `start` waited for the thread to begin: once it
+        # exists it runs `work`, waited for as below (an install left running set CuPy's
+        # allocator after the half-made budget's close had put it back).
+        if thread.ident is not None:
+            thread.join()
         raise
     try:
         thread.join()
