@@ -1780,17 +1780,21 @@ def test_a_close_interrupted_as_it_starts_its_thread_still_puts_cupys_allocator_
         stand_in_libcuda,
         SCOPED_CUPY
         + """
-start = threading.Thread.start
+import time
+start, run = threading.Thread.start, threading.Thread.run
 budget = cm.budget(devices={0: "1MiB"})
 def interrupted_start(self):
     start(self)
     raise KeyboardInterrupt
-threading.Thread.start = interrupted_start
+def late_run(self):  # the thread begins its work after the interrupt
+    time.sleep(0.3)
+    run(self)
+threading.Thread.start, threading.Thread.run = interrupted_start, late_run
 try:
     budget.close()
 except KeyboardInterrupt:
     print("interrupted")
-threading.Thread.start = start
+threading.Thread.start, threading.Thread.run = start, run
 print(cm.active() is None, chosen["global"] is own_pool)
 """,
     )
