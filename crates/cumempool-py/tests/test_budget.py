@@ -1889,3 +1889,84 @@ print(cm.active() is None, chosen["global"] is own_pool)
 """,
     )
     assert words == ["refused", "inside", "1", "True", "True", "True"], words
+
+
+def test_an_interrupt_as_the_install_starts_a_thread_that_has_not_set_its_ident_leaves_cupy_off_the_closed_budget(
+    stand_in_libcuda,
+):
+    # ^C while `Thread.start` waits for the install's thread, which exists (its OS thread was
+    # made) but has not run its bootstrap yet (it waits for the GIL): its `ident` is None until
+    # it does. `budget()` closes the half-made budget, whose put-back finds nothing to put back;
+    # the thread's install must not set the closed budget's allocator after that.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+import time, _thread
+start = threading.Thread.start
+starts = [0]
+def interrupted_start(self):
+    starts[0] += 1
+    if starts[0] != 2:  # the first reads CuPy's allocator, the second installs the budget's
+        return start(self)
+    with threading._active_limbo_lock:
+        threading._limbo[self] = self
+    bootstrap = self._bootstrap
+    def late():  # the OS thread, waiting for the GIL before its bootstrap sets its ident
+        time.sleep(0.3)
+        bootstrap()
+    _thread.start_new_thread(late, ())
+    raise KeyboardInterrupt  # ^C in `self._started.wait()`
+threading.Thread.start = interrupted_start
+try:
+    cm.budget(devices={0: "1MiB"})
+except KeyboardInterrupt:
+    print("interrupted")
+threading.Thread.start = start
+time.sleep(1)
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["interrupted", "True", "True"], words
+
+
+def test_an_interrupt_as_the_install_starts_a_thread_that_has_set_its_ident_but_not_started_leaves_cupy_off_the_closed_budget(
+    stand_in_libcuda,
+):
+    # ^C while `Thread.start` waits, once the thread has set its ident but before it sets
+    # `_started` (the next lines of its bootstrap): `join()` there raises RuntimeError ("cannot
+    # join thread before it is started"), which must neither replace the interrupt nor leave the
+    # install to run after the half-made budget's close.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+import time, _thread
+start = threading.Thread.start
+starts = [0]
+def interrupted_start(self):
+    starts[0] += 1
+    if starts[0] != 2:
+        return start(self)
+    with threading._active_limbo_lock:
+        threading._limbo[self] = self
+    self._set_ident()  # as the bootstrap's first line does
+    bootstrap = self._bootstrap
+    def late():
+        time.sleep(0.3)
+        bootstrap()
+    _thread.start_new_thread(late, ())
+    raise KeyboardInterrupt
+threading.Thread.start = interrupted_start
+try:
+    cm.budget(devices={0: "1MiB"})
+except KeyboardInterrupt:
+    print("interrupted")
+except RuntimeError as error:
+    print("RuntimeError", repr(str(error)))
+threading.Thread.start = start
+time.sleep(1)
+print(cm.active() is None, chosen["global"] is own_pool)
+""",
+    )
+    assert words == ["interrupted", "True", "True"], words
