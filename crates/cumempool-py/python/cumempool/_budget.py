@@ -376,7 +376,7 @@ class _NoThread(Exception):
 _T = TypeVar("_T")
 
 
-def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
+def _outside_cupys_scopes(work: Callable[[], _T], *, again: bool = True) -> _T:
     """``work()``, which reads or sets CuPy's global allocator, run where no
     ``cupy.cuda.using_allocator`` scope hides it: inside one, CuPy shows its thread the scoped
     allocator instead of the global one and refuses to set the global one there. So it runs on a
@@ -392,12 +392,19 @@ def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
         return work()
     done: list[_T] = []
     failed: list[BaseException] = []
+    # Held by the thread while it runs `work`; `given_up` set under it by a caller interrupted
+    # in `Thread.start`, so that `work` is over, or never runs, when that caller goes on.
+    running = threading.Lock()
+    given_up: list[bool] = []
 
     def run() -> None:
-        try:
-            done.append(work())
-        except BaseException as error:  # raised on the calling thread below
-            failed.append(error)
+        with running:
+            if given_up:
+                return
+            try:
+                done.append(work())
+            except BaseException as error:  # raised on the calling thread below
+                failed.append(error)
 
     thread = threading.Thread(target=run, name="cumempool-cupy-allocator")
     try:
@@ -405,11 +412,24 @@ def _outside_cupys_scopes(work: Callable[[], _T]) -> _T:
     except RuntimeError as error:
         raise _NoThread(str(error)) from error
     except BaseException:
-        # Interrupted (KeyboardInterrupt) while `start` waited for the thread to begin: once it
-        # exists it runs `work`, waited for as below (an install left running set CuPy's
-        # allocator after the half-made budget's close had put it back).
-        if thread.ident is not None:
+        # Interrupted (KeyboardInterrupt) while `start` waited for the thread to begin. Once it
+        # has begun (alive, or over) it runs `work`: waited for as below. Before, whether it will
+        # run cannot be told from the Thread (its OS thread may exist without having set its
+        # `ident`: it waits for the GIL; and `join()` raises RuntimeError until it has begun), so
+        # the gate: work that has begun meanwhile is waited for, work that has not never runs
+        # (an install left running set CuPy's allocator after the half-made budget's close had
+        # put it back), and is done once more on a thread of its own (a close's put-back given
+        # up left CuPy on the closed budget); where that start is interrupted too, given up.
+        if thread.is_alive() or done or failed:
             thread.join()
+        else:
+            with running:
+                given_up.append(True)
+            if again and not done and not failed:
+                try:
+                    _outside_cupys_scopes(work, again=False)
+                except _NoThread:
+                    pass  # the interrupt goes on, `work` not done, as where it came before `start`
         raise
     try:
         thread.join()
