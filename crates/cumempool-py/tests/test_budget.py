@@ -1970,3 +1970,47 @@ print(cm.active() is None, chosen["global"] is own_pool)
 """,
     )
     assert words == ["interrupted", "True", "True"], words
+
+
+def test_closes_nested_in_each_lock_on_two_threads_do_not_hang(stand_in_libcuda):
+    # Two finalizers (or a finalizer and a signal handler) that close the budget, on two threads:
+    # one runs while thread A holds the budget's lock (making Numba's resource), the other while
+    # thread C holds CuPy's lock (its close waits for the put-back's thread). A's close waits for
+    # CuPy's lock; C's nested close must not then wait for the budget's lock, held by A.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        SCOPED_CUPY
+        + """
+import os, sys, time
+from cumempool import _budget
+budget = cm.budget(devices={0: "1MiB"})
+join, pool_resource = threading.Thread.join, _budget.PoolResource
+go, in_lock = threading.Event(), threading.Event()
+def finalizer_under_the_lock(pool):
+    _budget.PoolResource = pool_resource
+    in_lock.set()
+    budget.close()  # a finalizer run where thread A holds `_lock`
+    return pool_resource(pool)
+def making():
+    go.wait()
+    _budget.PoolResource = finalizer_under_the_lock
+    budget.resource("numba", 0)
+def joining(self, timeout=None):
+    if self.name == "cumempool-cupy-allocator":
+        threading.Thread.join = join
+        go.set()
+        in_lock.wait(5)
+        time.sleep(0.3)  # A's close waits for CuPy's lock, which this thread holds
+        budget.close()  # a finalizer run where this thread holds CuPy's lock
+    return join(self, timeout)
+threading.Thread.join = joining
+a = threading.Thread(target=making, daemon=True)
+c = threading.Thread(target=budget.close, daemon=True)
+a.start(); c.start()
+join(c, 5); join(a, 5)
+print(a.is_alive(), c.is_alive(), cm.active() is None, chosen["global"] is own_pool)
+sys.stdout.flush()
+os._exit(0)  # a thread that hangs must not hang the exit
+""",
+    )
+    assert words == ["False", "False", "True", "True"], words
