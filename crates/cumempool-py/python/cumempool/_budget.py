@@ -282,9 +282,18 @@ class Budget:
                         if not nested:
                             _put_back_left()
             finally:
-                with _lock:
+                if nested:
+                    # Not `_lock`: another thread may hold it and wait for `_cupy_choice`, which
+                    # this thread holds (a finalizer there closing a budget while that thread
+                    # makes a library's resource): both would wait forever. The compare and
+                    # clear is not one step then: a budget made on a third thread between a
+                    # second close of this one and this line would be left out of `active()`.
                     if _active is self:
                         _active = None
+                else:
+                    with _lock:
+                        if _active is self:
+                            _active = None
 
     def __repr__(self) -> str:
         limits = ", ".join(f"{d}: {device.limit}" for d, device in sorted(self._devices.items()))
