@@ -1972,14 +1972,17 @@ print(cm.active() is None, chosen["global"] is own_pool)
     assert words == ["interrupted", "True", "True"], words
 
 
-def test_closes_nested_in_each_lock_on_two_threads_do_not_hang(stand_in_libcuda):
-    # Two finalizers (or a finalizer and a signal handler) that close the budget, on two threads:
-    # one runs while thread A holds the budget's lock (making Numba's resource), the other while
-    # thread C holds CuPy's lock (its close waits for the put-back's thread). A's close waits for
-    # CuPy's lock; C's nested close must not then wait for the budget's lock, held by A.
+@pytest.mark.parametrize("nested", ["budget.close()", 'budget.resource("cupy", 0)'], ids=["close", "resource"])
+def test_calls_nested_in_each_lock_on_two_threads_do_not_hang(stand_in_libcuda, nested):
+    # Two finalizers (or a finalizer and a signal handler), on two threads: one closes the
+    # budget while thread A makes Numba's resource, the other closes it, or asks for CuPy's
+    # resource, while thread C holds CuPy's lock (its close waits for the put-back's thread).
+    # A's close waits for CuPy's lock; C's nested call must not then wait for the budget's
+    # lock, which A must not hold while it makes a resource.
     words = _with_fake_cupy(
         stand_in_libcuda,
         SCOPED_CUPY
+        + f"NESTED = {nested!r}\n"
         + """
 import os, sys, time
 from cumempool import _budget
@@ -2001,7 +2004,7 @@ def joining(self, timeout=None):
         go.set()
         in_lock.wait(5)
         time.sleep(0.3)  # A's close waits for CuPy's lock, which this thread holds
-        budget.close()  # a finalizer run where this thread holds CuPy's lock
+        eval(NESTED)  # a finalizer run where this thread holds CuPy's lock
     return join(self, timeout)
 threading.Thread.join = joining
 a = threading.Thread(target=making, daemon=True)

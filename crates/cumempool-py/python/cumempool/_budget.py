@@ -143,31 +143,36 @@ class _Device:
     tops: dict[str, Any] = field(default_factory=dict)
 
     def resource(self, library: str) -> Any:
-        with _lock:
-            top = self.tops.get(library)
-            if top is None:
-                cache = None
-                if library in _CACHED_LIBRARIES:
-                    # A cache gives its own blocks back when the pool below is full.
-                    counted = Statistics(PoolResource(self.pool))
-                    top = cache = CachingResource(counted, max_cached=cache_bound(self.limit))
-                elif library in _NO_PYTHON_CALLBACKS:
-                    # Its plug-in allocates where no Python may run (PyTorch's allocator lock
-                    # held, maybe without the GIL): counted, with no hook.
-                    counted = top = Statistics(PoolResource(self.pool))
-                else:
-                    counted = top = Statistics(OnOutOfMemory(PoolResource(self.pool), self._release_caches_once))
-                # The lock is reentrant: a finalizer or signal handler run while this one was
-                # made (on this thread) may have made the library's resource already, and
-                # handed it out: that one stays the library's.
-                made = self.tops.get(library)
-                if made is not None:
-                    return made
-                if cache is not None:
-                    self.caches[library] = cache
-                self.libraries[library] = counted
-                self.tops[library] = top
+        # Made outside `_lock`, which is taken only to check and keep: code that runs while it
+        # is made (a finalizer, a signal handler) may wait for a lock another thread holds while
+        # that thread waits for `_lock` (CuPy's lock, whose holder's nested call asks for a
+        # resource), and both would wait forever.
+        top = self.tops.get(library)
+        if top is not None:
             return top
+        cache = None
+        if library in _CACHED_LIBRARIES:
+            # A cache gives its own blocks back when the pool below is full.
+            counted = Statistics(PoolResource(self.pool))
+            top = cache = CachingResource(counted, max_cached=cache_bound(self.limit))
+        elif library in _NO_PYTHON_CALLBACKS:
+            # Its plug-in allocates where no Python may run (PyTorch's allocator lock held,
+            # maybe without the GIL): counted, with no hook.
+            counted = top = Statistics(PoolResource(self.pool))
+        else:
+            counted = top = Statistics(OnOutOfMemory(PoolResource(self.pool), self._release_caches_once))
+        with _lock:
+            # Another thread, or a finalizer or signal handler run while this one was made, may
+            # have made the library's resource meanwhile and handed it out: that one stays the
+            # library's (this one, never used, goes).
+            made = self.tops.get(library)
+            if made is not None:
+                return made
+            if cache is not None:
+                self.caches[library] = cache
+            self.libraries[library] = counted
+            self.tops[library] = top
+        return top
 
     def release_cached(self) -> int:
         """Gives the caches' free blocks back to the pool; the bytes given back."""
@@ -218,13 +223,14 @@ class Budget:
         that device's current pool, outside the budget (as CuPy's default pool is for CuPy)."""
         if device in self._devices:
             return self.resource(library, device)
-        with _lock:
-            outside = self._outside.get(device)
-            if outside is None:
-                from ._native import current_pool
-
-                outside = self._outside[device] = PoolResource(current_pool(Route.device(device)))
+        outside = self._outside.get(device)
+        if outside is not None:
             return outside
+        from ._native import current_pool
+
+        made = PoolResource(current_pool(Route.device(device)))  # outside `_lock`, as `_Device.resource`
+        with _lock:
+            return self._outside.setdefault(device, made)
 
     def gave(self, resource: Any) -> bool:
         """Whether ``resource`` is one this budget gave a library to draw through."""
@@ -764,13 +770,14 @@ def _numba_resource(ordinal: int) -> Any:
         return budget_now.resource_or_outside("numba", ordinal)
     # No budget in force (Numba's context was made under one that closed): the device's default
     # pool, which the driver owns and no program destroys, as no pool was chosen for Numba.
-    with _lock:
-        found = _outside_any_budget.get(ordinal)
-        if found is None:
-            from ._native import default_pool
-
-            found = _outside_any_budget[ordinal] = PoolResource(default_pool(Route.device(ordinal)))
+    found = _outside_any_budget.get(ordinal)
+    if found is not None:
         return found
+    from ._native import default_pool
+
+    made = PoolResource(default_pool(Route.device(ordinal)))  # outside `_lock`, as `_Device.resource`
+    with _lock:
+        return _outside_any_budget.setdefault(ordinal, made)
 
 
 # Numba's resource per device where no budget is in force.
