@@ -122,11 +122,11 @@ impl CupyAllocatorBase {
             return Ok(None);
         }
         let stream = self.current_stream(py, resource.device)?;
-        // A capture on CuPy's stream: the Python steps keep its memory for the graph.
-        let capturing = stream.get().stream.is_capturing_keeping_context();
-        if !matches!(capturing, Ok(false)) {
+        // A capture on CuPy's stream, or no answer: the Python steps keep a capture's memory
+        // for the graph.
+        if stream.get().stream.is_capturing_keeping_context().unwrap_or(true) {
             crate::streams::stream::let_go(py, stream);
-            return capturing.map(|_| None).map_err(Failure::from);
+            return Ok(None);
         }
         let buffer = self.alloc_on(py, size, stream)?;
         let (ptr, device) = buffer.address_and_device()?;
