@@ -223,14 +223,9 @@ class Budget:
         that device's current pool, outside the budget (as CuPy's default pool is for CuPy)."""
         if device in self._devices:
             return self.resource(library, device)
-        outside = self._outside.get(device)
-        if outside is not None:
-            return outside
         from ._native import current_pool
 
-        made = PoolResource(current_pool(Route.device(device)))  # outside `_lock`, as `_Device.resource`
-        with _lock:
-            return self._outside.setdefault(device, made)
+        return _kept(self._outside, device, lambda: PoolResource(current_pool(Route.device(device))))
 
     def gave(self, resource: Any) -> bool:
         """Whether ``resource`` is one this budget gave a library to draw through."""
@@ -312,6 +307,19 @@ class Budget:
 # thread forever.
 _lock = threading.RLock()
 _active: Budget | None = None
+
+
+def _kept(table: dict[int, Any], key: int, make: Callable[[], Any]) -> Any:
+    """``table[key]``, made by ``make()`` where missing: made outside `_lock` and kept under it,
+    the first one kept winning (as `_Device.resource` makes a library's resource)."""
+    found = table.get(key)
+    if found is not None:
+        return found
+    made = make()
+    with _lock:
+        return table.setdefault(key, made)
+
+
 # Set under `_lock` while `budget()` makes the pools of a budget (so by the thread that holds it).
 _making = False
 
@@ -770,14 +778,9 @@ def _numba_resource(ordinal: int) -> Any:
         return budget_now.resource_or_outside("numba", ordinal)
     # No budget in force (Numba's context was made under one that closed): the device's default
     # pool, which the driver owns and no program destroys, as no pool was chosen for Numba.
-    found = _outside_any_budget.get(ordinal)
-    if found is not None:
-        return found
     from ._native import default_pool
 
-    made = PoolResource(default_pool(Route.device(ordinal)))  # outside `_lock`, as `_Device.resource`
-    with _lock:
-        return _outside_any_budget.setdefault(ordinal, made)
+    return _kept(_outside_any_budget, ordinal, lambda: PoolResource(default_pool(Route.device(ordinal))))
 
 
 # Numba's resource per device where no budget is in force.
