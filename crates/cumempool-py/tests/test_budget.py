@@ -915,19 +915,46 @@ print(cm.active() is None, chosen["global"] is own_pool)
     assert words == ["interrupted", "True", "True"], words
 
 
-# After SCOPED_CUPY and INTERRUPTED: `close_inside(n)` makes the n-th `Thread.join` from now
-# close the budget in force first, on the waiting thread, as a signal handler (SIGTERM's, say)
-# or a finalizer running while the budget waits there would.
-CLOSED_INSIDE = """
-def close_inside(n):
+# After SCOPED_CUPY and INTERRUPTED, code run where a signal handler (SIGTERM's, say) or a
+# finalizer would run while the budget waits for its thread. `before_join(n, then)` runs `then()`
+# on the waiting thread as the n-th `Thread.join` from now begins. `after_join(n, then)` runs it
+# at the start of the first function of cumempool._budget called once the n-th `Thread.join`
+# from now has returned: where CPython runs a signal handler that became due just as the
+# budget's thread ended (or a finalizer the collector ran there), which may come after the budget
+# looked at the state the handler changes. `close_now` closes the budget in force,
+# `interrupt_now` raises as a ^C would.
+JOIN_HOOKS = """
+import os, sys
+from cumempool import _budget
+def before_join(n, then):
     joins = [0]
-    def closing(self, timeout=None):
+    def waiting(self, timeout=None):
         joins[0] += 1
         if joins[0] == n:
-            cm.active().close()
-            print("closed inside")
+            threading.Thread.join = join
+            then()
         return join(self, timeout)
-    threading.Thread.join = closing
+    threading.Thread.join = waiting
+def after_join(n, then):
+    joins = [0]
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == _budget.__file__:
+            sys.settrace(None)
+            then()
+        return None
+    def joined(self, timeout=None):
+        joins[0] += 1
+        answer = join(self, timeout)
+        if joins[0] == n:
+            threading.Thread.join = join
+            sys.settrace(tracer)
+        return answer
+    threading.Thread.join = joined
+def close_now():
+    cm.active().close()
+    print("closed inside")
+def interrupt_now():
+    raise KeyboardInterrupt
 """
 
 
@@ -941,8 +968,8 @@ def test_a_budget_closed_on_the_thread_installing_cupys_allocator_does_not_hang_
         stand_in_libcuda,
         SCOPED_CUPY
         + INTERRUPTED
-        + CLOSED_INSIDE
-        + f"close_inside({step})\n"
+        + JOIN_HOOKS
+        + f"before_join({step}, close_now)\n"
         + """
 budget = cm.budget(devices={0: "1MiB"})
 threading.Thread.join = join
@@ -964,57 +991,22 @@ def test_a_budget_made_on_the_thread_installing_another_budgets_cupy_allocator_l
         stand_in_libcuda,
         SCOPED_CUPY
         + INTERRUPTED
+        + JOIN_HOOKS
         + """
 made = []
-def closing_and_making(self, timeout=None):
-    threading.Thread.join = join
+def closing_and_making():
     cm.active().close()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         made.append(cm.budget(devices={0: "1MiB"}))
     print(len(caught), "CuPy stays outside this budget" in str(caught[0].message))
-    return join(self, timeout)
-reads = [0]
-def second_join(self, timeout=None):
-    reads[0] += 1
-    if reads[0] == 2:
-        return closing_and_making(self, timeout)
-    return join(self, timeout)
-threading.Thread.join = second_join
+before_join(2, closing_and_making)
 first = cm.budget(devices={0: "1MiB"})
 print(cm.active() is made[0], chosen["global"] is own_pool, made[0].cupy_allocator(0) is None)
 made[0].close()
 """,
     )
     assert words == ["1", "True", "True", "True", "True"], words
-
-
-# After SCOPED_CUPY and INTERRUPTED: `after_join(n, then)` runs `then()` at the start of the first
-# function of cumempool._budget called once the n-th `Thread.join` from now has returned. That is
-# where CPython runs a signal handler that became due just as the budget's thread ended (or a
-# finalizer the collector ran there): at the next function's entry, which may come after the
-# budget looked at the state the handler changes.
-AFTER_JOIN = """
-import os, sys
-from cumempool import _budget
-def after_join(n, then):
-    joins = [0]
-    def tracer(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename == _budget.__file__:
-            sys.settrace(None)
-            then()
-        return None
-    def joined(self, timeout=None):
-        joins[0] += 1
-        answer = join(self, timeout)
-        if joins[0] == n:
-            threading.Thread.join = join
-            sys.settrace(tracer)
-        return answer
-    threading.Thread.join = joined
-def interrupt_now():
-    raise KeyboardInterrupt
-"""
 
 
 def test_an_interrupt_as_close_leaves_cupys_choice_leaves_it_free_for_other_threads_and_later_budgets(stand_in_libcuda):
@@ -1026,7 +1018,7 @@ def test_an_interrupt_as_close_leaves_cupys_choice_leaves_it_free_for_other_thre
         stand_in_libcuda,
         SCOPED_CUPY
         + INTERRUPTED
-        + AFTER_JOIN
+        + JOIN_HOOKS
         + """
 budget = cm.budget(devices={0: "1MiB"})
 after_join(1, interrupt_now)  # close's put-back waits for its thread once
@@ -1058,11 +1050,8 @@ def test_a_close_handled_as_the_install_leaves_cupys_choice_puts_cupys_allocator
         stand_in_libcuda,
         SCOPED_CUPY
         + INTERRUPTED
-        + AFTER_JOIN
+        + JOIN_HOOKS
         + """
-def close_now():
-    cm.active().close()
-    print("closed inside")
 after_join(2, close_now)  # the install reads CuPy's allocator (the first join), then sets it
 budget = cm.budget(devices={0: "1MiB"})
 print(cm.active() is None, chosen["global"] is own_pool)
