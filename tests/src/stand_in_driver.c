@@ -61,6 +61,10 @@ int capture_per_thread_at_next_event_create;
    thread's per-thread stream right after it, as a blocking stream's capture begun between the
    library's last free of a batch and what it does next. */
 int capture_per_thread_after_next_legacy_free;
+/* Counts capture questions down: the one that brings it to 0 is answered, then a relaxed capture
+   of the calling thread's per-thread stream begins, as a blocking stream's capture begun between
+   one check of the library's and the next. */
+int capture_per_thread_after_capture_queries;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -374,6 +378,8 @@ static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void
     int on = (uintptr_t)s > 2 && s->capturing;
     *status = on ? (s->invalidated ? 2 : 1) : 0;
     if (id) *id = on ? s->id : 0;
+    if (capture_per_thread_after_capture_queries > 0 && --capture_per_thread_after_capture_queries == 0)
+        begin_capture((Stream *)2, RELAXED);
     return 0;
 }
 static CUresult exchange_mode(int *mode) { if (fail_next_exchange) { fail_next_exchange = 0; return 999; } int old = thread_mode; thread_mode = *mode; *mode = old; return 0; }

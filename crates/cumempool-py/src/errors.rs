@@ -383,6 +383,8 @@ const PYTHON_ADVICE: &[(&str, &str)] = &[
     ("Buffer::export", "Buffer.export()"),
     ("MemPool::import_fd", "cumempool.MemPool.import_fd()"),
     ("Pool::export_fd", "MemPool.export_fd()"),
+    // Reached from Python through a resource (`PoolResource` calls it).
+    ("Pool::alloc_raw", "a resource's alloc()"),
     ("Pool::alloc", "MemPool.alloc()"),
     ("StreamOrderedResource::alloc", "a resource's alloc()"),
     ("Stream::synchronize", "Stream.synchronize()"),
@@ -396,13 +398,31 @@ const PYTHON_ADVICE: &[(&str, &str)] = &[
     ("usize::MAX", "2**64 - 1"),
 ];
 
+/// `text` with each `phrase` replaced by `with`, except where a phrase ending in a name is
+/// followed by more of a name: `Pool::alloc` leaves `Pool::alloc_raw` to its own entry.
+fn replace_whole(text: &str, phrase: &str, with: &str) -> String {
+    let is_name = |c: char| c.is_alphanumeric() || c == '_';
+    let ends_in_a_name = phrase.chars().next_back().is_some_and(is_name);
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(phrase) {
+        let after = &rest[at + phrase.len()..];
+        let continues_a_name = ends_in_a_name && after.chars().next().is_some_and(is_name);
+        out.push_str(&rest[..at]);
+        out.push_str(if continues_a_name { phrase } else { with });
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `message` with its Rust advice in Python terms (`PYTHON_ADVICE`), and any Rust path left
 /// (`Type::item`, `&value`) written as Python would (`Type.item`, `value`).
 pub(crate) fn pythonic(message: &str) -> String {
     let mut text = message.to_owned();
     for (rust, python) in PYTHON_ADVICE {
         if text.contains(rust) {
-            text = text.replace(rust, python);
+            text = replace_whole(&text, rust, python);
         }
     }
     text = text.replace("HandleTypes::", "cumempool.HandleTypes.").replace("::", ".");

@@ -69,3 +69,30 @@ def test_a_buffer_closed_on_another_thread_during_a_per_thread_capture_leaves_it
         """,
     )
     assert words == ["0", "0"], words
+
+
+def test_a_resource_allocation_refused_by_the_core_beside_a_blocking_capture_names_the_python_call(
+    stand_in_libcuda,
+):
+    # A blocking capture begun between the binding's question and the core's (the stand-in
+    # begins it right after the first question): the core refuses, in words that name
+    # `Pool::alloc_raw`, which the resource calls; the message names the resource's alloc()
+    # instead, with no Rust left in it.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        pool = cm.MemPool(cm.Route.device(0))
+        r = cm.PoolResource(pool)
+        ctypes.c_int.in_dll(lib, "capture_per_thread_after_capture_queries").value = 1
+        try:
+            r.alloc(4096)
+        except cm.StreamCapturingError as e:
+            print(str(e).replace(" ", "_"))
+        graph = ctypes.c_void_p()
+        print("end", end(2, ctypes.byref(graph)), pool.used_mem_current)
+        """,
+    )
+    message = words[0].replace("_", " ")
+    assert "on the legacy stream with a resource's alloc() (use a non-blocking stream" in message, message
+    assert "alloc() raw" not in message and "alloc raw" not in message, message
+    assert words[-3:] == ["end", "0", "0"], words

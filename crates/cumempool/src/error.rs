@@ -339,7 +339,7 @@ pub enum Error {
     /// An operation refused, before the driver, because its stream is capturing into a graph:
     /// the operation would wait on the host or record an address the graph could outlive. The
     /// capture is left intact.
-    #[error("{operation}: stream capture {} is underway on the stream, and this operation cannot be recorded into a graph soundly; the capture was left intact. Record captured work through Capture (Stream::capture: Capture::alloc, fill, copy), or do this before the capture begins or after it ends", capture_text(*.capture))]
+    #[error("{operation}: {}, and this operation cannot be recorded into a graph soundly; the capture was left intact. Record captured work through Capture (Stream::capture: Capture::alloc, fill, copy), or do this before the capture begins or after it ends", capture_text(*.capture))]
     StreamCapturing {
         /// What was being done.
         operation: &'static str,
@@ -364,8 +364,8 @@ fn capture_text(capture: Option<u64>) -> String {
     // The id is unknown where the legacy stream was refused for another stream's capture: the
     // driver names neither.
     capture.map_or_else(
-        || "(id unknown: on the legacy stream, any blocking stream of its context capturing)".to_owned(),
-        |id| id.to_string(),
+        || "a stream capture is underway on a blocking stream of the legacy stream's context (the driver names neither that stream nor its capture)".to_owned(),
+        |id| format!("stream capture {id} is underway on the stream"),
     )
 }
 
@@ -753,6 +753,14 @@ mod tests {
         assert!(text.starts_with("copying to the host: stream capture 12 is underway"), "{text}");
         assert!(text.contains("left intact") && text.contains("Stream::capture"), "{text}");
         let unknown = Error::StreamCapturing { operation: "filling", capture: None }.to_string();
-        assert!(unknown.contains("capture (id unknown: on the legacy stream, any blocking stream"), "{unknown}");
+        // The legacy stream's refusal is for another stream's capture: it does not say "on the
+        // stream".
+        assert!(
+            unknown.starts_with(
+                "filling: a stream capture is underway on a blocking stream of the legacy stream's context"
+            ),
+            "{unknown}"
+        );
+        assert!(!unknown.contains("on the stream"), "{unknown}");
     }
 }
