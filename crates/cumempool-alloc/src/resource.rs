@@ -79,6 +79,25 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
         stream.marked_id()
     }
 
+    /// [`allocate`](Self::allocate) where no capture is underway on `stream`; `None`, with
+    /// nothing allocated, where one is or the driver cannot say (ask
+    /// [`is_capturing`](Self::is_capturing) which). For callers that refuse captures: a check
+    /// before `allocate` asks the driver once, and a cache's `allocate` asks again, where this
+    /// asks once in all.
+    ///
+    /// The default asks, then allocates. [`CachingResource`](crate::CachingResource) serves
+    /// from its blocks after its one question. A capture begun between the question and the
+    /// allocation is not seen, as with any check made before an allocation.
+    ///
+    /// # Errors
+    /// What `allocate` answers.
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        if self.may_be_capturing(stream) && !matches!(self.is_capturing(stream), Ok(false)) {
+            return Ok(None);
+        }
+        self.allocate(bytes, align, stream).map(Some)
+    }
+
     /// Allocates with the pool alignment and frees on drop: the convenient form.
     ///
     /// Refused on a stream capturing into a graph: memory allocated there is the graph's (an
@@ -97,12 +116,16 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     where
         Self: Sized,
     {
-        if self.may_be_capturing(stream) && self.is_capturing(stream)? {
-            return Err(refused_while_capturing(
-                "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
-            ));
-        }
-        let ptr = self.allocate(bytes, POOL_ALIGNMENT, stream)?;
+        let ptr =
+            match self.allocate_unless_capturing(bytes, POOL_ALIGNMENT, stream)? {
+                Some(ptr) => ptr,
+                // Asked again for the reason: the driver's error, or the capture; one that ended
+                // since is allocated for after all.
+                None if self.is_capturing(stream)? => return Err(refused_while_capturing(
+                    "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
+                )),
+                None => self.allocate(bytes, POOL_ALIGNMENT, stream)?,
+            };
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
     }
 }
@@ -155,6 +178,10 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for &R {
         (**self).allocate(bytes, align, stream)
     }
     #[inline]
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        (**self).allocate_unless_capturing(bytes, align, stream)
+    }
+    #[inline]
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
         // SAFETY: forwarded under the caller's promise.
         unsafe { (**self).deallocate(ptr, bytes, align, stream) }
@@ -168,6 +195,10 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for std::sync::Arc<R
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         (**self).allocate(bytes, align, stream)
+    }
+    #[inline]
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        (**self).allocate_unless_capturing(bytes, align, stream)
     }
     #[inline]
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {

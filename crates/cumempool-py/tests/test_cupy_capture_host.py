@@ -498,10 +498,10 @@ print(ended[0])
     assert words == ["served", "0"], words
 
 
-def test_a_cupy_pair_asks_three_capture_questions_on_its_own_stream_and_none_on_the_null_stream(stand_in_libcuda):
+def test_a_cupy_pair_asks_two_capture_questions_on_its_own_stream_and_none_on_the_null_stream(stand_in_libcuda):
     # CuPy's stream is another library's, so whether it captures is asked at each step that
-    # needs the answer: the plug-in (a capture goes to the Python steps), then the cache at the
-    # allocation and at the free. On CuPy's null stream a cache hit asks none (it queues no
+    # needs the answer: once at the allocation, which the cache answers with the block (a
+    # capture goes to the Python steps), and once at the free. On CuPy's null stream a cache hit asks none (it queues no
     # work there, so a blocking capture elsewhere is no concern of it) and makes no other driver
     # call: one read of the current context says that CuPy's device is the resource's.
     # benchmarks.md states these counts.
@@ -523,7 +523,7 @@ for handle in (own.handle, 0):
 """,
     )
     own_stream, null_stream = words[:2], words[2:]
-    assert own_stream[1] == "3.0", words
+    assert own_stream[1] == "2.0", words
     assert null_stream == ["1.0", "0.0"], words
 
 

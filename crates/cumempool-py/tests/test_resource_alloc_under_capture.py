@@ -85,3 +85,36 @@ def test_a_resource_alloc_on_a_capturing_stream_is_refused_on_the_stand_in(stand
         """,
     )
     assert words == ["refused", "refused", "0", "0"], "refused, the capture intact, nothing allocated"
+
+
+def test_a_resource_pair_on_a_lent_stream_asks_two_capture_questions_on_the_stand_in(stand_in_libcuda):
+    # A lent stream may capture at any time: an allocation through a cache asks once (the
+    # refusal's question and the cache's are one), its free once; a capture is still refused,
+    # and a pair after it is served again.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
+        pool = cm.MemPool(cm.Route.device(0))
+        stream = cm.Stream(0)
+        handle = stream.handle
+        resource = cm.CachingResource(cm.PoolResource(pool))
+        resource.alloc(4096, handle).close()
+        before = captures.value
+        for _ in range(10):
+            resource.alloc(4096, handle).close()
+        print((captures.value - before) / 10)
+        assert begin(handle, 2) == 0
+        try:
+            resource.alloc(4096, handle)
+            print("allocated")
+        except cm.StreamCapturingError:
+            print("refused")
+        graph = ctypes.c_void_p()
+        print(end(handle, ctypes.byref(graph)))
+        resource.alloc(4096, handle).close()
+        print(resource.release(), pool.used_mem_current)
+        """,
+    )
+    assert words[:3] == ["2.0", "refused", "0"], words
+    assert words[-1] == "0", words

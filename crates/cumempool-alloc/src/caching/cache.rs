@@ -329,6 +329,21 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         }
     }
 
+    /// One question at most: a block of the calling thread's lane is served without one (only
+    /// a stream on which no capture can be underway has a lane), and any other allocation
+    /// after it.
+    #[inline]
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        check_alignment(align)?;
+        if let Some(ptr) = self.pop_from_lane(bytes, stream) {
+            return Ok(Some(ptr));
+        }
+        if self.inner.may_be_capturing(stream) && !matches!(self.inner.is_capturing(stream), Ok(false)) {
+            return Ok(None);
+        }
+        self.allocate_outside_a_capture(bytes, align, stream).map(Some)
+    }
+
     #[inline(always)]
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
         if self.push_to_lane(ptr, bytes, stream) {
@@ -435,6 +450,16 @@ impl<R: StreamOrderedResource> CachingResource<R> {
         }
         if self.inner.may_be_capturing(stream) && self.inner.is_capturing(stream)? {
             return self.allocate_during_capture(bytes, align, stream);
+        }
+        self.allocate_outside_a_capture(bytes, align, stream)
+    }
+
+    /// `allocate_beyond_lane` on a stream found not capturing (or on which none can be): the
+    /// stream's shared blocks, then below.
+    #[inline(never)]
+    fn allocate_outside_a_capture(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        if bytes == 0 {
+            return Ok(0);
         }
         let Some((index, class)) = size_class(bytes) else {
             return self.allocate_below(bytes, align, stream);

@@ -10,6 +10,14 @@ pub trait Resource: Send + Sync {
     /// Allocates `bytes` (pool alignment) ordered on `stream`.
     fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr>;
 
+    /// [`StreamOrderedResource::allocate_unless_capturing`]: `None`, with nothing allocated,
+    /// where a capture is underway on `stream` or the driver cannot say.
+    fn allocate_unless_capturing(
+        &self,
+        bytes: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<Option<CUdeviceptr>>;
+
     /// Frees in stream order.
     ///
     /// # Safety
@@ -30,6 +38,15 @@ impl<R: StreamOrderedResource> Resource for R {
     #[inline]
     fn allocate(&self, bytes: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
         StreamOrderedResource::allocate(self, bytes, POOL_ALIGNMENT, stream)
+    }
+
+    #[inline]
+    fn allocate_unless_capturing(
+        &self,
+        bytes: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<Option<CUdeviceptr>> {
+        StreamOrderedResource::allocate_unless_capturing(self, bytes, POOL_ALIGNMENT, stream)
     }
 
     #[inline]

@@ -122,13 +122,19 @@ impl CupyAllocatorBase {
             return Ok(None);
         }
         let stream = self.current_stream(py, resource.device)?;
-        // A capture on CuPy's stream, or no answer: the Python steps keep a capture's memory
-        // for the graph.
-        if stream.get().stream.is_capturing_keeping_context().unwrap_or(true) {
-            crate::streams::stream::let_go(py, stream);
-            return Ok(None);
-        }
-        let buffer = self.alloc_on(py, size, stream)?;
+        let buffer = if stream.get().stream.is_legacy() {
+            self.alloc_on(py, size, stream)?
+        } else {
+            // A capture on CuPy's stream, or no answer: the Python steps keep a capture's
+            // memory for the graph. Asked once, with the allocation.
+            match resource.alloc_unless_capturing(py, size, stream)? {
+                Ok(buffer) => buffer,
+                Err(stream) => {
+                    crate::streams::stream::let_go(py, stream);
+                    return Ok(None);
+                }
+            }
+        };
         let (ptr, device) = buffer.address_and_device()?;
         let owner = Bound::new(py, buffer)?;
         let memory = self.unowned_memory.call1(py, (ptr, size, owner, device))?;
@@ -141,7 +147,7 @@ impl CupyAllocatorBase {
     /// (`Stream::ensure_not_capturing`), whose refusal for a blocking stream's capture is
     /// reported in CuPy's words.
     fn alloc_on(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
-        let on_legacy = stream.get().stream.as_raw().is_null();
+        let on_legacy = stream.get().stream.is_legacy();
         match self.resource.get().alloc_outside_captures(py, size, stream) {
             Err(Failure::Core(cumempool::Error::StreamCapturing { capture: None, .. })) if on_legacy => {
                 Err(Failure::Core(cumempool::Error::StreamCapturing { operation: BESIDE_A_CAPTURE, capture: None }))

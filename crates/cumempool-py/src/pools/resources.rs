@@ -11,6 +11,7 @@ use crate::pools::driver_link::DriverLink;
 use crate::pools::MemPool;
 use crate::streams::stream::Stream;
 use crate::sync::gil::Held;
+use cumempool::sys::CUdeviceptr;
 use cumempool_alloc::{
     CachingResource as Cache, DeviceMemory, HostMemory, Limit as LimitAdaptor, ManagedMemory,
     OnOutOfMemory as OomAdaptor, PoolResource, Statistics as StatisticsAdaptor, Tracking as TrackingAdaptor,
@@ -45,6 +46,38 @@ impl ResourceBase {
     /// `size` bytes on `stream` as a Buffer, on a stream the caller found not capturing (the
     /// plug-ins check it their own way): `alloc` without its capture check.
     pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
+        match self.alloc_with(py, size, stream, |inner, stream| inner.allocate(size, stream).map(Some))? {
+            Ok(buffer) => Ok(buffer),
+            // `alloc_with` hands the stream back only where the allocation answered None.
+            Err(_) => Err(cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing {
+                operation: ALLOC_DURING_CAPTURE,
+                capture: None,
+            })
+            .into()),
+        }
+    }
+
+    /// `size` bytes on `stream` as a Buffer where no capture is underway on it, asking the
+    /// driver once at most ([`Resource::allocate_unless_capturing`]); the stream back, with
+    /// nothing allocated, where one is or the driver cannot say (ask again for which).
+    pub(crate) fn alloc_unless_capturing(
+        &self,
+        py: Python<'_>,
+        size: usize,
+        stream: Py<Stream>,
+    ) -> Outcome<Result<Buffer, Py<Stream>>> {
+        self.alloc_with(py, size, stream, |inner, stream| inner.allocate_unless_capturing(size, stream))
+    }
+
+    /// What `allocate` answers from `self.inner` on `stream`, as a Buffer; the stream back where
+    /// it answers None (nothing allocated).
+    fn alloc_with(
+        &self,
+        py: Python<'_>,
+        size: usize,
+        stream: Py<Stream>,
+        allocate: impl FnOnce(&dyn Resource, &cumempool::Stream) -> cumempool_alloc::Result<Option<CUdeviceptr>>,
+    ) -> Outcome<Result<Buffer, Py<Stream>>> {
         // Only an out-of-memory callback can raise an interruption: a stack without one has
         // nothing to collect.
         let interruptions = self.calls_python.then(Interruptions::collect);
@@ -52,11 +85,11 @@ impl ResourceBase {
         // the bottom of the stack (a cache hit makes none).
         let allocated = {
             let _held = Held::new(py);
-            self.inner.allocate(size, &stream.get().stream)
+            allocate(&*self.inner, &stream.get().stream)
         };
         if let Some(interruption) = interruptions.and_then(Interruptions::take) {
             // A resource above the callback (a cache) may have found memory after its refusal.
-            if let Ok(ptr) = allocated {
+            if let Ok(Some(ptr)) = allocated {
                 let _held = Held::new(py);
                 // SAFETY: just allocated by `inner` with `size` bytes on this stream, freed
                 // once, never used.
@@ -66,12 +99,12 @@ impl ResourceBase {
             }
             return Err(interruption.into());
         }
-        let ptr = allocated?;
+        let Some(ptr) = allocated? else { return Ok(Err(stream)) };
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
         // The memory's device is the pool's, whichever device's stream it is ordered on.
         let device = if self.kind == Kind::Device { self.device } else { stream.get().device };
-        Ok(Buffer::new(Core::new(memory, stream, self.kind, device)))
+        Ok(Ok(Buffer::new(Core::new(memory, stream, self.kind, device))))
     }
 
     fn over(inner: Arc<dyn Resource>, below: &ResourceBase, below_object: Py<PyAny>) -> Self {
@@ -88,10 +121,20 @@ impl ResourceBase {
     /// Example: `buf = CachingResource(PoolResource(pool)).alloc(1 << 20, stream)`.
     #[pyo3(signature = (size, stream = None))]
     fn alloc(&self, py: Python<'_>, size: usize, stream: Option<&Bound<'_, PyAny>>) -> Outcome<Buffer> {
-        let stream = Stream::from_object(py, stream, self.device)?;
+        let mut stream = Stream::from_object(py, stream, self.device)?;
         // What it allocates on a capturing stream is graph memory (an allocation node), and the
         // Buffer, freed outside the graph, would either have its free refused before a launch
-        // (each launch then allocates memory nothing frees) or run unordered after one.
+        // (each launch then allocates memory nothing frees) or run unordered after one. One
+        // question where the stack can answer it with the allocation; the legacy stream's
+        // question, of the blocking streams beside it, is asked apart.
+        if !stream.get().stream.is_legacy() {
+            match self.alloc_unless_capturing(py, size, stream)? {
+                Ok(buffer) => return Ok(buffer),
+                Err(back) => stream = back,
+            }
+        }
+        // Asked again for the reason (the capture, or the driver's error); allocated after all
+        // where the capture has ended since.
         stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
         self.alloc_outside_captures(py, size, stream)
     }

@@ -284,9 +284,10 @@ impl Stream {
     }
 
     /// Whether the handle means the legacy stream of the current context (`0` or
-    /// `CU_STREAM_LEGACY`).
+    /// `CU_STREAM_LEGACY`): the stream whose work the driver refuses while any blocking stream
+    /// of its context captures, so that its capture question is of those streams.
     #[inline]
-    pub(crate) fn is_legacy(&self) -> bool {
+    pub fn is_legacy(&self) -> bool {
         is_legacy_handle(self.as_raw())
     }
 

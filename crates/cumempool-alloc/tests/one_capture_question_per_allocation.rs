@@ -1,0 +1,102 @@
+//! How many times a cache asks whether a stream captures, on a stream where one may be underway
+//! (one lent to other code): an allocation that refuses captures asks once, not once for the
+//! refusal and again inside the cache.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use cumempool::sys::CUdeviceptr;
+use cumempool::Stream;
+use cumempool_alloc::{CachingResource, HostHeap, HostMemory, Result, StreamOrderedResource};
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use support::fake_stream;
+
+/// The host heap, for which every stream may be capturing (marked), as a lent stream is: it
+/// counts the questions, answers `capturing` (or the driver's error, with `unanswerable`), and
+/// counts what it allocates.
+#[derive(Default)]
+struct LentStreams {
+    questions: AtomicUsize,
+    allocations: AtomicUsize,
+    capturing: AtomicBool,
+    unanswerable: AtomicBool,
+}
+
+// SAFETY: the host heap's memory and promise; every stream marked, which is never wrong.
+unsafe impl StreamOrderedResource for LentStreams {
+    type Kind = HostMemory;
+
+    fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
+        self.allocations.fetch_add(1, Relaxed);
+        HostHeap.allocate(bytes, align, stream)
+    }
+
+    unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: forwarded under the caller's promise (allocated by the heap above).
+        unsafe { HostHeap.deallocate(ptr, bytes, align, stream) }
+    }
+
+    fn is_capturing(&self, _stream: &Stream) -> Result<bool> {
+        self.questions.fetch_add(1, Relaxed);
+        if self.unanswerable.load(Relaxed) {
+            return Err(cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing {
+                operation: "asking the stand-in",
+                capture: None,
+            }));
+        }
+        Ok(self.capturing.load(Relaxed))
+    }
+
+    fn marked_stream_id(&self, stream: &Stream) -> NonZeroU64 {
+        stream.id().get_nonzero() | Stream::CAPTURE_MARK
+    }
+}
+
+#[test]
+fn an_allocation_that_refuses_captures_asks_once_and_is_served_from_the_cache() {
+    let cache = CachingResource::new(LentStreams::default());
+    let below = cache.inner();
+    let stream = fake_stream(0);
+    let first = cache.allocate_unless_capturing(4096, 256, &stream).unwrap().expect("no capture");
+    assert_eq!(below.questions.load(Relaxed), 1, "one question for the allocation");
+    // SAFETY: allocated just above with these arguments.
+    unsafe { cache.deallocate(first, 4096, 256, &stream) }.unwrap();
+    assert_eq!(below.questions.load(Relaxed), 2, "one for the free, which the cache keeps");
+    let again = cache.allocate_unless_capturing(4096, 256, &stream).unwrap().expect("no capture");
+    assert_eq!((again, below.questions.load(Relaxed)), (first, 3), "the kept block, for one question");
+    assert_eq!(below.allocations.load(Relaxed), 1, "one allocation below in all");
+    // SAFETY: allocated just above with these arguments.
+    unsafe { cache.deallocate(again, 4096, 256, &stream) }.unwrap();
+}
+
+#[test]
+fn an_allocation_that_refuses_captures_allocates_nothing_during_one_or_without_an_answer() {
+    let cache = CachingResource::new(LentStreams::default());
+    let below = cache.inner();
+    let stream = fake_stream(1);
+    below.capturing.store(true, Relaxed);
+    assert_eq!(cache.allocate_unless_capturing(4096, 256, &stream).unwrap(), None, "a capture underway");
+    below.capturing.store(false, Relaxed);
+    below.unanswerable.store(true, Relaxed);
+    assert_eq!(cache.allocate_unless_capturing(4096, 256, &stream).unwrap(), None, "no answer");
+    assert_eq!((below.questions.load(Relaxed), below.allocations.load(Relaxed)), (2, 0));
+    assert!(cache.allocate_unless_capturing(4096, 512, &stream).is_err(), "an alignment no pool gives");
+}
+
+#[test]
+fn the_convenient_alloc_asks_once_and_refuses_a_capture() {
+    let cache = CachingResource::new(LentStreams::default());
+    let below = cache.inner();
+    let stream = fake_stream(2);
+    let allocation = cache.alloc(4096, &stream).unwrap();
+    assert_eq!(below.questions.load(Relaxed), 1, "asked once, not before the cache and again inside it");
+    drop(allocation);
+    below.capturing.store(true, Relaxed);
+    let refused = cache.alloc(4096, &stream).unwrap_err();
+    assert!(refused.to_string().contains("StreamOrderedResource::alloc"), "{refused}");
+    below.capturing.store(false, Relaxed);
+    below.unanswerable.store(true, Relaxed);
+    let unanswered = cache.alloc(4096, &stream).unwrap_err();
+    assert!(unanswered.to_string().contains("asking the stand-in"), "the question's own error: {unanswered}");
+}
