@@ -694,3 +694,34 @@ print(failures or ["none"], pool.used_mem_current)
 """,
     )
     assert words == ["['none']", "0"], words
+
+
+@pytest.mark.parametrize("source", ["pool", "cache"])
+def test_a_capture_of_the_calling_threads_per_thread_stream_goes_to_the_python_steps(stand_in_libcuda, source):
+    # CuPy's current stream is its per-thread stream (handle 2), and this thread captures it
+    # (`cupy.cuda.Stream.ptds.begin_capture()`): the native call cannot serve the capture (its
+    # allocation would queue on the legacy stream, which the capture blocks), so it goes to the
+    # Python steps, which keep memory of a side stream for the graph, as on any capturing
+    # stream of CuPy's. Asked of the per-thread stream itself (it is a legacy stream's handle,
+    # but one that may capture).
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        f"SOURCE = {source!r}\n"
+        + """
+pool = cm.MemPool(cm.Route.device(0))
+allocator = cmc.Allocator(pool if SOURCE == "pool" else cm.CachingResource(cm.PoolResource(pool)))
+current[0] = 2
+assert begin(2, 2) == 0  # the per-thread stream, blocking, relaxed mode
+try:
+    kept = allocator(4096)
+    print("served", allocator.captured_bytes)
+except cm.StreamCapturingError:
+    print("refused")
+graph = ctypes.c_void_p()
+print(end(2, ctypes.byref(graph)))
+kept = None
+allocator.release_captured()
+print(allocator.captured_bytes)
+""",
+    )
+    assert words == ["served", "4096", "0", "0"], words

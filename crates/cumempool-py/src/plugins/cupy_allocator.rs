@@ -123,6 +123,13 @@ impl CupyAllocatorBase {
         }
         let stream = self.current_stream(py, resource.device)?;
         let buffer = if stream.get().stream.is_legacy() {
+            // CuPy's per-thread stream is served on the legacy stream, yet may capture itself
+            // (`Stream.ptds.begin_capture()`): its own capture, or no answer, goes to the Python
+            // steps too. The null stream never captures: nothing is asked there.
+            if stream.get().stream.is_capturing_keeping_context().unwrap_or(true) {
+                crate::streams::stream::let_go(py, stream);
+                return Ok(None);
+            }
             self.alloc_on(py, size, stream)?
         } else {
             // A capture on CuPy's stream, or no answer: the Python steps keep a capture's
@@ -142,7 +149,8 @@ impl CupyAllocatorBase {
     }
 
     /// `size` bytes on `stream`, which does not capture, as a Buffer. On the legacy stream
-    /// (CuPy's null and per-thread streams) nothing is asked first: a block a cache holds for
+    /// (CuPy's null and per-thread streams) nothing of the blocking streams beside it is asked
+    /// first (`serve` asks only whether the per-thread stream captures itself): a block a cache holds for
     /// it is served with no work queued there, and the core asks before any work it queues
     /// (`Stream::ensure_not_capturing`), whose refusal for a blocking stream's capture is
     /// reported in CuPy's words.
