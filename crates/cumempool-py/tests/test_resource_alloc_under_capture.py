@@ -118,3 +118,31 @@ def test_a_resource_pair_on_a_lent_stream_asks_two_capture_questions_on_the_stan
     )
     assert words[:3] == ["2.0", "refused", "0"], words
     assert words[-1] == "0", words
+
+
+def test_a_free_a_capture_deferred_runs_at_the_next_resource_alloc_on_the_stand_in(stand_in_libcuda):
+    # A Buffer closed while another library captures its stream waits, in the pool, for the
+    # capture's end. The next Resource.alloc on the stream, a cache hit included, runs it: a
+    # stream served from the cache from then on would otherwise hold that memory (of a pool
+    # other libraries may share under a budget) for as long as no call reaches the pool.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        pool = cm.MemPool(cm.Route.device(0))
+        stream = cm.Stream(0)
+        handle = stream.handle
+        resource = cm.CachingResource(cm.PoolResource(pool))
+        kept, cached = resource.alloc(4096, handle), resource.alloc(4096, handle)
+        cached.close()
+        assert begin(handle, 2) == 0
+        kept.close()  # during the capture: the pool's free waits for its end
+        graph = ctypes.c_void_p()
+        print(end(handle, ctypes.byref(graph)), pool.used_mem_current)
+        for _ in range(3):
+            resource.alloc(4096, handle).close()  # served from the cache
+        print(pool.used_mem_current, resource.stats()["misses"])
+        resource.release()
+        print(pool.used_mem_current)
+        """,
+    )
+    assert words == ["0", "8192", "4096", "2", "0"], words

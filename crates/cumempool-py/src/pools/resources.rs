@@ -128,8 +128,17 @@ impl ResourceBase {
         // question where the stack can answer it with the allocation; the legacy stream's
         // question, of the blocking streams beside it, is asked apart.
         if !stream.get().stream.is_legacy() {
+            let lent = stream.get().stream.may_be_capturing().then(|| stream.clone_ref(py));
             match self.alloc_unless_capturing(py, size, stream)? {
-                Ok(buffer) => return Ok(buffer),
+                Ok(buffer) => {
+                    // The frees an earlier capture deferred on the stream, which the question
+                    // asked apart (`ensure_not_capturing`) ran: a cache hit reaches no pool that
+                    // would run them, and a stream served from the cache would hold them.
+                    if let Some(lent) = lent {
+                        lent.get().stream.run_frees_deferred_by_a_capture();
+                    }
+                    return Ok(buffer);
+                }
                 Err(back) => stream = back,
             }
         }

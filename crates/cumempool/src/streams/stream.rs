@@ -522,6 +522,21 @@ impl Stream {
         }
     }
 
+    /// Runs the frees an earlier capture deferred on this stream (and those that earlier
+    /// `Stream` values of the same driver stream left behind), as
+    /// [`Stream::ensure_not_capturing`] does, where none captures now: for a layer above that
+    /// asked the capture question its own way (an allocation that asked it once, inside a
+    /// cache) and would otherwise leave them waiting while nothing of its reaches the pool. One
+    /// lock and one load where none wait; the capture question is asked only where some do.
+    pub fn run_frees_deferred_by_a_capture(&self) {
+        let none_kept = self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
+        if none_kept && !any_orphans() {
+            return;
+        }
+        // A capture underway (or no answer): they wait on, for a later use of the stream.
+        let _waiting = self.ensure_not_capturing("running frees a capture deferred");
+    }
+
     /// Keeps a free for later: `ptr` (allocated outside the capture now underway) is freed on
     /// this stream once it no longer captures, ordered after the stream's pre-capture work. A
     /// free node recorded now could not free memory the graph did not allocate, and would
