@@ -62,9 +62,14 @@ int capture_per_thread_at_next_event_create;
    library's last free of a batch and what it does next. */
 int capture_per_thread_after_next_legacy_free;
 /* Counts capture questions down: the one that brings it to 0 is answered, then a relaxed capture
-   of the calling thread's per-thread stream begins, as a blocking stream's capture begun between
-   one check of the library's and the next. */
-int capture_per_thread_after_capture_queries;
+   begins of `capture_after_queries_of`, or where that is null of the calling thread's per-thread
+   stream (a blocking stream), as a capture begun between one check of the library's and the
+   next. */
+int capture_after_capture_queries;
+void *capture_after_queries_of;
+/* The next this many capture questions fail (an error other than a capture's), as a driver that
+   cannot answer. */
+int capture_queries_failing;
 Stream *capture_at_next_memcpy;
 Stream *capture_at_next_launch;
 static void log_call(const char *what, const void *a, const void *b, int r) {
@@ -364,6 +369,7 @@ unsigned long capture_queries;
 static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void *b, void *c, void *d) {
     __atomic_fetch_add(&capture_queries, 1, __ATOMIC_RELAXED);
     if (sticky_error) return sticky_error;
+    if (capture_queries_failing > 0) { capture_queries_failing--; return 999; }
     /* Asked of the legacy stream while a blocking stream captures, the driver answers with the
        implicit-dependency error and leaves the capture intact. */
     if ((uintptr_t)s <= 1) {
@@ -378,8 +384,8 @@ static CUresult capture_info(Stream *s, int *status, uint64_t *id, void *a, void
     int on = (uintptr_t)s > 2 && s->capturing;
     *status = on ? (s->invalidated ? 2 : 1) : 0;
     if (id) *id = on ? s->id : 0;
-    if (capture_per_thread_after_capture_queries > 0 && --capture_per_thread_after_capture_queries == 0)
-        begin_capture((Stream *)2, RELAXED);
+    if (capture_after_capture_queries > 0 && --capture_after_capture_queries == 0)
+        begin_capture(capture_after_queries_of ? (Stream *)capture_after_queries_of : (Stream *)2, RELAXED);
     return 0;
 }
 static CUresult exchange_mode(int *mode) { if (fail_next_exchange) { fail_next_exchange = 0; return 999; } int old = thread_mode; thread_mode = *mode; *mode = old; return 0; }

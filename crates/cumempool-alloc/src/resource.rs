@@ -116,16 +116,25 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     where
         Self: Sized,
     {
-        let ptr =
-            match self.allocate_unless_capturing(bytes, POOL_ALIGNMENT, stream)? {
-                Some(ptr) => ptr,
-                // Asked again for the reason: the driver's error, or the capture; one that ended
-                // since is allocated for after all.
-                None if self.is_capturing(stream)? => return Err(refused_while_capturing(
-                    "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
-                )),
-                None => self.allocate(bytes, POOL_ALIGNMENT, stream)?,
-            };
+        let refused = || {
+            refused_while_capturing(
+                "allocating through StreamOrderedResource::alloc (allocate inside a capture with Capture::alloc)",
+            )
+        };
+        let mut allocated = None;
+        for _ in 0..2 {
+            allocated = self.allocate_unless_capturing(bytes, POOL_ALIGNMENT, stream)?;
+            if allocated.is_some() {
+                break;
+            }
+            // Asked again for the reason: the driver's error, or the capture. One that has
+            // ended since is allocated for once more through the same call, so that a capture
+            // begun meanwhile is refused, not served graph memory.
+            if self.is_capturing(stream)? {
+                return Err(refused());
+            }
+        }
+        let Some(ptr) = allocated else { return Err(refused()) };
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
     }
 }

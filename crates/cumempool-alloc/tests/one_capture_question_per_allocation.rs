@@ -21,6 +21,11 @@ struct LentStreams {
     allocations: AtomicUsize,
     capturing: AtomicBool,
     unanswerable: AtomicBool,
+    /// The next this many questions fail.
+    failing: AtomicUsize,
+    /// Counts answered questions down: the one that brings it to 0 is answered, then a capture
+    /// begins.
+    capture_after: AtomicUsize,
 }
 
 // SAFETY: the host heap's memory and promise; every stream marked, which is never wrong.
@@ -39,13 +44,18 @@ unsafe impl StreamOrderedResource for LentStreams {
 
     fn is_capturing(&self, _stream: &Stream) -> Result<bool> {
         self.questions.fetch_add(1, Relaxed);
-        if self.unanswerable.load(Relaxed) {
+        let failing = self.failing.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)).is_ok();
+        if failing || self.unanswerable.load(Relaxed) {
             return Err(cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing {
                 operation: "asking the stand-in",
                 capture: None,
             }));
         }
-        Ok(self.capturing.load(Relaxed))
+        let answer = self.capturing.load(Relaxed);
+        if self.capture_after.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)) == Ok(1) {
+            self.capturing.store(true, Relaxed);
+        }
+        Ok(answer)
     }
 
     fn marked_stream_id(&self, stream: &Stream) -> NonZeroU64 {
@@ -99,4 +109,19 @@ fn the_convenient_alloc_asks_once_and_refuses_a_capture() {
     below.unanswerable.store(true, Relaxed);
     let unanswered = cache.alloc(4096, &stream).unwrap_err();
     assert!(unanswered.to_string().contains("asking the stand-in"), "the question's own error: {unanswered}");
+}
+
+#[test]
+fn the_convenient_alloc_refuses_a_capture_begun_after_it_asked_for_the_reason() {
+    // The first question has no answer; the second, asked for the reason, finds no capture,
+    // and one begins right after it. What is allocated then would be graph memory in an
+    // Allocation: refused instead, with nothing allocated.
+    let cache = CachingResource::new(LentStreams::default());
+    let below = cache.inner();
+    let stream = fake_stream(3);
+    below.failing.store(1, Relaxed);
+    below.capture_after.store(1, Relaxed);
+    let refused = cache.alloc(4096, &stream).unwrap_err();
+    assert!(refused.to_string().contains("StreamOrderedResource::alloc"), "{refused}");
+    assert_eq!(below.allocations.load(Relaxed), 0, "nothing allocated during the capture");
 }

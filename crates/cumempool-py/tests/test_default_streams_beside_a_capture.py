@@ -83,7 +83,7 @@ def test_a_resource_allocation_refused_by_the_core_beside_a_blocking_capture_nam
         """
         pool = cm.MemPool(cm.Route.device(0))
         r = cm.PoolResource(pool)
-        ctypes.c_int.in_dll(lib, "capture_per_thread_after_capture_queries").value = 1
+        ctypes.c_int.in_dll(lib, "capture_after_capture_queries").value = 1
         try:
             r.alloc(4096)
         except cm.StreamCapturingError as e:

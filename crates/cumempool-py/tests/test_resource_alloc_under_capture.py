@@ -59,6 +59,16 @@ end = entry("cuStreamEndCapture", ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_
 """
 
 
+# A cache over a pool, and a stream of cumempool's whose handle is lent (`handle`), as torch or
+# CuPy pass theirs: a capture may begin on it at any time.
+LENT_CACHE = """\
+pool = cm.MemPool(cm.Route.device(0))
+stream = cm.Stream(0)
+handle = stream.handle
+resource = cm.CachingResource(cm.PoolResource(pool))
+"""
+
+
 def run_on_stand_in(stand_in_libcuda, code):
     """Runs `code` (dedented, after STAND_IN_CAPTURE) on the stand-in driver; its stdout words."""
     return run_on_driver(stand_in_libcuda, STAND_IN_CAPTURE + textwrap.dedent(code))
@@ -93,12 +103,10 @@ def test_a_resource_pair_on_a_lent_stream_asks_two_capture_questions_on_the_stan
     # and a pair after it is served again.
     words = run_on_stand_in(
         stand_in_libcuda,
-        """
+        LENT_CACHE
+        + textwrap.dedent(
+            """
         captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
-        pool = cm.MemPool(cm.Route.device(0))
-        stream = cm.Stream(0)
-        handle = stream.handle
-        resource = cm.CachingResource(cm.PoolResource(pool))
         resource.alloc(4096, handle).close()
         before = captures.value
         for _ in range(10):
@@ -114,7 +122,8 @@ def test_a_resource_pair_on_a_lent_stream_asks_two_capture_questions_on_the_stan
         print(end(handle, ctypes.byref(graph)))
         resource.alloc(4096, handle).close()
         print(resource.release(), pool.used_mem_current)
-        """,
+        """
+        ),
     )
     assert words[:3] == ["2.0", "refused", "0"], words
     assert words[-1] == "0", words
@@ -127,11 +136,9 @@ def test_a_free_a_capture_deferred_runs_at_the_next_resource_alloc_on_the_stand_
     # other libraries may share under a budget) for as long as no call reaches the pool.
     words = run_on_stand_in(
         stand_in_libcuda,
-        """
-        pool = cm.MemPool(cm.Route.device(0))
-        stream = cm.Stream(0)
-        handle = stream.handle
-        resource = cm.CachingResource(cm.PoolResource(pool))
+        LENT_CACHE
+        + textwrap.dedent(
+            """
         kept, cached = resource.alloc(4096, handle), resource.alloc(4096, handle)
         cached.close()
         assert begin(handle, 2) == 0
@@ -143,6 +150,33 @@ def test_a_free_a_capture_deferred_runs_at_the_next_resource_alloc_on_the_stand_
         print(pool.used_mem_current, resource.stats()["misses"])
         resource.release()
         print(pool.used_mem_current)
-        """,
+        """
+        ),
     )
     assert words == ["0", "8192", "4096", "2", "0"], words
+
+
+def test_a_capture_begun_after_the_second_question_is_refused_not_served_graph_memory(stand_in_libcuda):
+    # The driver cannot answer the first question (the allocation's, inside the cache), so
+    # Resource.alloc asks again for the reason: no capture. Right after that answer, a capture
+    # begins on the stream. What is allocated next must not be graph memory in a Buffer: the
+    # allocation asks once more and refuses.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        LENT_CACHE
+        + textwrap.dedent(
+            """
+        ctypes.c_int.in_dll(lib, "capture_queries_failing").value = 1
+        ctypes.c_void_p.in_dll(lib, "capture_after_queries_of").value = handle
+        ctypes.c_int.in_dll(lib, "capture_after_capture_queries").value = 1
+        try:
+            kept = resource.alloc(4096, handle)
+            print("allocated")
+        except cm.StreamCapturingError:
+            print("refused")
+        graph = ctypes.c_void_p()
+        print(end(handle, ctypes.byref(graph)), pool.used_mem_current)
+        """
+        ),
+    )
+    assert words == ["refused", "0", "0"], words

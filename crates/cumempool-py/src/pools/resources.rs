@@ -124,28 +124,34 @@ impl ResourceBase {
         let mut stream = Stream::from_object(py, stream, self.device)?;
         // What it allocates on a capturing stream is graph memory (an allocation node), and the
         // Buffer, freed outside the graph, would either have its free refused before a launch
-        // (each launch then allocates memory nothing frees) or run unordered after one. One
-        // question where the stack can answer it with the allocation; the legacy stream's
-        // question, of the blocking streams beside it, is asked apart.
-        if !stream.get().stream.is_legacy() {
-            let lent = stream.get().stream.may_be_capturing().then(|| stream.clone_ref(py));
+        // (each launch then allocates memory nothing frees) or run unordered after one. The
+        // legacy stream's question, of the blocking streams beside it, is asked apart.
+        if stream.get().stream.is_legacy() {
+            stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
+            return self.alloc_outside_captures(py, size, stream);
+        }
+        // First, the frees an earlier capture deferred on the stream, which the question asked
+        // apart (`ensure_not_capturing`) ran: a cache hit reaches no pool that would run them,
+        // and a stream served from the cache would hold them.
+        if stream.get().stream.may_be_capturing() {
+            stream.get().stream.run_frees_deferred_by_a_capture();
+        }
+        // One question where the stack can answer it with the allocation. Where it answers no
+        // allocation, the question is asked again for the reason (the capture's refusal, or the
+        // driver's error); a capture that has ended since is allocated for once more, through
+        // the same call, so that one begun meanwhile is refused, not served graph memory.
+        for _ in 0..2 {
             match self.alloc_unless_capturing(py, size, stream)? {
-                Ok(buffer) => {
-                    // The frees an earlier capture deferred on the stream, which the question
-                    // asked apart (`ensure_not_capturing`) ran: a cache hit reaches no pool that
-                    // would run them, and a stream served from the cache would hold them.
-                    if let Some(lent) = lent {
-                        lent.get().stream.run_frees_deferred_by_a_capture();
-                    }
-                    return Ok(buffer);
-                }
+                Ok(buffer) => return Ok(buffer),
                 Err(back) => stream = back,
             }
+            stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
         }
-        // Asked again for the reason (the capture, or the driver's error); allocated after all
-        // where the capture has ended since.
-        stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
-        self.alloc_outside_captures(py, size, stream)
+        Err(cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing {
+            operation: ALLOC_DURING_CAPTURE,
+            capture: None,
+        })
+        .into())
     }
 
     /// `"device"`, `"host"` or `"managed"`.
