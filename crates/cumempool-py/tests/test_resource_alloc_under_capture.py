@@ -180,3 +180,34 @@ def test_a_capture_begun_after_the_second_question_is_refused_not_served_graph_m
         ),
     )
     assert words == ["refused", "0", "0"], words
+
+
+def test_frees_waiting_with_another_stream_cost_no_question_per_resource_alloc_on_the_stand_in(stand_in_libcuda):
+    # A legacy-stream free that a blocking capture deferred waits with the legacy stream until
+    # its next use. Meanwhile an allocation on a lent stream, which runs only its own stream's
+    # waiting frees, must not pay a second capture question for them: still one question per
+    # allocation (two per pair), however long the other stream's frees wait.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        LENT_CACHE
+        + textwrap.dedent(
+            """
+        captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
+        waiting = pool.alloc(4096)  # on the legacy stream
+        assert begin(2, 1) == 0  # the per-thread stream, blocking, captures
+        waiting.close()  # waits with the legacy stream
+        graph = ctypes.c_void_p()
+        assert end(2, ctypes.byref(graph)) == 0
+        resource.alloc(4096, handle).close()
+        before = captures.value
+        for _ in range(10):
+            resource.alloc(4096, handle).close()
+        print((captures.value - before) / 10)
+        resource.release()
+        pool.alloc(16).close()  # the legacy stream's next use runs what waited there
+        print(pool.used_mem_current)
+        """
+        ),
+    )
+    assert words == ["2.0", "0"], words
+

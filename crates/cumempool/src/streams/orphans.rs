@@ -68,9 +68,22 @@ pub(crate) fn any_orphans() -> bool {
 /// The orphans of the driver stream `raw` (in `context`, where both sides know it: an ordinary
 /// stream's handle names one stream whatever the context, and the legacy handles never capture).
 pub(crate) fn take_orphans(raw: sys::CUstream, context: Option<sys::CUcontext>) -> Vec<Orphan> {
-    take_orphans_where(|o| {
-        o.raw.0 == raw && (context.is_none() || o.context.as_ref().is_none_or(|c| Some(c.as_raw()) == context))
-    })
+    take_orphans_where(|o| is_of(o, raw, context))
+}
+
+/// Whether an orphan of the driver stream `raw` waits (as [`take_orphans`] would take it),
+/// taking none: one relaxed load where none waits at all, the lock only where some do, so
+/// that the frees of other streams cost a stream's hot path no driver call.
+pub(crate) fn any_orphans_of(raw: sys::CUstream, context: Option<sys::CUcontext>) -> bool {
+    if !any_orphans() {
+        return false;
+    }
+    ORPHANS.lock().unwrap_or_else(PoisonError::into_inner).iter().any(|o| is_of(o, raw, context))
+}
+
+/// Whether `orphan` is of the driver stream `raw` in `context` (see [`take_orphans`]).
+fn is_of(orphan: &Orphan, raw: sys::CUstream, context: Option<sys::CUcontext>) -> bool {
+    orphan.raw.0 == raw && (context.is_none() || orphan.context.as_ref().is_none_or(|c| Some(c.as_raw()) == context))
 }
 
 /// Destroys an owned stream that was leaked because other code captured it when its last value

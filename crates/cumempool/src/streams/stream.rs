@@ -13,7 +13,7 @@ use crate::streams::capture_state::{
 };
 use crate::streams::deferred_frees::{run_frees, DeferredFree};
 use crate::streams::orphans::{
-    adopt, any_orphans, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan,
+    adopt, any_orphans, any_orphans_of, destroy_leaked, take_orphans, take_orphans_where, KeepAlive, Orphan,
 };
 use cumempool_sys as sys;
 use std::num::NonZeroU64;
@@ -527,10 +527,12 @@ impl Stream {
     /// [`Stream::ensure_not_capturing`] does, where none captures now: for a layer above that
     /// asked the capture question its own way (an allocation that asked it once, inside a
     /// cache) and would otherwise leave them waiting while nothing of its reaches the pool. One
-    /// lock and one load where none wait; the capture question is asked only where some do.
+    /// lock and one load where none wait; the capture question is asked only where some wait
+    /// for this stream: frees waiting with other streams (another stream's orphans, the legacy
+    /// stream's) are theirs to run, and must not cost every allocation here a question.
     pub fn run_frees_deferred_by_a_capture(&self) {
         let none_kept = self.0.deferred_frees.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
-        if none_kept && !any_orphans() {
+        if none_kept && !any_orphans_of(self.orphan_key(), self.context().map(Context::as_raw)) {
             return;
         }
         // A capture underway (or no answer): they wait on, for a later use of the stream.
