@@ -211,3 +211,38 @@ def test_frees_waiting_with_another_stream_cost_no_question_per_resource_alloc_o
     )
     assert words == ["2.0", "0"], words
 
+
+def test_a_capture_begun_by_an_out_of_memory_callback_is_refused_not_served_graph_memory(stand_in_libcuda):
+    # The callback runs Python code between the allocation's capture question and the retry
+    # below it: here it begins a capture on the stream and makes room. The retry's memory is
+    # the graph's (an allocation node); a Buffer must not hold it: refused, and given back
+    # inside the capture (a free node of its own graph), which stays intact.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        pool = cm.MemPool(cm.Route.device(0))
+        stream = cm.Stream(0)
+        handle = stream.handle
+        kept = []
+        def on_oom(requested, attempt):
+            if attempt > 1 or not kept:
+                return False
+            assert begin(handle, 2) == 0
+            kept.pop().close()
+            return True
+        for resource in (
+            cm.OnOutOfMemory(cm.Limit(cm.PoolResource(pool), 4096), on_oom),
+            cm.CachingResource(cm.OnOutOfMemory(cm.Limit(cm.PoolResource(pool), 4096), on_oom)),
+        ):
+            kept.append(resource.alloc(4096, handle))
+            try:
+                b = resource.alloc(4096, handle)
+                print("allocated")
+                b.close()
+            except cm.StreamCapturingError as e:
+                print("refused", "::" not in str(e))
+            graph = ctypes.c_void_p()
+            print(end(handle, ctypes.byref(graph)))
+        """,
+    )
+    assert words == ["refused", "True", "0", "refused", "True", "0"], "refused, in Python's words, the capture intact"

@@ -100,6 +100,24 @@ impl ResourceBase {
             return Err(interruption.into());
         }
         let Some(ptr) = allocated? else { return Ok(Err(stream)) };
+        // The pool asks its own capture question right before it allocates, and records memory
+        // it allocated into a capture as that graph's. A capture begun after this stack's
+        // question (by an out-of-memory callback's Python code, another thread, another
+        // library) made the memory the graph's: no Buffer may hold it. Given back inside the
+        // capture (a free node of its own graph), and answered as a capture. One relaxed load
+        // while no graph memory is outstanding, and only on a stream that may capture.
+        if stream.get().stream.may_be_capturing() && cumempool::is_captured_allocation(ptr) {
+            let given_back = {
+                let _held = Held::new(py);
+                // SAFETY: just allocated by `inner` with `size` bytes on this stream, freed
+                // once, never used.
+                unsafe { self.inner.deallocate(ptr, size, &stream.get().stream) }
+            };
+            if let Err(error) = given_back {
+                tracing::warn!(%error, size, "giving back memory a capture took failed");
+            }
+            return Ok(Err(stream));
+        }
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
         // The memory's device is the pool's, whichever device's stream it is ordered on.
