@@ -194,3 +194,54 @@ fn a_free_whose_event_a_capture_took_comes_back_once_the_capture_ends() {
     assert_eq!(arena.trim().unwrap(), CHUNK, "the span came back once the capture ended, and its chunk with it");
     assert_eq!(arena.stats().pending_frees, 0);
 }
+
+/// Below a cache, a capture begun on the stream after the cache asked whether it captures and
+/// ended before the block reaches the cache (another thread's, or an out-of-memory callback's
+/// code, can do that): the pool's block is graph memory the cache never saw allocated during a
+/// capture.
+struct CaptureAroundTheAllocation<'r>(&'r PoolResource<DeviceMemory>);
+
+// SAFETY: forwards to the pool's resource, which keeps the promise.
+unsafe impl StreamOrderedResource for CaptureAroundTheAllocation<'_> {
+    type Kind = DeviceMemory;
+
+    fn allocate(
+        &self,
+        bytes: usize,
+        align: usize,
+        stream: &Stream,
+    ) -> cumempool_alloc::Result<cumempool::sys::CUdeviceptr> {
+        begin_foreign_capture(stream);
+        let allocated = self.0.allocate(bytes, align, stream);
+        assert_eq!(end_foreign_capture(stream), CUresult::CUDA_SUCCESS);
+        allocated
+    }
+
+    unsafe fn deallocate(
+        &self,
+        ptr: cumempool::sys::CUdeviceptr,
+        bytes: usize,
+        align: usize,
+        stream: &Stream,
+    ) -> cumempool_alloc::Result<()> {
+        // SAFETY: forwarded under the caller's promise.
+        unsafe { self.0.deallocate(ptr, bytes, align, stream) }
+    }
+}
+
+/// Graph memory is never kept by a cache, however it came to hold it: the graph uses the
+/// address at every launch, while the cache would hand it to others.
+#[test]
+fn a_cache_never_keeps_graph_memory_a_capture_begun_after_its_question_made() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let resource = PoolResource::<DeviceMemory>::new(&pool).unwrap();
+    let cache = CachingResource::new(CaptureAroundTheAllocation(&resource));
+    let stream = Stream::new(&context).unwrap();
+    stream.note_capture_possible();
+    let ptr = cache.allocate(4096, 256, &stream).unwrap();
+    assert!(cumempool::is_captured_allocation(ptr), "the pool allocated it into the capture");
+    // SAFETY: allocated just above with these arguments, freed once, never used.
+    unsafe { cache.deallocate(ptr, 4096, 256, &stream) }.unwrap();
+    assert_eq!(cache.stats().cached_blocks, 0, "graph memory went below, not into the cache");
+}

@@ -375,8 +375,9 @@ impl<R: StreamOrderedResource> CachingResource<R> {
 
     /// Frees below what the cache must not take: a block it handed out during a capture
     /// (remembered in `captured`; given back with the `bytes` and `align` it was asked for),
-    /// or any block freed on a capturing stream (a class block with its class's size and the
-    /// pools' alignment, as it was allocated). `None` for a block the cache may take. When the
+    /// any block freed on a capturing stream, or graph memory the pool allocated into a capture
+    /// begun after this cache asked (a class block with its class's size and the pools'
+    /// alignment, as it was allocated). `None` for a block the cache may take. When the
     /// capture status cannot be had, the block goes below: that is never wrong.
     ///
     /// # Safety
@@ -394,7 +395,13 @@ impl<R: StreamOrderedResource> CachingResource<R> {
             // SAFETY: the block came from `inner` with these arguments during a capture.
             return Some(unsafe { self.inner.deallocate(ptr, bytes, align, stream) });
         }
-        if !self.inner.may_be_capturing(stream) || self.inner.is_capturing(stream).is_ok_and(|capturing| !capturing) {
+        let outside_captures =
+            !self.inner.may_be_capturing(stream) || self.inner.is_capturing(stream).is_ok_and(|capturing| !capturing);
+        // Graph memory is never kept, however it came here: a capture begun on the stream after
+        // this cache's question, and ended since, made the pool's block the graph's (the core
+        // records it), and the graph uses it at every launch. One relaxed load while no graph
+        // memory is outstanding.
+        if outside_captures && !cumempool::is_captured_allocation(ptr) {
             return None;
         }
         let (bytes, align) = match size_class(bytes) {
