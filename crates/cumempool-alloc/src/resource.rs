@@ -135,6 +135,17 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
             }
         }
         let Some(ptr) = allocated else { return Err(refused()) };
+        // A capture begun after the question, inside the allocation (another thread's, or code
+        // an out-of-memory callback ran), made the pool's block the graph's: given back, in
+        // that capture or after it as the core decides, and refused. One relaxed load while no
+        // graph memory is outstanding.
+        if self.may_be_capturing(stream) && cumempool::is_captured_allocation(ptr) {
+            // SAFETY: just allocated with these arguments, freed once, never used.
+            if let Err(error) = unsafe { self.deallocate(ptr, bytes, POOL_ALIGNMENT, stream) } {
+                tracing::warn!(%error, bytes, "giving back graph memory a capture took failed");
+            }
+            return Err(refused());
+        }
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
     }
 }

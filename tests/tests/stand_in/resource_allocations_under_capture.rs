@@ -245,3 +245,23 @@ fn a_cache_never_keeps_graph_memory_a_capture_begun_after_its_question_made() {
     unsafe { cache.deallocate(ptr, 4096, 256, &stream) }.unwrap();
     assert_eq!(cache.stats().cached_blocks, 0, "graph memory went below, not into the cache");
 }
+
+/// The same capture, through the safe `alloc`: the `Allocation` would hold graph memory, so it
+/// is refused, and the memory given back.
+#[test]
+fn alloc_refuses_graph_memory_a_capture_begun_after_its_question_made() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let resource = PoolResource::<DeviceMemory>::new(&pool).unwrap();
+    let below = CaptureAroundTheAllocation(&resource);
+    let cache = CachingResource::new(&below);
+    let stream = Stream::new(&context).unwrap();
+    stream.note_capture_possible();
+    for (layer, allocated) in
+        [("the resource", below.alloc(4096, &stream).map(drop)), ("a cache", cache.alloc(4096, &stream).map(drop))]
+    {
+        let error = allocated.err().unwrap_or_else(|| panic!("{layer}: an Allocation held graph memory"));
+        assert!(is_capturing_refusal(&error), "{layer}: {error:?}");
+    }
+    assert_eq!(cache.stats().cached_blocks, 0);
+}
