@@ -3,7 +3,7 @@
 //! types. Each Python object holds the Rust resource behind one object-safe trait
 //! (`dyn_resource`).
 
-use crate::errors::Outcome;
+use crate::errors::{Failure, Outcome};
 use crate::memory::buffers::Buffer;
 use crate::memory::dyn_resource::{Erased, Resource};
 use crate::memory::{Core, Kind, Memory};
@@ -48,12 +48,8 @@ impl ResourceBase {
     pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
         match self.alloc_with(py, size, stream, |inner, stream| inner.allocate(size, stream).map(Some))? {
             Ok(buffer) => Ok(buffer),
-            // `alloc_with` hands the stream back only where the allocation answered None.
-            Err(_) => Err(cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing {
-                operation: ALLOC_DURING_CAPTURE,
-                capture: None,
-            })
-            .into()),
+            // The stream comes back where the pool allocated into a capture begun meanwhile.
+            Err(_) => Err(refused_during_capture()),
         }
     }
 
@@ -165,11 +161,7 @@ impl ResourceBase {
             }
             stream.get().stream.ensure_not_capturing(ALLOC_DURING_CAPTURE)?;
         }
-        Err(cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing {
-            operation: ALLOC_DURING_CAPTURE,
-            capture: None,
-        })
-        .into())
+        Err(refused_during_capture())
     }
 
     /// `"device"`, `"host"` or `"managed"`.
@@ -216,6 +208,12 @@ impl ResourceBase {
 /// Why `alloc` is refused on a stream capturing into a graph, and what to do instead (the
 /// allocator plug-ins serve captures through the raw path, freed inside the capture).
 const ALLOC_DURING_CAPTURE: &str = "allocating with Resource.alloc (a Buffer cannot hold a capture's graph memory: allocate before the capture, or through the capturing library's allocator plug-in)";
+
+/// `Resource.alloc`'s refusal where a capture took the stream and the driver named no capture.
+fn refused_during_capture() -> Failure {
+    cumempool_alloc::Error::Pool(cumempool::Error::StreamCapturing { operation: ALLOC_DURING_CAPTURE, capture: None })
+        .into()
+}
 
 /// A pool as a resource, the bottom of a stack of adaptors:
 /// `Statistics(PoolResource(MemPool(Route.device(0))))`.
