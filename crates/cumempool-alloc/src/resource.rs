@@ -86,8 +86,9 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
     /// asks once in all.
     ///
     /// The default asks, then allocates. [`CachingResource`](crate::CachingResource) serves
-    /// from its blocks after its one question. A capture begun between the question and the
-    /// allocation is not seen, as with any check made before an allocation.
+    /// from its blocks after its one question, and adaptors hand the call down, so that a
+    /// stack asks once. A capture begun after the question, inside the allocation, is seen
+    /// where it made the memory graph memory (the core records that): given back, and `None`.
     ///
     /// # Errors
     /// What `allocate` answers.
@@ -95,7 +96,8 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
         if self.may_be_capturing(stream) && !matches!(self.is_capturing(stream), Ok(false)) {
             return Ok(None);
         }
-        self.allocate(bytes, align, stream).map(Some)
+        let ptr = self.allocate(bytes, align, stream)?;
+        Ok(unless_graph_memory(self, ptr, bytes, align, stream))
     }
 
     /// Allocates with the pool alignment and frees on drop: the convenient form.
@@ -135,19 +137,30 @@ pub unsafe trait StreamOrderedResource: Send + Sync {
             }
         }
         let Some(ptr) = allocated else { return Err(refused()) };
-        // A capture begun after the question, inside the allocation (another thread's, or code
-        // an out-of-memory callback ran), made the pool's block the graph's: given back, in
-        // that capture or after it as the core decides, and refused. One relaxed load while no
-        // graph memory is outstanding.
-        if self.may_be_capturing(stream) && cumempool::is_captured_allocation(ptr) {
-            // SAFETY: just allocated with these arguments, freed once, never used.
-            if let Err(error) = unsafe { self.deallocate(ptr, bytes, POOL_ALIGNMENT, stream) } {
-                tracing::warn!(%error, bytes, "giving back graph memory a capture took failed");
-            }
-            return Err(refused());
-        }
         Ok(Allocation { resource: self, ptr, bytes, stream: stream.clone() })
     }
+}
+
+/// `ptr`, just allocated by `resource` with these arguments, unless it is graph memory: a capture
+/// begun on `stream` after the caller's question, inside the allocation (another thread's, or
+/// code an out-of-memory callback ran), made it the graph's, and it is given back (in that
+/// capture or after it, as the core decides) and `None` answered. One relaxed load while no
+/// graph memory is outstanding, and none on a stream that cannot capture.
+pub(crate) fn unless_graph_memory<R: StreamOrderedResource + ?Sized>(
+    resource: &R,
+    ptr: CUdeviceptr,
+    bytes: usize,
+    align: usize,
+    stream: &Stream,
+) -> Option<CUdeviceptr> {
+    if !(resource.may_be_capturing(stream) && cumempool::is_captured_allocation(ptr)) {
+        return Some(ptr);
+    }
+    // SAFETY: just allocated by `resource` with these arguments, freed once, never used.
+    if let Err(error) = unsafe { resource.deallocate(ptr, bytes, align, stream) } {
+        tracing::warn!(%error, bytes, "giving back graph memory a capture took failed");
+    }
+    None
 }
 
 /// Whether a capture may be underway on a stream, as a resource sees it: read off

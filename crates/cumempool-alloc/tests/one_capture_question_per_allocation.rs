@@ -7,7 +7,10 @@ mod support;
 
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
-use cumempool_alloc::{CachingResource, HostHeap, HostMemory, Result, StreamOrderedResource};
+use cumempool_alloc::{
+    CachingResource, HostHeap, HostMemory, Limit, OnOutOfMemory, Result, Statistics, StreamOrderedResource, Traced,
+    Tracking,
+};
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use support::fake_stream;
@@ -124,4 +127,53 @@ fn the_convenient_alloc_refuses_a_capture_begun_after_it_asked_for_the_reason() 
     let refused = cache.alloc(4096, &stream).unwrap_err();
     assert!(refused.to_string().contains("StreamOrderedResource::alloc"), "{refused}");
     assert_eq!(below.allocations.load(Relaxed), 0, "nothing allocated during the capture");
+}
+
+/// Whether `resource`'s allocation that refuses captures asks `below` one question, is served,
+/// and allocates nothing during a capture.
+fn asks_once_and_refuses_a_capture<R: StreamOrderedResource>(layer: &str, resource: &R, below: &LentStreams) {
+    let stream = fake_stream(4);
+    let asked = below.questions.load(Relaxed);
+    let ptr = resource.allocate_unless_capturing(4096, 256, &stream).unwrap();
+    let ptr = ptr.unwrap_or_else(|| panic!("{layer}: no capture, yet nothing allocated"));
+    assert_eq!(
+        below.questions.load(Relaxed) - asked,
+        1,
+        "{layer}: one question, not one above the cache and one in it"
+    );
+    // SAFETY: allocated just above with these arguments.
+    unsafe { resource.deallocate(ptr, 4096, 256, &stream) }.unwrap();
+    below.capturing.store(true, Relaxed);
+    let during = resource.allocate_unless_capturing(4096, 256, &stream).unwrap();
+    below.capturing.store(false, Relaxed);
+    assert_eq!(during, None, "{layer}: allocated during a capture");
+}
+
+#[test]
+fn adaptors_above_the_cache_hand_the_one_question_down_and_count_only_what_they_allocate() {
+    let cache = CachingResource::new(LentStreams::default());
+    let below = cache.inner();
+    let statistics = Statistics::new(&cache);
+    asks_once_and_refuses_a_capture("Statistics", &statistics, below);
+    assert_eq!((statistics.usage().current_count, statistics.usage().total_count), (0, 1), "the refusal uncounted");
+    let limit = Limit::new(&cache, 1 << 20);
+    asks_once_and_refuses_a_capture("Limit", &limit, below);
+    assert_eq!(limit.in_use(), 0, "the refusal's claim given back");
+    let tracking = Tracking::new(&cache);
+    asks_once_and_refuses_a_capture("Tracking", &tracking, below);
+    assert!(tracking.outstanding().is_empty(), "the refusal unrecorded");
+    asks_once_and_refuses_a_capture("Traced", &Traced::new(&cache, "cache"), below);
+    asks_once_and_refuses_a_capture("OnOutOfMemory", &OnOutOfMemory::new(&cache, |_, _| false), below);
+    asks_once_and_refuses_a_capture("a stack of them", &Statistics::new(Limit::new(&cache, 1 << 20)), below);
+}
+
+#[test]
+fn a_limit_gives_back_its_claim_where_the_allocation_below_refuses_a_capture() {
+    let limit = Limit::new(CachingResource::new(LentStreams::default()), 8192);
+    let stream = fake_stream(5);
+    limit.inner().inner().capturing.store(true, Relaxed);
+    for _ in 0..3 {
+        assert_eq!(limit.allocate_unless_capturing(4096, 256, &stream).unwrap(), None);
+    }
+    assert_eq!(limit.in_use(), 0, "three refusals claimed nothing of the limit");
 }

@@ -129,6 +129,34 @@ def test_a_resource_pair_on_a_lent_stream_asks_two_capture_questions_on_the_stan
     assert words[-1] == "0", words
 
 
+def test_adaptors_above_a_cache_ask_no_more_capture_questions_than_the_cache_on_the_stand_in(
+    stand_in_libcuda,
+):
+    # Statistics, a limit and an out-of-memory callback above the cache hand the allocation's
+    # one question down to it, instead of asking their own before the cache asks again.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        LENT_CACHE
+        + textwrap.dedent(
+            """
+        captures = ctypes.c_ulong.in_dll(lib, "capture_queries")
+        stacks = {
+            "Statistics": cm.Statistics(resource),
+            "Limit": cm.Limit(resource, 1 << 30),
+            "OnOutOfMemory": cm.OnOutOfMemory(resource, lambda size, attempt: False),
+        }
+        for name, stack in stacks.items():
+            stack.alloc(4096, handle).close()
+            before = captures.value
+            for _ in range(10):
+                stack.alloc(4096, handle).close()
+            print(name, (captures.value - before) / 10)
+        """
+        ),
+    )
+    assert words == ["Statistics", "2.0", "Limit", "2.0", "OnOutOfMemory", "2.0"], words
+
+
 def test_a_free_a_capture_deferred_runs_at_the_next_resource_alloc_on_the_stand_in(stand_in_libcuda):
     # A Buffer closed while another library captures its stream waits, in the pool, for the
     # capture's end. The next Resource.alloc on the stream, a cache hit included, runs it: a

@@ -8,7 +8,9 @@
 
 use cumempool::sys::CUresult;
 use cumempool::{Error as PoolError, MemPool, Route, Stream};
-use cumempool_alloc::{Arena, CachingResource, DeviceMemory, Error, PoolResource, StreamOrderedResource};
+use cumempool_alloc::{
+    Arena, CachingResource, DeviceMemory, Error, Limit, PoolResource, Statistics, StreamOrderedResource,
+};
 use cumempool_tests::stand_in_driver::{call_log, stand_in};
 use cumempool_tests::{begin_foreign_capture, end_foreign_capture};
 
@@ -264,4 +266,31 @@ fn alloc_refuses_graph_memory_a_capture_begun_after_its_question_made() {
         assert!(is_capturing_refusal(&error), "{layer}: {error:?}");
     }
     assert_eq!(cache.stats().cached_blocks, 0);
+}
+
+/// The same capture, through `allocate_unless_capturing` at every layer: a capture took the
+/// memory, so the answer is `None`, as for a capture underway at the question, and the memory
+/// is given back; the caller never holds graph memory it did not ask for.
+#[test]
+fn allocate_unless_capturing_answers_none_for_graph_memory_a_capture_begun_inside_it_made() {
+    let Some((_serial, context)) = stand_in() else { return };
+    let pool = MemPool::new(Route::device(0)).unwrap();
+    let resource = PoolResource::<DeviceMemory>::new(&pool).unwrap();
+    let below = CaptureAroundTheAllocation(&resource);
+    let cache = CachingResource::new(&below);
+    let statistics = Statistics::new(&cache);
+    let limit = Limit::new(&below, 1 << 20);
+    let stream = Stream::new(&context).unwrap();
+    stream.note_capture_possible();
+    let answers = [
+        ("the resource", below.allocate_unless_capturing(4096, 256, &stream)),
+        ("a cache", cache.allocate_unless_capturing(4096, 256, &stream)),
+        ("statistics above a cache", statistics.allocate_unless_capturing(4096, 256, &stream)),
+        ("a limit", limit.allocate_unless_capturing(4096, 256, &stream)),
+    ];
+    for (layer, answer) in answers {
+        assert_eq!(answer.unwrap(), None, "{layer}: served graph memory");
+    }
+    assert_eq!(pool.used_mem_current().unwrap(), 0, "every graph allocation was given back");
+    assert_eq!((statistics.usage().current_count, limit.in_use(), cache.stats().cached_blocks), (0, 0, 0));
 }

@@ -35,6 +35,17 @@ impl<R> Limit<R> {
     pub fn inner(&self) -> &R {
         &self.inner
     }
+
+    /// Counts `bytes` as in use before they are allocated, so that two threads can never both
+    /// pass the limit; given back by the caller where nothing is allocated.
+    fn claim(&self, bytes: usize) -> Result<()> {
+        let claimed =
+            self.in_use.fetch_update(Relaxed, Relaxed, |used| used.checked_add(bytes).filter(|n| *n <= self.limit));
+        match claimed {
+            Ok(_) => Ok(()),
+            Err(in_use) => Err(Error::LimitExceeded { requested: bytes, limit: self.limit, in_use }),
+        }
+    }
 }
 
 // SAFETY: forwards the resource below's memory unchanged.
@@ -42,14 +53,19 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
     type Kind = R::Kind;
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
-        let claimed =
-            self.in_use.fetch_update(Relaxed, Relaxed, |used| used.checked_add(bytes).filter(|n| *n <= self.limit));
-        if let Err(in_use) = claimed {
-            return Err(Error::LimitExceeded { requested: bytes, limit: self.limit, in_use });
-        }
+        self.claim(bytes)?;
         self.inner.allocate(bytes, align, stream).inspect_err(|_| {
             self.in_use.fetch_sub(bytes, Relaxed);
         })
+    }
+
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        self.claim(bytes)?;
+        let allocated = self.inner.allocate_unless_capturing(bytes, align, stream);
+        if !matches!(allocated, Ok(Some(_))) {
+            self.in_use.fetch_sub(bytes, Relaxed);
+        }
+        allocated
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {

@@ -35,6 +35,23 @@ impl<R, F: Fn(usize, u32) -> bool> OnOutOfMemory<R, F> {
     pub fn inner(&self) -> &R {
         &self.inner
     }
+
+    /// `allocate()`'s answer, with the callback asked after each no-memory answer whether to
+    /// call it again.
+    fn retrying<T>(&self, bytes: usize, allocate: impl Fn() -> Result<T>) -> Result<T> {
+        let mut attempt = 0u32;
+        loop {
+            match allocate() {
+                Err(error) if error.is_out_of_memory() => {
+                    attempt = attempt.saturating_add(1);
+                    if !(self.on_out_of_memory)(bytes, attempt) {
+                        return Err(error);
+                    }
+                }
+                answer => return answer,
+            }
+        }
+    }
 }
 
 // SAFETY: forwards the resource below's memory unchanged (a retry is another call below).
@@ -46,18 +63,13 @@ where
     type Kind = R::Kind;
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
-        let mut attempt = 0u32;
-        loop {
-            match self.inner.allocate(bytes, align, stream) {
-                Err(error) if error.is_out_of_memory() => {
-                    attempt = attempt.saturating_add(1);
-                    if !(self.on_out_of_memory)(bytes, attempt) {
-                        return Err(error);
-                    }
-                }
-                answer => return answer,
-            }
-        }
+        self.retrying(bytes, || self.inner.allocate(bytes, align, stream))
+    }
+
+    /// The callback may run code that begins a capture on `stream`: each retry asks again, in
+    /// the call below.
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        self.retrying(bytes, || self.inner.allocate_unless_capturing(bytes, align, stream))
     }
 
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {

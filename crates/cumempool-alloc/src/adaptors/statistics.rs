@@ -83,6 +83,11 @@ impl<R> Statistics<R> {
     pub fn inner(&self) -> &R {
         &self.inner
     }
+
+    fn count_allocation(&self, bytes: usize) {
+        self.bytes.add(bytes);
+        self.count.add(1);
+    }
 }
 
 // SAFETY: forwards the resource below's memory unchanged.
@@ -91,8 +96,15 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Statistics<R> {
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         let ptr = self.inner.allocate(bytes, align, stream)?;
-        self.bytes.add(bytes);
-        self.count.add(1);
+        self.count_allocation(bytes);
+        Ok(ptr)
+    }
+
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        let ptr = self.inner.allocate_unless_capturing(bytes, align, stream)?;
+        if ptr.is_some() {
+            self.count_allocation(bytes);
+        }
         Ok(ptr)
     }
 

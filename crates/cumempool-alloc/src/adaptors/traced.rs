@@ -40,6 +40,26 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Traced<R> {
         result
     }
 
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        let result = self.inner.allocate_unless_capturing(bytes, align, stream);
+        match &result {
+            Ok(Some(ptr)) => {
+                tracing::debug!(resource = self.name, bytes, align, ptr, stream = ?stream.as_raw(), "allocate");
+            }
+            Ok(None) => tracing::debug!(
+                resource = self.name,
+                bytes,
+                align,
+                stream = ?stream.as_raw(),
+                "allocate declined: a capture may be underway"
+            ),
+            Err(error) => {
+                tracing::debug!(resource = self.name, bytes, align, %error, stream = ?stream.as_raw(), "allocate failed")
+            }
+        }
+        result
+    }
+
     unsafe fn deallocate(&self, ptr: CUdeviceptr, bytes: usize, align: usize, stream: &Stream) -> Result<()> {
         // SAFETY: forwarded under the caller's promise.
         let result = unsafe { self.inner.deallocate(ptr, bytes, align, stream) };

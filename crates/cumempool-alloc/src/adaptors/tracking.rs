@@ -82,6 +82,14 @@ impl<R> Tracking<R> {
         &self.inner
     }
 
+    fn record(&self, ptr: CUdeviceptr, bytes: usize, stream: &Stream) {
+        // Empty allocations have no memory to leak, and all share address 0.
+        if bytes > 0 {
+            let backtrace = self.backtraces.then(|| Arc::new(Backtrace::force_capture()));
+            self.lock().insert(ptr, Outstanding { ptr, bytes, stream: stream.id(), backtrace });
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CUdeviceptr, Outstanding>> {
         // The map is whole after any panic (each update is one insert or remove).
         self.outstanding.lock().unwrap_or_else(PoisonError::into_inner)
@@ -94,10 +102,14 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Tracking<R> {
 
     fn allocate(&self, bytes: usize, align: usize, stream: &Stream) -> Result<CUdeviceptr> {
         let ptr = self.inner.allocate(bytes, align, stream)?;
-        // Empty allocations have no memory to leak, and all share address 0.
-        if bytes > 0 {
-            let backtrace = self.backtraces.then(|| Arc::new(Backtrace::force_capture()));
-            self.lock().insert(ptr, Outstanding { ptr, bytes, stream: stream.id(), backtrace });
+        self.record(ptr, bytes, stream);
+        Ok(ptr)
+    }
+
+    fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
+        let ptr = self.inner.allocate_unless_capturing(bytes, align, stream)?;
+        if let Some(ptr) = ptr {
+            self.record(ptr, bytes, stream);
         }
         Ok(ptr)
     }

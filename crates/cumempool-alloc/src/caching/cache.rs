@@ -341,7 +341,9 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for CachingResource<
         if self.inner.may_be_capturing(stream) && !matches!(self.inner.is_capturing(stream), Ok(false)) {
             return Ok(None);
         }
-        self.allocate_outside_a_capture(bytes, align, stream).map(Some)
+        let ptr = self.allocate_outside_a_capture(bytes, align, stream)?;
+        // Given back through the cache's own free, which sends graph memory below.
+        Ok(crate::resource::unless_graph_memory(self, ptr, bytes, align, stream))
     }
 
     #[inline(always)]

@@ -76,13 +76,20 @@ unsafe impl StreamOrderedResource for Erased {
 
     #[inline]
     fn allocate(&self, bytes: usize, align: usize, stream: &cumempool::Stream) -> cumempool_alloc::Result<CUdeviceptr> {
-        if align > POOL_ALIGNMENT || !align.is_power_of_two() {
-            return Err(cumempool_alloc::Error::Alignment {
-                requested: align,
-                reason: format!("pools guarantee {POOL_ALIGNMENT}-byte alignment; ask for {POOL_ALIGNMENT} or less"),
-            });
-        }
+        check_alignment(align)?;
         self.0.allocate(bytes, stream)
+    }
+
+    // Handed down, so that an adaptor over a Python stack with a cache in it asks once.
+    #[inline]
+    fn allocate_unless_capturing(
+        &self,
+        bytes: usize,
+        align: usize,
+        stream: &cumempool::Stream,
+    ) -> cumempool_alloc::Result<Option<CUdeviceptr>> {
+        check_alignment(align)?;
+        self.0.allocate_unless_capturing(bytes, stream)
     }
 
     #[inline]
@@ -100,4 +107,15 @@ unsafe impl StreamOrderedResource for Erased {
     fn frees_legacy_after_blocking_captures(&self) -> bool {
         self.0.frees_legacy_after_blocking_captures()
     }
+}
+
+/// Refuses an alignment the pools do not guarantee.
+fn check_alignment(align: usize) -> cumempool_alloc::Result<()> {
+    if align > POOL_ALIGNMENT || !align.is_power_of_two() {
+        return Err(cumempool_alloc::Error::Alignment {
+            requested: align,
+            reason: format!("pools guarantee {POOL_ALIGNMENT}-byte alignment; ask for {POOL_ALIGNMENT} or less"),
+        });
+    }
+    Ok(())
 }

@@ -46,7 +46,24 @@ impl ResourceBase {
     /// `size` bytes on `stream` as a Buffer, on a stream the caller found not capturing (the
     /// plug-ins check it their own way): `alloc` without its capture check.
     pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
-        match self.alloc_with(py, size, stream, |inner, stream| inner.allocate(size, stream).map(Some))? {
+        let allocate = |inner: &dyn Resource, stream: &cumempool::Stream| {
+            let ptr = inner.allocate(size, stream)?;
+            // A capture begun after the plug-in's check, inside the allocation (by another
+            // thread or library), made the memory the graph's (the pool records it): no Buffer
+            // may hold it. Given back inside the capture or after it, as the core decides.
+            // `allocate_unless_capturing` does the same below `alloc`. One relaxed load while
+            // no graph memory is outstanding, and only on a stream that may capture.
+            if !(stream.may_be_capturing() && cumempool::is_captured_allocation(ptr)) {
+                return Ok(Some(ptr));
+            }
+            // SAFETY: just allocated by `inner` with `size` bytes on this stream, freed once,
+            // never used.
+            if let Err(error) = unsafe { inner.deallocate(ptr, size, stream) } {
+                tracing::warn!(%error, size, "giving back memory a capture took failed");
+            }
+            Ok(None)
+        };
+        match self.alloc_with(py, size, stream, allocate)? {
             Ok(buffer) => Ok(buffer),
             // The stream comes back where the pool allocated into a capture begun meanwhile.
             Err(_) => Err(refused_during_capture()),
@@ -96,24 +113,6 @@ impl ResourceBase {
             return Err(interruption.into());
         }
         let Some(ptr) = allocated? else { return Ok(Err(stream)) };
-        // The pool asks its own capture question right before it allocates, and records memory
-        // it allocated into a capture as that graph's. A capture begun after this stack's
-        // question (by an out-of-memory callback's Python code, another thread, another
-        // library) made the memory the graph's: no Buffer may hold it. Given back inside the
-        // capture (a free node of its own graph), and answered as a capture. One relaxed load
-        // while no graph memory is outstanding, and only on a stream that may capture.
-        if stream.get().stream.may_be_capturing() && cumempool::is_captured_allocation(ptr) {
-            let given_back = {
-                let _held = Held::new(py);
-                // SAFETY: just allocated by `inner` with `size` bytes on this stream, freed
-                // once, never used.
-                unsafe { self.inner.deallocate(ptr, size, &stream.get().stream) }
-            };
-            if let Err(error) = given_back {
-                tracing::warn!(%error, size, "giving back memory a capture took failed");
-            }
-            return Ok(Err(stream));
-        }
         let memory =
             Memory::Resource { ptr, len: size, resource: self.inner.clone(), stream: stream.get().stream.clone() };
         // The memory's device is the pool's, whichever device's stream it is ordered on.
