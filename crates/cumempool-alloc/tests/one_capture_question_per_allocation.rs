@@ -177,3 +177,34 @@ fn a_limit_gives_back_its_claim_where_the_allocation_below_refuses_a_capture() {
     }
     assert_eq!(limit.in_use(), 0, "three refusals claimed nothing of the limit");
 }
+
+#[test]
+fn a_limit_at_its_limit_answers_none_during_a_capture_and_no_out_of_memory_callback_runs() {
+    // The limit is spent when a capture is underway: the answer is the capture's (`None`), as
+    // the resource below would give it, not the limit's out-of-memory, which would run an
+    // out-of-memory callback above (its code inside the capture) for an allocation refused
+    // anyway.
+    let limit = Limit::new(CachingResource::new(LentStreams::default()), 4096);
+    let below = limit.inner().inner();
+    let stream = fake_stream(6);
+    let held = limit.allocate_unless_capturing(4096, 256, &stream).unwrap().expect("no capture");
+    below.capturing.store(true, Relaxed);
+    assert_eq!(limit.allocate_unless_capturing(4096, 256, &stream).unwrap(), None, "a capture underway");
+    let callbacks = AtomicUsize::new(0);
+    let on_oom = OnOutOfMemory::new(&limit, |_, _| {
+        callbacks.fetch_add(1, Relaxed);
+        false
+    });
+    assert_eq!(on_oom.allocate_unless_capturing(4096, 256, &stream).unwrap(), None, "a capture underway");
+    assert_eq!(callbacks.load(Relaxed), 0, "no callback for an allocation a capture refuses");
+    let refused = limit.alloc(4096, &stream).unwrap_err();
+    assert!(refused.to_string().contains("StreamOrderedResource::alloc"), "the capture's refusal: {refused}");
+    below.capturing.store(false, Relaxed);
+    below.unanswerable.store(true, Relaxed);
+    assert_eq!(limit.allocate_unless_capturing(4096, 256, &stream).unwrap(), None, "no answer");
+    below.unanswerable.store(false, Relaxed);
+    assert!(limit.allocate_unless_capturing(4096, 256, &stream).unwrap_err().is_out_of_memory(), "no capture");
+    assert_eq!((limit.in_use(), below.allocations.load(Relaxed)), (4096, 1));
+    // SAFETY: allocated above with these arguments.
+    unsafe { limit.deallocate(held, 4096, 256, &stream) }.unwrap();
+}

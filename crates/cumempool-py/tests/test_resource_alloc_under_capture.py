@@ -274,3 +274,34 @@ def test_a_capture_begun_by_an_out_of_memory_callback_is_refused_not_served_grap
         """,
     )
     assert words == ["refused", "True", "0", "refused", "True", "0"], "refused, in Python's words, the capture intact"
+
+
+def test_a_spent_limit_refuses_a_capture_as_a_capture_and_runs_no_callback_on_the_stand_in(stand_in_libcuda):
+    # A limit spent when a capture is underway answers as the capture does: StreamCapturingError,
+    # not its out-of-memory, and an out-of-memory callback above runs no code inside the capture
+    # for an allocation refused anyway.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        pool = cm.MemPool(cm.Route.device(0))
+        stream = cm.Stream(0)
+        handle = stream.handle
+        calls = []
+        limit = cm.Limit(cm.PoolResource(pool), 4096)
+        stack = cm.OnOutOfMemory(limit, lambda size, attempt: calls.append(size) or False)
+        held = stack.alloc(4096, handle)
+        assert begin(handle, 2) == 0  # relaxed, as another library's capture
+        for resource in (limit, stack):
+            try:
+                resource.alloc(4096, handle)
+                print("allocated")
+            except cm.StreamCapturingError:
+                print("refused")
+            except MemoryError:
+                print("out-of-memory")
+        graph = ctypes.c_void_p()
+        print(end(handle, ctypes.byref(graph)), len(calls), limit.in_use)
+        held.close()
+        """,
+    )
+    assert words == ["refused", "refused", "0", "0", "4096"], words

@@ -2,7 +2,7 @@
 //! ([`Error::is_out_of_memory`] is true for it, as for the pool's own).
 
 use crate::error::{Error, Result};
-use crate::resource::StreamOrderedResource;
+use crate::resource::{CaptureMark, StreamOrderedResource};
 use cumempool::sys::CUdeviceptr;
 use cumempool::Stream;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -59,8 +59,18 @@ unsafe impl<R: StreamOrderedResource> StreamOrderedResource for Limit<R> {
         })
     }
 
+    /// The limit is applied first, so that the one capture question is the resource below's;
+    /// where it refuses, the question is asked here instead: a capture underway (or no answer)
+    /// is answered `None`, as below, not as an out-of-memory, which would have an
+    /// [`OnOutOfMemory`](crate::OnOutOfMemory) above run its callback inside the capture for
+    /// an allocation refused anyway.
     fn allocate_unless_capturing(&self, bytes: usize, align: usize, stream: &Stream) -> Result<Option<CUdeviceptr>> {
-        self.claim(bytes)?;
+        if let Err(exceeded) = self.claim(bytes) {
+            if self.may_be_capturing(stream) && !matches!(self.is_capturing(stream), Ok(false)) {
+                return Ok(None);
+            }
+            return Err(exceeded);
+        }
         let allocated = self.inner.allocate_unless_capturing(bytes, align, stream);
         if !matches!(allocated, Ok(Some(_))) {
             self.in_use.fetch_sub(bytes, Relaxed);
