@@ -731,3 +731,32 @@ print(allocator.captured_bytes)
 """,
     )
     assert words == ["served", "4096", "0", "0"], words
+
+
+def test_a_free_a_capture_deferred_runs_at_the_next_native_call_on_cupys_stream(stand_in_libcuda):
+    # An array freed while another library captures CuPy's stream waits, in the pool, for the
+    # capture's end. The native call's next allocation on that stream, a cache hit included,
+    # runs it, as Resource.alloc does: a stream the cache serves from then on reaches no pool
+    # that would, and would hold that memory (of a pool other libraries may share under a
+    # budget) for as long as every call hits.
+    words = _with_fake_cupy(
+        stand_in_libcuda,
+        """
+pool = cm.MemPool(cm.Route.device(0))
+resource = cm.CachingResource(cm.PoolResource(pool))
+allocator = cmc.Allocator(resource)
+own = cm.Stream(0)
+same[0] = FakeStream()
+current[0] = own.handle
+kept, cached = allocator(4096), allocator(4096)
+del cached  # the cache keeps its block
+assert begin(own.handle, 2) == 0
+del kept  # during the capture: the pool's free waits for its end
+graph = ctypes.c_void_p()
+print(end(own.handle, ctypes.byref(graph)), pool.used_mem_current)
+for _ in range(3):
+    allocator(4096)  # served from the cache
+print(pool.used_mem_current, resource.stats()["misses"])
+""",
+    )
+    assert words == ["0", "8192", "4096", "2"], words

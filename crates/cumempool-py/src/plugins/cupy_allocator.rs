@@ -132,6 +132,12 @@ impl CupyAllocatorBase {
             }
             self.alloc_on(py, size, stream)?
         } else {
+            // First, the frees an earlier capture deferred on the stream, as `Resource.alloc`
+            // runs them: a cache hit reaches no pool that would, and a stream served from the
+            // cache would hold that memory for as long as every call hits.
+            if stream.get().stream.may_be_capturing() {
+                stream.get().stream.run_frees_deferred_by_a_capture();
+            }
             // A capture on CuPy's stream, or no answer: the Python steps keep a capture's
             // memory for the graph. Asked once, with the allocation.
             match resource.alloc_unless_capturing(py, size, stream)? {
