@@ -172,3 +172,29 @@ cmt.stop()
     assert words[:3] == ["1", "True", "False"], "the control served, the one needing room refused"
     assert words[3] == "0", "the plug-in's allocation beside the capture invalidated it (901)"
     assert words[4:] == ["0", "0"], "memory is left in the pool after every block was freed and released"
+
+
+def test_a_capture_begun_after_the_plug_ins_question_gets_memory_beside_it_not_graph_memory(stand_in_libcuda):
+    # Right after the plug-in asks whether PyTorch's stream captures (no), a capture begins on
+    # it (another thread's, or Python code a finalizer or an out-of-memory callback ran). The
+    # pool's allocation is then the graph's (an allocation node), which PyTorch's caching
+    # allocator would hand to tensors outside the graph: it is given back inside the capture,
+    # and the memory allocated beside the capture instead (on the side stream, waited for), as
+    # for a capture seen at the question.
+    words = _run(
+        stand_in_libcuda,
+        """
+ctypes.c_void_p.in_dll(lib_cuda, "capture_after_queries_of").value = h
+ctypes.c_int.in_dll(lib_cuda, "capture_after_capture_queries").value = 1
+mark()
+p = lib.cumempool_torch_alloc(MIB, 0, h)
+print("sync" in logged())
+print(end_capture(h))
+before = pool.used_mem_current
+lib.cumempool_torch_free(p, MIB, 0, h)
+print(before - pool.used_mem_current)
+""",
+    )
+    # The graph's own allocation, given back by a free node of its capture, is the graph's to
+    # free at its launch: only the memory PyTorch got is counted here.
+    assert words == ["True", "0", str(1 << 20)], words
