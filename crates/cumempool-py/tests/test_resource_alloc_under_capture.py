@@ -336,3 +336,36 @@ def test_a_capture_begun_right_after_the_pools_own_question_is_not_served_as_a_b
         """,
     )
     assert words[0] == "refused", words
+
+
+
+def test_an_allocation_on_the_per_thread_stream_through_a_cache_leaves_the_callers_context_current(
+    stand_in_libcuda,
+):
+    # The per-thread stream is served on its device's legacy stream, and a cache (or a limit)
+    # asks whether it captures: that question must leave the caller's context current (here
+    # none), as the pool's own calls do, not the stream's.
+    words = run_on_stand_in(
+        stand_in_libcuda,
+        """
+        pool = cm.MemPool(cm.Route.device(0))
+        set_current = lib.cuCtxSetCurrent
+        set_current.argtypes = [ctypes.c_void_p]
+        get_current = lib.cuCtxGetCurrent
+        get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        for resource in (
+            cm.PoolResource(pool),
+            cm.CachingResource(cm.PoolResource(pool)),
+            cm.Limit(cm.CachingResource(cm.PoolResource(pool)), 1 << 20),
+        ):
+            for handle in (2, 0, 2):
+                assert set_current(None) == 0
+                b = resource.alloc(4096, handle)
+                ctx = ctypes.c_void_p()
+                assert get_current(ctypes.byref(ctx)) == 0
+                print("none" if not ctx.value else "set")
+                assert set_current(None) == 0
+                b.close()
+        """,
+    )
+    assert words == ["none"] * 9, words

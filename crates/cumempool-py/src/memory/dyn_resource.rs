@@ -107,6 +107,14 @@ unsafe impl StreamOrderedResource for Erased {
     fn frees_legacy_after_blocking_captures(&self) -> bool {
         self.0.frees_legacy_after_blocking_captures()
     }
+
+    // The question of every adaptor over a Python stack (a cache's, a limit's), asked with the
+    // GIL held above the bottom's `DriverLink`, which puts the caller's context back only around
+    // its own calls: on the per-thread stream's legacy stand-in the default question would make
+    // the stream's context current and leave it so (another device's, for the Python code).
+    fn is_capturing(&self, stream: &cumempool::Stream) -> cumempool_alloc::Result<bool> {
+        Ok(stream.is_capturing_keeping_context()?)
+    }
 }
 
 /// Refuses an alignment the pools do not guarantee.

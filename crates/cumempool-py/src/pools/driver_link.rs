@@ -50,4 +50,10 @@ unsafe impl<R: StreamOrderedResource + Sync> StreamOrderedResource for DriverLin
     fn frees_legacy_after_blocking_captures(&self) -> bool {
         self.0.frees_legacy_after_blocking_captures()
     }
+
+    // The capture question of `allocate_unless_capturing` and of anything below asking, with the
+    // caller's context current afterwards (the legacy stream's question makes its own current).
+    fn is_capturing(&self, stream: &cumempool::Stream) -> cumempool_alloc::Result<bool> {
+        Ok(stream.is_capturing_keeping_context()?)
+    }
 }
