@@ -338,7 +338,6 @@ def test_a_capture_begun_right_after_the_pools_own_question_is_not_served_as_a_b
     assert words[0] == "refused", words
 
 
-
 def test_an_allocation_on_the_per_thread_stream_through_a_cache_leaves_the_callers_context_current(
     stand_in_libcuda,
 ):
