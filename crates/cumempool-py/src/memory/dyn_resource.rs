@@ -65,6 +65,30 @@ impl<R: StreamOrderedResource> Resource for R {
     }
 }
 
+/// `bytes` from `resource` on `stream` through the raw `allocate`, after the caller's own capture
+/// check; `None` where a capture begun on `stream` after that check, inside the allocation
+/// (another thread's, or Python code a finalizer or an out-of-memory callback ran), made the
+/// memory the graph's (the pool records it): no Buffer and no other library may hold it. Given
+/// back inside the capture or after it, as the core decides. One relaxed load while no graph
+/// memory is outstanding, and only on a stream that may capture. `allocate_unless_capturing`
+/// does the same below a refusing call.
+pub(crate) fn allocate_unless_a_capture_took_it(
+    resource: &dyn Resource,
+    bytes: usize,
+    stream: &cumempool::Stream,
+) -> cumempool_alloc::Result<Option<CUdeviceptr>> {
+    let ptr = resource.allocate(bytes, stream)?;
+    if !(stream.may_be_capturing() && cumempool::is_captured_allocation(ptr)) {
+        return Ok(Some(ptr));
+    }
+    // SAFETY: just allocated by `resource` with `bytes` bytes on `stream`, freed once, never
+    // used.
+    if let Err(error) = unsafe { resource.deallocate(ptr, bytes, stream) } {
+        tracing::warn!(%error, bytes, "giving back memory a capture took failed");
+    }
+    Ok(None)
+}
+
 /// A resource chosen at run time, as a typed resource for the Rust adaptors. It claims device
 /// memory, the narrowest kind (every kind is device-accessible); Python tracks the real kind.
 #[derive(Clone)]

@@ -295,22 +295,12 @@ fn allocate_outside_graphs(
     let beside_a_capture = capturing
         || (stream.as_raw().is_null() && crate::streams::default_streams::legacy_stream_blocked(served.device));
     if !beside_a_capture {
-        let ptr = served.resource.allocate(size, stream)?;
-        // A capture begun on `stream` after the question, inside the allocation (another
-        // thread's, or Python code a finalizer or an out-of-memory callback ran), made the
-        // memory the graph's (the pool records it): PyTorch must not get it. Given back inside
-        // the capture or after it, as the core decides, and allocated beside the capture. One
-        // relaxed load while no graph memory is outstanding, and only on a stream that may
-        // capture.
-        if !(stream.may_be_capturing() && cumempool::is_captured_allocation(ptr)) {
-            return Ok(ptr);
+        // Graph memory of a capture begun after the question is given back, and allocated
+        // beside that capture.
+        match crate::memory::dyn_resource::allocate_unless_a_capture_took_it(&*served.resource, size, stream)? {
+            Some(ptr) => return Ok(ptr),
+            None => capturing = true,
         }
-        // SAFETY: just allocated by `served.resource` with `size` bytes on `stream`, freed
-        // once, never used.
-        if let Err(error) = unsafe { served.resource.deallocate(ptr, size, stream) } {
-            tracing::warn!(%error, size, "giving back memory a capture took failed");
-        }
-        capturing = true;
     }
     // A capture on the stream, or (for work queued on the legacy stream, PyTorch's default
     // stream and the per-thread one included) on a blocking stream of the device, which the

@@ -46,22 +46,9 @@ impl ResourceBase {
     /// `size` bytes on `stream` as a Buffer, on a stream the caller found not capturing (the
     /// plug-ins check it their own way): `alloc` without its capture check.
     pub(crate) fn alloc_outside_captures(&self, py: Python<'_>, size: usize, stream: Py<Stream>) -> Outcome<Buffer> {
+        // The plug-in's check came first: a capture begun after it is caught after the allocation.
         let allocate = |inner: &dyn Resource, stream: &cumempool::Stream| {
-            let ptr = inner.allocate(size, stream)?;
-            // A capture begun after the plug-in's check, inside the allocation (by another
-            // thread or library), made the memory the graph's (the pool records it): no Buffer
-            // may hold it. Given back inside the capture or after it, as the core decides.
-            // `allocate_unless_capturing` does the same below `alloc`. One relaxed load while
-            // no graph memory is outstanding, and only on a stream that may capture.
-            if !(stream.may_be_capturing() && cumempool::is_captured_allocation(ptr)) {
-                return Ok(Some(ptr));
-            }
-            // SAFETY: just allocated by `inner` with `size` bytes on this stream, freed once,
-            // never used.
-            if let Err(error) = unsafe { inner.deallocate(ptr, size, stream) } {
-                tracing::warn!(%error, size, "giving back memory a capture took failed");
-            }
-            Ok(None)
+            crate::memory::dyn_resource::allocate_unless_a_capture_took_it(inner, size, stream)
         };
         match self.alloc_with(py, size, stream, allocate)? {
             Ok(buffer) => Ok(buffer),
